@@ -1,0 +1,3 @@
+from moerun.cli import main
+
+main()

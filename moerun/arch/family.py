@@ -1,0 +1,170 @@
+"""What distinguishes one MoE family from another, and the shared readers of hyperparameters.
+
+Each family file (qwen3moe.py, ...) declares one `Family`; everything else is common. Hyperparameters
+come from GGUF metadata (llama.cpp's keys) or from config.json, never from file names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from moerun.arch.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # moerun's name, e.g. "mixtral"
+    gguf_arch: str  # general.architecture, e.g. "llama"
+    hf_model_types: tuple[str, ...]  # config.json model_type values
+    rope_style: str = "neox"
+    qk_norm: str = "none"
+    qkv_bias: bool = False
+    shared_gate: bool = False
+    norm_topk: bool = True  # default when neither the GGUF nor the config says
+    norm_topk_fixed: bool = False  # the family always renormalises (mixtral), whatever the config says
+    hf_expert_ffn_key: str = "moe_intermediate_size"
+    hf_experts_key: tuple[str, ...] = ("num_experts", "num_local_experts")
+    hf_permute_qk: bool = False  # HF stores Q/K for rotate-half RoPE; GGUF (canonical) for interleaved
+
+
+class ConfigError(ValueError):
+    """A hyperparameter is missing or unsupported (the caller names the file)."""
+
+
+def _need(d: dict, key: str, where: str) -> Any:
+    if key not in d or d[key] is None:
+        raise ConfigError(f"missing {where} key '{key}'")
+    return d[key]
+
+
+def _int(v: Any, key: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"'{key}' must be an integer, got {v!r}")
+    return v
+
+
+def spec_from_gguf(fam: Family, meta: dict[str, Any], moe_layers: tuple[bool, ...], vocab: int) -> ModelSpec:
+    a = fam.gguf_arch
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{a}.{key}", default)
+
+    def need(key: str) -> Any:
+        return _need(meta, f"{a}.{key}", "GGUF")
+
+    hidden = _int(need("embedding_length"), "embedding_length")
+    n_heads = _int(need("attention.head_count"), "attention.head_count")
+    n_kv = get("attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):
+        raise ConfigError("per-layer attention.head_count_kv is not supported")
+    expert_ffn = get("expert_feed_forward_length") or get("feed_forward_length", 0)
+    return ModelSpec(
+        family=fam.name,
+        n_layers=_int(need("block_count"), "block_count"),
+        hidden=hidden,
+        n_heads=n_heads,
+        n_kv_heads=_int(n_kv, "attention.head_count_kv"),
+        head_dim=_int(get("attention.key_length", hidden // n_heads), "attention.key_length"),
+        vocab=vocab,
+        n_experts=_int(get("expert_count", 0), "expert_count"),
+        n_experts_used=_int(get("expert_used_count", 0), "expert_used_count"),
+        expert_ffn=_int(expert_ffn, "expert_feed_forward_length"),
+        moe_layers=moe_layers,
+        dense_ffn=_int(get("feed_forward_length", 0), "feed_forward_length"),
+        shared_ffn=_int(get("expert_shared_feed_forward_length", 0), "expert_shared_feed_forward_length"),
+        shared_gate=fam.shared_gate,
+        norm_topk=fam.norm_topk if fam.norm_topk_fixed else bool(get("expert_weights_norm", fam.norm_topk)),
+        rms_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_style=fam.rope_style,
+        qk_norm=fam.qk_norm,
+        qkv_bias=fam.qkv_bias,
+        clip_qkv=get("attention.clamp_kqv"),
+        tie_embeddings=False,  # set by arch.resolve from the tensors present
+        context_length=_int(get("context_length", 4096), "context_length"),
+    )
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    rp = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    kind = rp.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise ConfigError(f"RoPE scaling '{kind}' is not supported yet")
+    return float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def spec_from_hf(fam: Family, cfg: dict[str, Any]) -> ModelSpec:
+    if cfg.get("use_sliding_window"):
+        raise ConfigError("sliding-window attention is not supported yet")
+    n_layers = _int(_need(cfg, "num_hidden_layers", "config.json"), "num_hidden_layers")
+    hidden = _int(_need(cfg, "hidden_size", "config.json"), "hidden_size")
+    n_heads = _int(_need(cfg, "num_attention_heads", "config.json"), "num_attention_heads")
+    n_experts = next((cfg[k] for k in fam.hf_experts_key if cfg.get(k)), None)
+    if n_experts is None:
+        raise ConfigError(f"missing config.json key '{fam.hf_experts_key[0]}'")
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    dense = set(cfg.get("mlp_only_layers") or [])
+    moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers))
+    norm_topk = fam.norm_topk if fam.norm_topk_fixed else bool(cfg.get("norm_topk_prob", fam.norm_topk))
+    return ModelSpec(
+        family=fam.name,
+        n_layers=n_layers,
+        hidden=hidden,
+        n_heads=n_heads,
+        n_kv_heads=_int(cfg.get("num_key_value_heads") or n_heads, "num_key_value_heads"),
+        head_dim=_int(cfg.get("head_dim") or hidden // n_heads, "head_dim"),
+        vocab=_int(_need(cfg, "vocab_size", "config.json"), "vocab_size"),
+        n_experts=_int(n_experts, "num_experts"),
+        n_experts_used=_int(_need(cfg, "num_experts_per_tok", "config.json"), "num_experts_per_tok"),
+        expert_ffn=_int(_need(cfg, fam.hf_expert_ffn_key, "config.json"), fam.hf_expert_ffn_key),
+        moe_layers=moe_layers,
+        dense_ffn=_int(cfg.get("intermediate_size", 0) if not all(moe_layers) else 0, "intermediate_size"),
+        shared_ffn=_int(cfg.get("shared_expert_intermediate_size", 0) or 0, "shared_expert_intermediate_size"),
+        shared_gate=fam.shared_gate,
+        norm_topk=norm_topk,
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(cfg),
+        rope_style=fam.rope_style,
+        qk_norm=fam.qk_norm,
+        qkv_bias=bool(cfg.get("qkv_bias", cfg.get("attention_bias", fam.qkv_bias))),
+        clip_qkv=cfg.get("clip_qkv"),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        context_length=_int(cfg.get("max_position_embeddings", 4096), "max_position_embeddings"),
+    )
+
+
+def gguf_metadata(fam: Family, spec: ModelSpec) -> dict[str, Any]:
+    """llama.cpp's hyperparameter keys for `spec` (what our writers put in a GGUF file)."""
+    a = fam.gguf_arch
+    kv: dict[str, Any] = {
+        "general.architecture": a,
+        f"{a}.block_count": spec.n_layers,
+        f"{a}.context_length": spec.context_length,
+        f"{a}.embedding_length": spec.hidden,
+        f"{a}.feed_forward_length": spec.dense_ffn or spec.expert_ffn,
+        f"{a}.attention.head_count": spec.n_heads,
+        f"{a}.attention.head_count_kv": spec.n_kv_heads,
+        f"{a}.attention.key_length": spec.head_dim,
+        f"{a}.attention.value_length": spec.head_dim,
+        f"{a}.attention.layer_norm_rms_epsilon": spec.rms_eps,
+        f"{a}.rope.freq_base": spec.rope_theta,
+        f"{a}.rope.dimension_count": spec.head_dim,
+        f"{a}.vocab_size": spec.vocab,
+        f"{a}.expert_count": spec.n_experts,
+        f"{a}.expert_used_count": spec.n_experts_used,
+        f"{a}.expert_feed_forward_length": spec.expert_ffn,
+        f"{a}.expert_weights_norm": spec.norm_topk,
+    }
+    if spec.shared_ffn:
+        kv[f"{a}.expert_shared_feed_forward_length"] = spec.shared_ffn
+    if spec.clip_qkv is not None:
+        kv[f"{a}.attention.clamp_kqv"] = float(spec.clip_qkv)
+    return kv
+
+
+def with_family_defaults(fam: Family, spec: ModelSpec) -> ModelSpec:
+    """`spec` with the family's fixed traits (used by tools that build a spec by hand)."""
+    return replace(spec, family=fam.name, rope_style=fam.rope_style, qk_norm=fam.qk_norm,
+                   shared_gate=fam.shared_gate)

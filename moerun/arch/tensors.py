@@ -1,0 +1,112 @@
+"""Canonical tensors of a model file: where each (kind, layer) comes from, and the shape it must have."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from moerun.arch.spec import ModelSpec
+from moerun.formats.names import CName, parse_gguf, parse_hf
+from moerun.formats.records import ModelFile, TensorRecord
+
+
+@dataclass(frozen=True)
+class Source:
+    """How to build one canonical tensor from stored records.
+
+    records: one record, or one per expert (stacked along a new outer dimension).
+    chunk:   take half `chunk` (0 or 1) of dimension -2 (HF fused gate_up_proj).
+    permute_heads: reorder Q/K rows from rotate-half to interleaved RoPE layout, with this many heads.
+    """
+
+    records: tuple[TensorRecord, ...]
+    chunk: int | None = None
+    permute_heads: int | None = None
+    stacked: bool = False
+
+
+class TensorError(ValueError):
+    pass
+
+
+def canonical_sources(mf: ModelFile) -> dict[CName, Source]:
+    """Map the file's tensors to canonical names (without hyperparameter-dependent transforms)."""
+    out: dict[CName, Source] = {}
+    if mf.format == "gguf":
+        for name, rec in mf.records.items():
+            cn = parse_gguf(name)
+            if cn is not None:
+                out[cn] = Source((rec,))
+        return out
+    per_expert: dict[CName, dict[int, TensorRecord]] = defaultdict(dict)
+    for name, rec in mf.records.items():
+        for m in parse_hf(name):
+            if m.name.expert is not None:
+                per_expert[CName(m.name.kind, m.name.layer)][m.name.expert] = rec
+            else:
+                out[m.name] = Source((rec,), chunk=m.chunk)
+    for cn, by_e in per_expert.items():
+        if cn in out:
+            raise TensorError(f"{cn.gguf} is stored both fused and per expert")
+        if sorted(by_e) != list(range(len(by_e))):
+            missing = sorted(set(range(max(by_e) + 1)) - set(by_e))
+            raise TensorError(f"{cn.gguf}: experts {missing} are missing")
+        out[cn] = Source(tuple(by_e[e] for e in range(len(by_e))), stacked=True)
+    return out
+
+
+def source_shape(src: Source) -> tuple[int, ...]:
+    shape = src.records[0].shape
+    if src.stacked:
+        shape = (len(src.records), *shape)
+    if src.chunk is not None:
+        shape = (*shape[:-2], shape[-2] // 2, shape[-1])
+    return tuple(shape)
+
+
+def expected_shapes(spec: ModelSpec) -> dict[CName, tuple[int, ...]]:
+    """Every tensor the forward pass reads, with its canonical torch shape."""
+    H, E, I = spec.hidden, spec.n_experts, spec.expert_ffn
+    want = {CName("token_embd.weight"): (spec.vocab, H), CName("output_norm.weight"): (H,)}
+    if not spec.tie_embeddings:
+        want[CName("output.weight")] = (spec.vocab, H)
+    for i in range(spec.n_layers):
+        layer = {
+            "attn_norm.weight": (H,), "ffn_norm.weight": (H,),
+            "attn_q.weight": (spec.q_dim, H), "attn_k.weight": (spec.kv_dim, H),
+            "attn_v.weight": (spec.kv_dim, H), "attn_output.weight": (H, spec.q_dim),
+        }
+        if spec.qkv_bias:
+            layer |= {"attn_q.bias": (spec.q_dim,), "attn_k.bias": (spec.kv_dim,), "attn_v.bias": (spec.kv_dim,)}
+        if spec.qk_norm == "head":
+            layer |= {"attn_q_norm.weight": (spec.head_dim,), "attn_k_norm.weight": (spec.head_dim,)}
+        elif spec.qk_norm == "full":
+            layer |= {"attn_q_norm.weight": (spec.q_dim,), "attn_k_norm.weight": (spec.kv_dim,)}
+        if spec.moe_layers[i]:
+            layer |= {"ffn_gate_inp.weight": (E, H), "ffn_gate_exps.weight": (E, I, H),
+                      "ffn_up_exps.weight": (E, I, H), "ffn_down_exps.weight": (E, H, I)}
+            if spec.shared_ffn:
+                S = spec.shared_ffn
+                layer |= {"ffn_gate_shexp.weight": (S, H), "ffn_up_shexp.weight": (S, H),
+                          "ffn_down_shexp.weight": (H, S)}
+                if spec.shared_gate:
+                    layer["ffn_gate_inp_shexp.weight"] = (1, H)
+        else:
+            F = spec.dense_ffn
+            layer |= {"ffn_gate.weight": (F, H), "ffn_up.weight": (F, H), "ffn_down.weight": (H, F)}
+        want |= {CName(k, i): s for k, s in layer.items()}
+    return want
+
+
+def _same(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    # GGUF stores 1-row matrices such as the shared-expert gate [1, H] as 1-D [H].
+    return a == b or (len(b) == 2 and b[0] == 1 and a == b[1:])
+
+
+def check_sources(spec: ModelSpec, sources: dict[CName, Source]) -> None:
+    for cn, shape in expected_shapes(spec).items():
+        if cn not in sources:
+            raise TensorError(f"missing tensor '{cn.gguf}'")
+        got = source_shape(sources[cn])
+        if not _same(got, shape):
+            raise TensorError(f"tensor '{cn.gguf}' has shape {list(got)}, expected {list(shape)}")

@@ -1,0 +1,87 @@
+"""The `moerun` command line (click)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from moerun.errors import MoerunError
+
+
+class _Group(click.Group):
+    """Turns moerun's own errors into one line on stderr and exit status 1, never a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except MoerunError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="moerun")
+def main():
+    """moerun: run Mixture-of-Experts models larger than your GPU."""
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _fmt_count(n: float) -> str:
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(int(n))
+
+
+@main.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def inspect(model: Path, as_json: bool):
+    """Describe MODEL (GGUF file or Hugging Face folder) without loading its weights."""
+    from moerun.arch import resolve
+    from moerun.arch.summary import summarize
+    from moerun.formats import open_model
+
+    with open_model(model) as mf:
+        arch = resolve(mf)
+        s = summarize(arch)
+        qtypes = sorted({src.records[0].qtype.name for src in arch.sources.values()})
+    spec = arch.spec
+    info = {
+        "path": str(model), "format": mf.format, "family": spec.family, "layers": spec.n_layers,
+        "moe_layers": sum(spec.moe_layers), "experts": spec.n_experts, "experts_used": spec.n_experts_used,
+        "shared_experts": 1 if spec.shared_ffn else 0, "hidden": spec.hidden, "expert_ffn": spec.expert_ffn,
+        "shared_ffn": spec.shared_ffn, "dense_ffn": spec.dense_ffn, "heads": spec.n_heads,
+        "kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim, "vocab": spec.vocab,
+        "context_length": spec.context_length, "qtypes": qtypes, **s.to_dict(),
+    }
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    click.echo(f"model            {model} ({mf.format})")
+    click.echo(f"family           {spec.family}")
+    click.echo(f"layers           {spec.n_layers} ({sum(spec.moe_layers)} MoE)")
+    click.echo(f"experts          {spec.n_experts} routed, {spec.n_experts_used} active per token, "
+               f"{info['shared_experts']} shared")
+    click.echo(f"hidden           {spec.hidden}  (expert FFN {spec.expert_ffn}, shared FFN {spec.shared_ffn})")
+    click.echo(f"attention        {spec.n_heads} heads / {spec.n_kv_heads} KV heads x {spec.head_dim}, "
+               f"RoPE {spec.rope_style} theta {spec.rope_theta:g}")
+    click.echo(f"vocab            {spec.vocab}, context {spec.context_length}")
+    click.echo(f"parameters       {_fmt_count(s.total_params)} total ({s.total_params}), "
+               f"{_fmt_count(s.active_params)} active per token ({s.active_params})")
+    click.echo(f"size             {_fmt_bytes(s.total_bytes)}; weights read per token "
+               f"{_fmt_bytes(s.bytes_per_token)}")
+    click.echo("bytes by tensor class:")
+    for cls, by_q in sorted(s.by_class.items()):
+        parts = ", ".join(f"{q} {_fmt_bytes(b)}" for q, b in sorted(by_q.items()))
+        click.echo(f"  {cls:<16} {_fmt_bytes(sum(by_q.values())):>12}   ({parts})")

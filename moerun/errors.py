@@ -1,0 +1,18 @@
+"""Errors that reach the user as one clear line (the CLI prints them without a traceback)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class MoerunError(Exception):
+    """Base class for errors moerun reports to the user as a single line."""
+
+
+class ModelFormatError(MoerunError):
+    """A model file is unreadable: truncated, corrupt, or of a kind moerun does not support."""
+
+    def __init__(self, path: str | Path | None, problem: str):
+        self.path = None if path is None else str(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}" if self.path else problem)

@@ -1,0 +1,124 @@
+"""The one table of tensor names: GGUF and Hugging Face names <-> canonical (kind, layer, expert).
+
+Canonical kinds are llama.cpp's GGUF names without the `blk.N.` prefix. Routed experts are canonical
+as stacked 3-D tensors (`ffn_gate_exps` [E, I, H], `ffn_up_exps` [E, I, H], `ffn_down_exps` [E, H, I]);
+Hugging Face stores them per expert (`{E}` in the pattern) or fused (`gate_up_proj`, split in two).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+L = "model.layers.{L}."
+
+# kind                       GGUF name                         Hugging Face names (any family)
+TABLE: list[tuple[str, str, tuple[str, ...]]] = [
+    ("token_embd.weight",         "token_embd.weight",            ("model.embed_tokens.weight",)),
+    ("output_norm.weight",        "output_norm.weight",           ("model.norm.weight",)),
+    ("output.weight",             "output.weight",                ("lm_head.weight",)),
+    ("attn_norm.weight",          "blk.{L}.attn_norm.weight",     (L + "input_layernorm.weight",)),
+    ("attn_q.weight",             "blk.{L}.attn_q.weight",        (L + "self_attn.q_proj.weight",)),
+    ("attn_k.weight",             "blk.{L}.attn_k.weight",        (L + "self_attn.k_proj.weight",)),
+    ("attn_v.weight",             "blk.{L}.attn_v.weight",        (L + "self_attn.v_proj.weight",)),
+    ("attn_output.weight",        "blk.{L}.attn_output.weight",   (L + "self_attn.o_proj.weight",)),
+    ("attn_q.bias",               "blk.{L}.attn_q.bias",          (L + "self_attn.q_proj.bias",)),
+    ("attn_k.bias",               "blk.{L}.attn_k.bias",          (L + "self_attn.k_proj.bias",)),
+    ("attn_v.bias",               "blk.{L}.attn_v.bias",          (L + "self_attn.v_proj.bias",)),
+    ("attn_q_norm.weight",        "blk.{L}.attn_q_norm.weight",   (L + "self_attn.q_norm.weight",)),
+    ("attn_k_norm.weight",        "blk.{L}.attn_k_norm.weight",   (L + "self_attn.k_norm.weight",)),
+    ("ffn_norm.weight",           "blk.{L}.ffn_norm.weight",      (L + "post_attention_layernorm.weight",)),
+    ("ffn_gate_inp.weight",       "blk.{L}.ffn_gate_inp.weight",  (L + "mlp.gate.weight", L + "block_sparse_moe.gate.weight")),
+    ("ffn_gate_exps.weight",      "blk.{L}.ffn_gate_exps.weight", (L + "mlp.experts.{E}.gate_proj.weight",
+                                                                   L + "block_sparse_moe.experts.{E}.w1.weight",
+                                                                   L + "mlp.experts.gate_up_proj#0")),
+    ("ffn_up_exps.weight",        "blk.{L}.ffn_up_exps.weight",   (L + "mlp.experts.{E}.up_proj.weight",
+                                                                   L + "block_sparse_moe.experts.{E}.w3.weight",
+                                                                   L + "mlp.experts.gate_up_proj#1")),
+    ("ffn_down_exps.weight",      "blk.{L}.ffn_down_exps.weight", (L + "mlp.experts.{E}.down_proj.weight",
+                                                                   L + "block_sparse_moe.experts.{E}.w2.weight",
+                                                                   L + "mlp.experts.down_proj")),
+    ("ffn_gate_shexp.weight",     "blk.{L}.ffn_gate_shexp.weight", (L + "mlp.shared_expert.gate_proj.weight",)),
+    ("ffn_up_shexp.weight",       "blk.{L}.ffn_up_shexp.weight",   (L + "mlp.shared_expert.up_proj.weight",)),
+    ("ffn_down_shexp.weight",     "blk.{L}.ffn_down_shexp.weight", (L + "mlp.shared_expert.down_proj.weight",)),
+    ("ffn_gate_inp_shexp.weight", "blk.{L}.ffn_gate_inp_shexp.weight", (L + "mlp.shared_expert_gate.weight",)),
+    # dense FFN (layers without experts)
+    ("ffn_gate.weight",           "blk.{L}.ffn_gate.weight",      (L + "mlp.gate_proj.weight",)),
+    ("ffn_up.weight",             "blk.{L}.ffn_up.weight",        (L + "mlp.up_proj.weight",)),
+    ("ffn_down.weight",           "blk.{L}.ffn_down.weight",      (L + "mlp.down_proj.weight",)),
+]
+
+# Tensor classes, for reporting bytes (inspect, estimate).
+CLASSES = {
+    "token_embd.weight": "embeddings", "output.weight": "head", "output_norm.weight": "norms",
+    "attn_norm.weight": "norms", "ffn_norm.weight": "norms", "attn_q_norm.weight": "norms",
+    "attn_k_norm.weight": "norms", "ffn_gate_inp.weight": "router", "ffn_gate_inp_shexp.weight": "shared_experts",
+    "ffn_gate_exps.weight": "routed_experts", "ffn_up_exps.weight": "routed_experts",
+    "ffn_down_exps.weight": "routed_experts", "ffn_gate_shexp.weight": "shared_experts",
+    "ffn_up_shexp.weight": "shared_experts", "ffn_down_shexp.weight": "shared_experts",
+    "ffn_gate.weight": "dense_ffn", "ffn_up.weight": "dense_ffn", "ffn_down.weight": "dense_ffn",
+}  # everything else (attn_*) is "attention"
+
+
+def tensor_class(kind: str) -> str:
+    return CLASSES.get(kind, "attention")
+
+
+@dataclass(frozen=True, order=True)
+class CName:
+    """Canonical tensor name. `expert` is set only for one expert's slice of an HF per-expert tensor."""
+
+    kind: str
+    layer: int | None = None
+    expert: int | None = None
+
+    @property
+    def gguf(self) -> str:
+        return gguf_name(self.kind, self.layer)
+
+
+@dataclass(frozen=True)
+class HFMatch:
+    """An HF tensor name resolved: canonical name, and for fused gate_up which half (0 gate, 1 up)."""
+
+    name: CName
+    chunk: int | None = None
+
+
+def gguf_name(kind: str, layer: int | None = None) -> str:
+    for k, g, _ in TABLE:
+        if k == kind:
+            return g.format(L=layer) if "{L}" in g else g
+    raise KeyError(kind)
+
+
+def _regex(pattern: str) -> re.Pattern:
+    chunk = None
+    if "#" in pattern:
+        pattern, chunk = pattern.split("#")
+    rx = re.escape(pattern).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
+    return re.compile(rx + "$"), None if chunk is None else int(chunk)
+
+
+_GGUF = [(kind, re.compile(re.escape(g).replace(r"\{L\}", r"(?P<L>\d+)") + "$")) for kind, g, _ in TABLE]
+_HF = [(kind, *_regex(p)) for kind, _, pats in TABLE for p in pats]
+
+
+def parse_gguf(name: str) -> CName | None:
+    for kind, rx in _GGUF:
+        m = rx.match(name)
+        if m:
+            return CName(kind, int(m["L"]) if "L" in rx.groupindex else None)
+    return None
+
+
+def parse_hf(name: str) -> list[HFMatch]:
+    """All canonical tensors an HF name feeds (two for a fused gate_up tensor); [] when unknown."""
+    out = []
+    for kind, rx, chunk in _HF:
+        m = rx.match(name)
+        if m:
+            layer = int(m["L"]) if "L" in rx.groupindex else None
+            expert = int(m["E"]) if "E" in rx.groupindex else None
+            out.append(HFMatch(CName(kind, layer, expert), chunk))
+    return out

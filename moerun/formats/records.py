@@ -1,0 +1,65 @@
+"""What every reader produces: tensor records (where the bytes are) plus metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moerun.quant.qtypes import QTensor, QType
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One stored tensor: its file name, type, torch shape and byte range (absolute offset in `file`)."""
+
+    name: str
+    qtype: QType
+    shape: tuple[int, ...]
+    file: Path
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class ModelFile:
+    """An opened checkpoint: records by stored name, metadata, and zero-copy access to the bytes.
+
+    `format` is "gguf" or "safetensors". `metadata` holds the GGUF key/values (str -> python value),
+    or for a Hugging Face folder the parsed config.json under "config" (plus "tokenizer_dir").
+    `_maps` holds one read-only memory map per file; `raw()` returns views into it, never copies.
+    """
+
+    path: Path
+    format: str
+    metadata: dict[str, Any]
+    records: dict[str, TensorRecord]
+    _maps: dict[Path, Any] = field(default_factory=dict, repr=False)
+
+    def raw(self, rec: TensorRecord | str) -> torch.Tensor:
+        """The record's bytes as a uint8 tensor viewing the memory map."""
+        if isinstance(rec, str):
+            rec = self.records[rec]
+        buf = self._maps[rec.file]
+        return torch.frombuffer(buf, dtype=torch.uint8, count=rec.nbytes, offset=rec.offset) if rec.nbytes else \
+            torch.empty(0, dtype=torch.uint8)
+
+    def qtensor(self, rec: TensorRecord | str) -> QTensor:
+        if isinstance(rec, str):
+            rec = self.records[rec]
+        return QTensor.from_bytes(self.raw(rec), rec.qtype, rec.shape)
+
+    def close(self) -> None:
+        for m in self._maps.values():
+            close = getattr(m, "close", None)
+            if close is not None:
+                close()
+        self._maps.clear()
+
+    def __enter__(self) -> ModelFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,116 @@
+"""The forward pass of every supported family, on one screen. Families differ only through ModelSpec."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moerun.arch.spec import ModelSpec
+from moerun.formats.names import CName
+from moerun.model.layers import Weight, apply_rope, attend, linear, rms_norm, rope_tables, swiglu
+from moerun.model.moe import Experts, ResidentExperts, route
+from moerun.quant.qtypes import FLOAT_QTYPES, QTensor
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    wq: Weight
+    wk: Weight
+    wv: Weight
+    wo: Weight
+    ffn_norm: torch.Tensor
+    bq: torch.Tensor | None = None
+    bk: torch.Tensor | None = None
+    bv: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    router: Weight | None = None  # MoE layers
+    shexp: tuple[Weight, Weight, Weight] | None = None  # shared expert gate, up, down
+    shexp_gate: Weight | None = None
+    ffn: tuple[Weight, Weight, Weight] | None = None  # dense layers
+
+
+class MoEModel:
+    def __init__(self, spec: ModelSpec, weights: dict[CName, QTensor], dtype: torch.dtype = torch.float32,
+                 experts: Experts | None = None):
+        self.spec, self.dtype = spec, dtype
+
+        def mat(kind: str, layer: int | None = None) -> Weight | None:
+            t = weights.get(CName(kind, layer))
+            if t is None or t.qtype not in FLOAT_QTYPES:
+                return t  # quantized stays quantized
+            return t.dequantize(dtype)  # zero-copy when the stored type is the compute type
+
+        def vec(kind: str, layer: int | None = None) -> torch.Tensor | None:
+            t = weights.get(CName(kind, layer))
+            return None if t is None else t.dequantize(torch.float32).to(dtype)
+
+        self.embd = weights[CName("token_embd.weight")]
+        self.out_norm = vec("output_norm.weight")
+        self.head = mat("output.weight") if not spec.tie_embeddings else mat("token_embd.weight")
+        self.layers = []
+        for i in range(spec.n_layers):
+            lw = LayerWeights(
+                attn_norm=vec("attn_norm.weight", i), ffn_norm=vec("ffn_norm.weight", i),
+                wq=mat("attn_q.weight", i), wk=mat("attn_k.weight", i), wv=mat("attn_v.weight", i),
+                wo=mat("attn_output.weight", i), bq=vec("attn_q.bias", i), bk=vec("attn_k.bias", i),
+                bv=vec("attn_v.bias", i), q_norm=vec("attn_q_norm.weight", i), k_norm=vec("attn_k_norm.weight", i),
+            )
+            if spec.moe_layers[i]:
+                lw.router = mat("ffn_gate_inp.weight", i)
+                if spec.shared_ffn:
+                    lw.shexp = (mat("ffn_gate_shexp.weight", i), mat("ffn_up_shexp.weight", i),
+                                mat("ffn_down_shexp.weight", i))
+                    gate = vec("ffn_gate_inp_shexp.weight", i)
+                    lw.shexp_gate = None if gate is None else gate.reshape(1, spec.hidden)
+            else:
+                lw.ffn = (mat("ffn_gate.weight", i), mat("ffn_up.weight", i), mat("ffn_down.weight", i))
+            self.layers.append(lw)
+        if experts is None:
+            stacks = {k: {i: weights[CName(f"ffn_{k}_exps.weight", i)] for i in range(spec.n_layers)
+                          if spec.moe_layers[i]} for k in ("gate", "up", "down")}
+            experts = ResidentExperts(stacks["gate"], stacks["up"], stacks["down"])
+        self.experts = experts
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = QTensor(self.embd.data[tokens], self.embd.qtype, (len(tokens), self.spec.hidden))
+        return rows.dequantize(self.dtype)  # [T, H]
+
+    def attention(self, i: int, x: torch.Tensor, pos: torch.Tensor, rope) -> torch.Tensor:
+        s, lw, T = self.spec, self.layers[i], x.shape[0]
+        q, k, v = linear(x, lw.wq, lw.bq), linear(x, lw.wk, lw.bk), linear(x, lw.wv, lw.bv)  # [T, q_dim|kv_dim]
+        if s.clip_qkv is not None:
+            q, k, v = (t.clamp(-s.clip_qkv, s.clip_qkv) for t in (q, k, v))
+        if s.qk_norm == "full":
+            q, k = rms_norm(q, lw.q_norm, s.rms_eps), rms_norm(k, lw.k_norm, s.rms_eps)
+        q, k, v = q.view(T, s.n_heads, s.head_dim), k.view(T, s.n_kv_heads, s.head_dim), v.view(T, -1, s.head_dim)
+        if s.qk_norm == "head":
+            q, k = rms_norm(q, lw.q_norm, s.rms_eps), rms_norm(k, lw.k_norm, s.rms_eps)
+        q, k = apply_rope(q, *rope, s.rope_style), apply_rope(k, *rope, s.rope_style)
+        return linear(attend(q, k, v, pos, pos), lw.wo)  # [T, H]
+
+    def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        s, lw = self.spec, self.layers[i]
+        if lw.ffn is not None:
+            return swiglu(x, *lw.ffn)
+        w, ids = route(x, lw.router, s.n_experts_used, s.norm_topk)  # [T, k]
+        out = self.experts(i, x, ids, w)
+        if lw.shexp is not None:
+            sh = swiglu(x, *lw.shexp)
+            if lw.shexp_gate is not None:
+                sh = torch.sigmoid(linear(x, lw.shexp_gate)) * sh
+            out = out + sh
+        return out
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [T] -> logits [T, V] (float32)."""
+        pos = torch.arange(len(tokens)) if positions is None else positions
+        rope = rope_tables(pos, self.spec.head_dim, self.spec.rope_theta)
+        x = self.embed(tokens)
+        for i, lw in enumerate(self.layers):
+            x = x + self.attention(i, rms_norm(x, lw.attn_norm, self.spec.rms_eps), pos, rope)
+            x = x + self.ffn(i, rms_norm(x, lw.ffn_norm, self.spec.rms_eps))
+        return linear(rms_norm(x, self.out_norm, self.spec.rms_eps), self.head).float()

@@ -1,0 +1,97 @@
+"""Quantization types: block geometry and byte sizes, and QTensor (raw blocks + qtype + logical shape)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QType
+
+__all__ = ["QType", "QTensor", "block_size", "row_bytes", "tensor_bytes", "bits_per_weight", "FLOAT_QTYPES"]
+
+FLOAT_QTYPES = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
+
+# Types moerun can dequantize (and so load). Others are rejected with a clear error at open time.
+SUPPORTED = frozenset(
+    {QType.F32, QType.F16, QType.BF16, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0,
+     QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.MXFP4}
+)
+
+
+def block_size(qtype: QType) -> tuple[int, int]:
+    """(elements per block, bytes per block)."""
+    return GGML_QUANT_SIZES[qtype]
+
+
+def bits_per_weight(qtype: QType) -> float:
+    n, b = GGML_QUANT_SIZES[qtype]
+    return 8.0 * b / n
+
+
+def row_bytes(qtype: QType, n: int) -> int:
+    """Bytes of one row of n elements; raises ValueError when n is not a whole number of blocks."""
+    elems, nbytes = GGML_QUANT_SIZES[qtype]
+    if n % elems:
+        raise ValueError(f"row of {n} elements is not a multiple of {qtype.name}'s block of {elems}")
+    return n // elems * nbytes
+
+
+def tensor_bytes(qtype: QType, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of torch shape `shape` (last dimension contiguous)."""
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    return rows * row_bytes(qtype, shape[-1]) if shape else GGML_QUANT_SIZES[qtype][1]
+
+
+@dataclass(frozen=True)
+class QTensor:
+    """A tensor held as stored: raw bytes `data` (uint8, [*shape[:-1], row_bytes]) of type `qtype`.
+
+    `shape` is the logical torch shape (last dimension contiguous). Float types are QTensors too,
+    so every weight has one representation; `dequantize()` is the torch reference.
+    """
+
+    data: torch.Tensor
+    qtype: QType
+    shape: tuple[int, ...]
+
+    def __post_init__(self):
+        if self.data.dtype != torch.uint8:
+            raise TypeError("QTensor.data must be uint8")
+        want = (*self.shape[:-1], row_bytes(self.qtype, self.shape[-1]))
+        if tuple(self.data.shape) != want:
+            raise ValueError(f"QTensor data shape {tuple(self.data.shape)} != {want} for {self.qtype.name}{self.shape}")
+
+    @classmethod
+    def from_bytes(cls, raw: torch.Tensor, qtype: QType, shape: tuple[int, ...]) -> QTensor:
+        shape = tuple(int(s) for s in shape)
+        return cls(raw.reshape(*shape[:-1], row_bytes(qtype, shape[-1])), qtype, shape)
+
+    @classmethod
+    def from_float(cls, t: torch.Tensor) -> QTensor:
+        """Wrap a float32/float16/bfloat16 tensor without copying it (when contiguous)."""
+        qtype = {v: k for k, v in FLOAT_QTYPES.items()}[t.dtype]
+        t = t.contiguous()
+        return cls(t.view(torch.uint8).reshape(*t.shape[:-1], -1), qtype, tuple(t.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def __getitem__(self, i: int) -> QTensor:
+        """Slice along the outermost dimension (expert e of a stacked [E, rows, cols] tensor): a view."""
+        return QTensor(self.data[i], self.qtype, self.shape[1:])
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        from moerun.quant.dequant import dequantize
+
+        return dequantize(self.data, self.qtype, self.shape).to(dtype)

@@ -1,0 +1,46 @@
+"""Bytes -> tensors: materialise each canonical tensor as a QTensor (zero-copy where the file allows)."""
+
+from __future__ import annotations
+
+import torch
+
+from moerun.arch import Arch, Source
+from moerun.formats.names import CName
+from moerun.formats.records import ModelFile
+from moerun.quant.qtypes import QTensor, row_bytes
+
+
+def _permute_rows(raw: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of a Q/K projection from rotate-half to interleaved order (llama.cpp's convert permutation).
+
+    Works on raw rows, so any qtype: each output row is a whole number of blocks.  # raw: [rows, row_bytes]
+    """
+    rows, rb = raw.shape
+    return raw.reshape(n_heads, 2, rows // n_heads // 2, rb).transpose(1, 2).reshape(rows, rb)
+
+
+def materialize(mf: ModelFile, src: Source) -> QTensor:
+    rec0 = src.records[0]
+    qtype = rec0.qtype
+    for r in src.records[1:]:
+        if r.qtype != qtype or r.shape != rec0.shape:
+            raise ValueError(f"experts of '{rec0.name}' differ in type or shape")
+    shape = rec0.shape
+    raws = [mf.raw(r).reshape(*shape[:-1], row_bytes(qtype, shape[-1])) for r in src.records]
+    if src.stacked:
+        raw = torch.stack(raws)  # [E, rows, row_bytes]: one contiguous buffer per expert
+        shape = (len(raws), *shape)
+    else:
+        raw = raws[0]
+    if src.chunk is not None:
+        half = shape[-2] // 2
+        raw = raw[..., src.chunk * half:(src.chunk + 1) * half, :].contiguous()
+        shape = (*shape[:-2], half, shape[-1])
+    if src.permute_heads:
+        raw = _permute_rows(raw, src.permute_heads)
+    return QTensor(raw, qtype, tuple(shape))
+
+
+def load_weights(mf: ModelFile, arch: Arch) -> dict[CName, QTensor]:
+    """Every canonical tensor of the model as stored (quantized stays quantized)."""
+    return {cn: materialize(mf, src) for cn, src in arch.sources.items()}

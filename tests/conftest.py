@@ -1,0 +1,39 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from hf_models import build, save  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def hf_model(tmp_path_factory):
+    """hf_model(family, fused=False) -> (transformers model, its save_pretrained folder). Built once."""
+    cache = {}
+
+    def get(family: str, fused: bool = False):
+        if family not in cache:
+            cache[family] = build(family)
+        key = (family, fused)
+        if key not in cache:
+            root = tmp_path_factory.mktemp(f"hf-{family}-{'fused' if fused else 'per-expert'}")
+            cache[key] = save(cache[family], root)
+        return cache[family], cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tokens32():
+    return torch.randint(0, 256, (32,), generator=torch.Generator().manual_seed(1234))
