@@ -28,8 +28,9 @@ class ModelFile:
     """An opened checkpoint: records by stored name, metadata, and zero-copy access to the bytes.
 
     `format` is "gguf" or "safetensors". `metadata` holds the GGUF key/values (str -> python value),
-    or for a Hugging Face folder the parsed config.json under "config" (plus "tokenizer_dir").
-    `_maps` holds one read-only memory map per file; `raw()` returns views into it, never copies.
+    or for a Hugging Face folder the parsed config.json under "config" and the folder under "dir".
+    `_maps` holds one copy-on-write memory map per file (writing to a view never changes the file);
+    `raw()` returns views into it, never copies.
     """
 
     path: Path
@@ -53,12 +54,13 @@ class ModelFile:
 
     def close(self) -> None:
         for m in self._maps.values():
-            close = getattr(m, "close", None)
-            if close is not None:
-                close()
+            try:
+                m.close()
+            except BufferError:
+                pass  # tensors still view the map; it is unmapped when the last of them goes
         self._maps.clear()
 
-    def __enter__(self) -> ModelFile:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
