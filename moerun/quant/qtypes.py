@@ -8,7 +8,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
-__all__ = ["QType", "QTensor", "block_size", "row_bytes", "tensor_bytes", "bits_per_weight", "FLOAT_QTYPES"]
+__all__ = ["FLOAT_QTYPES", "QTensor", "QType", "bits_per_weight", "block_size", "row_bytes", "tensor_bytes"]
 
 FLOAT_QTYPES = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
 

@@ -1,0 +1,109 @@
+"""Frozen configuration objects, each validated in one place (`__post_init__` raises ValueError).
+
+SamplingParams carries llama.cpp's defaults and meanings, so a llama.cpp command line or an OpenAI
+request maps onto it field by field. (RuntimeConfig: devices, budgets, cache, will live here too.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+_MAX_SEED = 2**64  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens. Defaults are llama.cpp's.
+
+    temperature        <= 0 means greedy (argmax after the penalties); otherwise logits are divided by it
+                       after truncation (llama.cpp's order: penalties, top-k, top-p, min-p, temperature).
+    top_k              keep the k most likely tokens; <= 0 disables.
+    top_p              keep the smallest most-likely set whose probability sums to >= top_p; 1 disables.
+    min_p              drop tokens whose probability is below min_p * p(most likely); 0 disables.
+    repeat_penalty     for tokens seen in the last `repeat_last_n` tokens: positive logits are divided by
+                       it, others multiplied; 1 disables.
+    repeat_last_n      penalty window over prompt + generated tokens; 0 disables, -1 means all of them.
+    presence_penalty   OpenAI's: logit -= presence_penalty if the token occurs in the window.
+    frequency_penalty  OpenAI's: logit -= frequency_penalty * (times the token occurs in the window).
+    seed               same seed, same tokens; None draws a random seed (the Sampler reports it).
+    max_tokens         most tokens to generate.
+    stop               strings that end generation; the stop string itself is not returned.
+    ignore_eos         keep generating past end-of-sequence tokens.
+    """
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value):
+                problems.append(f"{name} must be a finite number, got {value!r}")
+            else:
+                object.__setattr__(self, name, float(value))
+        for name in ("top_k", "repeat_last_n", "max_tokens"):
+            if not _is_int(getattr(self, name)):
+                problems.append(f"{name} must be an integer, got {getattr(self, name)!r}")
+        if problems:  # the range checks below assume the types are right
+            raise ValueError("invalid sampling parameters: " + "; ".join(problems))
+
+        if not 0.0 <= self.top_p <= 1.0:
+            problems.append(f"top_p must be in [0, 1] (1 disables), got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            problems.append(f"min_p must be in [0, 1] (0 disables), got {self.min_p}")
+        if self.repeat_penalty <= 0.0:
+            problems.append(f"repeat_penalty must be > 0 (1 disables), got {self.repeat_penalty}")
+        if self.repeat_last_n < -1:
+            problems.append(f"repeat_last_n must be >= -1 (0 disables, -1 = whole history), "
+                            f"got {self.repeat_last_n}")
+        if self.max_tokens < 1:
+            problems.append(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < _MAX_SEED):
+            problems.append(f"seed must be None (random) or an integer in [0, 2**64), got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            problems.append(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+        stop = self.stop
+        if isinstance(stop, str):  # OpenAI accepts a single string
+            stop = (stop,)
+        if isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop):
+            object.__setattr__(self, "stop", tuple(stop))
+        else:
+            problems.append(f"stop must be a string or a sequence of non-empty strings, got {self.stop!r}")
+        if problems:
+            raise ValueError("invalid sampling parameters: " + "; ".join(problems))
+
+    @classmethod
+    def greedy(cls, **overrides) -> SamplingParams:
+        """Deterministic argmax decoding (after the penalties); other fields as given."""
+        return cls(**{"temperature": 0.0, **overrides})
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def replace(self, **changes) -> SamplingParams:
+        """A copy with some fields changed, validated again."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,1 @@
+"""Engine: scheduling, KV cache, sampling."""
