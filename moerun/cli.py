@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from moerun.cli_generate import chat, run
 from moerun.errors import MoerunError
 
 
@@ -26,6 +27,10 @@ class _Group(click.Group):
 @click.version_option(package_name="moerun")
 def main():
     """moerun: run Mixture-of-Experts models larger than your GPU."""
+
+
+main.add_command(run)
+main.add_command(chat)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -85,3 +90,24 @@ def inspect(model: Path, as_json: bool):
     for cls, by_q in sorted(s.by_class.items()):
         parts = ", ".join(f"{q} {_fmt_bytes(b)}" for q, b in sorted(by_q.items()))
         click.echo(f"  {cls:<16} {_fmt_bytes(sum(by_q.values())):>12}   ({parts})")
+
+
+_PASSTHROUGH = {"ignore_unknown_options": True, "help_option_names": []}
+
+
+@main.command("make-model", context_settings=_PASSTHROUGH, add_help_option=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def make_model(args):
+    """Write a synthetic model with random weights (GGUF or safetensors). See `moerun make-model --help`."""
+    from moerun.tools.make_model import main as tool_main
+
+    sys.exit(tool_main(list(args), prog="moerun make-model"))
+
+
+@main.command("convert", context_settings=_PASSTHROUGH, add_help_option=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def convert(args):
+    """Convert a Hugging Face MoE checkpoint to GGUF. See `moerun convert --help`."""
+    from moerun.tools.convert import main as tool_main
+
+    sys.exit(tool_main(list(args), prog="moerun convert"))

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("qwen3moe", "qwen2moe", "mixtral", "olmoe")
-COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               num_experts_per_tok=2, rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
@@ -44,8 +44,11 @@ def build(family: str, seed: int = 0):
 
 
 def save(model, path: Path, fused: bool = False) -> Path:
-    """save_pretrained per expert (the default) or with fused 3-D expert tensors."""
+    """save_pretrained per expert (the default) or with fused 3-D expert tensors, plus a byte-level tokenizer."""
+    from moerun.tools.tokenizer import build_tokenizer, write_hf_tokenizer
+
     model.save_pretrained(path, save_original_format=not fused)
+    write_hf_tokenizer(build_tokenizer(model.config.vocab_size), path)
     return path
 
 

@@ -43,7 +43,7 @@ def test_inspect_counts_match_transformers(hf_model, family):
     assert info["experts"] == 8 and info["experts_used"] == 2
     assert info["shared_experts"] == (1 if family == "qwen2moe" else 0)
     # bytes read per token: all F32 tensors but the embedding table (one row) and 6 of 8 experts
-    emb = 256 * 64 * 4
+    emb = model.config.vocab_size * 64 * 4
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n and "shared" not in n) * 4
     assert info["bytes_per_token"] == total * 4 - emb + 64 * 4 - experts + experts * 2 // 8
 

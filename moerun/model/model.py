@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,6 +12,9 @@ from moerun.formats.names import CName
 from moerun.model.layers import Weight, apply_rope, attend, linear, rms_norm, rope_tables, swiglu
 from moerun.model.moe import Experts, ResidentExperts, route
 from moerun.quant.qtypes import FLOAT_QTYPES, QTensor
+
+if TYPE_CHECKING:  # the engine owns the cache; the model only writes and reads through it
+    from moerun.engine.kv_cache import SeqKV
 
 
 @dataclass
@@ -78,7 +82,7 @@ class MoEModel:
         rows = QTensor(self.embd.data[tokens], self.embd.qtype, (len(tokens), self.spec.hidden))
         return rows.dequantize(self.dtype)  # [T, H]
 
-    def attention(self, i: int, x: torch.Tensor, pos: torch.Tensor, rope) -> torch.Tensor:
+    def attention(self, i: int, x: torch.Tensor, pos: torch.Tensor, rope, kv: SeqKV | None) -> torch.Tensor:
         s, lw, T = self.spec, self.layers[i], x.shape[0]
         q, k, v = linear(x, lw.wq, lw.bq), linear(x, lw.wk, lw.bk), linear(x, lw.wv, lw.bv)  # [T, q_dim|kv_dim]
         if s.clip_qkv is not None:
@@ -89,7 +93,13 @@ class MoEModel:
         if s.qk_norm == "head":
             q, k = rms_norm(q, lw.q_norm, s.rms_eps), rms_norm(k, lw.k_norm, s.rms_eps)
         q, k = apply_rope(q, *rope, s.rope_style), apply_rope(k, *rope, s.rope_style)
-        return linear(attend(q, k, v, pos, pos), lw.wo)  # [T, H]
+        k_pos = pos
+        if kv is not None:  # append to the cache, attend over everything cached so far
+            start, end = int(pos[0]), int(pos[-1]) + 1
+            kv.write(i, start, k, v)
+            k, v = kv.read(i, end)  # [end, kv_heads, D]
+            k_pos = torch.arange(end)
+        return linear(attend(q, k, v, pos, k_pos), lw.wo)  # [T, H]
 
     def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
         s, lw = self.spec, self.layers[i]
@@ -105,12 +115,23 @@ class MoEModel:
         return out
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [T] -> logits [T, V] (float32)."""
-        pos = torch.arange(len(tokens)) if positions is None else positions
+    def forward(self, tokens: torch.Tensor, kv: SeqKV | None = None, last_only: bool = False) -> torch.Tensor:
+        """tokens [T] at positions kv.length.. (0.. without a cache) -> logits [T, V] float32 ([1, V] if last_only).
+
+        With `kv`, the tokens' keys and values are appended to the cache (room reserved here) and attention
+        covers every cached position.
+        """
+        start = 0 if kv is None else kv.length
+        if kv is not None:
+            kv.reserve(len(tokens))
+        pos = torch.arange(start, start + len(tokens))
         rope = rope_tables(pos, self.spec.head_dim, self.spec.rope_theta)
         x = self.embed(tokens)
         for i, lw in enumerate(self.layers):
-            x = x + self.attention(i, rms_norm(x, lw.attn_norm, self.spec.rms_eps), pos, rope)
+            x = x + self.attention(i, rms_norm(x, lw.attn_norm, self.spec.rms_eps), pos, rope, kv)
             x = x + self.ffn(i, rms_norm(x, lw.ffn_norm, self.spec.rms_eps))
+        if kv is not None:
+            kv.length = start + len(tokens)
+        if last_only:
+            x = x[-1:]
         return linear(rms_norm(x, self.out_norm, self.spec.rms_eps), self.head).float()

@@ -1,0 +1,173 @@
+"""`moerun run` and `moerun chat`: generate text from the command line, llama.cpp style."""
+
+from __future__ import annotations
+
+import json
+import sys
+from importlib import resources
+from pathlib import Path
+
+import click
+
+from moerun.errors import MoerunError
+
+DEFAULT_MODEL = "default-qwen3moe.gguf"
+
+
+def default_model_path() -> Path:
+    path = Path(str(resources.files("moerun") / "data" / DEFAULT_MODEL))
+    if not path.is_file():
+        raise MoerunError(f"the built-in default model is missing ({path}); pass a model with -m")
+    return path
+
+
+def model_options(f):
+    opts = [
+        click.option("-m", "--model", type=click.Path(path_type=Path), default=None,
+                     help="GGUF file or Hugging Face folder (default: the built-in model)."),
+        click.option("-c", "--ctx-size", type=click.IntRange(min=16), default=None,
+                     help="Context size in tokens (default: the model's, at most 4096)."),
+        click.option("-ub", "--ubatch", type=click.IntRange(min=1), default=512, show_default=True,
+                     help="Prefill chunk size in tokens."),
+        click.option("-t", "--threads", type=click.IntRange(min=1), default=None,
+                     help="CPU threads (default: physical cores)."),
+        click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+                     help="Compute precision."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def sampling_options(f):
+    opts = [
+        click.option("-n", "--n-predict", "max_tokens", type=click.IntRange(min=1), default=128, show_default=True,
+                     help="Tokens to generate at most."),
+        click.option("--temp", "temperature", type=float, default=0.8, show_default=True,
+                     help="Temperature; 0 is greedy."),
+        click.option("--top-k", type=int, default=40, show_default=True, help="0 disables."),
+        click.option("--top-p", type=float, default=0.95, show_default=True, help="1.0 disables."),
+        click.option("--min-p", type=float, default=0.05, show_default=True, help="0.0 disables."),
+        click.option("--repeat-penalty", type=float, default=1.0, show_default=True, help="1.0 disables."),
+        click.option("--repeat-last-n", type=int, default=64, show_default=True,
+                     help="Penalty window; -1 all tokens."),
+        click.option("--presence-penalty", type=float, default=0.0, show_default=True),
+        click.option("--frequency-penalty", type=float, default=0.0, show_default=True),
+        click.option("-s", "--seed", type=int, default=-1, show_default=True, help="-1 picks a random seed."),
+        click.option("--stop", multiple=True, help="Stop string (repeatable); not included in the output."),
+        click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _sampling(kw: dict):
+    from moerun.config import SamplingParams
+
+    names = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
+             "presence_penalty", "frequency_penalty", "ignore_eos")
+    seed = kw.pop("seed")
+    try:
+        return SamplingParams(**{n: kw.pop(n) for n in names}, stop=tuple(kw.pop("stop")),
+                              seed=None if seed < 0 else seed)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _engine(model: Path | None, ctx_size: int | None, ubatch: int, threads: int | None, dtype: str):
+    import psutil
+    import torch
+
+    from moerun.engine.engine import Engine
+    from moerun.loading import load_model
+    from moerun.text import Tokenizer
+
+    torch.set_num_threads(threads or psutil.cpu_count(logical=False) or 1)
+    loaded = load_model(model or default_model_path(), dtype=getattr(torch, dtype))
+    tok = Tokenizer.from_model_file(loaded.file)
+    ctx = ctx_size or min(4096, loaded.arch.spec.context_length)
+    return Engine(loaded.model, tok, ctx_size=ctx, ubatch=ubatch)
+
+
+def _log(lines: list[str]) -> None:
+    for line in lines:
+        click.echo(line, err=True)
+
+
+@click.command()
+@model_options
+@sampling_options
+@click.option("-p", "--prompt", default=None, help="Prompt text.")
+@click.option("-f", "--file", "prompt_file", type=click.File("r", encoding="utf-8"), default=None,
+              help="Read the prompt from a file.")
+@click.option("--no-display-prompt", is_flag=True, help="Do not echo the prompt before the generated text.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and timings.")
+def run(model, ctx_size, ubatch, threads, dtype, prompt, prompt_file, no_display_prompt, as_json, **kw):
+    """Complete a prompt, streaming the text to stdout; timings go to stderr."""
+    params = _sampling(kw)
+    if prompt_file is not None:
+        prompt = prompt_file.read()
+    if not prompt:
+        raise click.UsageError("give a prompt with -p or -f")
+    eng = _engine(model, ctx_size, ubatch, threads, dtype)
+    ids = eng.tokenizer.encode(prompt)
+    gen = eng.generate(ids, params)
+    if as_json:
+        gen.run()
+        click.echo(json.dumps({"prompt": prompt, "text": gen.text, "tokens": gen.tokens,
+                               "finish_reason": gen.finish_reason, "seed": gen.sampler.seed,
+                               "timings": gen.timings.to_dict()}))
+        return
+    if not no_display_prompt:
+        click.echo(prompt, nl=False)
+    for piece in gen:
+        click.echo(piece, nl=False)
+        sys.stdout.flush()
+    click.echo()
+    _log(gen.timings.log_lines())
+
+
+@click.command()
+@model_options
+@sampling_options
+@click.option("--system", default=None, help="System prompt.")
+def chat(model, ctx_size, ubatch, threads, dtype, system, **kw):
+    """Interactive chat with the model's chat template. Ctrl-C stops a reply, Ctrl-D exits."""
+    from moerun.text import ChatTemplate
+
+    params = _sampling(kw)
+    eng = _engine(model, ctx_size, ubatch, threads, dtype)
+    template = ChatTemplate.for_tokenizer(eng.tokenizer)
+    seq = eng.new_sequence()
+    messages = [{"role": "system", "content": system}] if system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            click.echo()
+            break
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = eng.tokenizer.encode(template.render(messages, add_generation_prompt=True), add_special=False)
+        try:
+            gen = eng.generate(ids, params, seq)
+            reply = []
+            try:
+                for piece in gen:
+                    reply.append(piece)
+                    click.echo(piece, nl=False)
+                    sys.stdout.flush()
+            except KeyboardInterrupt:
+                click.echo(" [interrupted]", nl=False)
+            click.echo()
+        except MoerunError as e:  # e.g. the conversation outgrew the context: say so, keep the session
+            click.echo(f"error: {e}", err=True)
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": "".join(reply)})
+        _log(gen.timings.log_lines())

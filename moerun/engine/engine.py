@@ -1,0 +1,140 @@
+"""Text generation for one sequence at a time: chunked prefill, then token-by-token decode over the KV cache.
+
+`Engine.generate()` returns a `Generation`: iterate it for text pieces as they are produced; afterwards it
+holds the tokens, the finish reason and llama.cpp-style timings. A `Sequence` keeps its KV cache between
+calls, so a chat re-prefills only what changed since the previous turn.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from moerun.config import SamplingParams
+from moerun.engine.kv_cache import ContextOverflowError, KVPool, SeqKV
+from moerun.engine.sampler import Sampler, StopChecker
+from moerun.engine.timings import Timings
+from moerun.model.model import MoEModel
+from moerun.text.tokenizer import Tokenizer
+
+
+@dataclass
+class Sequence:
+    """Tokens whose keys and values are in `kv` (positions 0..len(tokens))."""
+
+    kv: SeqKV
+    tokens: list[int] = field(default_factory=list)
+
+    def free(self) -> None:
+        self.kv.free()
+        self.tokens = []
+
+
+class Engine:
+    def __init__(self, model: MoEModel, tokenizer: Tokenizer, ctx_size: int = 4096, ubatch: int = 512):
+        if ctx_size <= 0 or ubatch <= 0:
+            raise ValueError("ctx_size and ubatch must be positive")
+        self.model, self.tokenizer = model, tokenizer
+        self.ctx_size, self.ubatch = ctx_size, ubatch
+        self.pool = KVPool(model.spec, ctx_size, dtype=model.dtype)
+
+    def new_sequence(self) -> Sequence:
+        return Sequence(SeqKV(self.pool, self.ctx_size))
+
+    def prefill(self, seq: Sequence, prompt: list[int]) -> tuple[torch.Tensor, int]:
+        """Bring `seq` to exactly `prompt`, reusing the cached common prefix.
+
+        -> (logits of the last token [V], number of tokens run; the others came from the cache)
+        """
+        if not prompt:
+            raise ValueError("empty prompt")
+        if len(prompt) >= self.ctx_size:
+            raise ContextOverflowError(
+                f"the prompt has {len(prompt)} tokens but the context size is {self.ctx_size}")
+        keep = 0
+        for a, b in zip(seq.tokens, prompt):
+            if a != b:
+                break
+            keep += 1
+        keep = min(keep, len(prompt) - 1)  # always run at least one token to get its logits
+        seq.kv.truncate(keep)
+        seq.tokens = seq.tokens[:keep]
+        todo = torch.tensor(prompt[keep:], dtype=torch.long)
+        for chunk in todo.split(self.ubatch):
+            logits = self.model.forward(chunk, seq.kv, last_only=True)
+            seq.tokens += chunk.tolist()
+        return logits[-1], len(todo)
+
+    def generate(self, prompt: list[int], params: SamplingParams, seq: Sequence | None = None) -> Generation:
+        return Generation(self, prompt, params, seq or self.new_sequence())
+
+
+class Generation:
+    """One request's output: iterate for text pieces; then `.text`, `.tokens`, `.finish_reason`, `.timings`."""
+
+    def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams, seq: Sequence):
+        self.engine, self.prompt, self.params, self.seq = engine, prompt, params, seq
+        self.sampler = Sampler(params, engine.model.spec.vocab)
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.timings = Timings()
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        """Stop after the current token (e.g. Ctrl-C in a chat, or a client that went away)."""
+        self.cancelled = True
+
+    def __iter__(self) -> Iterator[str]:
+        eng, p, t = self.engine, self.params, self.timings
+        tok = eng.tokenizer
+        t0 = time.perf_counter()
+        logits, n_run = eng.prefill(self.seq, self.prompt)
+        t1 = time.perf_counter()
+        t.prompt_n, t.prompt_ms, t.cache_n = n_run, (t1 - t0) * 1e3, len(self.prompt) - n_run
+        decoder, stops = tok.incremental_decoder(), StopChecker(p.stop)
+        history = torch.tensor(self.seq.tokens, dtype=torch.long)
+        try:
+            while True:
+                if self.cancelled:
+                    self.finish_reason = "cancelled"
+                    break
+                nxt = int(self.sampler.sample(logits, history))
+                if nxt in tok.eos_ids and not p.ignore_eos:
+                    self.finish_reason = "stop"
+                    break
+                self.tokens.append(nxt)
+                piece, stopped = stops.feed(decoder.step(nxt))
+                if piece:
+                    self.text += piece
+                    yield piece
+                if stopped:
+                    self.finish_reason = "stop"
+                    break
+                if len(self.tokens) >= p.max_tokens:
+                    self.finish_reason = "length"
+                    break
+                if len(self.seq.tokens) + 1 > eng.ctx_size:
+                    self.finish_reason = "length"  # context full
+                    break
+                history = torch.cat((history, torch.tensor([nxt])))
+                logits = eng.model.forward(torch.tensor([nxt]), self.seq.kv, last_only=True)[-1]
+                self.seq.tokens.append(nxt)
+            if not stops.stopped:  # text held back (partial characters, a possible stop-string start)
+                rest, _ = stops.feed(decoder.flush())
+                rest += "" if stops.stopped else stops.flush()
+                if rest:
+                    self.text += rest
+                    yield rest
+        finally:
+            t.predicted_n = len(self.tokens)
+            t.predicted_ms = (time.perf_counter() - t1) * 1e3
+
+    def run(self) -> Generation:
+        """Generate to the end without streaming."""
+        for _ in self:
+            pass
+        return self

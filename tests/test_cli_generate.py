@@ -1,0 +1,64 @@
+"""`moerun run` and `moerun chat` end to end (chat driven through stdin)."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from moerun.cli import main
+
+TIMING = re.compile(r"prompt eval time = +[\d.]+ ms / +\d+ tokens \( +[\d.]+ ms per token, +[\d.]+ tokens per second\)")
+
+
+def invoke(*args, input=None):
+    return CliRunner().invoke(main, [str(a) for a in args], input=input, catch_exceptions=False)
+
+
+def test_run_streams_text_and_prints_timings(hf_model):
+    _, folder = hf_model("qwen3moe")
+    r = invoke("run", "-m", folder, "-p", "Hello", "-n", "12", "--temp", "0", "--ignore-eos")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("Hello") and len(r.stdout) > len("Hello\n")
+    assert TIMING.search(r.stderr)
+    assert re.search(r"^ +eval time = +[\d.]+ ms / +12 tokens", r.stderr, re.M)
+    assert re.search(r"^ +total time = ", r.stderr, re.M)
+
+
+def test_run_json_and_seed(hf_model):
+    _, folder = hf_model("qwen3moe")
+    args = ("run", "-m", folder, "-p", "Hi", "-n", "10", "--seed", "5", "--ignore-eos", "--json")
+    a, b = json.loads(invoke(*args).stdout), json.loads(invoke(*args).stdout)
+    assert a["text"] == b["text"] and a["tokens"] == b["tokens"] and len(a["tokens"]) == 10
+    assert a["seed"] == 5
+    keys = {"prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second", "predicted_n", "predicted_ms",
+            "predicted_per_token_ms", "predicted_per_second"}
+    assert keys <= set(a["timings"]) and a["timings"]["predicted_n"] == 10
+
+
+def test_chat_two_turns_through_stdin(hf_model):
+    _, folder = hf_model("mixtral")
+    r = invoke("chat", "-m", folder, "-n", "6", "--temp", "0", "--ignore-eos", input="hello\nand again\n")
+    assert r.exit_code == 0, r.output
+    assert len(TIMING.findall(r.stderr)) == 2  # one reply per turn, then EOF (Ctrl-D) ends the session
+    assert len(r.stdout.strip().splitlines()) >= 1
+
+
+def test_chat_context_overflow_is_reported_and_session_continues(hf_model):
+    _, folder = hf_model("qwen3moe")
+    r = invoke("chat", "-m", folder, "-c", "32", "-n", "4", "--temp", "0", input="x " * 40 + "\nhi\n")
+    assert r.exit_code == 0
+    assert "error: the prompt has" in r.stderr and "context size is 32" in r.stderr
+    assert len(TIMING.findall(r.stderr)) == 1  # the second, short turn still ran
+
+
+@pytest.mark.parametrize("args,phrase", [
+    (("run", "-p", "x", "-m", "/no/such/model"), "no such file or directory"),
+    (("run", "-p", "x", "--top-p", "2"), "top_p"),
+])
+def test_bad_input_is_one_line_error(args, phrase):
+    r = subprocess.run([sys.executable, "-m", "moerun", *args], capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and phrase in r.stderr, r.stderr
