@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("qwen3moe", "qwen2moe", "mixtral", "olmoe")
-COMMON = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              num_experts_per_tok=2, rms_norm_eps=1e-6, tie_word_embeddings=False)
+COMMON = {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "num_experts_per_tok": 2, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 
 
 def hf_config(family: str):

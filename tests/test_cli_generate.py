@@ -23,8 +23,8 @@ def test_run_streams_text_and_prints_timings(hf_model):
     assert r.exit_code == 0, r.output
     assert r.stdout.startswith("Hello") and len(r.stdout) > len("Hello\n")
     assert TIMING.search(r.stderr)
-    assert re.search(r"^ +eval time = +[\d.]+ ms / +12 tokens", r.stderr, re.M)
-    assert re.search(r"^ +total time = ", r.stderr, re.M)
+    assert re.search(r"^ +eval time = +[\d.]+ ms / +12 tokens", r.stderr, re.MULTILINE)
+    assert re.search(r"^ +total time = ", r.stderr, re.MULTILINE)
 
 
 def test_run_json_and_seed(hf_model):

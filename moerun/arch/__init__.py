@@ -14,8 +14,17 @@ from moerun.formats.records import ModelFile
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (qwen3moe.FAMILY, qwen2moe.FAMILY, mixtral.FAMILY, olmoe.FAMILY)}
 
-__all__ = ["Arch", "FAMILIES", "Family", "ModelSpec", "Source", "expected_shapes", "family_of", "gguf_metadata",
-           "resolve"]
+__all__ = [
+    "FAMILIES",
+    "Arch",
+    "Family",
+    "ModelSpec",
+    "Source",
+    "expected_shapes",
+    "family_of",
+    "gguf_metadata",
+    "resolve",
+]
 
 
 @dataclass(frozen=True)
