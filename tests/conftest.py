@@ -1,12 +1,6 @@
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from hf_models import build, save  # noqa: E402
+from hf_models import build, save
 
 
 def pytest_collection_modifyitems(config, items):
