@@ -28,12 +28,12 @@ def hf_config(family: str):
     raise KeyError(family)
 
 
-def build(family: str, seed: int = 0):
+def build(family: str, seed: int = 0, config=None):
     """A randomly initialised transformers model with perturbed norms (so every weight matters)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(family), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config or hf_config(family), dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:

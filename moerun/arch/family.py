@@ -71,11 +71,11 @@ def spec_from_gguf(fam: Family, meta: dict[str, Any], moe_layers: tuple[bool, ..
         n_experts_used=_int(get("expert_used_count", 0), "expert_used_count"),
         expert_ffn=_int(expert_ffn, "expert_feed_forward_length"),
         moe_layers=moe_layers,
-        dense_ffn=_int(get("feed_forward_length", 0), "feed_forward_length"),
+        dense_ffn=0 if all(moe_layers) else _int(get("feed_forward_length", 0), "feed_forward_length"),
         shared_ffn=_int(get("expert_shared_feed_forward_length", 0), "expert_shared_feed_forward_length"),
         shared_gate=fam.shared_gate,
         norm_topk=fam.norm_topk if fam.norm_topk_fixed else bool(get("expert_weights_norm", fam.norm_topk)),
-        rms_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rms_eps=float(f"{need('attention.layer_norm_rms_epsilon'):.7g}"),  # stored as f32: 1e-6 reads 9.99999997e-07
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_style=fam.rope_style,
         qk_norm=fam.qk_norm,

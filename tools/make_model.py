@@ -1,0 +1,257 @@
+"""Synthetic models with random weights, as GGUF files or Hugging Face safetensors folders.
+
+    make_model("tiny-qwen3moe", "/tmp/tiny.gguf")                          # F32 GGUF
+    make_model("a3b-L4", "/tmp/a3b.gguf", ftype="Q4_K_M")                   # the benchmark model
+    make_model(preset("tiny-mixtral", layers=3), "/tmp/mx", fmt="safetensors")
+
+    python -m moerun.tools.make_model tiny-olmoe /tmp/olmoe.gguf --ftype Q8_0 --layers 4
+
+Weights are a pure function of (seed, tensor name, part): each expert of a stacked tensor and each
+block of rows of a large matrix has its own torch.Generator, so memory stays bounded by one part,
+and the GGUF and safetensors outputs of the same seed hold the same float values (before
+quantization). Matrices are normal(0, 1/sqrt(fan_in)), norms 1 + normal(0, 0.02), biases normal(0, 0.02).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from moerun.arch import FAMILIES, ModelSpec, expected_shapes, gguf_metadata
+from moerun.arch.family import spec_from_hf
+from moerun.formats.names import CName
+from moerun.quant.qtypes import QType
+from moerun.quant.quantize import quantize
+from moerun.tools.gguf_out import FTYPES, TensorOut, file_type, gguf_shape, qtype_for, write_gguf
+from moerun.tools.hf_out import hf_config, hf_names, permute_to_hf, write_safetensors
+from moerun.tools.outputs import atomic_dir
+from moerun.tools.parallel import ordered_map, worker_pool
+from moerun.tools.presets import ALIASES, preset, preset_names
+from moerun.tools.tokenizer import build_tokenizer, gguf_tokenizer_metadata, special_ids, write_hf_tokenizer
+
+__all__ = ["generate_part", "generate_tensor", "gguf_tensors", "main", "make_model", "model_metadata", "n_parts"]
+
+PART_ELEMS = 1 << 22  # rows of a 2-D matrix are generated in blocks of at most this many weights
+_HF_DTYPES = {"F32": QType.F32, "F16": QType.F16, "BF16": QType.BF16}
+
+
+# ------------------------------------------------------------------------------------------ weights
+
+
+def _generator(seed: int, name: str, part: int) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}\0{name}\0{part}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def _part_rows(shape: tuple[int, ...]) -> int:
+    """Rows of dimension 0 per part: one expert of a 3-D tensor, a block of rows of a 2-D one."""
+    if len(shape) != 2:
+        return 1 if len(shape) == 3 else shape[0]
+    return max(1, PART_ELEMS // shape[1])
+
+
+def _random_part(cn: CName, shape: tuple[int, ...], rows: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn((rows, *shape[1:]), generator=gen, dtype=torch.float32)
+    if "norm" in cn.kind:
+        return x.mul_(0.02).add_(1.0)
+    if cn.kind.endswith(".bias"):
+        return x.mul_(0.02)
+    return x.mul_(shape[-1] ** -0.5)
+
+
+def n_parts(shape: tuple[int, ...]) -> int:
+    return -(-shape[0] // _part_rows(shape))
+
+
+def generate_part(cn: CName, shape: tuple[int, ...], seed: int, part: int) -> torch.Tensor:
+    """Part `part` of tensor `cn` along dimension 0: expert `part` of a stacked tensor, or a block of rows."""
+    step = _part_rows(shape)
+    rows = min(step, shape[0] - part * step)
+    x = _random_part(cn, shape, rows, _generator(seed, cn.gguf, part))
+    return x[0] if len(shape) == 3 else x
+
+
+def generate_tensor(cn: CName, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """The whole canonical float32 tensor (for tests and small tensors)."""
+    parts = [generate_part(cn, shape, seed, i) for i in range(n_parts(shape))]
+    return torch.stack(parts) if len(shape) == 3 else torch.cat(parts)
+
+
+# --------------------------------------------------------------------------------------------- GGUF
+
+
+def model_metadata(spec: ModelSpec, ftype: str, name: str) -> dict:
+    """GGUF metadata of a synthetic model: llama.cpp hyperparameters, general.*, tokenizer."""
+    meta = gguf_metadata(FAMILIES[spec.family], spec)
+    meta |= {"general.name": name, "general.file_type": file_type(ftype), "general.quantization_version": 2}
+    return meta | gguf_tokenizer_metadata(build_tokenizer(spec.vocab))
+
+
+def gguf_tensors(spec: ModelSpec, ftype: str, seed: int = 0, pool: ThreadPoolExecutor | None = None) \
+        -> list[TensorOut]:
+    """Every tensor of a synthetic GGUF model, with producers that generate and quantize part by part
+    (several parts at once on `pool`)."""
+    out = []
+    for cn, shape in expected_shapes(spec).items():
+        qtype = qtype_for(cn, shape, ftype, n_layers=spec.n_layers, tied_embeddings=spec.tie_embeddings)
+
+        def produce(cn=cn, shape=shape, qtype=qtype) -> Iterator[torch.Tensor]:
+            def part(i: int) -> torch.Tensor:
+                return quantize(generate_part(cn, shape, seed, i), qtype)
+
+            return ordered_map(part, range(n_parts(shape)), pool)
+
+        out.append(TensorOut(cn.gguf, qtype, gguf_shape(cn, shape), produce))
+    return out
+
+
+# -------------------------------------------------------------------------------------- safetensors
+
+
+def _hf_tensors(spec: ModelSpec, dtype: QType, seed: int) -> list[TensorOut]:
+    """Tensors of the safetensors folder, per expert, under save_pretrained's names."""
+    permute = {"attn_q.weight": spec.n_heads, "attn_k.weight": spec.n_kv_heads} if \
+        FAMILIES[spec.family].hf_permute_qk else {}
+    out = []
+    for cn, shape in expected_shapes(spec).items():
+        names = hf_names(spec.family, cn, spec.n_experts)
+        if len(shape) == 3:
+            for e, name in enumerate(names):
+                def produce(cn=cn, shape=shape, e=e) -> Iterator[torch.Tensor]:
+                    yield quantize(generate_part(cn, shape, seed, e), dtype)
+
+                out.append(TensorOut(name, dtype, shape[1:], produce))
+            continue
+
+        def produce(cn=cn, shape=shape) -> Iterator[torch.Tensor]:
+            if cn.kind in permute:
+                yield quantize(permute_to_hf(generate_tensor(cn, shape, seed), permute[cn.kind]), dtype)
+                return
+            for i in range(n_parts(shape)):
+                yield quantize(generate_part(cn, shape, seed, i), dtype)
+
+        out.append(TensorOut(names[0], dtype, shape, produce))
+    return out
+
+
+def _write_hf(spec: ModelSpec, out_path: Path, ftype: str, seed: int, overwrite: bool, progress: bool) -> Path:
+    dtype = _HF_DTYPES.get(ftype.upper())
+    if dtype is None:
+        raise ValueError(f"safetensors output holds float weights: ftype must be F32, F16 or BF16, not {ftype}")
+    tok = build_tokenizer(spec.vocab)
+    config = hf_config(spec, dtype, special_ids(tok))
+    back = spec_from_hf(FAMILIES[spec.family], config)
+    if back != spec:
+        lost = [f.name for f in dataclasses.fields(spec) if getattr(back, f.name) != getattr(spec, f.name)]
+        raise ValueError(f"{spec.family} config.json cannot express this spec's {', '.join(lost)}")
+    tensors = _hf_tensors(spec, dtype, seed)
+    with atomic_dir(out_path, overwrite) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        ids = special_ids(tok)
+        gen_cfg = {"bos_token_id": ids["bos"], "eos_token_id": ids["eos"], "pad_token_id": ids["pad"]}
+        (tmp / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+        write_hf_tokenizer(tok, tmp)
+        write_safetensors(tmp, tensors, progress=progress)
+    return out_path
+
+
+# --------------------------------------------------------------------------------------------- entry
+
+
+def make_model(preset_or_spec: str | ModelSpec, out_path: str | Path, fmt: str = "gguf", ftype: str = "F32",
+               seed: int = 0, overwrite: bool = False, progress: bool = True, name: str | None = None,
+               threads: int | None = None) -> Path:
+    """Write a model with random weights and a generated byte-level BPE tokenizer.
+
+    preset_or_spec: a preset name (see moerun.tools.presets) or a ModelSpec.
+    out_path: the .gguf file, or the folder of a Hugging Face model (fmt="safetensors").
+    fmt: "gguf" or "safetensors".
+    ftype: GGUF: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K or Q4_K_M (llama.cpp's mix);
+           safetensors: F32, F16 or BF16.
+    seed: weights are a deterministic function of (seed, tensor name).
+    overwrite: replace an existing output (otherwise FileExistsError; nothing is touched).
+    progress: show a progress bar by bytes (only when stderr is a terminal).
+    name: general.name in GGUF (default: the preset name, or "<family>-synthetic").
+    threads: parts quantized at once (default: one per CPU); torch runs single-threaded meanwhile.
+    Returns the path written.
+    """
+    spec = preset(preset_or_spec) if isinstance(preset_or_spec, str) else preset_or_spec
+    name = name or (preset_or_spec if isinstance(preset_or_spec, str) else f"{spec.family}-synthetic")
+    if ftype.upper() not in FTYPES:
+        raise ValueError(f"unknown ftype '{ftype}' (known: {', '.join(FTYPES)})")
+    out_path = Path(out_path)
+    if fmt == "gguf":
+        meta = model_metadata(spec, ftype, name)
+        with worker_pool(threads) as pool:
+            return write_gguf(out_path, meta, gguf_tensors(spec, ftype, seed, pool), overwrite=overwrite,
+                              progress=progress)
+    if fmt == "safetensors":
+        return _write_hf(spec, out_path, ftype, seed, overwrite, progress)
+    raise ValueError(f"unknown format '{fmt}' (gguf or safetensors)")
+
+
+def _parse_value(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    if "," in text:
+        return tuple(_parse_value(t) for t in text.split(","))
+    return text
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog=prog or "python -m moerun.tools.make_model",
+                                description="Write a synthetic MoE model with random weights.")
+    p.add_argument("preset", help=f"shape: {', '.join(preset_names())}")
+    p.add_argument("out", help="output .gguf file, or folder for --format safetensors")
+    p.add_argument("--format", dest="fmt", choices=("gguf", "safetensors"), default="gguf")
+    p.add_argument("--ftype", default="F32", help=f"{', '.join(FTYPES)} (safetensors: F32, F16, BF16)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--name", help="general.name (GGUF)")
+    p.add_argument("--threads", type=int, help="parts quantized at once (default: one per CPU)")
+    for flag in ("family", "layers", "hidden", "heads", "kv-heads", "head-dim", "experts", "experts-used",
+                 "expert-ffn", "shared-ffn", "dense-ffn", "vocab", "context"):
+        p.add_argument(f"--{flag}", type=str if flag == "family" else int, help="override the preset's value")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override any ModelSpec field, e.g. --set rope_theta=1e6 (repeatable)")
+    args = p.parse_args(argv)
+    overrides = {k: getattr(args, k) for k in ("family", "layers", "hidden", "heads", "kv_heads", "head_dim",
+                                              "experts", "experts_used", "expert_ffn", "shared_ffn",
+                                              "dense_ffn", "vocab", "context")}
+    fields = {f.name for f in dataclasses.fields(ModelSpec)} | set(ALIASES)
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            p.error(f"--set wants FIELD=VALUE with a ModelSpec field, got '{item}'")
+        overrides[key] = _parse_value(value)
+    try:
+        spec = preset(args.preset, **overrides)
+        path = make_model(spec, args.out, fmt=args.fmt, ftype=args.ftype, seed=args.seed,
+                          overwrite=args.overwrite, progress=not args.no_progress, name=args.name or args.preset,
+                          threads=args.threads)
+    except (ValueError, FileExistsError, IsADirectoryError, NotADirectoryError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

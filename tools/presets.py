@@ -1,0 +1,104 @@
+"""Named model shapes as ModelSpec builders, with overrides of any ModelSpec field.
+
+    preset("tiny-qwen3moe")                      # hidden 64, 2 layers, 8 experts, top-2
+    preset("a3b-L4", n_layers=6)                 # Qwen3-30B-A3B's layer shape, 6 layers
+    preset("tiny-mixtral", layers=3, vocab=1024) # short aliases: see ALIASES
+
+The tiny shapes are what the tests write on the fly; `a3b-*` is the benchmark shape (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from moerun.arch import FAMILIES, ModelSpec
+from moerun.arch.family import with_family_defaults
+
+__all__ = ["ALIASES", "PRESETS", "apply_overrides", "preset", "preset_names"]
+
+# Short override names (command-line flags) -> ModelSpec fields.
+ALIASES = {
+    "layers": "n_layers", "heads": "n_heads", "kv_heads": "n_kv_heads", "experts": "n_experts",
+    "experts_used": "n_experts_used", "top_k": "n_experts_used", "ffn": "expert_ffn", "context": "context_length",
+    "eps": "rms_eps", "theta": "rope_theta",
+}
+
+# Per-family traits of the tiny shapes: (rms eps, rope theta, shared expert FFN width).
+_TINY_TRAITS = {
+    "qwen3moe": (1e-6, 1e6, 0),
+    "qwen2moe": (1e-6, 1e6, 64),
+    "mixtral": (1e-5, 1e6, 0),
+    "olmoe": (1e-5, 1e4, 0),
+}
+
+
+def _family_spec(family: str, **fields: Any) -> ModelSpec:
+    """A ModelSpec of `family` with that family's fixed traits (RoPE style, q/k norm, biases, routing)."""
+    fam = FAMILIES[family]
+    n_layers = fields["n_layers"]
+    base = {"family": family, "moe_layers": (True,) * n_layers, "norm_topk": fam.norm_topk,
+            "qkv_bias": fam.qkv_bias, "rope_style": fam.rope_style, "qk_norm": fam.qk_norm,
+            "shared_gate": fam.shared_gate}
+    return with_family_defaults(fam, ModelSpec(**(base | fields)))
+
+
+def _tiny(family: str) -> ModelSpec:
+    eps, theta, shared = _TINY_TRAITS[family]
+    return _family_spec(family, n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, vocab=512,
+                        n_experts=8, n_experts_used=2, expert_ffn=32, shared_ffn=shared, rms_eps=eps,
+                        rope_theta=theta, context_length=4096)
+
+
+def _a3b(n_layers: int) -> ModelSpec:
+    return _family_spec("qwen3moe", n_layers=n_layers, hidden=2048, n_heads=32, n_kv_heads=4, head_dim=128,
+                        vocab=1024, n_experts=128, n_experts_used=8, expert_ffn=768, rms_eps=1e-6,
+                        rope_theta=1e6, context_length=32768)
+
+
+PRESETS: dict[str, Callable[[], ModelSpec]] = {
+    "tiny-qwen3moe": lambda: _tiny("qwen3moe"),
+    "tiny-qwen2moe": lambda: _tiny("qwen2moe"),
+    "tiny-mixtral": lambda: _tiny("mixtral"),
+    "tiny-olmoe": lambda: _tiny("olmoe"),
+    "a3b-L4": lambda: _a3b(4),
+    "a3b-L12": lambda: _a3b(12),
+}
+
+
+def preset_names() -> list[str]:
+    return list(PRESETS)
+
+
+def apply_overrides(spec: ModelSpec, **overrides: Any) -> ModelSpec:
+    """`spec` with fields replaced. Keys are ModelSpec field names or ALIASES; None values are ignored.
+
+    Changing `family` re-applies that family's fixed traits; changing `n_layers` without giving
+    `moe_layers` makes every layer a MoE layer.
+    """
+    fields = {f.name for f in dataclasses.fields(ModelSpec)}
+    changes: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        name = ALIASES.get(key, key)
+        if name not in fields:
+            raise ValueError(f"unknown model field '{key}' (known: {', '.join(sorted(fields | set(ALIASES)))})")
+        changes[name] = tuple(value) if name == "moe_layers" else value
+    if "n_layers" in changes and "moe_layers" not in changes:
+        changes["moe_layers"] = (True,) * changes["n_layers"]
+    if "family" in changes:
+        if changes["family"] not in FAMILIES:
+            raise ValueError(f"unknown family '{changes['family']}' (known: {', '.join(FAMILIES)})")
+        fam = FAMILIES[changes["family"]]
+        changes = {"norm_topk": fam.norm_topk, "qkv_bias": fam.qkv_bias} | changes
+        return with_family_defaults(fam, dataclasses.replace(spec, **changes))
+    return dataclasses.replace(spec, **changes)
+
+
+def preset(name: str, **overrides: Any) -> ModelSpec:
+    """The named shape (see PRESETS) with `overrides` applied (see apply_overrides)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset '{name}' (known: {', '.join(PRESETS)})")
+    return apply_overrides(PRESETS[name](), **overrides)

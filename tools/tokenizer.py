@@ -1,0 +1,246 @@
+"""A deterministic byte-level BPE tokenizer for synthetic models, as HF files and as GGUF metadata.
+
+Trained with the `tokenizers` library on a fixed, sorted selection of the Python standard library's
+top-level .py files (offline, ~2 MB, a second or two), to exactly the model's vocabulary size:
+256 byte tokens, then merges, then the special tokens `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`
+at the end (as in Qwen's vocabularies). Vocabularies below 259 (down to MIN_VOCAB = 246) leave out
+the 13 bytes that never occur in UTF-8 text; a corpus too small for a huge vocabulary is padded with
+`<|reserved_N|>` control tokens. Pre-tokenization is Qwen2's regex + ByteLevel, so the GGUF
+fields (`tokenizer.ggml.pre` = "qwen2") describe the same tokenizer llama.cpp would build.
+
+The trained tokenizer.json is cached under $MOERUN_CACHE/tokenizers (default ~/.cache/moerun/tokenizers),
+keyed by vocabulary size and a hash of the corpus, so repeated calls are instant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "build_tokenizer",
+    "cache_dir",
+    "gguf_tokenizer_metadata",
+    "hf_tokenizer_to_gguf",
+    "special_ids",
+    "write_hf_tokenizer",
+]
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+N_BYTES = 256
+# Bytes that never occur in UTF-8 text: C0, C1, F5..FF. Vocabularies too small for all 256 bytes plus
+# the special tokens (tiny test models with vocab 256) leave them out.
+NON_UTF8_BYTES = frozenset({0xC0, 0xC1, *range(0xF5, 0x100)})
+MIN_VOCAB = N_BYTES - len(NON_UTF8_BYTES) + len(SPECIAL_TOKENS)
+CORPUS_BYTES = 2_000_000
+FORMAT_VERSION = 1  # bump when the recipe changes, so old cache entries are not reused
+
+# Qwen2's pre-tokenizer regex (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2 uses the same).
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def cache_dir() -> Path:
+    """$MOERUN_CACHE/tokenizers, or ~/.cache/moerun/tokenizers."""
+    root = os.environ.get("MOERUN_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "moerun") / "tokenizers"
+
+
+def _corpus() -> list[str]:
+    """Whole files, in name order, from the standard library's top level, up to CORPUS_BYTES."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts, total = [], 0
+    for path in sorted(stdlib.glob("*.py")):
+        if total >= CORPUS_BYTES:
+            break
+        try:
+            text = path.read_bytes().decode("utf-8", errors="replace")
+        except OSError:
+            continue
+        texts.append(text)
+        total += len(text)
+    if not texts:
+        raise RuntimeError(f"no Python sources found under {stdlib} to train a tokenizer on")
+    return texts
+
+
+def _alphabet(vocab: int) -> list[str]:
+    """ByteLevel characters of the initial vocabulary: all 256 bytes, or the UTF-8 ones if vocab is tiny."""
+    chars = pre_tokenizers.ByteLevel.alphabet()
+    if vocab >= N_BYTES + len(SPECIAL_TOKENS):
+        return chars
+    dropped = {_BYTE_CHARS[b] for b in NON_UTF8_BYTES}
+    return [c for c in chars if c not in dropped]
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (what ByteLevel uses)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+_BYTE_CHARS = _byte_chars()
+
+
+def _train(vocab: int, texts: list[str]) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    n_regular = vocab - len(SPECIAL_TOKENS)
+    trainer = trainers.BpeTrainer(vocab_size=n_regular, min_frequency=2, show_progress=False,
+                                  initial_alphabet=_alphabet(vocab), special_tokens=[])
+    tok.train_from_iterator(texts, trainer=trainer)
+    # A small corpus cannot fill a very large vocabulary: pad with reserved control tokens.
+    short = n_regular - tok.get_vocab_size()
+    tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(short)] + list(SPECIAL_TOKENS))
+    if tok.get_vocab_size() != vocab:
+        raise RuntimeError(f"trained tokenizer has {tok.get_vocab_size()} tokens, wanted {vocab}")
+    return tok
+
+
+def _load_cached(path: Path) -> Tokenizer | None:
+    """The cached tokenizer, or None when absent or damaged (then it is retrained and rewritten)."""
+    if not path.is_file():
+        return None
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception on a corrupt file
+        return None
+    return tok
+
+
+def build_tokenizer(vocab: int) -> Tokenizer:
+    """The byte-level BPE tokenizer with exactly `vocab` tokens (cached on disk after the first call)."""
+    if vocab < MIN_VOCAB:
+        raise ValueError(f"vocab {vocab} is too small: a byte-level tokenizer needs at least {MIN_VOCAB} tokens")
+    texts = _corpus()
+    h = hashlib.sha256(f"v{FORMAT_VERSION}\0".encode())
+    for t in texts:
+        h.update(t.encode("utf-8", errors="replace"))
+    path = cache_dir() / f"bpe-{vocab}-{h.hexdigest()[:16]}.json"
+    tok = _load_cached(path)
+    if tok is not None and tok.get_vocab_size() == vocab:
+        return tok
+    tok = _train(vocab, texts)
+    _save_cached(tok, path)
+    return tok
+
+
+def _save_cached(tok: Tokenizer, path: Path) -> None:
+    """Write the cache entry atomically; a read-only cache only costs retraining next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    except OSError:
+        return
+    os.close(fd)
+    try:
+        tok.save(tmp)
+        os.replace(tmp, path)
+    except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception when it cannot write
+        Path(tmp).unlink(missing_ok=True)
+
+
+def special_ids(tok: Tokenizer) -> dict[str, int]:
+    """bos / eos / pad token ids, Qwen's convention: bos = pad = <|endoftext|>, eos = <|im_end|>."""
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    return {"bos": ids["<|endoftext|>"], "eos": ids["<|im_end|>"], "pad": ids["<|endoftext|>"]}
+
+
+def write_hf_tokenizer(tok: Tokenizer, folder: str | Path) -> None:
+    """Write tokenizer.json and tokenizer_config.json (ChatML chat template) into `folder`."""
+    folder = Path(folder)
+    tok.save(str(folder / "tokenizer.json"))
+    added = {
+        str(i): {"content": t.content, "lstrip": False, "normalized": False,
+                                               "rstrip": False, "single_word": False, "special": True}
+        for i, t in tok.get_added_tokens_decoder().items()
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 131072,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+def hf_tokenizer_to_gguf(tok_json: dict[str, Any], chat_template: str | None = None,
+                         specials: dict[str, int] | None = None) -> dict[str, Any]:
+    """GGUF `tokenizer.*` keys (llama.cpp's "gpt2" BPE) for a byte-level BPE tokenizer.json (parsed).
+
+    `specials` maps "bos"/"eos"/"pad" to ids; missing ones are looked up by the usual token names.
+    """
+    model = tok_json.get("model") or {}
+    if model.get("type") != "BPE":
+        raise ValueError(f"tokenizer model '{model.get('type')}' is not supported (byte-level BPE only)")
+    vocab: dict[str, int] = dict(model["vocab"])
+    added = {a["content"]: a for a in tok_json.get("added_tokens", [])}
+    for content, a in added.items():
+        vocab[content] = a["id"]
+    n = max(vocab.values()) + 1
+    tokens = [f"[PAD{i}]" for i in range(n)]  # holes in the id space, as llama.cpp's converter fills them
+    types = [5] * n  # UNUSED
+    for content, i in vocab.items():
+        tokens[i] = content
+        a = added.get(content)
+        types[i] = 1 if a is None else (3 if a.get("special") else 4)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    ids = dict(specials or {})
+    for key, names in (("bos", ("<|endoftext|>", "<s>")), ("eos", ("<|im_end|>", "<|endoftext|>", "</s>")),
+                       ("pad", ("<|endoftext|>", "<pad>"))):
+        if key not in ids:
+            ids[key] = next((vocab[t] for t in names if t in vocab), None)
+    meta: dict[str, Any] = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.add_bos_token": False,
+    }
+    for key, gkey in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("pad", "padding_token_id")):
+        if ids.get(key) is not None:
+            meta[f"tokenizer.ggml.{gkey}"] = int(ids[key])
+    if chat_template:
+        meta["tokenizer.chat_template"] = chat_template
+    return meta
+
+
+def gguf_tokenizer_metadata(tok: Tokenizer) -> dict[str, Any]:
+    """GGUF `tokenizer.*` keys for a tokenizer made by build_tokenizer (ChatML template included)."""
+    return hf_tokenizer_to_gguf(json.loads(tok.to_str()), CHAT_TEMPLATE, special_ids(tok))
