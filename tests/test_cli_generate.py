@@ -62,3 +62,35 @@ def test_bad_input_is_one_line_error(args, phrase):
     r = subprocess.run([sys.executable, "-m", "moerun", *args], capture_output=True, text=True, timeout=120,
                        check=False)
     assert r.returncode != 0 and "Traceback" not in r.stderr and phrase in r.stderr, r.stderr
+
+
+def test_chat_ctrl_c_stops_the_reply_and_the_session_goes_on(hf_model):
+    """SIGINT during a reply ends that reply only; the next turn is answered; EOF (Ctrl-D) exits cleanly."""
+    import os
+    import signal
+    import time
+
+    _, folder = hf_model("qwen3moe")
+    cmd = [sys.executable, "-m", "moerun", "chat", "-m", str(folder), "-n", "100000", "--ignore-eos", "-c", "256"]
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        p.stdin.write(b"tell me a long story\n")
+        p.stdin.flush()
+        os.set_blocking(p.stdout.fileno(), False)
+        out, deadline = b"", time.monotonic() + 120
+        while len(out) < 20 and time.monotonic() < deadline:  # the reply is streaming
+            out += p.stdout.read() or b""
+            time.sleep(0.05)
+        assert len(out) >= 20, "no streamed output"
+        p.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        p.stdin.write(b"hi\n")
+        p.stdin.close()
+        p.wait(timeout=120)
+        stderr = p.stderr.read().decode()
+        out += p.stdout.read() or b""
+    finally:
+        p.kill()
+    assert p.returncode == 0, stderr
+    assert b"[interrupted]" in out
+    assert len(TIMING.findall(stderr)) == 2 and "Traceback" not in stderr
