@@ -125,6 +125,7 @@ def run(model, ctx_size, ubatch, threads, dtype, prompt, prompt_file, no_display
         click.echo(piece, nl=False)
         sys.stdout.flush()
     click.echo()
+    sys.stdout.flush()
     _log(gen.timings.log_lines())
 
 
@@ -165,6 +166,7 @@ def chat(model, ctx_size, ubatch, threads, dtype, system, **kw):
             except KeyboardInterrupt:
                 click.echo(" [interrupted]", nl=False)
             click.echo()
+            sys.stdout.flush()
         except MoerunError as e:  # e.g. the conversation outgrew the context: say so, keep the session
             click.echo(f"error: {e}", err=True)
             messages.pop()

@@ -94,3 +94,11 @@ def test_chat_ctrl_c_stops_the_reply_and_the_session_goes_on(hf_model):
     assert p.returncode == 0, stderr
     assert b"[interrupted]" in out
     assert len(TIMING.findall(stderr)) == 2 and "Traceback" not in stderr
+
+
+def test_default_model_runs_without_m():
+    """The README's first command: the built-in model generates Python-looking text."""
+    r = invoke("run", "-p", "import os\n", "-n", "40", "--seed", "0", "--no-display-prompt")
+    assert r.exit_code == 0, r.output
+    assert len(r.stdout.strip()) > 20
+    assert TIMING.search(r.stderr)

@@ -324,3 +324,26 @@ def test_convert_requantizes(tmp_path):
         assert ta.name == tb.name and ta.tensor_type == tb.tensor_type
         assert np.array_equal(np.asarray(ta.data), np.asarray(tb.data)), ta.name
     assert math.isclose(_reader_field(a, "qwen3moe.rope.freq_base"), 1e6)
+
+
+def test_convert_keeps_the_folders_tokenizer_and_special_ids(hf_model, tmp_path):
+    """The GGUF gets the HF folder's own tokenizer: same ids for text, and the EOS tokenizer_config.json names."""
+    import json
+    import shutil
+
+    from moerun.text import Tokenizer
+
+    _, src = hf_model("qwen3moe")
+    folder = tmp_path / "hf"
+    shutil.copytree(src, folder)
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["eos_token"] = "<|endoftext|>"  # not the generated tokenizer's default EOS (<|im_end|>)
+    cfg_path.write_text(json.dumps(cfg))
+    hf_tok = Tokenizer.from_hf_dir(folder)
+    path = convert_hf_to_gguf(folder, tmp_path / "m.gguf", ftype="F32", progress=False)
+    with open_model(path) as mf:
+        gg_tok = Tokenizer.from_model_file(mf)
+    text = "def f(x):\n    return x + 1  # héllo 你好"
+    assert gg_tok.encode(text, add_special=False) == hf_tok.encode(text, add_special=False)
+    assert gg_tok.id_to_token(gg_tok.eos_id) == "<|endoftext|>" == hf_tok.id_to_token(hf_tok.eos_id)

@@ -82,7 +82,7 @@ def tokenizer_metadata(mf: ModelFile, vocab: int) -> dict[str, Any]:
         keys = {k: v for k, v in mf.metadata.items() if k.startswith("tokenizer.")}
         if keys:
             return keys
-    folder = Path(mf.metadata.get("tokenizer_dir", ""))
+    folder = Path(mf.metadata.get("dir", ""))
     path = folder / "tokenizer.json"
     if mf.format != "safetensors" or not path.is_file():
         return gguf_tokenizer_metadata(build_tokenizer(vocab))

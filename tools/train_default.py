@@ -7,8 +7,8 @@ thread (the default) a rerun on the same Python and torch versions gives the sam
 
     python -m moerun.tools.train_default [--steps N] [--threads 1] [--seed 0] [--out DIR] [--quick]
 
-writes a Hugging Face folder (config, safetensors, tokenizer.json, tokenizer_config.json with ChatML)
-that moerun.tools.convert turns into moerun/data/default-qwen3moe.gguf.
+writes a Hugging Face folder (config, safetensors, tokenizer.json, tokenizer_config.json with ChatML,
+train_summary.json); `--gguf moerun/data/default-qwen3moe.gguf` also converts it with moerun.tools.convert.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__
              "encodings", "pydoc_data"}  # encodings: charmap tables; pydoc_data: one huge string literal
 VAL_EVERY = 40  # every 40th file (sorted order) is validation
 EOT = "<|endoftext|>"
+GGUF_NAME = "moerun-default-qwen3moe"
 
 MODEL = {
     "hidden_size": 192, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 48,
@@ -163,6 +164,11 @@ def train(args) -> dict:
     (out_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"saved {out_dir}; {args.steps} steps in {wall:.0f} s ({summary['tok_per_s']} tok/s); "
           f"final train loss {summary['final_train_loss']}, val loss {summary['final_val_loss']}", flush=True)
+    if args.gguf:
+        from moerun.tools.convert import convert_hf_to_gguf
+
+        path = convert_hf_to_gguf(out_dir, args.gguf, ftype="F16", overwrite=True, progress=False, name=GGUF_NAME)
+        print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB)", flush=True)
     return summary
 
 
@@ -177,6 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--out", default="~/.cache/moerun/train_default")
+    ap.add_argument("--gguf", help="also convert the result to this GGUF file (F16), e.g. "
+                    "moerun/data/default-qwen3moe.gguf")
     ap.add_argument("--quick", action="store_true", help="a few steps, for smoke tests")
     args = ap.parse_args(argv)
     if args.quick:
