@@ -5,15 +5,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moerun.quant.qtypes import QTensor
+from moerun.quant.qtypes import FLOAT_QTYPES, QTensor
 
 Weight = torch.Tensor | QTensor
+
+
+def as_float(w: QTensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float-typed QTensor as a tensor of `dtype`: a view (plus a cast), no reference dequantizer."""
+    return w.data.view(FLOAT_QTYPES[w.qtype]).reshape(w.shape).to(dtype)
 
 
 def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] @ w[out, in].T. A quantized weight is dequantized here (reference path; kernels replace it)."""
     if isinstance(w, QTensor):
-        w = w.dequantize(x.dtype)
+        w = as_float(w, x.dtype) if w.qtype in FLOAT_QTYPES else w.dequantize(x.dtype)
     return F.linear(x, w, b)
 
 
