@@ -1,0 +1,126 @@
+"""`moerun trace ...`: offline analysis of routing traces (replay against cache policies)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from moerun.errors import MoerunError
+from moerun.experts.policy import POLICIES
+from moerun.experts.trace import GROUPS, Trace, read_trace, simulate
+
+ALL_POLICIES = (*POLICIES, "belady")
+
+
+def _split(value: str, what: str) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise click.BadParameter(f"empty {what} list")
+    return items
+
+
+def _parse_slots(ctx, param, value: str) -> list[int]:
+    try:
+        slots = [int(v) for v in _split(value, "slots")]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
+    if any(s < 1 for s in slots):
+        raise click.BadParameter("every cache size must be at least 1 slot")
+    return sorted(dict.fromkeys(slots))
+
+
+def _parse_policies(ctx, param, value: str) -> list[str]:
+    policies = [p.lower() for p in _split(value, "policy")]
+    unknown = [p for p in policies if p not in ALL_POLICIES]
+    if unknown:
+        raise click.BadParameter(f"unknown policy {', '.join(unknown)}; choose from {', '.join(ALL_POLICIES)}")
+    return list(dict.fromkeys(policies))
+
+
+def _table(results: dict[str, dict[int, float | None]], slots: list[int]) -> str:
+    head = ["policy", *(f"{s} slots" for s in slots)]
+    rows = [[p, *("n/a" if r[s] is None else f"{100 * r[s]:.1f}%" for s in slots)] for p, r in results.items()]
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
+
+    def line(cells):
+        return "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+
+    rule = "|" + "|".join(("-" * (w + 2)) if i == 0 else ("-" * (w + 1) + ":") for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(head), rule, *(line(r) for r in rows)])
+
+
+def _plot(path: Path, results: dict[str, dict[int, float | None]], slots: list[int], tr: Trace) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise MoerunError("--plot needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    try:
+        for p, r in results.items():
+            xs = [s for s in slots if r[s] is not None]
+            ax.plot(xs, [100 * r[s] for s in xs], marker="o", label=p, linestyle="--" if p == "belady" else "-")
+        h = tr.header
+        ax.set_title(f"{h.family}: {h.n_experts} experts, top-{h.k}, {h.n_layers} layers")
+        ax.set_xlabel("cache slots per layer")
+        ax.set_ylabel("hit rate (%)")
+        ax.set_ylim(0, 100)
+        if len(slots) > 1 and slots[-1] / slots[0] >= 8:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(slots, [str(s) for s in slots])
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, format="png")
+    finally:
+        plt.close(fig)
+
+
+@click.group()
+def trace():
+    """Routing traces: replay them against expert-cache policies."""
+
+
+@trace.command("simulate")
+@click.argument("file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.option("--slots", default="4,8,16", show_default=True, callback=_parse_slots,
+              help="Cache sizes (experts per layer), comma-separated.")
+@click.option("--policy", "policies", default="lru,lfu,lfru,belady", show_default=True,
+              callback=_parse_policies, help=f"Policies, comma-separated: {', '.join(ALL_POLICIES)}.")
+@click.option("--group", type=click.Choice(GROUPS), default="token", show_default=True,
+              help="A cache step is one token's experts, or one batch step's (records sharing 'step').")
+@click.option("--plot", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Write a PNG of hit rate against cache size per policy.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+def simulate_cmd(file: Path, slots: list[int], policies: list[str], group: str, plot: Path | None, as_json: bool):
+    """Replay the routing trace FILE against each policy and cache size; print the hit rates."""
+    tr = read_trace(file)
+    results: dict[str, dict[int, float | None]] = {p: {} for p in policies}
+    rows = []
+    for p, s in ((p, s) for p in policies for s in slots):
+        stats = simulate(tr, s, p, group=group)
+        results[p][s] = stats.hit_rate()
+        tot = stats.totals()
+        rows.append({"policy": p, "slots": s, **{k: getattr(tot["all"], k) for k in
+                                                  ("queries", "hits", "misses", "evictions")},
+                     "hit_rate": tot["all"].hit_rate, "prefill_hit_rate": tot["prefill"].hit_rate,
+                     "decode_hit_rate": tot["decode"].hit_rate})
+    if plot is not None:
+        _plot(plot, results, slots, tr)
+    h = tr.header
+    if as_json:
+        click.echo(json.dumps({"trace": {"path": str(file), **h.to_json(), "records": len(tr.records)},
+                               "group": group, "results": rows, "plot": None if plot is None else str(plot)},
+                              indent=2))
+        return
+    click.echo(f"trace {file}: {h.family}, {h.n_layers} layers, {h.n_experts} experts, top-{h.k}, "
+               f"{len(tr.records)} records, one step per {group}")
+    click.echo("")
+    click.echo(_table(results, slots))
+    if plot is not None:
+        click.echo(f"\nplot written to {plot}")
