@@ -224,7 +224,9 @@ class SlotTable:
         self.policy.on_insert(expert, prefetched=prefetched)
         return Load(expert, slot, evicted)
 
-    def request(self, experts: Sequence[int]) -> StepPlan:
+    def request(self, experts: Sequence[int], bypass_misses: bool = False) -> StepPlan:
+        """One step's experts. With ``bypass_misses`` (e.g. a prefill that must not evict the decode
+        working set) residents still hit, but misses are served from the home tier without a load."""
         step = tuple(dict.fromkeys(int(e) for e in experts))
         pinned = set(step)
         hits, loads, bypassed = [], [], []
@@ -233,7 +235,7 @@ class SlotTable:
                 self.policy.on_hit(e)
                 hits.append(e)
             else:
-                load = self._place(e, pinned, prefetched=False)
+                load = None if bypass_misses else self._place(e, pinned, prefetched=False)
                 if load is None:
                     bypassed.append(e)
                 else:

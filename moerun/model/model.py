@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moerun.arch.spec import ModelSpec
+from moerun.experts.store import ExpertStore
 from moerun.formats.names import CName
 from moerun.model.layers import Weight, apply_rope, attend, linear, rms_norm, rope_tables, swiglu
 from moerun.model.moe import Experts, ResidentExperts, route
@@ -72,11 +73,10 @@ class MoEModel:
             else:
                 lw.ffn = (mat("ffn_gate.weight", i), mat("ffn_up.weight", i), mat("ffn_down.weight", i))
             self.layers.append(lw)
-        if experts is None:
-            stacks = {k: {i: weights[CName(f"ffn_{k}_exps.weight", i)] for i in range(spec.n_layers)
-                          if spec.moe_layers[i]} for k in ("gate", "up", "down")}
-            experts = ResidentExperts(stacks["gate"], stacks["up"], stacks["down"])
-        self.experts = experts
+        self.store = ExpertStore(*({i: weights[CName(f"ffn_{k}_exps.weight", i)]
+                                    for i in range(spec.n_layers) if spec.moe_layers[i]}
+                                   for k in ("gate", "up", "down")))
+        self.experts = experts or ResidentExperts(self.store)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         rows = QTensor(self.embd.data[tokens], self.embd.qtype, (len(tokens), self.spec.hidden))
@@ -101,12 +101,12 @@ class MoEModel:
             k_pos = torch.arange(end)
         return linear(attend(q, k, v, pos, k_pos), lw.wo)  # [T, H]
 
-    def ffn(self, i: int, x: torch.Tensor) -> torch.Tensor:
+    def ffn(self, i: int, x: torch.Tensor, phase: str) -> torch.Tensor:
         s, lw = self.spec, self.layers[i]
         if lw.ffn is not None:
             return swiglu(x, *lw.ffn)
         w, ids = route(x, lw.router, s.n_experts_used, s.norm_topk)  # [T, k]
-        out = self.experts(i, x, ids, w)
+        out = self.experts(i, x, ids, w, phase)
         if lw.shexp is not None:
             sh = swiglu(x, *lw.shexp)
             if lw.shexp_gate is not None:
@@ -115,12 +115,14 @@ class MoEModel:
         return out
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, kv: SeqKV | None = None, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, kv: SeqKV | None = None, last_only: bool = False,
+                phase: str | None = None) -> torch.Tensor:
         """tokens [T] at positions kv.length.. (0.. without a cache) -> logits [T, V] float32 ([1, V] if last_only).
 
         With `kv`, the tokens' keys and values are appended to the cache (room reserved here) and attention
-        covers every cached position.
+        covers every cached position. phase (for expert-cache statistics): "prefill" when T > 1 by default.
         """
+        phase = phase or ("prefill" if len(tokens) > 1 else "decode")
         start = 0 if kv is None else kv.length
         if kv is not None:
             kv.reserve(len(tokens))
@@ -129,7 +131,7 @@ class MoEModel:
         x = self.embed(tokens)
         for i, lw in enumerate(self.layers):
             x = x + self.attention(i, rms_norm(x, lw.attn_norm, self.spec.rms_eps), pos, rope, kv)
-            x = x + self.ffn(i, rms_norm(x, lw.ffn_norm, self.spec.rms_eps))
+            x = x + self.ffn(i, rms_norm(x, lw.ffn_norm, self.spec.rms_eps), phase)
         if kv is not None:
             kv.length = start + len(tokens)
         if last_only:

@@ -1,7 +1,7 @@
 """The MoE block: router -> top-k -> experts -> combine (+ shared expert).
 
-Experts are computed through one object with the `Experts` interface, so the expert cache (issue 5)
-can replace `ResidentExperts` without touching the forward pass.
+Experts are computed through one object with the `Experts` interface: `ResidentExperts` reads every expert
+from the home-tier store, `CachedExperts` goes through an ExpertCache. The forward pass doesn't know which.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from moerun.experts.cache import ExpertCache
+from moerun.experts.store import Expert, ExpertStore
 from moerun.model.layers import Weight, linear, swiglu
-from moerun.quant.qtypes import QTensor
 
 
 def route(x: torch.Tensor, router: Weight, k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,21 +25,41 @@ def route(x: torch.Tensor, router: Weight, k: int, norm_topk: bool) -> tuple[tor
     return w.to(x.dtype), ids
 
 
+def combine(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: dict[int, Expert]) -> torch.Tensor:
+    """sum over each token's k choices of w * expert(x). x [T, H], ids/w [T, k] -> [T, H].
+
+    Experts run in ascending id order, so the result does not depend on where their weights live.
+    """
+    out = torch.zeros_like(x)
+    for e in sorted(experts):
+        tok, slot = torch.where(ids == e)  # tokens routed to e, and which of their k choices it was
+        ex = experts[e]
+        y = swiglu(x[tok], ex.gate, ex.up, ex.down)
+        out.index_add_(0, tok, y * w[tok, slot, None])
+    return out
+
+
 class Experts(Protocol):
-    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [T, H], ids/w [T, k] -> sum over k of w * expert_ids(x), [T, H]."""
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, phase: str
+                 ) -> torch.Tensor:
+        """x [T, H], ids/w [T, k] -> sum over k of w * expert_ids(x), [T, H]. phase: prefill | decode."""
 
 
 class ResidentExperts:
-    """All experts held in memory as stored (stacked [E, ...] QTensors per layer)."""
+    """Every expert read where it is stored (memory map or owned RAM)."""
 
-    def __init__(self, gate: dict[int, QTensor], up: dict[int, QTensor], down: dict[int, QTensor]):
-        self.gate, self.up, self.down = gate, up, down
+    def __init__(self, store: ExpertStore):
+        self.store = store
 
-    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for e in torch.unique(ids).tolist():
-            tok, slot = torch.where(ids == e)  # tokens routed to e, and which of their k choices it was
-            y = swiglu(x[tok], self.gate[layer][e], self.up[layer][e], self.down[layer][e])
-            out.index_add_(0, tok, y * w[tok, slot, None])
-        return out
+    def __call__(self, layer, x, ids, w, phase):
+        return combine(x, ids, w, {e: self.store.get(layer, e) for e in torch.unique(ids).tolist()})
+
+
+class CachedExperts:
+    """Experts through an ExpertCache: hits from slots, misses paged in or computed at home."""
+
+    def __init__(self, cache: ExpertCache):
+        self.cache = cache
+
+    def __call__(self, layer, x, ids, w, phase):
+        return combine(x, ids, w, self.cache.fetch(layer, torch.unique(ids).tolist(), phase))
