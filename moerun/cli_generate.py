@@ -33,6 +33,16 @@ def model_options(f):
                      help="CPU threads (default: physical cores)."),
         click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
                      help="Compute precision."),
+        click.option("--expert-cache-mib", type=click.FloatRange(min=0), default=None,
+                     help="Expert cache size in MiB, split evenly over the MoE layers (default: no cache; "
+                          "experts are read where they are stored)."),
+        click.option("--expert-cache-slots", type=click.IntRange(min=0), default=None,
+                     help="Expert cache slots per MoE layer (instead of --expert-cache-mib)."),
+        click.option("--cache-policy", type=click.Choice(["lru", "lfu", "lfru"]), default="lru", show_default=True,
+                     help="Expert cache eviction policy."),
+        click.option("--cache-prefill", type=click.Choice(["bypass", "cache"]), default="bypass", show_default=True,
+                     help="Prefill misses: compute at home without evicting (bypass), or page in (cache)."),
+        click.option("-v", "--verbose", is_flag=True, help="Per-layer expert-cache figures."),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -75,7 +85,29 @@ def _sampling(kw: dict):
         raise click.BadParameter(str(e)) from None
 
 
-def _engine(model: Path | None, ctx_size: int | None, ubatch: int, threads: int | None, dtype: str):
+def _cache(loaded, mib: float | None, slots: int | None, policy: str, prefill: str):
+    """Attach an expert cache when asked for; -> the cache, or None."""
+    from moerun.experts.cache import ExpertCache
+    from moerun.model.moe import CachedExperts
+
+    if mib is None and slots is None:
+        return None
+    if mib is not None and slots is not None:
+        raise click.UsageError("give --expert-cache-mib or --expert-cache-slots, not both")
+    store = loaded.model.store
+    if slots is None:
+        per_layer = max((store.expert_bytes(layer) for layer in store.layers), default=1)
+        slots = int(mib * 2**20 // (per_layer * max(len(store.layers), 1)))
+        if slots == 0:
+            click.echo(f"warning: {mib} MiB holds no expert per layer ({per_layer / 2**20:.2f} MiB each); "
+                       "every expert is read from its home tier", err=True)
+    cache = ExpertCache(store, slots=slots, policy=policy, prefill=prefill)
+    loaded.model.experts = CachedExperts(cache)
+    return cache
+
+
+def _engine(model: Path | None, ctx_size: int | None, ubatch: int, threads: int | None, dtype: str,
+            expert_cache_mib=None, expert_cache_slots=None, cache_policy="lru", cache_prefill="bypass"):
     import psutil
     import torch
 
@@ -87,10 +119,19 @@ def _engine(model: Path | None, ctx_size: int | None, ubatch: int, threads: int 
     loaded = load_model(model or default_model_path(), dtype=getattr(torch, dtype))
     tok = Tokenizer.from_model_file(loaded.file)
     ctx = ctx_size or min(4096, loaded.arch.spec.context_length)
-    return Engine(loaded.model, tok, ctx_size=ctx, ubatch=ubatch)
+    cache = _cache(loaded, expert_cache_mib, expert_cache_slots, cache_policy, cache_prefill)
+    return Engine(loaded.model, tok, ctx_size=ctx, ubatch=ubatch, expert_cache=cache)
 
 
-def _log(lines: list[str]) -> None:
+def _log(eng, timings, verbose: bool) -> None:
+    """llama.cpp's timing lines, then the expert cache's (its figures since the last report)."""
+    lines = timings.log_lines()
+    if eng.expert_cache is not None:
+        stats = eng.expert_cache.stats
+        lines.append(stats.summary_line())
+        if verbose:
+            lines += stats.per_layer_lines()
+        stats.reset()
     for line in lines:
         click.echo(line, err=True)
 
@@ -103,21 +144,25 @@ def _log(lines: list[str]) -> None:
               help="Read the prompt from a file.")
 @click.option("--no-display-prompt", is_flag=True, help="Do not echo the prompt before the generated text.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and timings.")
-def run(model, ctx_size, ubatch, threads, dtype, prompt, prompt_file, no_display_prompt, as_json, **kw):
+def run(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache_slots, cache_policy, cache_prefill,
+        verbose, prompt, prompt_file, no_display_prompt, as_json, **kw):
     """Complete a prompt, streaming the text to stdout; timings go to stderr."""
     params = _sampling(kw)
     if prompt_file is not None:
         prompt = prompt_file.read()
     if not prompt:
         raise click.UsageError("give a prompt with -p or -f")
-    eng = _engine(model, ctx_size, ubatch, threads, dtype)
+    eng = _engine(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache_slots, cache_policy,
+                  cache_prefill)
     ids = eng.tokenizer.encode(prompt)
     gen = eng.generate(ids, params)
     if as_json:
         gen.run()
-        click.echo(json.dumps({"prompt": prompt, "text": gen.text, "tokens": gen.tokens,
-                               "finish_reason": gen.finish_reason, "seed": gen.sampler.seed,
-                               "timings": gen.timings.to_dict()}))
+        out = {"prompt": prompt, "text": gen.text, "tokens": gen.tokens, "finish_reason": gen.finish_reason,
+               "seed": gen.sampler.seed, "timings": gen.timings.to_dict()}
+        if eng.expert_cache is not None:
+            out["expert_cache"] = eng.expert_cache.stats.to_dict()
+        click.echo(json.dumps(out))
         return
     if not no_display_prompt:
         click.echo(prompt, nl=False)
@@ -126,19 +171,21 @@ def run(model, ctx_size, ubatch, threads, dtype, prompt, prompt_file, no_display
         sys.stdout.flush()
     click.echo()
     sys.stdout.flush()
-    _log(gen.timings.log_lines())
+    _log(eng, gen.timings, verbose)
 
 
 @click.command()
 @model_options
 @sampling_options
 @click.option("--system", default=None, help="System prompt.")
-def chat(model, ctx_size, ubatch, threads, dtype, system, **kw):
+def chat(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache_slots, cache_policy, cache_prefill,
+         verbose, system, **kw):
     """Interactive chat with the model's chat template. Ctrl-C stops a reply, Ctrl-D exits."""
     from moerun.text import ChatTemplate
 
     params = _sampling(kw)
-    eng = _engine(model, ctx_size, ubatch, threads, dtype)
+    eng = _engine(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache_slots, cache_policy,
+                  cache_prefill)
     template = ChatTemplate.for_tokenizer(eng.tokenizer)
     seq = eng.new_sequence()
     messages = [{"role": "system", "content": system}] if system else []
@@ -172,4 +219,4 @@ def chat(model, ctx_size, ubatch, threads, dtype, system, **kw):
             messages.pop()
             continue
         messages.append({"role": "assistant", "content": "".join(reply)})
-        _log(gen.timings.log_lines())
+        _log(eng, gen.timings, verbose)

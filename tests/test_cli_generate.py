@@ -102,3 +102,16 @@ def test_default_model_runs_without_m():
     assert r.exit_code == 0, r.output
     assert len(r.stdout.strip()) > 20
     assert TIMING.search(r.stderr)
+
+
+def test_run_with_expert_cache_reports_hit_rate_and_same_text(hf_model):
+    _, folder = hf_model("qwen3moe")
+    base = ("run", "-m", folder, "-p", "Hello", "-n", "12", "--temp", "0", "--ignore-eos")
+    plain = json.loads(invoke(*base, "--json").stdout)
+    cached = json.loads(invoke(*base, "--json", "--expert-cache-slots", "1", "--cache-policy", "lfu").stdout)
+    assert cached["tokens"] == plain["tokens"]
+    decode = cached["expert_cache"]
+    assert "decode" in json.dumps(decode)
+    r = invoke(*base, "--expert-cache-mib", "0.05", "-v")
+    assert re.search(r"^expert cache: prefill hit rate .*decode hit rate [\d.]+% \(\d+/\d+\)", r.stderr, re.MULTILINE)
+    assert re.search(r"^layer +0: ", r.stderr, re.MULTILINE)

@@ -17,6 +17,7 @@ from moerun.config import SamplingParams
 from moerun.engine.kv_cache import ContextOverflowError, KVPool, SeqKV
 from moerun.engine.sampler import Sampler, StopChecker
 from moerun.engine.timings import Timings
+from moerun.experts.cache import ExpertCache
 from moerun.model.model import MoEModel
 from moerun.text.tokenizer import Tokenizer
 
@@ -34,10 +35,12 @@ class Sequence:
 
 
 class Engine:
-    def __init__(self, model: MoEModel, tokenizer: Tokenizer, ctx_size: int = 4096, ubatch: int = 512):
+    def __init__(self, model: MoEModel, tokenizer: Tokenizer, ctx_size: int = 4096, ubatch: int = 512,
+                 expert_cache: ExpertCache | None = None):
         if ctx_size <= 0 or ubatch <= 0:
             raise ValueError("ctx_size and ubatch must be positive")
         self.model, self.tokenizer = model, tokenizer
+        self.expert_cache = expert_cache  # the model's expert cache, when it has one (for its statistics)
         self.ctx_size, self.ubatch = ctx_size, ubatch
         self.pool = KVPool(model.spec, ctx_size, dtype=model.dtype)
 
