@@ -8,8 +8,10 @@ from pathlib import Path
 
 import click
 
+from moerun.cli_bench import bench
 from moerun.cli_generate import chat, run
 from moerun.errors import MoerunError
+from moerun.experts.simulate_cli import trace
 
 
 class _Group(click.Group):
@@ -31,6 +33,8 @@ def main():
 
 main.add_command(run)
 main.add_command(chat)
+main.add_command(trace)
+main.add_command(bench)
 
 
 def _fmt_bytes(n: float) -> str:

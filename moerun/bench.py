@@ -1,0 +1,394 @@
+"""`moerun bench`: llama-bench's tests, fields and output formats, plus moerun's bandwidth view.
+
+Tests, as llama-bench runs them:
+
+- `ppN`: process an N-token prompt into an empty KV cache in `n_ubatch`-token chunks; one sample is the
+  whole prompt, N / seconds is its t/s.
+- `tgN`: generate N tokens one at a time from an empty KV cache (greedy argmax of the logits feeds the next
+  step); one sample is all N steps, N / seconds is its t/s.
+
+Test order and sweeps follow llama-bench: for each model, ubatch and thread count, every `-p` value (0 skips)
+then every `-n` value (0 skips). Integer arguments take comma lists and `first-last`, `first-last+step`,
+`first-last*mult` ranges. Before the samples there is one warm-up: the whole prompt for pp, one token for tg
+(llama-bench does the same). t/s is reported as mean ± sample standard deviation over the per-sample t/s.
+
+moerun's fields on top of llama-bench's (`bench_record`): `bytes_per_token` (weight bytes read per generated
+token, from `moerun.arch.summary`), and for tg tests `achieved_gbps` (bytes_per_token × t/s),
+`bound_ts` (host read bandwidth ÷ bytes_per_token: the decode speed if every weight byte streamed at the
+measured peak) and `bound_fraction` (t/s ÷ bound_ts). For pp tests these three are null: a prompt chunk
+reads each weight once for many tokens, so bytes per token times t/s is not a memory traffic figure.
+`host_read_gbps`/`host_read_source` say which bandwidth figure was used (measured, cached or default).
+The `expert_cache_*` fields are null until moerun has an expert cache.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+import statistics
+import textwrap
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TextIO
+
+FIELDS = [
+    "moerun_version", "cpu_info", "gpu_info", "backends", "model_filename", "model_type", "model_size",
+    "model_n_params", "n_ubatch", "n_threads", "dtype", "n_prompt", "n_gen", "test_time",
+    "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "samples_ns", "samples_ts",
+    "bytes_per_token", "achieved_gbps", "host_read_gbps", "host_read_source", "bound_ts", "bound_fraction",
+    "expert_cache_hits", "expert_cache_queries", "expert_cache_hit_rate",
+]
+LIST_FIELDS = ("samples_ns", "samples_ts")  # in json/jsonl; left out of csv, as llama-bench does
+FORMATS = ("md", "json", "jsonl", "csv")
+DEFAULT_UBATCH = 512
+
+_RANGE = re.compile(r"(\d+)(?:-(\d+)(?:([+*])(\d+))?)?")
+
+
+def parse_int_range(text: str) -> list[int]:
+    """llama-bench's integer lists: `512`, `128,512`, `1-4` (1,2,3,4), `0-512+128`, `16-512*2`, mixed."""
+    out: list[int] = []
+    for part in text.split(","):
+        m = _RANGE.fullmatch(part.strip())
+        if not m:
+            raise ValueError(f"invalid range format '{text}' (use N, A-B, A-B+STEP or A-B*MULT, comma separated)")
+        first = int(m[1])
+        last = int(m[2]) if m[2] is not None else first
+        op, step = m[3] or "+", int(m[4]) if m[4] is not None else 1
+        i = first
+        while i <= last:
+            out.append(i)
+            nxt = i + step if op == "+" else i * step
+            if nxt <= i:
+                raise ValueError(f"invalid range '{part}': it does not advance")
+            i = nxt
+    return out
+
+
+def parse_int_lists(values: Iterable[str]) -> list[int]:
+    """Concatenate several parse_int_range arguments (a flag given twice appends, as in llama-bench)."""
+    return [n for v in values for n in parse_int_range(v)]
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    model: str
+    n_prompt: int
+    n_gen: int
+    n_ubatch: int
+    n_threads: int
+
+    @property
+    def name(self) -> str:
+        if self.n_gen == 0:
+            return f"pp{self.n_prompt}"
+        if self.n_prompt == 0:
+            return f"tg{self.n_gen}"
+        return f"pp{self.n_prompt}+tg{self.n_gen}"
+
+
+def expand_cases(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[int],
+                 n_ubatch: Sequence[int], n_threads: Sequence[int]) -> list[BenchCase]:
+    """llama-bench's order: model > ubatch > threads > (every pp, then every tg); zero sizes are skipped."""
+    cases = []
+    for m in models:
+        for ub in n_ubatch:
+            for t in n_threads:
+                cases += [BenchCase(m, p, 0, ub, t) for p in n_prompt if p > 0]
+                cases += [BenchCase(m, 0, g, ub, t) for g in n_gen if g > 0]
+    return cases
+
+
+# --------------------------------------------------------------------------------------------- models
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: str
+    model_type: str  # llama.cpp's llama_model_desc, moerun's wording: "qwen3moe 2.5B.A232M Q4_K_M"
+    model_size: int  # weight bytes (llama_model_size counts tensor bytes, not the file)
+    model_n_params: int
+    bytes_per_token: int
+    vocab: int
+
+
+def _count_label(n: float) -> str:
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return str(int(n))
+
+
+def _ftype_name(metadata: dict, by_class: dict) -> str:
+    ft = metadata.get("general.file_type")
+    if isinstance(ft, int):
+        import gguf
+
+        try:
+            name = gguf.LlamaFileType(ft).name
+            return "F32" if name == "ALL_F32" else name.removeprefix("MOSTLY_")
+        except ValueError:
+            pass
+    totals: dict[str, int] = {}
+    for by_q in by_class.values():
+        for q, b in by_q.items():
+            totals[q] = totals.get(q, 0) + b
+    return max(totals, key=totals.get) if totals else "?"
+
+
+def describe_model(path: str | Path) -> ModelInfo:
+    """Sizes and bytes per token without reading weights (raises ModelFormatError for a bad file)."""
+    from moerun.arch import resolve
+    from moerun.arch.summary import summarize
+    from moerun.formats import open_model
+
+    with open_model(path) as mf:
+        arch = resolve(mf)
+        s = summarize(arch)
+        ftype = _ftype_name(mf.metadata, s.by_class)
+    spec = arch.spec
+    desc = f"{spec.family} {_count_label(s.total_params)}.A{_count_label(s.active_params)} {ftype}"
+    return ModelInfo(str(path), desc, s.total_bytes, s.total_params, s.bytes_per_token, spec.vocab)
+
+
+# --------------------------------------------------------------------------------------------- timing
+
+
+def time_prompt(model, seq, tokens, ubatch: int) -> int:
+    """Nanoseconds to run `tokens` through `model` into the (empty) `seq`, `ubatch` tokens per forward."""
+    t0 = time.perf_counter_ns()
+    for chunk in tokens.split(ubatch):
+        logits = model.forward(chunk, seq, last_only=True)
+    int(logits[-1].argmax())  # the prompt is done when its last logits are (a sync point on any device)
+    return time.perf_counter_ns() - t0
+
+
+def time_gen(model, seq, first_token: int, n_gen: int) -> int:
+    """Nanoseconds to generate `n_gen` tokens one at a time into `seq`, greedy, starting from first_token."""
+    import torch
+
+    tok = first_token
+    t0 = time.perf_counter_ns()
+    for _ in range(n_gen):
+        logits = model.forward(torch.tensor([tok], dtype=torch.long), seq, last_only=True)
+        tok = int(logits[-1].argmax())
+    return time.perf_counter_ns() - t0
+
+
+def run_case(model, pool, case: BenchCase, reps: int, vocab: int, warmup: bool = True, seed: int = 0,
+             log: Callable[[str], None] = lambda s: None) -> list[int]:
+    """Samples (ns) of one test: optional warm-up, then `reps` runs, each from an empty KV cache."""
+    import torch
+
+    from moerun.engine.kv_cache import SeqKV
+
+    tokens = torch.randint(0, vocab, (max(case.n_prompt, 1),), generator=torch.Generator().manual_seed(seed))
+    first = int(tokens[0])
+
+    def once(n_prompt: int, n_gen: int) -> int:
+        seq = SeqKV(pool, n_prompt + n_gen)
+        try:
+            ns = time_prompt(model, seq, tokens[:n_prompt], case.n_ubatch) if n_prompt else 0
+            return ns + (time_gen(model, seq, first, n_gen) if n_gen else 0)
+        finally:
+            seq.free()
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(case.n_threads)
+    try:
+        if warmup:
+            log(f"{case.name}: warm-up")
+            once(case.n_prompt, min(case.n_gen, 1))
+        samples = []
+        for i in range(reps):
+            samples.append(once(case.n_prompt, case.n_gen))
+            ts = (case.n_prompt + case.n_gen) * 1e9 / samples[-1]
+            log(f"{case.name}: run {i + 1}/{reps}: {samples[-1] / 1e9:.3f} s, {ts:.2f} t/s")
+        return samples
+    finally:
+        torch.set_num_threads(before)
+
+
+# --------------------------------------------------------------------------------------------- records
+
+
+def _stdev(v: Sequence[float]) -> float:
+    return statistics.stdev(v) if len(v) > 1 else 0.0  # sample (n - 1) deviation, as llama-bench
+
+
+def cpu_info() -> str:
+    """The CPU's model name from /proc/cpuinfo ("" where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor()
+
+
+def bench_record(info: ModelInfo, case: BenchCase, samples_ns: Sequence[int], dtype: str, test_time: str,
+                 host_gbps: float, host_source: str) -> dict:
+    """One result row in llama-bench's JSON shape plus moerun's fields (see the module docstring)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        moerun_version = version("moerun")
+    except PackageNotFoundError:
+        moerun_version = "unknown"
+    n_tokens = case.n_prompt + case.n_gen
+    samples_ts = [n_tokens * 1e9 / ns for ns in samples_ns]
+    avg_ts = statistics.fmean(samples_ts) if samples_ts else 0.0
+    decode = case.n_prompt == 0 and info.bytes_per_token > 0
+    bound_ts = host_gbps * 1e9 / info.bytes_per_token if decode else None
+    return {
+        "moerun_version": moerun_version, "cpu_info": cpu_info(), "gpu_info": "", "backends": "CPU",
+        "model_filename": info.path, "model_type": info.model_type, "model_size": info.model_size,
+        "model_n_params": info.model_n_params, "n_ubatch": case.n_ubatch, "n_threads": case.n_threads,
+        "dtype": dtype, "n_prompt": case.n_prompt, "n_gen": case.n_gen, "test_time": test_time,
+        "avg_ns": int(statistics.fmean(samples_ns)) if samples_ns else 0,
+        "stddev_ns": int(_stdev(samples_ns)), "avg_ts": avg_ts, "stddev_ts": _stdev(samples_ts),
+        "samples_ns": list(samples_ns), "samples_ts": samples_ts,
+        "bytes_per_token": info.bytes_per_token,
+        "achieved_gbps": info.bytes_per_token * avg_ts / 1e9 if decode else None,
+        "host_read_gbps": host_gbps, "host_read_source": host_source,
+        "bound_ts": bound_ts, "bound_fraction": avg_ts / bound_ts if bound_ts else None,
+        "expert_cache_hits": None, "expert_cache_queries": None, "expert_cache_hit_rate": None,
+    }
+
+
+# --------------------------------------------------------------------------------------------- output
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e6:.2f} M" if n < 1e9 else f"{n / 1e9:.2f} B"
+
+
+class Printer:
+    """Streams records to `out` in one of FORMATS: header, one row per test as it finishes, footer."""
+
+    def __init__(self, fmt: str, out: TextIO, extra_md_columns: Sequence[str] = ()):
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown output format '{fmt}' ({', '.join(FORMATS)})")
+        self.fmt, self.out, self.n = fmt, out, 0
+        self.md_columns = ["model", "size", "params", "backend", "threads", *extra_md_columns,
+                           "test", "t/s", "GB/s", "% of bound"]
+        self.csv_fields = [f for f in FIELDS if f not in LIST_FIELDS]
+
+    def _emit(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
+    def _md_line(self, cells: Sequence[str]) -> str:
+        return "|" + "".join(f" {c:{'<' if w < 0 else '>'}{abs(w)}} |"
+                             for c, w in zip(cells, map(self._width, self.md_columns))) + "\n"
+
+    @staticmethod
+    def _width(col: str) -> int:
+        """llama-bench's column widths; negative: left-aligned."""
+        return {"model": -30, "size": 10, "params": 10, "backend": -10, "threads": 7, "n_ubatch": 8,
+                "dtype": -8, "test": 15, "t/s": 20, "GB/s": 8, "% of bound": 10}[col]
+
+    def header(self) -> None:
+        if self.fmt == "md":
+            self._emit(self._md_line(self.md_columns))
+            self._emit("|" + "".join(f" {'-' * (abs(w) - 1)}{':' if w > 0 else '-'} |"
+                                     for w in map(self._width, self.md_columns)) + "\n")
+        elif self.fmt == "json":
+            self._emit("[\n")
+        elif self.fmt == "csv":
+            self._emit(",".join(self.csv_fields) + "\n")
+
+    def row(self, rec: dict) -> None:
+        if self.fmt == "md":
+            self._emit(self._md_line([self._md_cell(c, rec) for c in self.md_columns]))
+        elif self.fmt == "json":
+            self._emit(("" if self.n == 0 else ",\n") + textwrap.indent(json.dumps(rec, indent=2), "  "))
+        elif self.fmt == "jsonl":
+            self._emit(json.dumps(rec) + "\n")
+        else:
+            buf = io.StringIO()
+            csv.writer(buf, lineterminator="\n").writerow(
+                ["" if rec[f] is None else rec[f] for f in self.csv_fields])
+            self._emit(buf.getvalue())
+        self.n += 1
+
+    def footer(self) -> None:
+        if self.fmt == "json":
+            self._emit("\n]\n" if self.n else "]\n")
+
+    @staticmethod
+    def _md_cell(col: str, rec: dict) -> str:
+        test = BenchCase("", rec["n_prompt"], rec["n_gen"], 0, 0).name
+        gbps, frac = rec["achieved_gbps"], rec["bound_fraction"]
+        return {
+            "model": rec["model_type"], "size": _size(rec["model_size"]), "params": _params(rec["model_n_params"]),
+            "backend": rec["backends"], "threads": str(rec["n_threads"]), "n_ubatch": str(rec["n_ubatch"]),
+            "dtype": rec["dtype"], "test": test, "t/s": f"{rec['avg_ts']:.2f} ± {rec['stddev_ts']:.2f}",
+            "GB/s": "-" if gbps is None else f"{gbps:.2f}",
+            "% of bound": "-" if frac is None else f"{100 * frac:.1f}",
+        }[col]
+
+
+# --------------------------------------------------------------------------------------------- driver
+
+
+def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[int], n_threads: Sequence[int],
+              n_ubatch: Sequence[int] = (DEFAULT_UBATCH,), reps: int = 5, dtype: str = "float32",
+              measure_bw: bool = False, warmup: bool = True, fmt: str = "md", out: TextIO | None = None,
+              log: Callable[[str], None] = lambda s: None) -> list[dict]:
+    """Run every test (see expand_cases) and stream the records to `out` in `fmt`; returns the records."""
+    import gc
+    import sys
+
+    import torch
+
+    from moerun.engine.kv_cache import KVPool
+    from moerun.loading import load_model
+    from moerun.placement.bandwidth import host_read_bandwidth
+
+    if reps < 1:
+        raise ValueError("repetitions must be at least 1")
+    infos = {m: describe_model(m) for m in models}  # every bad path fails here, before any test runs
+    cases = expand_cases(list(models), n_prompt, n_gen, n_ubatch, n_threads)
+    bw = {}
+    for t in dict.fromkeys(c.n_threads for c in cases):
+        if measure_bw:
+            log(f"measuring host read bandwidth with {t} thread(s)...")
+        bw[t] = host_read_bandwidth(t, measure=measure_bw)
+        hint = "" if bw[t][1] != "default" else " (nothing measured yet; pass --measure-bw)"
+        log(f"host read bandwidth, {t} thread(s): {bw[t][0]:.2f} GB/s, {bw[t][1]}{hint}")
+    extra = [c for c, on in (("n_ubatch", list(n_ubatch) != [DEFAULT_UBATCH]), ("dtype", dtype != "float32")) if on]
+    printer = Printer(fmt, out or sys.stdout, extra)
+    printer.header()
+    records: list[dict] = []
+    loaded_path, loaded, pool = None, None, None
+    for i, case in enumerate(cases, 1):
+        info = infos[case.model]
+        if case.model != loaded_path:
+            loaded = pool = None
+            gc.collect()
+            log(f"loading {case.model}")
+            loaded, loaded_path = load_model(case.model, dtype=getattr(torch, dtype)), case.model
+            ctx = max(c.n_prompt + c.n_gen for c in cases if c.model == case.model)
+            pool = KVPool(loaded.arch.spec, ctx, dtype=loaded.model.dtype)
+        log(f"test {i}/{len(cases)}: {case.name}, {case.n_threads} thread(s), ubatch {case.n_ubatch}, "
+            f"{reps} run(s)")
+        test_time = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        samples = run_case(loaded.model, pool, case, reps, info.vocab, warmup=warmup, log=log)
+        rec = bench_record(info, case, samples, dtype, test_time, *bw[case.n_threads])
+        printer.row(rec)
+        records.append(rec)
+    printer.footer()
+    return records

@@ -1,0 +1,55 @@
+"""`moerun bench`: llama-bench's command line (pp/tg tests, sweeps, md/json/jsonl/csv) for moerun."""
+
+from __future__ import annotations
+
+import click
+
+
+def _int_lists(ctx, param, values):
+    from moerun.bench import parse_int_lists
+
+    if not values:
+        return None
+    try:
+        return parse_int_lists(values)
+    except ValueError as e:
+        raise click.BadParameter(str(e), ctx=ctx, param=param) from None
+
+
+@click.command()
+@click.option("-m", "--model", "models", multiple=True, required=True,
+              help="GGUF file or Hugging Face folder (repeat for several models).")
+@click.option("-p", "--n-prompt", multiple=True, callback=_int_lists,
+              help="Prompt sizes for ppN tests; 0 skips them.  [default: 512]")
+@click.option("-n", "--n-gen", multiple=True, callback=_int_lists,
+              help="Generation lengths for tgN tests; 0 skips them.  [default: 128]")
+@click.option("-t", "--threads", multiple=True, callback=_int_lists,
+              help="CPU thread counts.  [default: physical cores]")
+@click.option("-ub", "--ubatch", "--ubatch-size", "ubatch", multiple=True, callback=_int_lists,
+              help="Prompt chunk sizes.  [default: 512]")
+@click.option("-r", "--repetitions", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Timed runs per test.")
+@click.option("-o", "--output", "fmt", type=click.Choice(["md", "json", "jsonl", "csv"]), default="md",
+              show_default=True, help="Output format on stdout.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Compute precision.")
+@click.option("--measure-bw", is_flag=True,
+              help="Measure host read bandwidth once per thread count (cached in ~/.cache/moerun/hardware.json).")
+@click.option("--no-warmup", is_flag=True, help="Skip the warm-up run before each test.")
+def bench(models, n_prompt, n_gen, threads, ubatch, repetitions, fmt, dtype, measure_bw, no_warmup):
+    """Measure prompt processing (ppN) and generation (tgN) speed, llama-bench style.
+
+    Integer options take comma lists and ranges: -p 128,512  -t 1-2  -p 64-512*2  -n 0-128+32.
+    Results go to stdout, progress to stderr. Besides t/s, tg tests report the weight bandwidth they
+    reached (GB/s) and the fraction of the host-RAM bound (bandwidth / weight bytes per token).
+    """
+    import psutil
+
+    from moerun.bench import DEFAULT_UBATCH, run_bench
+
+    threads = threads or [psutil.cpu_count(logical=False) or 1]
+    if any(t < 1 for t in threads) or any(u < 1 for u in (ubatch or [])):
+        raise click.BadParameter("thread counts and ubatch sizes must be at least 1")
+    run_bench(models, n_prompt if n_prompt is not None else [512], n_gen if n_gen is not None else [128],
+              threads, ubatch or [DEFAULT_UBATCH], reps=repetitions, dtype=dtype, measure_bw=measure_bw,
+              warmup=not no_warmup, fmt=fmt, log=lambda s: click.echo(f"bench: {s}", err=True))

@@ -1,0 +1,125 @@
+"""Host memory read bandwidth: measured once per thread count, cached as JSON.
+
+The figure is what torch reaches summing a large float32 tensor (1 GiB by default, far larger than any
+cache) with `n` intra-op threads: the median of several passes, in GB/s (1e9 bytes per second). It is the
+`bw(cpu_ram)` of the cost model and the ceiling `moerun bench` compares decode speed against.
+
+The cache is `$MOERUN_CACHE/hardware.json` (default `~/.cache/moerun/hardware.json`):
+
+    {"host_read_bandwidth": {"2": {"gbps": 21.3, "measured_at": "2026-12-01T10:00:00+00:00",
+                                   "bytes": 1073741824, "runs": 5, "samples_gbps": [...]}}}
+
+keyed by thread count. Other keys in the file are kept as they are (other measurements live there too).
+Nothing here keeps state between calls: every function reads or writes the file it is given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+DEFAULT_HOST_READ_GBPS = 20.0  # a dual-channel DDR4 desktop; used until a measurement exists
+CACHE_FILE = "hardware.json"
+SECTION = "host_read_bandwidth"
+
+
+def cache_dir() -> Path:
+    """`$MOERUN_CACHE`, else `~/.cache/moerun`."""
+    env = os.environ.get("MOERUN_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "moerun"
+
+
+def cache_path() -> Path:
+    return cache_dir() / CACHE_FILE
+
+
+def load_cache(path: Path | None = None) -> dict:
+    """The whole cache file as a dict; {} when it is missing or unreadable (a bad cache is not an error)."""
+    path = path or cache_path()
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def save_cache(data: dict, path: Path | None = None) -> None:
+    """Write the cache atomically (temporary file + rename), creating the folder."""
+    path = path or cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".hardware-", suffix=".json", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def measure_host_read_bandwidth(threads: int, nbytes: int = 1 << 30, runs: int = 5) -> dict:
+    """Sum a float32 tensor of `nbytes` with `threads` torch threads, `runs` timed passes after one warm-up.
+
+    -> {"gbps": median GB/s, "samples_gbps": [...], "bytes", "runs", "measured_at"}. torch's thread count
+    is restored afterwards.
+    """
+    import torch
+
+    if threads < 1 or runs < 1:
+        raise ValueError("threads and runs must be positive")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)  # ones, not empty: pages must be resident
+        x.sum()  # warm-up
+        samples = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            x.sum()
+            samples.append(x.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+        del x
+    finally:
+        torch.set_num_threads(before)
+    return {"gbps": statistics.median(samples), "samples_gbps": [round(s, 3) for s in samples],
+            "bytes": nbytes, "runs": runs, "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def cached_host_read_bandwidth(threads: int, path: Path | None = None) -> dict | None:
+    """The cached entry for `threads`, or None."""
+    entry = load_cache(path).get(SECTION, {}).get(str(threads))
+    if isinstance(entry, dict) and isinstance(entry.get("gbps"), (int, float)) and entry["gbps"] > 0:
+        return entry
+    return None
+
+
+def store_host_read_bandwidth(threads: int, entry: dict, path: Path | None = None) -> None:
+    """Record `entry` (as returned by measure_host_read_bandwidth) for `threads`, keeping everything else."""
+    data = load_cache(path)
+    section = data.get(SECTION)
+    if not isinstance(section, dict):
+        section = data[SECTION] = {}
+    section[str(threads)] = entry
+    save_cache(data, path)
+
+
+def host_read_bandwidth(threads: int, measure: bool = False, path: Path | None = None,
+                        nbytes: int = 1 << 30, runs: int = 5) -> tuple[float, str]:
+    """Host RAM read bandwidth with `threads` threads -> (GB/s, source).
+
+    source is "measured" (measure=True: measured now and cached), "cached" (a previous measurement), or
+    "default" (nothing measured yet: DEFAULT_HOST_READ_GBPS).
+    """
+    if measure:
+        entry = measure_host_read_bandwidth(threads, nbytes=nbytes, runs=runs)
+        store_host_read_bandwidth(threads, entry, path)
+        return float(entry["gbps"]), "measured"
+    entry = cached_host_read_bandwidth(threads, path)
+    if entry is not None:
+        return float(entry["gbps"]), "cached"
+    return DEFAULT_HOST_READ_GBPS, "default"
