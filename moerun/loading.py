@@ -21,7 +21,8 @@ class Loaded:
     model: MoEModel
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32) -> Loaded:
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, kernels: bool = True) -> Loaded:
+    """kernels=False runs quantized weights through the torch reference (dequantize per use)."""
     mf = open_model(path)
     arch = resolve(mf)
-    return Loaded(mf, arch, MoEModel(arch.spec, load_weights(mf, arch), dtype=dtype))
+    return Loaded(mf, arch, MoEModel(arch.spec, load_weights(mf, arch), dtype=dtype, kernels=kernels))

@@ -1,25 +1,9 @@
-"""Layers every family shares: linear over stored weights, RMSNorm, RoPE, attention, SwiGLU FFN."""
+"""Layers every family shares: RMSNorm, RoPE, attention. (Matrix products: moerun.model.ops.)"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from moerun.quant.qtypes import FLOAT_QTYPES, QTensor
-
-Weight = torch.Tensor | QTensor
-
-
-def as_float(w: QTensor, dtype: torch.dtype) -> torch.Tensor:
-    """A float-typed QTensor as a tensor of `dtype`: a view (plus a cast), no reference dequantizer."""
-    return w.data.view(FLOAT_QTYPES[w.qtype]).reshape(w.shape).to(dtype)
-
-
-def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] @ w[out, in].T. A quantized weight is dequantized here (reference path; kernels replace it)."""
-    if isinstance(w, QTensor):
-        w = as_float(w, x.dtype) if w.qtype in FLOAT_QTYPES else w.dequantize(x.dtype)
-    return F.linear(x, w, b)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,8 +36,3 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
     )  # [nh, T, D]
     return out.transpose(0, 1).flatten(1)
-
-
-def swiglu(x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor:
-    """down(silu(gate x) * up x). x [T, H] -> [T, H]."""
-    return linear(F.silu(linear(x, gate)) * linear(x, up), down)

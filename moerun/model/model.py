@@ -10,8 +10,9 @@ import torch
 from moerun.arch.spec import ModelSpec
 from moerun.experts.store import ExpertStore
 from moerun.formats.names import CName
-from moerun.model.layers import Weight, apply_rope, attend, linear, rms_norm, rope_tables, swiglu
+from moerun.model.layers import apply_rope, attend, rms_norm, rope_tables
 from moerun.model.moe import Experts, ResidentExperts, route
+from moerun.model.ops import Weight, make_ops
 from moerun.quant.qtypes import FLOAT_QTYPES, QTensor
 
 if TYPE_CHECKING:  # the engine owns the cache; the model only writes and reads through it
@@ -39,8 +40,9 @@ class LayerWeights:
 
 class MoEModel:
     def __init__(self, spec: ModelSpec, weights: dict[CName, QTensor], dtype: torch.dtype = torch.float32,
-                 experts: Experts | None = None):
+                 experts: Experts | None = None, kernels: bool = True):
         self.spec, self.dtype = spec, dtype
+        self.ops = make_ops(kernels)  # quantized CPU kernels when built, else the torch reference
 
         def mat(kind: str, layer: int | None = None) -> Weight | None:
             t = weights.get(CName(kind, layer))
@@ -84,7 +86,8 @@ class MoEModel:
 
     def attention(self, i: int, x: torch.Tensor, pos: torch.Tensor, rope, kv: SeqKV | None) -> torch.Tensor:
         s, lw, T = self.spec, self.layers[i], x.shape[0]
-        q, k, v = linear(x, lw.wq, lw.bq), linear(x, lw.wk, lw.bk), linear(x, lw.wv, lw.bv)  # [T, q_dim|kv_dim]
+        mm = self.ops.linear
+        q, k, v = mm(x, lw.wq, lw.bq), mm(x, lw.wk, lw.bk), mm(x, lw.wv, lw.bv)  # [T, q_dim|kv_dim]
         if s.clip_qkv is not None:
             q, k, v = (t.clamp(-s.clip_qkv, s.clip_qkv) for t in (q, k, v))
         if s.qk_norm == "full":
@@ -99,18 +102,18 @@ class MoEModel:
             kv.write(i, start, k, v)
             k, v = kv.read(i, end)  # [end, kv_heads, D]
             k_pos = torch.arange(end)
-        return linear(attend(q, k, v, pos, k_pos), lw.wo)  # [T, H]
+        return mm(attend(q, k, v, pos, k_pos), lw.wo)  # [T, H]
 
     def ffn(self, i: int, x: torch.Tensor, phase: str) -> torch.Tensor:
-        s, lw = self.spec, self.layers[i]
+        s, lw, ops = self.spec, self.layers[i], self.ops
         if lw.ffn is not None:
-            return swiglu(x, *lw.ffn)
-        w, ids = route(x, lw.router, s.n_experts_used, s.norm_topk)  # [T, k]
-        out = self.experts(i, x, ids, w, phase)
+            return ops.swiglu(x, *lw.ffn)
+        w, ids = route(ops, x, lw.router, s.n_experts_used, s.norm_topk)  # [T, k]
+        out = ops.moe(x, ids, w, self.experts.fetch(i, torch.unique(ids).tolist(), phase))
         if lw.shexp is not None:
-            sh = swiglu(x, *lw.shexp)
+            sh = ops.swiglu(x, *lw.shexp)
             if lw.shexp_gate is not None:
-                sh = torch.sigmoid(linear(x, lw.shexp_gate)) * sh
+                sh = torch.sigmoid(ops.linear(x, lw.shexp_gate)) * sh
             out = out + sh
         return out
 
@@ -136,4 +139,4 @@ class MoEModel:
             kv.length = start + len(tokens)
         if last_only:
             x = x[-1:]
-        return linear(rms_norm(x, self.out_norm, self.spec.rms_eps), self.head).float()
+        return self.ops.linear(rms_norm(x, self.out_norm, self.spec.rms_eps), self.head).float()

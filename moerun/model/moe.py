@@ -1,7 +1,8 @@
-"""The MoE block: router -> top-k -> experts -> combine (+ shared expert).
+"""The MoE block's pieces: the router, and where each step's experts are read from.
 
-Experts are computed through one object with the `Experts` interface: `ResidentExperts` reads every expert
-from the home-tier store, `CachedExperts` goes through an ExpertCache. The forward pass doesn't know which.
+`route` picks each token's k experts. An `Experts` source hands over the chosen experts' weights for one
+step: `ResidentExperts` reads them where they are stored, `CachedExperts` through an ExpertCache. How they
+are multiplied is `ops.moe` (moerun.model.ops); the forward pass knows neither detail.
 """
 
 from __future__ import annotations
@@ -13,36 +14,22 @@ import torch.nn.functional as F
 
 from moerun.experts.cache import ExpertCache
 from moerun.experts.store import Expert, ExpertStore
-from moerun.model.layers import Weight, linear, swiglu
+from moerun.model.ops import ReferenceOps, Weight
 
 
-def route(x: torch.Tensor, router: Weight, k: int, norm_topk: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(ops: ReferenceOps, x: torch.Tensor, router: Weight, k: int, norm_topk: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(fp32) -> top-k (-> renormalise). x [T, H] -> weights [T, k] (x.dtype), ids [T, k]."""
-    probs = F.softmax(linear(x, router).float(), dim=-1)  # [T, E]
+    probs = F.softmax(ops.linear(x, router).float(), dim=-1)  # [T, E]
     w, ids = torch.topk(probs, k, dim=-1)
     if norm_topk:
         w = w / w.sum(dim=-1, keepdim=True)
     return w.to(x.dtype), ids
 
 
-def combine(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: dict[int, Expert]) -> torch.Tensor:
-    """sum over each token's k choices of w * expert(x). x [T, H], ids/w [T, k] -> [T, H].
-
-    Experts run in ascending id order, so the result does not depend on where their weights live.
-    """
-    out = torch.zeros_like(x)
-    for e in sorted(experts):
-        tok, slot = torch.where(ids == e)  # tokens routed to e, and which of their k choices it was
-        ex = experts[e]
-        y = swiglu(x[tok], ex.gate, ex.up, ex.down)
-        out.index_add_(0, tok, y * w[tok, slot, None])
-    return out
-
-
 class Experts(Protocol):
-    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, phase: str
-                 ) -> torch.Tensor:
-        """x [T, H], ids/w [T, k] -> sum over k of w * expert_ids(x), [T, H]. phase: prefill | decode."""
+    def fetch(self, layer: int, experts: list[int], phase: str) -> dict[int, Expert]:
+        """The weights of `experts` (distinct ids) at `layer` for one step. phase: prefill | decode."""
 
 
 class ResidentExperts:
@@ -51,8 +38,8 @@ class ResidentExperts:
     def __init__(self, store: ExpertStore):
         self.store = store
 
-    def __call__(self, layer, x, ids, w, phase):
-        return combine(x, ids, w, {e: self.store.get(layer, e) for e in torch.unique(ids).tolist()})
+    def fetch(self, layer, experts, phase):
+        return {e: self.store.get(layer, e) for e in experts}
 
 
 class CachedExperts:
@@ -61,5 +48,5 @@ class CachedExperts:
     def __init__(self, cache: ExpertCache):
         self.cache = cache
 
-    def __call__(self, layer, x, ids, w, phase):
-        return combine(x, ids, w, self.cache.fetch(layer, torch.unique(ids).tolist(), phase))
+    def fetch(self, layer, experts, phase):
+        return self.cache.fetch(layer, experts, phase)

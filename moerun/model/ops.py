@@ -1,0 +1,87 @@
+"""How weights are multiplied: the torch reference (dequantize, then matmul) or the quantized CPU kernels.
+
+The forward pass calls `ops.linear` and `ops.moe`; which implementation runs is the model's choice
+(`MoEModel(..., kernels=...)`), so a test can run the same model both ways.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moerun.experts.store import Expert
+from moerun.quant.qtypes import FLOAT_QTYPES, QTensor
+
+Weight = torch.Tensor | QTensor
+
+
+def as_float(w: QTensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float-typed QTensor as a tensor of `dtype`: a view (plus a cast), no reference dequantizer."""
+    return w.data.view(FLOAT_QTYPES[w.qtype]).reshape(w.shape).to(dtype)
+
+
+class ReferenceOps:
+    """Quantized weights are dequantized at each use (the oracle the kernels are tested against)."""
+
+    name = "reference"
+
+    def linear(self, x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, in] @ w[out, in].T (+ b)."""
+        if isinstance(w, QTensor):
+            w = as_float(w, x.dtype) if w.qtype in FLOAT_QTYPES else w.dequantize(x.dtype)
+        return F.linear(x, w, b)
+
+    def swiglu(self, x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor:
+        """down(silu(gate x) * up x). x [T, H] -> [T, H]."""
+        return self.linear(F.silu(self.linear(x, gate)) * self.linear(x, up), down)
+
+    def moe(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: dict[int, Expert]) -> torch.Tensor:
+        """sum over each token's k choices of w * expert(x). x [T, H], ids/w [T, k] -> [T, H].
+
+        Experts run in ascending id order, so the result does not depend on where their weights live.
+        """
+        out = torch.zeros_like(x)
+        for e in sorted(experts):
+            tok, slot = torch.where(ids == e)  # tokens routed to e, and which of their k choices it was
+            ex = experts[e]
+            out.index_add_(0, tok, self.swiglu(x[tok], ex.gate, ex.up, ex.down) * w[tok, slot, None])
+        return out
+
+
+class KernelOps(ReferenceOps):
+    """Quantized weights go through moerun.kernels.cpu (activations quantized as llama.cpp does); float
+    weights, other devices and unsupported types fall back to the reference."""
+
+    name = "cpu-kernels"
+
+    def __init__(self):
+        from moerun.kernels import cpu
+
+        self.cpu = cpu
+
+    def _ok(self, x: torch.Tensor, qtype) -> bool:
+        return x.device.type == "cpu" and x.dtype == torch.float32 and self.cpu.supports(qtype)
+
+    def linear(self, x, w, b=None):
+        if isinstance(w, QTensor) and self._ok(x, w.qtype):
+            y = self.cpu.matmul(x.contiguous(), w)
+            return y if b is None else y + b
+        return super().linear(x, w, b)
+
+    def moe(self, x, ids, w, experts):
+        ex = next(iter(experts.values()), None)
+        if ex is not None and all(self._ok(x, t.qtype) for t in (ex.gate, ex.up, ex.down)):
+            return self.cpu.moe_ffn_experts(x.contiguous(), ids, w, experts)
+        return super().moe(x, ids, w, experts)
+
+
+def make_ops(kernels: bool = True) -> ReferenceOps:
+    """KernelOps when asked for and the CPU kernels are built (and not disabled), else the reference."""
+    if kernels:
+        try:
+            from moerun.kernels import cpu
+        except ImportError:  # a tree without the kernels module
+            return ReferenceOps()
+        if cpu.available():
+            return KernelOps()
+    return ReferenceOps()
