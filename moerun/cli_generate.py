@@ -42,6 +42,10 @@ def model_options(f):
                      help="Expert cache eviction policy."),
         click.option("--cache-prefill", type=click.Choice(["bypass", "cache"]), default="bypass", show_default=True,
                      help="Prefill misses: compute at home without evicting (bypass), or page in (cache)."),
+        click.option("--mmap/--no-mmap", "use_mmap", default=None,
+                     help="Routed experts stay in the file's memory map (--mmap) or are copied to RAM "
+                          "(--no-mmap). Default: RAM when the model takes under 70% of the available memory "
+                          "and no expert cache is asked for."),
         click.option("-v", "--verbose", is_flag=True, help="Per-layer expert-cache figures."),
     ]
     for o in reversed(opts):
@@ -107,7 +111,8 @@ def _cache(loaded, mib: float | None, slots: int | None, policy: str, prefill: s
 
 
 def _engine(model: Path | None, ctx_size: int | None, ubatch: int, threads: int | None, dtype: str,
-            expert_cache_mib=None, expert_cache_slots=None, cache_policy="lru", cache_prefill="bypass"):
+            expert_cache_mib=None, expert_cache_slots=None, cache_policy="lru", cache_prefill="bypass",
+            use_mmap=None):
     import psutil
     import torch
 
@@ -116,7 +121,9 @@ def _engine(model: Path | None, ctx_size: int | None, ubatch: int, threads: int 
     from moerun.text import Tokenizer
 
     torch.set_num_threads(threads or psutil.cpu_count(logical=False) or 1)
-    loaded = load_model(model or default_model_path(), dtype=getattr(torch, dtype))
+    cached = expert_cache_mib is not None or expert_cache_slots is not None
+    home = {None: "mmap" if cached else "auto", True: "mmap", False: "ram"}[use_mmap]
+    loaded = load_model(model or default_model_path(), dtype=getattr(torch, dtype), home=home)
     tok = Tokenizer.from_model_file(loaded.file)
     ctx = ctx_size or min(4096, loaded.arch.spec.context_length)
     cache = _cache(loaded, expert_cache_mib, expert_cache_slots, cache_policy, cache_prefill)
@@ -145,7 +152,7 @@ def _log(eng, timings, verbose: bool) -> None:
 @click.option("--no-display-prompt", is_flag=True, help="Do not echo the prompt before the generated text.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and timings.")
 def run(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache_slots, cache_policy, cache_prefill,
-        verbose, prompt, prompt_file, no_display_prompt, as_json, **kw):
+        use_mmap, verbose, prompt, prompt_file, no_display_prompt, as_json, **kw):
     """Complete a prompt, streaming the text to stdout; timings go to stderr."""
     params = _sampling(kw)
     if prompt_file is not None:
@@ -153,7 +160,7 @@ def run(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache_
     if not prompt:
         raise click.UsageError("give a prompt with -p or -f")
     eng = _engine(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache_slots, cache_policy,
-                  cache_prefill)
+                  cache_prefill, use_mmap)
     ids = eng.tokenizer.encode(prompt)
     gen = eng.generate(ids, params)
     if as_json:
@@ -179,13 +186,13 @@ def run(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache_
 @sampling_options
 @click.option("--system", default=None, help="System prompt.")
 def chat(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache_slots, cache_policy, cache_prefill,
-         verbose, system, **kw):
+         use_mmap, verbose, system, **kw):
     """Interactive chat with the model's chat template. Ctrl-C stops a reply, Ctrl-D exits."""
     from moerun.text import ChatTemplate
 
     params = _sampling(kw)
     eng = _engine(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache_slots, cache_policy,
-                  cache_prefill)
+                  cache_prefill, use_mmap)
     template = ChatTemplate.for_tokenizer(eng.tokenizer)
     seq = eng.new_sequence()
     messages = [{"role": "system", "content": system}] if system else []

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
 from moerun.arch import Arch, resolve
@@ -21,8 +22,29 @@ class Loaded:
     model: MoEModel
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, kernels: bool = True) -> Loaded:
-    """kernels=False runs quantized weights through the torch reference (dequantize per use)."""
+HOMES = ("auto", "ram", "mmap")
+
+
+def weights_home(mf: ModelFile, home: str = "auto") -> str:
+    """Where the routed experts live: "ram" (copied into memory moerun owns) or "mmap" (the file's pages;
+    dense weights are copied either way).
+
+    auto: RAM when the file takes under 70% of the available memory, else the memory map (the page cache
+    drops idle pages, so a model that fits is copied; DESIGN decision 10).
+    """
+    if home not in HOMES:
+        raise ValueError(f"home must be one of {HOMES}, got {home!r}")
+    if home != "auto":
+        return home
+    size = sum(r.nbytes for r in mf.records.values())
+    return "ram" if size < 0.7 * psutil.virtual_memory().available else "mmap"
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, kernels: bool = True,
+               home: str = "auto") -> Loaded:
+    """kernels=False runs quantized weights through the torch reference (dequantize per use).
+    home: "auto", "ram" (llama.cpp's --no-mmap) or "mmap" (see weights_home)."""
     mf = open_model(path)
     arch = resolve(mf)
-    return Loaded(mf, arch, MoEModel(arch.spec, load_weights(mf, arch), dtype=dtype, kernels=kernels))
+    weights = load_weights(mf, arch, copy_experts=weights_home(mf, home) == "ram")
+    return Loaded(mf, arch, MoEModel(arch.spec, weights, dtype=dtype, kernels=kernels))

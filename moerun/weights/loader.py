@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from moerun.arch import Arch, Source
-from moerun.formats.names import CName
+from moerun.formats.names import CName, tensor_class
 from moerun.formats.records import ModelFile
 from moerun.quant.qtypes import QTensor, row_bytes
 
@@ -41,6 +41,17 @@ def materialize(mf: ModelFile, src: Source) -> QTensor:
     return QTensor(raw, qtype, tuple(shape))
 
 
-def load_weights(mf: ModelFile, arch: Arch) -> dict[CName, QTensor]:
-    """Every canonical tensor of the model as stored (quantized stays quantized)."""
-    return {cn: materialize(mf, src) for cn, src in arch.sources.items()}
+def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False) -> dict[CName, QTensor]:
+    """Every canonical tensor of the model as stored (quantized stays quantized).
+
+    Dense tensors are copied into memory moerun owns. Routed experts stay views of the memory map (their
+    home tier: the kernel may drop those pages and fault them back in from disk) unless copy_experts.
+    """
+    out = {}
+    for cn, src in arch.sources.items():
+        q = materialize(mf, src)
+        built_by_copy = src.stacked or src.chunk is not None or src.permute_heads
+        if not built_by_copy and (copy_experts or tensor_class(cn.kind) != "routed_experts"):
+            q = QTensor(q.data.clone(), q.qtype, q.shape)
+        out[cn] = q
+    return out
