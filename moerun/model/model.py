@@ -131,12 +131,13 @@ class MoEModel:
             kv.reserve(len(tokens))
         pos = torch.arange(start, start + len(tokens))
         rope = rope_tables(pos, self.spec.head_dim, self.spec.rope_theta)
-        x = self.embed(tokens)
-        for i, lw in enumerate(self.layers):
-            x = x + self.attention(i, rms_norm(x, lw.attn_norm, self.spec.rms_eps), pos, rope, kv)
-            x = x + self.ffn(i, rms_norm(x, lw.ffn_norm, self.spec.rms_eps), phase)
-        if kv is not None:
-            kv.length = start + len(tokens)
-        if last_only:
-            x = x[-1:]
-        return self.ops.linear(rms_norm(x, self.out_norm, self.spec.rms_eps), self.head).float()
+        with self.ops.step(len(tokens)):
+            x = self.embed(tokens)
+            for i, lw in enumerate(self.layers):
+                x = x + self.attention(i, rms_norm(x, lw.attn_norm, self.spec.rms_eps), pos, rope, kv)
+                x = x + self.ffn(i, rms_norm(x, lw.ffn_norm, self.spec.rms_eps), phase)
+            if kv is not None:
+                kv.length = start + len(tokens)
+            if last_only:
+                x = x[-1:]
+            return self.ops.linear(rms_norm(x, self.out_norm, self.spec.rms_eps), self.head).float()

@@ -1,0 +1,250 @@
+"""Quantized CPU kernels that read GGUF blocks as stored (the C extension moerun.kernels._cpu).
+
+    from moerun.kernels import cpu
+    if cpu.available() and cpu.supports(w.qtype):
+        y = cpu.matmul(x, w)                                  # x [T, K] f32, w QTensor [N, K] -> [T, N]
+        y = cpu.moe_ffn(x, ids, weights, gate, up, down)      # one MoE layer's routed experts -> [T, H]
+        y = cpu.moe_ffn_experts(x, ids, weights, {e: expert})  # the same over per-expert buffers
+
+Activations are quantized once per call (to Q8_K for K-quant weights, to Q8_0-style 32-blocks for the
+others) and every weight row is dotted against them in integer arithmetic, as llama.cpp does; results
+match `x @ w.dequantize().T` to within that activation rounding (about 0.5-0.7 % relative for a matmul,
+1-2 % through moe_ffn, which also rounds h = silu(gate x) * up x). Results are bitwise independent of the
+thread count, and the same for the AVX2 and AVX-512 VNNI kernel sets.
+
+Environment: MOERUN_KERNELS=scalar forces the portable kernels, MOERUN_KERNELS=off disables the
+extension (available() is then False). Threads: one pool per process, sized by set_threads() (default:
+the physical cores this process may run on); idle workers sleep after a short spin.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from collections.abc import Mapping
+
+import torch
+
+from moerun.quant.qtypes import QTensor, QType
+
+__all__ = ["available", "features", "get_threads", "matmul", "moe_ffn", "moe_ffn_experts", "set_threads", "supports"]
+
+MODE = os.environ.get("MOERUN_KERNELS", "").strip().lower()  # "" / "auto", "scalar", "off"
+
+_cpu = None
+_import_error: str | None = None
+if MODE == "off":
+    _import_error = "disabled by MOERUN_KERNELS=off"
+elif MODE not in ("", "auto", "scalar"):
+    _import_error = f"MOERUN_KERNELS={MODE!r} is not one of auto, scalar, off"
+else:
+    try:
+        from moerun.kernels import _cpu
+    except ImportError as e:  # not built (e.g. a source tree without `pip install -e .`)
+        _import_error = f"moerun.kernels._cpu is not built: {e}"
+
+ISA_IDS = {"scalar": 0, "avx2": 1, "avx512vnni": 2}
+
+
+def _physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (logical CPUs when unknown)."""
+    try:
+        logical = len(os.sched_getaffinity(0))
+    except AttributeError:
+        logical = os.cpu_count() or 1
+    try:
+        import psutil
+
+        physical = psutil.cpu_count(logical=False) or logical
+        total = psutil.cpu_count(logical=True) or logical
+        # an affinity mask of fewer CPUs than the machine has: scale by threads per core
+        return max(1, min(logical, physical, logical * physical // max(total, 1)))
+    except ImportError:
+        return max(1, logical)
+
+
+if _cpu is not None:
+    _cpu.set_threads(_physical_cores())
+    _SUPPORTED = frozenset(QType(t) for t in _cpu.qtypes())
+    _ISAS = tuple(_cpu.features()["isas"])
+    _DEFAULT_ISA = "scalar" if MODE == "scalar" else _cpu.features()["best"]
+else:
+    _SUPPORTED = frozenset()
+    _ISAS = ()
+    _DEFAULT_ISA = None
+
+
+def available() -> bool:
+    """True when the extension is built, importable and not disabled."""
+    return _cpu is not None
+
+
+def features() -> dict:
+    """{"available", "isa" (the kernel set calls use), "isas" (all this CPU runs), "threads", "spin_us",
+    "qtypes", "reason" (why not available, else None)}."""
+    if _cpu is None:
+        return {"available": False, "isa": None, "isas": [], "threads": 0, "spin_us": 0, "qtypes": [],
+                "reason": _import_error}
+    f = _cpu.features()
+    return {"available": True, "isa": _DEFAULT_ISA, "isas": f["isas"], "threads": f["threads"],
+            "spin_us": f["spin_us"], "qtypes": sorted(q.name for q in _SUPPORTED), "reason": None}
+
+
+def supports(qtype) -> bool:
+    """Whether matmul / moe_ffn take weights of this ggml type (False when the extension is unavailable)."""
+    try:
+        return QType(qtype) in _SUPPORTED
+    except ValueError:
+        return False
+
+
+def set_threads(n: int, spin_us: int | None = None) -> None:
+    """Size the process's kernel thread pool (n >= 1, the calling thread included). spin_us: how long an
+    idle thread spins before it sleeps (default 50)."""
+    _need()
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"threads must be a positive int, got {n!r}")
+    if spin_us is not None and (not isinstance(spin_us, int) or spin_us < 0):
+        raise ValueError(f"spin_us must be a non-negative int, got {spin_us!r}")
+    _cpu.set_threads(n, -1 if spin_us is None else spin_us)
+
+
+def get_threads() -> int:
+    _need()
+    return _cpu.get_threads()
+
+
+# ------------------------------------------------------------------------------------------ calls
+
+
+def matmul(x: torch.Tensor, w: QTensor, *, isa: str | None = None) -> torch.Tensor:
+    """x [T, K] float32 @ w[N, K]^T -> [T, N] float32, w read as stored (a supported qtype)."""
+    isa_id = _isa(isa)
+    _check_x(x, "x")
+    _check_q(w, "w", 2)
+    T, K = x.shape
+    N = w.shape[0]
+    if w.shape[1] != K:
+        raise ValueError(f"x has {K} columns but w {w.qtype.name}{tuple(w.shape)} expects {w.shape[1]}")
+    out = torch.empty((T, N), dtype=torch.float32)
+    if T:
+        _cpu.matmul(isa_id, int(w.qtype), w.data.data_ptr(), N, K, x.data_ptr(), T, out.data_ptr())
+    return out
+
+
+def moe_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: QTensor, up: QTensor,
+            down: QTensor, *, isa: str | None = None) -> torch.Tensor:
+    """One MoE layer's routed experts: out[t] = sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t),
+    e = ids[t, j], summed in the order of j.
+
+    x [T, H] float32; ids [T, k] int32/int64 in [0, E); weights [T, k] float; gate, up QTensor [E, I, H];
+    down QTensor [E, H, I] (each of any supported qtype). Returns [T, H] float32.
+    """
+    isa_id = _isa(isa)
+    for name, q in (("gate", gate), ("up", up), ("down", down)):
+        _check_q(q, name, 3)
+    E, I, H = gate.shape
+    if up.shape != (E, I, H) or down.shape != (E, H, I):
+        raise ValueError(f"expert shapes gate {gate.shape}, up {up.shape}, down {down.shape}: want gate = up = "
+                         f"(E, I, H) and down = (E, H, I)")
+    mats = [(q.data.data_ptr(), q.nbytes // E, int(q.qtype)) for q in (gate, up, down)]
+    return _moe(isa_id, x, ids, weights, mats, E, I, H)
+
+
+def moe_ffn_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Mapping[int, object], *,
+                    isa: str | None = None) -> torch.Tensor:
+    """moe_ffn over experts held one by one: `experts` maps expert id -> an object with QTensors `gate`,
+    `up` [I, H] and `down` [H, I] (moerun.experts.store.Expert), wherever their buffers lie (a memory map,
+    owned RAM, a cache slot). Every id in `ids` must be a key; all experts share shapes and qtypes."""
+    isa_id = _isa(isa)
+    if not experts:
+        raise ValueError("experts is empty")
+    items = sorted(experts.items())
+    first = items[0][1]
+    for name in ("gate", "up", "down"):
+        _check_q(getattr(first, name, None), f"experts[{items[0][0]}].{name}", 2)
+    I, H = first.gate.shape
+    if first.up.shape != (I, H) or first.down.shape != (H, I):
+        raise ValueError(f"expert shapes gate {first.gate.shape}, up {first.up.shape}, down {first.down.shape}: "
+                         "want gate = up = (I, H) and down = (H, I)")
+    E = items[-1][0] + 1
+    if items[0][0] < 0:
+        raise ValueError(f"negative expert id {items[0][0]}")
+    table = array("Q", bytes(24 * E))  # gate | up | down addresses, 0 where not given
+    like = [(q.qtype, q.shape) for q in (first.gate, first.up, first.down)]
+    for e, ex in items:
+        for m, (name, (qtype, shape)) in enumerate(zip(("gate", "up", "down"), like)):
+            q = getattr(ex, name, None)
+            if not isinstance(q, QTensor) or q.qtype != qtype or q.shape != shape:
+                raise ValueError(f"experts[{e}].{name} is not a {qtype.name}{shape} QTensor like experts[{items[0][0]}]")
+            if not q.data.is_cpu or not q.data.is_contiguous():
+                raise ValueError(f"experts[{e}].{name}.data must be a contiguous CPU tensor")
+            table[m * E + e] = q.data.data_ptr()
+    base = table.buffer_info()[0]
+    mats = [(base + 8 * m * E, 0, int(q.qtype)) for m, q in enumerate((first.gate, first.up, first.down))]
+    return _moe(isa_id, x, ids, weights, mats, E, I, H)
+
+
+def _moe(isa_id: int, x, ids, weights, mats, E: int, I: int, H: int) -> torch.Tensor:
+    _check_x(x, "x")
+    T = x.shape[0]
+    if x.shape[1] != H:
+        raise ValueError(f"x has {x.shape[1]} features but the experts take {H}")
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ids must be an int32 or int64 tensor, got {getattr(ids, 'dtype', type(ids))}")
+    if not isinstance(weights, torch.Tensor) or not weights.is_floating_point():
+        raise ValueError(f"weights must be a float tensor, got {getattr(weights, 'dtype', type(weights))}")
+    if ids.dim() != 2 or ids.shape[0] != T or ids.shape != weights.shape:
+        raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T={T}, k]")
+    if not ids.is_cpu or not weights.is_cpu:
+        raise ValueError("ids and weights must be CPU tensors")
+    out = torch.empty((T, H), dtype=torch.float32)
+    k = ids.shape[1]
+    if T == 0 or k == 0:
+        return out.zero_()
+    ids32 = ids.to(torch.int32).contiguous()
+    w32 = weights.to(torch.float32).contiguous()
+    (g, gs, gt), (u, us, ut), (d, ds, dt) = mats
+    _cpu.moe_ffn(isa_id, x.data_ptr(), T, H, ids32.data_ptr(), w32.data_ptr(), k, g, gs, gt, u, us, ut, d, ds, dt,
+                 E, I, out.data_ptr())
+    return out
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+
+def _need() -> None:
+    if _cpu is None:
+        raise RuntimeError(f"CPU kernels unavailable: {_import_error}")
+
+
+def _isa(isa: str | None) -> int:
+    _need()
+    name = _DEFAULT_ISA if isa is None else isa
+    if name not in _ISAS:
+        raise ValueError(f"kernel set {name!r} not available here (have {list(_ISAS)})")
+    return ISA_IDS[name]
+
+
+def _check_x(x, name: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.float32:
+        raise ValueError(f"{name} must be float32, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [T, features], got shape {tuple(x.shape)}")
+    if not x.is_cpu:
+        raise ValueError(f"{name} must be a CPU tensor, got device {x.device}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous())")
+
+
+def _check_q(w, name: str, dims: int) -> None:
+    if not isinstance(w, QTensor):
+        raise TypeError(f"{name} must be a QTensor, got {type(w).__name__}")
+    if len(w.shape) != dims:
+        raise ValueError(f"{name} must be {dims}-D, got {w.qtype.name}{tuple(w.shape)}")
+    if w.qtype not in _SUPPORTED:
+        raise ValueError(f"no CPU kernel for {name}'s type {w.qtype.name} (have {features()['qtypes']})")
+    if not w.data.is_cpu or not w.data.is_contiguous():
+        raise ValueError(f"{name}.data must be a contiguous CPU tensor")

@@ -1,0 +1,260 @@
+/* Portable kernels: activation quantizers, row dot products, and the type / kernel-set tables.
+ *
+ * Integer sums are exact, so the AVX2 kernels compute the same integers; only the float
+ * accumulation order differs between the two sets. Block layouts are described in qk.h.
+ */
+#include <math.h>
+
+#include "qk.h"
+
+const qtype_info QK_TYPES[QT_COUNT] = {
+    [QT_Q4_0] = {GGML_Q4_0, "Q4_0", 32, 18, ACT_Q8_0},
+    [QT_Q8_0] = {GGML_Q8_0, "Q8_0", 32, 34, ACT_Q8_0},
+    [QT_MXFP4] = {GGML_MXFP4, "MXFP4", 32, 17, ACT_Q8_0},
+    [QT_Q4_K] = {GGML_Q4_K, "Q4_K", 256, 144, ACT_Q8K},
+    [QT_Q5_K] = {GGML_Q5_K, "Q5_K", 256, 176, ACT_Q8K},
+    [QT_Q6_K] = {GGML_Q6_K, "Q6_K", 256, 210, ACT_Q8K},
+    [QT_IQ4_XS] = {GGML_IQ4_XS, "IQ4_XS", 256, 136, ACT_Q8_0},
+};
+
+int qk_qtype_index(int ggml) {
+    for (int i = 0; i < QT_COUNT; i++)
+        if (QK_TYPES[i].ggml == ggml) return i;
+    return -1;
+}
+
+int qk_act_elems(int act) { return act == ACT_Q8K ? 256 : 32; }
+int qk_act_bytes(int act) { return act == ACT_Q8K ? (int)sizeof(act_q8k) : (int)sizeof(act_q8_0); }
+
+/* ---------------------------------------------------------------------- activation quantizers */
+
+/* Symmetric: d = absmax / 127, q = round-half-even(x * 127 / absmax). The AVX2 versions perform the
+ * same float operations (one multiply, then a conversion in the default rounding mode), so both
+ * produce identical bytes. */
+void qk_quant_q8k_scalar(const float *x, void *out, int64_t k) {
+    act_q8k *y = out;
+    for (int64_t i = 0; i < k / 256; i++, x += 256) {
+        float amax = 0.0f;
+        for (int j = 0; j < 256; j++) amax = fmaxf(amax, fabsf(x[j]));
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        y[i].d = amax / 127.0f;
+        for (int j = 0; j < 256; j++) y[i].qs[j] = (int8_t)lrintf(x[j] * id);
+        for (int g = 0; g < 16; g++) {
+            int s = 0;
+            for (int j = 0; j < 16; j++) s += y[i].qs[16 * g + j];
+            y[i].bsums[g] = (int16_t)s;
+        }
+    }
+}
+
+void qk_quant_q8_0_scalar(const float *x, void *out, int64_t k) {
+    act_q8_0 *y = out;
+    for (int64_t i = 0; i < k / 32; i++, x += 32) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        y[i].d = amax / 127.0f;
+        for (int j = 0; j < 32; j++) y[i].qs[j] = (int8_t)lrintf(x[j] * id);
+    }
+}
+
+/* ----------------------------------------------------------------------- 32-element weight types */
+
+/* The three types whose 32 weights are a 16-byte nibble array (low nibbles first) share this loop;
+ * `lut` maps a nibble to its integer weight, `scale` reads the block's float scale. */
+#define DOT32_NIBBLES(NAME, BYTES, QOFF, LUT_EXPR, SCALE_EXPR)                                    \
+    void NAME(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {        \
+        for (int t = 0; t < nt; t++) {                                                           \
+            const act_q8_0 *x = xv[t];                                                           \
+            const uint8_t *b = w;                                                                \
+            float sum = 0.0f;                                                                    \
+            for (int64_t i = 0; i < nb; i++, b += (BYTES)) {                                     \
+                const uint8_t *qs = b + (QOFF);                                                  \
+                int32_t isum = 0;                                                                \
+                for (int j = 0; j < 16; j++) {                                                   \
+                    const int lo = qs[j] & 15, hi = qs[j] >> 4;                                  \
+                    isum += (LUT_EXPR(lo)) * x[i].qs[j] + (LUT_EXPR(hi)) * x[i].qs[j + 16];      \
+                }                                                                                \
+                sum += (SCALE_EXPR) * x[i].d * (float)isum;                                      \
+            }                                                                                    \
+            out[t] = sum;                                                                        \
+        }                                                                                        \
+    }
+
+#define MINUS8(q) ((q) - 8)
+#define MXFP4(q) QK_KV_MXFP4[q]
+DOT32_NIBBLES(qk_dot_scalar_q4_0, 18, 2, MINUS8, qk_f16_at(b))
+DOT32_NIBBLES(qk_dot_scalar_mxfp4, 17, 1, MXFP4, qk_e8m0_half(b[0]))
+
+void qk_dot_scalar_q8_0(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {
+    for (int t = 0; t < nt; t++) {
+        const act_q8_0 *x = xv[t];
+        const uint8_t *b = w;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < nb; i++, b += 34) {
+            const int8_t *q = (const int8_t *)(b + 2);
+            int32_t isum = 0;
+            for (int j = 0; j < 32; j++) isum += q[j] * x[i].qs[j];
+            sum += qk_f16_at(b) * x[i].d * (float)isum;
+        }
+        out[t] = sum;
+    }
+}
+
+/* IQ4_XS: 256-element blocks of eight 32-element sub-blocks, dotted against eight act_q8_0 blocks. */
+void qk_dot_scalar_iq4_xs(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {
+    for (int t = 0; t < nt; t++) {
+        const act_q8_0 *x = xv[t];
+        const uint8_t *b = w;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < nb; i++, b += 136) {
+            const float d = qk_f16_at(b);
+            const uint16_t sh = qk_rd16(b + 2);
+            for (int s = 0; s < 8; s++) {
+                const int ls = (((b[4 + s / 2] >> (4 * (s % 2))) & 15) | (((sh >> (2 * s)) & 3) << 4)) - 32;
+                const uint8_t *qs = b + 8 + 16 * s;
+                const act_q8_0 *y = &x[8 * i + s];
+                int32_t isum = 0;
+                for (int j = 0; j < 16; j++)
+                    isum += QK_KV_IQ4NL[qs[j] & 15] * y->qs[j] + QK_KV_IQ4NL[qs[j] >> 4] * y->qs[j + 16];
+                sum += d * (float)ls * y->d * (float)isum;
+            }
+        }
+        out[t] = sum;
+    }
+}
+
+/* ----------------------------------------------------------------------------------- K-quants */
+
+void qk_dot_scalar_q4_k(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {
+    for (int t = 0; t < nt; t++) {
+        const act_q8k *x = xv[t];
+        const uint8_t *b = w;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < nb; i++, b += 144) {
+            uint8_t sc[8], m[8];
+            qk_unpack_q4k_scales(b + 4, sc, m);
+            const uint8_t *qs = b + 16;
+            const int8_t *y = x[i].qs;
+            int32_t isum = 0, msum = 0;
+            for (int g = 0; g < 4; g++) {
+                int32_t lo = 0, hi = 0;
+                for (int j = 0; j < 32; j++) {
+                    lo += (qs[32 * g + j] & 15) * y[64 * g + j];
+                    hi += (qs[32 * g + j] >> 4) * y[64 * g + 32 + j];
+                }
+                isum += sc[2 * g] * lo + sc[2 * g + 1] * hi;
+            }
+            for (int s = 0; s < 8; s++) msum += m[s] * (x[i].bsums[2 * s] + x[i].bsums[2 * s + 1]);
+            sum += x[i].d * (qk_f16_at(b) * (float)isum - qk_f16_at(b + 2) * (float)msum);
+        }
+        out[t] = sum;
+    }
+}
+
+void qk_dot_scalar_q5_k(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {
+    for (int t = 0; t < nt; t++) {
+        const act_q8k *x = xv[t];
+        const uint8_t *b = w;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < nb; i++, b += 176) {
+            uint8_t sc[8], m[8];
+            qk_unpack_q4k_scales(b + 4, sc, m);
+            const uint8_t *qh = b + 16, *qs = b + 48;
+            const int8_t *y = x[i].qs;
+            int32_t isum = 0, msum = 0;
+            for (int g = 0; g < 4; g++) {
+                int32_t lo = 0, hi = 0;
+                for (int j = 0; j < 32; j++) {
+                    const int ql = (qs[32 * g + j] & 15) | (((qh[j] >> (2 * g)) & 1) << 4);
+                    const int qu = (qs[32 * g + j] >> 4) | (((qh[j] >> (2 * g + 1)) & 1) << 4);
+                    lo += ql * y[64 * g + j];
+                    hi += qu * y[64 * g + 32 + j];
+                }
+                isum += sc[2 * g] * lo + sc[2 * g + 1] * hi;
+            }
+            for (int s = 0; s < 8; s++) msum += m[s] * (x[i].bsums[2 * s] + x[i].bsums[2 * s + 1]);
+            sum += x[i].d * (qk_f16_at(b) * (float)isum - qk_f16_at(b + 2) * (float)msum);
+        }
+        out[t] = sum;
+    }
+}
+
+void qk_dot_scalar_q6_k(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {
+    for (int t = 0; t < nt; t++) {
+        const act_q8k *x = xv[t];
+        const uint8_t *b = w;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < nb; i++, b += 210) {
+            const uint8_t *ql = b, *qh = b + 128;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            const int8_t *y = x[i].qs;
+            int32_t isum = 0;
+            for (int h = 0; h < 2; h++) {
+                for (int k = 0; k < 4; k++) { /* 32 elements 128h + 32k + j: two groups of 16 */
+                    const uint8_t *l = ql + 64 * h + 32 * (k & 1), *hb = qh + 32 * h;
+                    const int lshift = k < 2 ? 0 : 4, hshift = 2 * k;
+                    const int8_t *yk = y + 128 * h + 32 * k;
+                    for (int g = 0; g < 2; g++) {
+                        int32_t sg = 0;
+                        for (int j = 16 * g; j < 16 * g + 16; j++)
+                            sg += ((((l[j] >> lshift) & 15) | (((hb[j] >> hshift) & 3) << 4)) - 32) * yk[j];
+                        isum += sc[8 * h + 2 * k + g] * sg;
+                    }
+                }
+            }
+            sum += x[i].d * qk_f16_at(b + 208) * (float)isum;
+        }
+        out[t] = sum;
+    }
+}
+
+/* ------------------------------------------------------------------------------- kernel sets */
+
+static const kernel_set SCALAR = {
+    "scalar",
+    {[ACT_Q8K] = qk_quant_q8k_scalar, [ACT_Q8_0] = qk_quant_q8_0_scalar},
+    {[QT_Q4_0] = qk_dot_scalar_q4_0, [QT_Q8_0] = qk_dot_scalar_q8_0, [QT_MXFP4] = qk_dot_scalar_mxfp4,
+     [QT_Q4_K] = qk_dot_scalar_q4_k, [QT_Q5_K] = qk_dot_scalar_q5_k, [QT_Q6_K] = qk_dot_scalar_q6_k,
+     [QT_IQ4_XS] = qk_dot_scalar_iq4_xs},
+};
+
+#if QK_X86
+#define X86_SET(NAME, SUFFIX)                                                                      \
+    {NAME,                                                                                         \
+     {[ACT_Q8K] = qk_quant_q8k_avx2, [ACT_Q8_0] = qk_quant_q8_0_avx2},                            \
+     {[QT_Q4_0] = qk_dot_q4_0##SUFFIX, [QT_Q8_0] = qk_dot_q8_0##SUFFIX, [QT_MXFP4] = qk_dot_mxfp4##SUFFIX, \
+      [QT_Q4_K] = qk_dot_q4_k##SUFFIX, [QT_Q5_K] = qk_dot_q5_k##SUFFIX, [QT_Q6_K] = qk_dot_q6_k##SUFFIX,  \
+      [QT_IQ4_XS] = qk_dot_iq4_xs##SUFFIX}}
+static const kernel_set AVX2 = X86_SET("avx2", _avx2);
+static const kernel_set VNNI = X86_SET("avx512vnni", _vnni);
+
+static int cpu_has(int isa) {
+    __builtin_cpu_init();
+    const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                     __builtin_cpu_supports("f16c");
+    if (isa == ISA_AVX2) return avx2;
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+}
+#endif
+
+const kernel_set *qk_kernels(int isa) {
+    if (isa == ISA_SCALAR) return &SCALAR;
+#if QK_X86
+    if (isa == ISA_AVX2 && cpu_has(ISA_AVX2)) return &AVX2;
+    if (isa == ISA_VNNI && cpu_has(ISA_VNNI)) return &VNNI;
+#endif
+    return NULL;
+}
+
+int qk_best_isa(void) {
+    for (int isa = ISA_COUNT - 1; isa > ISA_SCALAR; isa--)
+        if (qk_kernels(isa)) return isa;
+    return ISA_SCALAR;
+}
+
+const char *qk_isa_name(int isa) {
+    static const char *const names[ISA_COUNT] = {"scalar", "avx2", "avx512vnni"};
+    return isa >= 0 && isa < ISA_COUNT ? names[isa] : "?";
+}

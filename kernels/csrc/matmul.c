@@ -1,0 +1,356 @@
+/* matmul and the fused MoE expert FFN, on the thread pool.
+ *
+ * Both quantize the activations once, then hand out work items (up to 64 weight rows each) through
+ * atomic counters (workq): each thread starts on its own contiguous share, so its reads are long
+ * sequential streams, and a thread slowed down by other load simply ends up taking fewer items. Every
+ * output value is computed by exactly one dot call whose inputs do not depend on which thread runs it,
+ * and the MoE combine adds the k expert outputs of a token in the order of its k choices: results are
+ * bitwise independent of the thread count.
+ *
+ * Within an item, tokens are taken four at a time (one weight-row load serves four activation rows)
+ * and the item's weight rows, which stay in L1/L2, are walked once per group of four tokens.
+ *
+ * moe_ffn runs two pool jobs: (A) gate and up rows of every routed expert, h = silu(g) * u, and, by
+ * whichever thread finishes an expert's last item, h quantized for the down projection; (B) per block
+ * of output rows, the down rows of every routed expert, then the weighted combine of those rows. */
+#include "matmul.h"
+
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#include "pool.h"
+#include "qk.h"
+
+#define ITEMS_PER_THREAD 16 /* work items per thread, for balance under uneven load */
+#define MAX_ROWS_PER_ITEM 64
+#define SCRATCH_BYTES (1 << 20) /* per-thread budget for the MoE down projection's outputs */
+#define PARALLEL_QUANT_ELEMS (1 << 16) /* quantize activations on the pool above this many values */
+
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+
+static int64_t rows_per_item(int64_t rows, int nth) {
+    int64_t r = (rows + (int64_t)ITEMS_PER_THREAD * nth - 1) / ((int64_t)ITEMS_PER_THREAD * nth);
+    return r < 1 ? 1 : r > MAX_ROWS_PER_ITEM ? MAX_ROWS_PER_ITEM : r;
+}
+
+/* Work items 0..n-1 split into one contiguous range per thread; a thread takes the items of its own
+ * range in order (so its weight reads form long sequential streams the prefetchers follow), then
+ * helps with the others' ranges. Any thread may take any item: the split only sets the start. */
+#define WQ_RANGES 16
+typedef struct {
+    struct {
+        _Alignas(64) atomic_long next; /* one cache line per range */
+        int64_t end;
+    } r[WQ_RANGES];
+    int n;
+} workq;
+
+static void wq_init(workq *q, int64_t items, int nth) {
+    q->n = nth < WQ_RANGES ? nth : WQ_RANGES;
+    for (int i = 0; i < q->n; i++) {
+        atomic_init(&q->r[i].next, items * i / q->n);
+        q->r[i].end = items * (i + 1) / q->n;
+    }
+}
+
+/* The next item for a thread whose current range is *cur (start with *cur = tid), or -1. */
+static int64_t wq_next(workq *q, int *cur) {
+    for (int k = 0; k < q->n; k++, *cur = (*cur + 1) % q->n) {
+        if (atomic_load_explicit(&q->r[*cur].next, memory_order_relaxed) >= q->r[*cur].end) continue;
+        const int64_t it = atomic_fetch_add_explicit(&q->r[*cur].next, 1, memory_order_relaxed);
+        if (it < q->r[*cur].end) return it;
+    }
+    return -1;
+}
+
+/* ---------------------------------------------------------------------- activation quantization */
+
+typedef struct {
+    quant_fn quant;
+    const float *x;
+    int64_t rows, K, out_row;
+    uint8_t *out;
+    atomic_long next;
+} quant_ctx;
+
+#define QUANT_ROWS 8
+
+static void quant_task(void *p, int tid, int nth) {
+    quant_ctx *c = p;
+    (void)tid, (void)nth;
+    for (;;) {
+        const int64_t r0 = atomic_fetch_add(&c->next, QUANT_ROWS);
+        if (r0 >= c->rows) break;
+        for (int64_t r = r0; r < min64(r0 + QUANT_ROWS, c->rows); r++)
+            c->quant(c->x + r * c->K, c->out + r * c->out_row, c->K);
+    }
+}
+
+/* rows x K floats -> rows activation rows of out_row bytes each. */
+static int quantize_rows(quant_fn quant, const float *x, int64_t rows, int64_t K, uint8_t *out, int64_t out_row) {
+    if (rows * K <= PARALLEL_QUANT_ELEMS || rows == 1) {
+        for (int64_t r = 0; r < rows; r++) quant(x + r * K, out + r * out_row, K);
+        return 0;
+    }
+    quant_ctx c = {quant, x, rows, K, out_row, out, 0};
+    return qk_pool_run(quant_task, &c);
+}
+
+/* ------------------------------------------------------------------------------------ matmul */
+
+typedef struct {
+    dot_fn dot;
+    const uint8_t *w;
+    int64_t N, nb, row_bytes;
+    const uint8_t *xq;
+    int64_t xq_row, T;
+    float *out;
+    int64_t rows_per, nitems;
+    workq q;
+} mm_ctx;
+
+/* Rows [r0, r1) of W against all T tokens, four tokens per pass over the rows. */
+static void mm_rows(const mm_ctx *c, int64_t r0, int64_t r1) {
+    const dot_fn dot = c->dot;
+    const int64_t nb = c->nb, rb = c->row_bytes, N = c->N, T = c->T;
+    const uint8_t *w = c->w;
+    float *out = c->out;
+    for (int64_t t = 0; t < T; t += DOT_MAX_NT) {
+        const int nt = (int)min64(DOT_MAX_NT, T - t);
+        const void *xs[DOT_MAX_NT];
+        for (int j = 0; j < nt; j++) xs[j] = c->xq + (t + j) * c->xq_row;
+        for (int64_t r = r0; r < r1; r++) {
+            float o[DOT_MAX_NT];
+            dot(nb, w + r * rb, xs, nt, o);
+            for (int j = 0; j < nt; j++) out[(t + j) * N + r] = o[j];
+        }
+    }
+}
+
+static void mm_task(void *p, int tid, int nth) {
+    mm_ctx *c = p;
+    (void)nth;
+    int cur = tid % c->q.n;
+    for (int64_t it; (it = wq_next(&c->q, &cur)) >= 0;)
+        mm_rows(c, it * c->rows_per, min64((it + 1) * c->rows_per, c->N));
+}
+
+int qk_matmul(int isa, int ggml, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t T, float *out) {
+    const kernel_set *ks = qk_kernels(isa);
+    const int qt = qk_qtype_index(ggml);
+    if (!ks) return QK_EISA;
+    if (qt < 0) return QK_ETYPE;
+    const qtype_info *ti = &QK_TYPES[qt];
+    if (N < 1 || T < 1 || K < 1 || K % ti->blk_elems) return QK_ESHAPE;
+    const int act = ti->act;
+    const int64_t xq_row = K / qk_act_elems(act) * qk_act_bytes(act);
+    uint8_t *xq = malloc((size_t)(T * xq_row));
+    if (!xq) return QK_ENOMEM;
+    quantize_rows(ks->quant[act], x, T, K, xq, xq_row);
+
+    const int nth = qk_pool_threads();
+    mm_ctx c = {.dot = ks->dot[qt], .w = w, .N = N, .nb = K / ti->blk_elems,
+                .row_bytes = K / ti->blk_elems * ti->blk_bytes, .xq = xq, .xq_row = xq_row, .T = T, .out = out};
+    c.rows_per = rows_per_item(N, nth);
+    c.nitems = (N + c.rows_per - 1) / c.rows_per;
+    wq_init(&c.q, c.nitems, nth);
+    qk_pool_run(mm_task, &c);
+    free(xq);
+    return QK_OK;
+}
+
+/* ----------------------------------------------------------------------------------- MoE FFN */
+
+typedef struct {
+    /* routing, grouped by expert: active expert a is expert act_e[a]; its (token, slot) pairs are
+     * order[first[a] .. first[a + 1]) (pair index t * k + j, ascending); pos[p] = place of pair p */
+    int64_t nact, k;
+    const int32_t *act_e;
+    const int64_t *first, *order, *pos;
+    /* gate / up: rows of H elements; x quantized once per activation format */
+    dot_fn dot_g, dot_u;
+    const uint8_t **gate, **up, *xg, *xu; /* per active expert */
+    int64_t nb_g, nb_u, rowb_g, rowb_u, xrow_g, xrow_u, I;
+    /* h = silu(gate x) * up x per pair (sorted order), quantized per expert when complete */
+    float *h;
+    quant_fn quant_h;
+    uint8_t *hq;
+    int64_t hrow;
+    atomic_long *done;        /* per active expert: items finished */
+    int64_t rows_a, items_per_expert;
+    /* down: rows of I elements, outputs summed into out[T, H] */
+    dot_fn dot_d;
+    const uint8_t **down;
+    int64_t nb_d, rowb_d, H, rows_b, items_b;
+    const float *wts;
+    float *out, *scratch;     /* scratch: rows_b floats per pair, for each of nscratch threads */
+    int64_t nscratch, T;
+    workq qa, qb;
+} moe_ctx;
+
+static float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+static void moe_gate_up_task(void *p, int tid, int nth) {
+    moe_ctx *c = p;
+    (void)nth;
+    int cur = tid % c->qa.n;
+    for (int64_t it; (it = wq_next(&c->qa, &cur)) >= 0;) {
+        const int64_t a = it / c->items_per_expert;
+        const int64_t r0 = it % c->items_per_expert * c->rows_a, r1 = min64(r0 + c->rows_a, c->I);
+        const uint8_t *gw = c->gate[a], *uw = c->up[a];
+        for (int64_t s = c->first[a]; s < c->first[a + 1]; s += DOT_MAX_NT) {
+            const int nt = (int)min64(DOT_MAX_NT, c->first[a + 1] - s);
+            const void *xg[DOT_MAX_NT], *xu[DOT_MAX_NT];
+            for (int j = 0; j < nt; j++) {
+                const int64_t tok = c->order[s + j] / c->k;
+                xg[j] = c->xg + tok * c->xrow_g;
+                xu[j] = c->xu + tok * c->xrow_u;
+            }
+            for (int64_t r = r0; r < r1; r++) {
+                float g[DOT_MAX_NT], u[DOT_MAX_NT];
+                c->dot_g(c->nb_g, gw + r * c->rowb_g, xg, nt, g);
+                c->dot_u(c->nb_u, uw + r * c->rowb_u, xu, nt, u);
+                for (int j = 0; j < nt; j++) c->h[(s + j) * c->I + r] = silu_mul(g[j], u[j]);
+            }
+        }
+        /* The last item of an expert quantizes its h rows (acq_rel: sees the others' writes). */
+        if (atomic_fetch_add_explicit(&c->done[a], 1, memory_order_acq_rel) == c->items_per_expert - 1)
+            for (int64_t s = c->first[a]; s < c->first[a + 1]; s++)
+                c->quant_h(c->h + s * c->I, c->hq + s * c->hrow, c->I);
+    }
+}
+
+static void moe_down_task(void *p, int tid, int nth) {
+    moe_ctx *c = p;
+    (void)nth;
+    if (tid >= c->nscratch) return; /* the pool grew since the scratch was sized: sit this one out */
+    const int64_t npairs = c->first[c->nact];
+    float *y = c->scratch + (int64_t)tid * npairs * c->rows_b; /* y[s * rows_b + (r - r0)] */
+    int cur = tid % c->qb.n;
+    for (int64_t it; (it = wq_next(&c->qb, &cur)) >= 0;) {
+        const int64_t r0 = it * c->rows_b, r1 = min64(r0 + c->rows_b, c->H);
+        for (int64_t a = 0; a < c->nact; a++) {
+            const uint8_t *dw = c->down[a];
+            for (int64_t s = c->first[a]; s < c->first[a + 1]; s += DOT_MAX_NT) {
+                const int nt = (int)min64(DOT_MAX_NT, c->first[a + 1] - s);
+                const void *xs[DOT_MAX_NT];
+                for (int j = 0; j < nt; j++) xs[j] = c->hq + (s + j) * c->hrow;
+                for (int64_t r = r0; r < r1; r++) {
+                    float o[DOT_MAX_NT];
+                    c->dot_d(c->nb_d, dw + r * c->rowb_d, xs, nt, o);
+                    for (int j = 0; j < nt; j++) y[(s + j) * c->rows_b + (r - r0)] = o[j];
+                }
+            }
+        }
+        /* Combine in the order of each token's k choices. */
+        for (int64_t t = 0; t < c->T; t++) {
+            for (int64_t r = r0; r < r1; r++) {
+                float acc = 0.0f;
+                for (int64_t j = 0; j < c->k; j++)
+                    acc += c->wts[t * c->k + j] * y[c->pos[t * c->k + j] * c->rows_b + (r - r0)];
+                c->out[t * c->H + r] = acc;
+            }
+        }
+    }
+}
+
+static const uint8_t *expert_ptr(qk_expert_mats m, int64_t e) {
+    if (m.stride > 0) return m.base + e * m.stride;
+    uint64_t a;
+    memcpy(&a, m.base + 8 * e, 8);
+    return (const uint8_t *)(uintptr_t)a;
+}
+
+int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts, int k,
+               qk_expert_mats gate, qk_expert_mats up, qk_expert_mats down, int64_t E, int64_t I, float *out) {
+    const kernel_set *ks = qk_kernels(isa);
+    const int qg = qk_qtype_index(gate.type), qu = qk_qtype_index(up.type), qd = qk_qtype_index(down.type);
+    if (!ks) return QK_EISA;
+    if (qg < 0 || qu < 0 || qd < 0) return QK_ETYPE;
+    const qtype_info *tg = &QK_TYPES[qg], *tu = &QK_TYPES[qu], *td = &QK_TYPES[qd];
+    if (T < 1 || k < 1 || E < 1 || I < 1 || H < 1 || H % tg->blk_elems || H % tu->blk_elems ||
+        I % td->blk_elems)
+        return QK_ESHAPE;
+    for (int64_t p = 0; p < T * k; p++)
+        if (ids[p] < 0 || ids[p] >= E) return QK_EIDS;
+
+    const int nth = qk_pool_threads();
+    const int64_t P = T * k;
+    const int ag = tg->act, au = tu->act, ad = td->act;
+    const int64_t xrow_g = H / qk_act_elems(ag) * qk_act_bytes(ag);
+    const int64_t xrow_u = H / qk_act_elems(au) * qk_act_bytes(au);
+    const int64_t hrow = I / qk_act_elems(ad) * qk_act_bytes(ad);
+    int64_t rows_b = rows_per_item(H, nth);
+    while (rows_b > 4 && P * rows_b * (int64_t)sizeof(float) > SCRATCH_BYTES) rows_b /= 2;
+
+    /* One allocation for all scratch: first (E + 1), cursor (E), order and pos (P each) as int64;
+     * done (E counters); gate, up and down addresses (3 E); act_e (E int32); h (P * I floats); down
+     * outputs (nth * P * rows_b floats); quantized x (one copy per activation format) and quantized h. */
+    const int64_t n_i64 = 5 * E + 1 + 2 * P;
+    const int64_t n_f32 = P * I + (int64_t)nth * P * rows_b;
+    const int64_t n_u8 = T * xrow_g + (au != ag ? T * xrow_u : 0) + P * hrow;
+    uint8_t *mem = malloc((size_t)(n_i64 * 8 + E * (int64_t)sizeof(atomic_long) + (E + 1) / 2 * 8 + n_f32 * 4 + n_u8));
+    if (!mem) return QK_ENOMEM;
+    int64_t *first = (int64_t *)mem, *cursor = first + E + 1, *order = cursor + E, *pos = order + P;
+    const uint8_t **pg = (const uint8_t **)(pos + P), **pu = pg + E, **pd = pu + E;
+    atomic_long *done = (atomic_long *)(pd + E);
+    int32_t *act_e = (int32_t *)(done + E);
+    float *h = (float *)(act_e + (E + 1) / 2 * 2); /* 8-byte aligned */
+    float *scratch = h + P * I;
+    uint8_t *xg = (uint8_t *)(scratch + (int64_t)nth * P * rows_b);
+    uint8_t *xu = au != ag ? xg + T * xrow_g : xg;
+    uint8_t *hq = xu + (au != ag ? T * xrow_u : T * xrow_g);
+
+    /* Group the pairs by expert: a stable counting sort keeps token order within an expert. */
+    for (int64_t e = 0; e < E; e++) cursor[e] = 0;
+    for (int64_t p = 0; p < P; p++) cursor[ids[p]]++;
+    int64_t nact = 0, run = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t n = cursor[e];
+        if (n) {
+            act_e[nact] = (int32_t)e;
+            first[nact++] = run;
+        }
+        cursor[e] = run;
+        run += n;
+    }
+    first[nact] = P;
+    for (int64_t p = 0; p < P; p++) order[cursor[ids[p]]++] = p;
+    for (int64_t s = 0; s < P; s++) pos[order[s]] = s;
+    for (int64_t a = 0; a < nact; a++) {
+        atomic_init(&done[a], 0);
+        pg[a] = expert_ptr(gate, act_e[a]);
+        pu[a] = expert_ptr(up, act_e[a]);
+        pd[a] = expert_ptr(down, act_e[a]);
+        if (!pg[a] || !pu[a] || !pd[a]) {
+            free(mem);
+            return QK_EMISSING;
+        }
+    }
+
+    quantize_rows(ks->quant[ag], x, T, H, xg, xrow_g);
+    if (au != ag) quantize_rows(ks->quant[au], x, T, H, xu, xrow_u);
+
+    moe_ctx c = {
+        .nact = nact, .k = k, .act_e = act_e, .first = first, .order = order, .pos = pos,
+        .dot_g = ks->dot[qg], .dot_u = ks->dot[qu], .gate = pg, .up = pu, .xg = xg, .xu = xu,
+        .nb_g = H / tg->blk_elems, .nb_u = H / tu->blk_elems, .rowb_g = H / tg->blk_elems * tg->blk_bytes,
+        .rowb_u = H / tu->blk_elems * tu->blk_bytes, .xrow_g = xrow_g, .xrow_u = xrow_u, .I = I,
+        .h = h, .quant_h = ks->quant[ad], .hq = hq, .hrow = hrow, .done = done,
+        .dot_d = ks->dot[qd], .down = pd, .nb_d = I / td->blk_elems,
+        .rowb_d = I / td->blk_elems * td->blk_bytes, .H = H, .rows_b = rows_b,
+        .wts = wts, .out = out, .scratch = scratch, .nscratch = nth, .T = T,
+    };
+    c.rows_a = rows_per_item(nact * I, nth);
+    if (c.rows_a > I) c.rows_a = I;
+    c.items_per_expert = (I + c.rows_a - 1) / c.rows_a;
+    c.items_b = (H + rows_b - 1) / rows_b;
+    wq_init(&c.qa, nact * c.items_per_expert, nth);
+    wq_init(&c.qb, c.items_b, nth);
+    qk_pool_run(moe_gate_up_task, &c);
+    qk_pool_run(moe_down_task, &c);
+    free(mem);
+    return QK_OK;
+}

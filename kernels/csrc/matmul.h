@@ -1,0 +1,27 @@
+/* matmul and fused MoE expert FFN over GGUF blocks (matmul.c). Both return 0 or a QK_E* code. */
+#ifndef MOERUN_MATMUL_H
+#define MOERUN_MATMUL_H
+
+#include <stdint.h>
+
+enum { QK_OK = 0, QK_ENOMEM = -1, QK_EISA = -2, QK_ETYPE = -3, QK_ESHAPE = -4, QK_EIDS = -5, QK_EMISSING = -6 };
+
+/* out[T, N] = x[T, K] @ W[N, K]^T; W is N rows of ggml type `ggml` (row stride: whole blocks). */
+int qk_matmul(int isa, int ggml, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t T,
+              float *out);
+
+/* Where each expert's copy of one matrix lies: with stride > 0, expert e's rows start at base + e * stride
+ * (a stacked [E, rows, cols] tensor); with stride == 0, base points to E little-endian uint64 addresses,
+ * 0 for an expert that is not provided (an error if routed to). `type` is the ggml type. */
+typedef struct {
+    const uint8_t *base;
+    int64_t stride;
+    int type;
+} qk_expert_mats;
+
+/* out[T, H] = sum_j wts[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, j], j < k, summed in
+ * the order of j. gate/up: [I, H] per expert, down: [H, I], each matrix kind of its own ggml type. */
+int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts, int k,
+               qk_expert_mats gate, qk_expert_mats up, qk_expert_mats down, int64_t E, int64_t I, float *out);
+
+#endif

@@ -1,0 +1,160 @@
+/* moerun.kernels._cpu: the CPython binding (plain C API, no torch headers).
+ *
+ * Buffers come in as integer addresses (torch's tensor.data_ptr()) with their sizes; the Python
+ * wrapper (kernels/cpu.py) checks shapes, dtypes and contiguity before calling. Every kernel runs
+ * with the GIL released. The `isa` argument selects the kernel set per call (0 scalar, 1 AVX2, 2 VNNI),
+ * so the module itself keeps no state besides the thread pool. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "matmul.h"
+#include "pool.h"
+#include "qk.h"
+
+static PyObject *raise_code(int rc) {
+    switch (rc) {
+    case QK_ENOMEM: return PyErr_NoMemory();
+    case QK_EISA: PyErr_SetString(PyExc_ValueError, "kernel set not available on this CPU"); return NULL;
+    case QK_ETYPE: PyErr_SetString(PyExc_ValueError, "no CPU kernel for this ggml type"); return NULL;
+    case QK_ESHAPE:
+        PyErr_SetString(PyExc_ValueError, "shape does not fit the types' block sizes");
+        return NULL;
+    case QK_EIDS: PyErr_SetString(PyExc_ValueError, "expert id out of range"); return NULL;
+    case QK_EMISSING: PyErr_SetString(PyExc_ValueError, "a routed expert's weights were not given"); return NULL;
+    default: Py_RETURN_NONE;
+    }
+}
+
+static PyObject *py_features(PyObject *self, PyObject *args) {
+    (void)self, (void)args;
+    PyObject *isas = PyList_New(0);
+    if (!isas) return NULL;
+    for (int i = 0; i < ISA_COUNT; i++) {
+        if (!qk_kernels(i)) continue;
+        PyObject *s = PyUnicode_FromString(qk_isa_name(i));
+        if (!s || PyList_Append(isas, s) < 0) {
+            Py_XDECREF(s);
+            Py_DECREF(isas);
+            return NULL;
+        }
+        Py_DECREF(s);
+    }
+    return Py_BuildValue("{s:s,s:i,s:N,s:i,s:i}", "best", qk_isa_name(qk_best_isa()), "best_id", qk_best_isa(),
+                         "isas", isas, "threads", qk_pool_threads(), "spin_us", qk_pool_spin_us());
+}
+
+static PyObject *py_qtypes(PyObject *self, PyObject *args) {
+    (void)self, (void)args;
+    PyObject *t = PyTuple_New(QT_COUNT);
+    if (!t) return NULL;
+    for (int i = 0; i < QT_COUNT; i++) PyTuple_SET_ITEM(t, i, PyLong_FromLong(QK_TYPES[i].ggml));
+    return t;
+}
+
+static PyObject *py_set_threads(PyObject *self, PyObject *args) {
+    (void)self;
+    int n, spin_us = -1;
+    if (!PyArg_ParseTuple(args, "i|i", &n, &spin_us)) return NULL;
+    if (spin_us < 0) spin_us = qk_pool_spin_us();
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = qk_pool_set_threads(n, spin_us);
+    Py_END_ALLOW_THREADS if (rc) {
+        PyErr_SetString(PyExc_ValueError, "threads must be in 1..1024 and spin_us in 0..1000000");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_get_threads(PyObject *self, PyObject *args) {
+    (void)self, (void)args;
+    return PyLong_FromLong(qk_pool_threads());
+}
+
+/* act_row_bytes(ggml, K): bytes of one quantized activation row paired with that weight type. */
+static PyObject *py_act_row_bytes(PyObject *self, PyObject *args) {
+    (void)self;
+    int ggml;
+    long long K;
+    if (!PyArg_ParseTuple(args, "iL", &ggml, &K)) return NULL;
+    const int qt = qk_qtype_index(ggml);
+    if (qt < 0) return raise_code(QK_ETYPE);
+    const int act = QK_TYPES[qt].act;
+    if (K < 1 || K % qk_act_elems(act)) return raise_code(QK_ESHAPE);
+    return PyLong_FromLongLong(K / qk_act_elems(act) * qk_act_bytes(act));
+}
+
+/* quantize_act(isa, ggml, x, T, K, out): the activation rows a matmul against that type uses. */
+static PyObject *py_quantize_act(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa, ggml;
+    unsigned long long x, out;
+    long long T, K;
+    if (!PyArg_ParseTuple(args, "iiKLLK", &isa, &ggml, &x, &T, &K, &out)) return NULL;
+    const kernel_set *ks = qk_kernels(isa);
+    const int qt = qk_qtype_index(ggml);
+    if (!ks) return raise_code(QK_EISA);
+    if (qt < 0) return raise_code(QK_ETYPE);
+    const int act = QK_TYPES[qt].act;
+    if (T < 1 || K < 1 || K % qk_act_elems(act)) return raise_code(QK_ESHAPE);
+    const int64_t row = K / qk_act_elems(act) * qk_act_bytes(act);
+    Py_BEGIN_ALLOW_THREADS for (long long t = 0; t < T; t++)
+        ks->quant[act]((const float *)(uintptr_t)x + t * K, (uint8_t *)(uintptr_t)out + t * row, K);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+/* matmul(isa, ggml, w, N, K, x, T, out): out[T, N] = x[T, K] @ W[N, K]^T. */
+static PyObject *py_matmul(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa, ggml;
+    unsigned long long w, x, out;
+    long long N, K, T;
+    if (!PyArg_ParseTuple(args, "iiKLLKLK", &isa, &ggml, &w, &N, &K, &x, &T, &out)) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = qk_matmul(isa, ggml, (const uint8_t *)(uintptr_t)w, N, K,
+                                          (const float *)(uintptr_t)x, T, (float *)(uintptr_t)out);
+    Py_END_ALLOW_THREADS return raise_code(rc);
+}
+
+/* moe_ffn(isa, x, T, H, ids, wts, k, gate, gate_stride, gate_type, up, up_stride, up_type, down, down_stride,
+ *         down_type, E, I, out): see qk_moe_ffn; each matrix kind is (base, stride, type) as qk_expert_mats. */
+static PyObject *py_moe_ffn(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa, k, gt, ut, dt;
+    unsigned long long x, ids, wts, gate, up, down, out;
+    long long T, H, E, I, gs, us, ds;
+    if (!PyArg_ParseTuple(args, "iKLLKKiKLiKLiKLiLLK", &isa, &x, &T, &H, &ids, &wts, &k, &gate, &gs, &gt, &up,
+                          &us, &ut, &down, &ds, &dt, &E, &I, &out))
+        return NULL;
+    if (gs < 0 || us < 0 || ds < 0) return raise_code(QK_ESHAPE);
+    const qk_expert_mats g = {(const uint8_t *)(uintptr_t)gate, gs, gt};
+    const qk_expert_mats u = {(const uint8_t *)(uintptr_t)up, us, ut};
+    const qk_expert_mats d = {(const uint8_t *)(uintptr_t)down, ds, dt};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = qk_moe_ffn(isa, (const float *)(uintptr_t)x, T, H, (const int32_t *)(uintptr_t)ids,
+                                          (const float *)(uintptr_t)wts, k, g, u, d, E, I, (float *)(uintptr_t)out);
+    Py_END_ALLOW_THREADS return raise_code(rc);
+}
+
+static PyMethodDef methods[] = {
+    {"features", py_features, METH_NOARGS, "Kernel sets this CPU runs, the best one, thread pool settings."},
+    {"qtypes", py_qtypes, METH_NOARGS, "ggml type ids with kernels."},
+    {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n, spin_us=-1): size the thread pool."},
+    {"get_threads", py_get_threads, METH_NOARGS, "Threads of the pool (caller included)."},
+    {"act_row_bytes", py_act_row_bytes, METH_VARARGS, "act_row_bytes(ggml, K)"},
+    {"quantize_act", py_quantize_act, METH_VARARGS, "quantize_act(isa, ggml, x, T, K, out)"},
+    {"matmul", py_matmul, METH_VARARGS, "matmul(isa, ggml, w, N, K, x, T, out)"},
+    {"moe_ffn", py_moe_ffn, METH_VARARGS,
+     "moe_ffn(isa, x, T, H, ids, wts, k, gate, gate_stride, gate_type, up, up_stride, up_type, down, "
+     "down_stride, down_type, E, I, out)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_cpu",
+    .m_doc = "moerun CPU kernels over GGUF blocks (use moerun.kernels.cpu).",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__cpu(void) { return PyModule_Create(&module); }

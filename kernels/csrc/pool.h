@@ -1,0 +1,21 @@
+/* The process's one kernel thread pool (DESIGN.md decision 9).
+ *
+ * qk_pool_run(fn, ctx) runs fn(ctx, tid, n) on n threads at once, the caller being tid 0, and
+ * returns when all have finished. Idle workers spin for a bounded time (qk_pool_set_threads'
+ * spin_us), then sleep on a condition variable, so they never burn a core for long while other
+ * threads (torch's, the caller's) need it. Jobs are serialised: a second caller waits its turn.
+ * Workers start on the first run and are re-created after fork(). */
+#ifndef MOERUN_POOL_H
+#define MOERUN_POOL_H
+
+typedef void (*qk_task)(void *ctx, int tid, int nthreads);
+
+/* n >= 1 threads in all (caller included); spin_us >= 0 is the idle spin before sleeping.
+ * Returns 0, or -1 when n or spin_us is out of range. */
+int qk_pool_set_threads(int n, int spin_us);
+int qk_pool_threads(void);
+int qk_pool_spin_us(void);
+/* Returns 0, or -1 when worker threads could not be created (the job then ran on the caller). */
+int qk_pool_run(qk_task fn, void *ctx);
+
+#endif

@@ -1,0 +1,174 @@
+/* moerun CPU kernels: shared declarations.
+ *
+ * Weights are read as stored in GGUF: rows of blocks, little-endian, no alignment guaranteed
+ * (so every multi-byte field is read with memcpy or an unaligned vector load). Activations are
+ * quantized once per call to one of two internal formats, and each weight row is dotted against
+ * them with integer arithmetic, as llama.cpp does.
+ *
+ * Weight block layouts (byte offsets within one block; "element" = index within the block):
+ *
+ *   Q4_0   32 el, 18 B: d f16 @0 | qs[16] @2. qs[j] low nibble -> el j, high nibble -> el j+16.
+ *          value = d * (q - 8).
+ *   Q8_0   32 el, 34 B: d f16 @0 | qs int8[32] @2. value = d * q.
+ *   MXFP4  32 el, 17 B: e u8 (E8M0) @0 | qs[16] @1, nibbles as Q4_0.
+ *          value = 2^(e-128) * KV_MXFP4[q] (the E2M1 code book doubled, so it is all integers).
+ *   Q4_K  256 el, 144 B: d f16 @0 | dmin f16 @2 | scales[12] @4 | qs[128] @16.
+ *          8 sub-blocks of 32, each with a 6-bit scale sc and 6-bit min m (packed, see unpack_q4k).
+ *          qs[32g + j]: low nibble -> el 64g + j, high nibble -> el 64g + 32 + j (g = 0..3).
+ *          value = d * sc[s] * q - dmin * m[s], s = el / 32.
+ *   Q5_K  256 el, 176 B: d @0 | dmin @2 | scales[12] @4 | qh[32] @16 | qs[128] @48.
+ *          As Q4_K, plus a fifth bit: bit k of qh[j] is bit 4 of el 32k + j.
+ *   Q6_K  256 el, 210 B: ql[128] @0 | qh[64] @128 | scales int8[16] @192 | d f16 @208.
+ *          For half h (0, 1): ql[64h + j] low nibble -> el 128h + j, high -> 128h + 64 + j (j < 64);
+ *          qh[32h + j] bits 2k..2k+1 -> high 2 bits of el 128h + 32k + j (j < 32).
+ *          value = d * scales[el / 16] * (q - 32).
+ *   IQ4_XS 256 el, 136 B: d f16 @0 | scales_h u16 @2 | scales_l[4] @4 | qs[128] @8.
+ *          8 sub-blocks of 32; scale of sub-block i = ((scales_l[i/2] >> 4*(i%2)) & 15
+ *          | ((scales_h >> 2i) & 3) << 4) - 32. qs[16i + j] low nibble -> el 32i + j, high -> 32i+16+j.
+ *          value = d * scale * KV_IQ4NL[q].
+ *
+ * Activation formats (ours, internal; f32 scales, values in [-127, 127], never -128):
+ *   act_q8k  per 256: f32 d | int8 qs[256] | int16 bsums[16] (sums of each 16 qs), 292 B.
+ *   act_q8_0 per 32:  f32 d | int8 qs[32], 36 B.
+ * K-quants pair with act_q8k; Q4_0, Q8_0, MXFP4 and IQ4_XS with act_q8_0.
+ */
+#ifndef MOERUN_QK_H
+#define MOERUN_QK_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define QK_X86 1
+#else
+#define QK_X86 0
+#endif
+
+/* ggml type ids (gguf.GGMLQuantizationType) of the weight types we read. */
+enum { GGML_Q4_0 = 2, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14,
+       GGML_IQ4_XS = 23, GGML_MXFP4 = 39 };
+
+/* Our dense indices for those types. */
+enum { QT_Q4_0, QT_Q8_0, QT_MXFP4, QT_Q4_K, QT_Q5_K, QT_Q6_K, QT_IQ4_XS, QT_COUNT };
+
+/* Activation formats. */
+enum { ACT_Q8K, ACT_Q8_0, ACT_COUNT };
+
+/* Kernel sets, selectable per call: portable C; AVX2 + FMA + F16C; the same plus AVX-512 VNNI
+ * (vpdpbusd / vpdpwssd on 256-bit vectors). All three compute the same integer sums. */
+enum { ISA_SCALAR, ISA_AVX2, ISA_VNNI, ISA_COUNT };
+
+typedef struct { float d; int8_t qs[256]; int16_t bsums[16]; } act_q8k;
+typedef struct { float d; int8_t qs[32]; } act_q8_0;
+
+/* Quantize k floats (k a multiple of the format's block) into `out`. */
+typedef void (*quant_fn)(const float *x, void *out, int64_t k);
+
+/* out[t] = dot(weight row w of nb blocks, activation row x[t]) for t < nt, 1 <= nt <= 4.
+ * Each x[t] points to the first activation block of the row (act_q8k or act_q8_0). */
+#define DOT_MAX_NT 4
+typedef void (*dot_fn)(int64_t nb, const uint8_t *w, const void *const *x, int nt, float *out);
+
+typedef struct {
+    int ggml;       /* ggml type id */
+    const char *name;
+    int blk_elems;  /* elements per weight block */
+    int blk_bytes;  /* bytes per weight block */
+    int act;        /* ACT_Q8K or ACT_Q8_0 */
+} qtype_info;
+
+typedef struct {
+    const char *name;
+    quant_fn quant[ACT_COUNT];
+    dot_fn dot[QT_COUNT];
+} kernel_set;
+
+extern const qtype_info QK_TYPES[QT_COUNT];
+
+/* Returns the QT_* index of a ggml type id, or -1 when we have no kernel for it. */
+int qk_qtype_index(int ggml);
+/* Elements per activation block and bytes per activation block of an ACT_* format. */
+int qk_act_elems(int act);
+int qk_act_bytes(int act);
+/* The kernel set for an ISA_* id, or NULL when this CPU (or build) cannot run it. */
+const kernel_set *qk_kernels(int isa);
+/* The best ISA this CPU runs. */
+int qk_best_isa(void);
+const char *qk_isa_name(int isa);
+
+/* Portable kernels (dot_scalar.c); x86 ones (quant_avx2.c, dot_avx2.c, dot_vnni.c). */
+void qk_quant_q8k_scalar(const float *x, void *out, int64_t k);
+void qk_quant_q8_0_scalar(const float *x, void *out, int64_t k);
+void qk_dot_scalar_q4_0(int64_t, const uint8_t *, const void *const *, int, float *);
+void qk_dot_scalar_q8_0(int64_t, const uint8_t *, const void *const *, int, float *);
+void qk_dot_scalar_mxfp4(int64_t, const uint8_t *, const void *const *, int, float *);
+void qk_dot_scalar_q4_k(int64_t, const uint8_t *, const void *const *, int, float *);
+void qk_dot_scalar_q5_k(int64_t, const uint8_t *, const void *const *, int, float *);
+void qk_dot_scalar_q6_k(int64_t, const uint8_t *, const void *const *, int, float *);
+void qk_dot_scalar_iq4_xs(int64_t, const uint8_t *, const void *const *, int, float *);
+#if QK_X86
+void qk_quant_q8k_avx2(const float *x, void *out, int64_t k);
+void qk_quant_q8_0_avx2(const float *x, void *out, int64_t k);
+#define QK_DECLARE_X86_DOTS(SUFFIX)                                                              \
+    void qk_dot_q4_0##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
+    void qk_dot_q8_0##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
+    void qk_dot_mxfp4##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);  \
+    void qk_dot_iq4_xs##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *); \
+    void qk_dot_q4_k##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
+    void qk_dot_q5_k##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
+    void qk_dot_q6_k##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);
+QK_DECLARE_X86_DOTS(_avx2)
+QK_DECLARE_X86_DOTS(_vnni)
+#endif
+
+/* ------------------------------------------------------------------------------ small helpers */
+
+static inline uint16_t qk_rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+/* IEEE half -> float, exact for every input (normals and subnormals are rebiased by one multiply
+ * by 2^112, which is exact; infinities and NaNs keep their payload). */
+static inline float qk_f16(uint16_t h) {
+    uint32_t em = (uint32_t)(h & 0x7fffu) << 13, bits;
+    float f;
+    if (em >= (0x7c00u << 13)) {
+        bits = em | 0x7f800000u;
+        memcpy(&f, &bits, 4);
+    } else {
+        memcpy(&f, &em, 4);
+        f *= 0x1p112f;
+    }
+    memcpy(&bits, &f, 4);
+    bits |= (uint32_t)(h & 0x8000u) << 16;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float qk_f16_at(const uint8_t *p) { return qk_f16(qk_rd16(p)); }
+
+/* E8M0 exponent byte -> 2^(e - 128) (half of the MX scale, to go with the doubled code book). */
+static inline float qk_e8m0_half(uint8_t e) {
+    uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Q4_K / Q5_K packed scales: 12 bytes -> 8 six-bit scales and 8 six-bit mins.
+ * Bytes 0-3: sc[0:4] low 6 bits, top 2 bits of sc[4:8]; bytes 4-7: same for the mins;
+ * bytes 8-11: low nibble -> low 4 bits of sc[4:8], high nibble -> low 4 bits of m[4:8]. */
+static inline void qk_unpack_q4k_scales(const uint8_t *q, uint8_t sc[8], uint8_t m[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = q[j] & 63;
+        m[j] = q[j + 4] & 63;
+        sc[j + 4] = (uint8_t)((q[j + 8] & 15) | ((q[j] >> 6) << 4));
+        m[j + 4] = (uint8_t)((q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4));
+    }
+}
+
+/* Non-linear 4-bit code books (gguf.quants IQ4_NL.kvalues; MXFP4's E2M1 values times two). */
+static const int8_t QK_KV_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                       1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t QK_KV_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+#endif

@@ -1,0 +1,92 @@
+/* Helpers for the x86 kernel files. A translation unit includes this header once, for one kernel
+ * set: plain AVX2 (+FMA, F16C), or, with QK_VNNI defined as 1 first, the same kernels using the
+ * AVX-512 VNNI dot-product instructions on 256-bit vectors (AVX512VL). Every function is compiled
+ * through a target attribute, so the module builds with default flags, and the code only runs after
+ * qk_kernels() has checked the CPU. Function names get the set's suffix through QK_NAME. */
+#ifndef MOERUN_X86_COMMON_H
+#define MOERUN_X86_COMMON_H
+
+#include "qk.h"
+
+#if QK_X86
+#include <immintrin.h>
+
+#ifndef QK_VNNI
+#define QK_VNNI 0
+#endif
+#if QK_VNNI
+#define QK_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"
+#define QK_NAME(base) base##_vnni
+#else
+#define QK_TARGET "avx2,fma,f16c"
+#define QK_NAME(base) base##_avx2
+#endif
+
+#define QK_AVX2 __attribute__((target(QK_TARGET)))
+#define QK_AVX2_INLINE static inline __attribute__((always_inline, target(QK_TARGET)))
+
+/* acc + the pairwise int16 products of a and b, summed into int32 lanes (vpdpwssd with VNNI). */
+QK_AVX2_INLINE __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
+#if QK_VNNI
+    return _mm256_dpwssd_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+/* Weight rows stream from DRAM: prefetch this many bytes ahead of the block being read (about the
+ * memory latency times one core's bandwidth; measured best among 0.5-4 KB on Zen 4, where it lifts a
+ * T = 1 Q4_K GEMV from ~11 to ~16 GB/s per thread). Past the end of a row it fetches the next row,
+ * which is usually the next one read. Prefetches never fault. */
+#define QK_PREFETCH_AHEAD 2048
+
+QK_AVX2_INLINE void avx2_prefetch_block(const uint8_t *b, int bytes) {
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)b + QK_PREFETCH_AHEAD + o, _MM_HINT_T0);
+}
+
+QK_AVX2_INLINE float avx2_f16(const uint8_t *p) { return _cvtsh_ss(qk_rd16(p)); }
+
+QK_AVX2_INLINE float avx2_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+QK_AVX2_INLINE float avx2_hsum128(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Sum of w[i] * y[i] over 32 signed bytes, as 8 int32 lanes (each the sum of 4 products).
+ * maddubs wants an unsigned first operand, so it gets |w| and y takes w's sign. |w| may be 128
+ * (w = -128 wraps to 0x80, which maddubs reads as 128); y must lie in [-127, 127]. */
+QK_AVX2_INLINE __m256i avx2_dot32_i8(__m256i w, __m256i y) {
+#if QK_VNNI /* vpdpbusd: u8 x s8, four products per int32 lane, no int16 step */
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(y, w));
+#else
+    const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(y, w));
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+#endif
+}
+
+/* 16 bytes of nibbles -> 32 bytes: low nibbles in the low 128-bit lane, high nibbles in the high. */
+QK_AVX2_INLINE __m256i avx2_nibbles32(const uint8_t *p) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    const __m256i v = _mm256_insertf128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1);
+    return _mm256_and_si256(v, _mm256_set1_epi8(15));
+}
+
+/* Instantiate a kernel body for a compile-time token count, so its per-token arrays live in
+ * registers and its token loops unroll. */
+#define QK_NT_DISPATCH(IMPL, nb, w, x, nt, out)  \
+    switch (nt) {                                \
+    case 1: IMPL(nb, w, x, 1, out); break;       \
+    case 2: IMPL(nb, w, x, 2, out); break;       \
+    case 3: IMPL(nb, w, x, 3, out); break;       \
+    default: IMPL(nb, w, x, 4, out); break;      \
+    }
+
+#endif
+#endif
