@@ -58,6 +58,7 @@ class SeqKV:
         self.pool, self.max_len = pool, max_len
         self.blocks: list[int] = []
         self.length = 0
+        self._slot_index = torch.empty(0, dtype=torch.long)  # pool slot of each reserved position
 
     def reserve(self, n_new: int) -> None:
         """Make room for n_new more positions (raises ContextOverflowError past max_len or the pool)."""
@@ -67,6 +68,10 @@ class SeqKV:
         more = -(-need // self.pool.block_size) - len(self.blocks)
         if more > 0:
             self.blocks += self.pool.allocator.allocate(more)
+            bs = self.pool.block_size
+            table = torch.tensor(self.blocks, dtype=torch.long)
+            pos = torch.arange(len(self.blocks) * bs)
+            self._slot_index = (table[pos // bs] * bs + pos % bs).to(self.pool.k.device)
 
     def truncate(self, length: int) -> None:
         """Forget positions >= length (e.g. to re-prefill from where a new chat prompt diverges)."""
@@ -75,12 +80,10 @@ class SeqKV:
     def free(self) -> None:
         self.pool.allocator.free(self.blocks)
         self.blocks, self.length = [], 0
+        self._slot_index = self._slot_index[:0]
 
     def _slots(self, start: int, end: int) -> torch.Tensor:
-        bs = self.pool.block_size
-        pos = torch.arange(start, end)
-        table = torch.tensor(self.blocks, dtype=torch.long)
-        return (table[pos // bs] * bs + pos % bs).to(self.pool.k.device)
+        return self._slot_index[start:end]
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v [T, kv_heads, head_dim] at positions start..start+T (reserved beforehand)."""

@@ -35,7 +35,8 @@ class ExpertCache:
                 self.tables[layer] = SlotTable(n, policy)
                 self.buffers[layer] = torch.empty((n, store.expert_bytes(layer)), dtype=torch.uint8,
                                                   device=self.device)
-        self._template = {layer: store.get(layer, 0) for layer in store.layers}
+        self._slots = {layer: [Expert.from_buffer(buf[i], store.get(layer, 0)) for i in range(len(buf))]
+                       for layer, buf in self.buffers.items()}  # each slot's views, built once
 
     @property
     def nbytes(self) -> int:
@@ -46,7 +47,7 @@ class ExpertCache:
         return 0 if t is None else t.slots
 
     def _slot(self, layer: int, slot: int) -> Expert:
-        return Expert.from_buffer(self.buffers[layer][slot], self._template[layer])
+        return self._slots[layer][slot]
 
     def fetch(self, layer: int, experts: list[int], phase: str) -> dict[int, Expert]:
         """expert id -> its weights for this step: a slot's views for hits and loads, home views for bypasses."""

@@ -53,6 +53,9 @@ class ExpertStore:
                 for e in range(E):
                     self._view(layer, e).copy_into(buf[e])
                 self._owned[layer] = buf
+        # Every expert's views, built once: the decode loop asks for k of them per layer and token.
+        self._experts = {layer: [self._build(layer, e) for e in range(self.n_experts(layer))]
+                         for layer in self._stacks}
 
     @property
     def layers(self) -> list[int]:
@@ -68,10 +71,13 @@ class ExpertStore:
         g, u, d = self._stacks[layer]
         return Expert(g[e], u[e], d[e])
 
-    def get(self, layer: int, e: int) -> Expert:
+    def _build(self, layer: int, e: int) -> Expert:
         if layer in self._owned:
             return Expert.from_buffer(self._owned[layer][e], self._view(layer, e))
         return self._view(layer, e)
+
+    def get(self, layer: int, e: int) -> Expert:
+        return self._experts[layer][e]
 
     @property
     def total_bytes(self) -> int:
