@@ -46,6 +46,8 @@ def model_options(f):
                      help="Routed experts stay in the file's memory map (--mmap) or are copied to RAM "
                           "(--no-mmap). Default: RAM when the model takes under 70% of the available memory "
                           "and no expert cache is asked for."),
+        click.option("--trace-routing", type=click.Path(path_type=Path), default=None,
+                     help="Record every routing decision (JSON Lines) for `moerun trace simulate`."),
         click.option("-v", "--verbose", is_flag=True, help="Per-layer expert-cache figures."),
     ]
     for o in reversed(opts):
@@ -130,6 +132,30 @@ def _engine(model: Path | None, ctx_size: int | None, ubatch: int, threads: int 
     return Engine(loaded.model, tok, ctx_size=ctx, ubatch=ubatch, expert_cache=cache)
 
 
+class _RouteRecorder:
+    """Writes the model's routing decisions to a trace; `request` numbers the requests (chat turns)."""
+
+    def __init__(self, path: Path, spec):
+        from moerun.experts.trace import TraceHeader, TraceWriter
+
+        if path.exists():
+            raise MoerunError(f"{path} already exists; choose another --trace-routing file")
+        self.writer = TraceWriter(path, TraceHeader.from_spec(spec))
+        self.request = 0
+
+    def __call__(self, layer, phase, pos, ids, w):
+        self.writer.write_step(layer=layer, phase=phase, request_ids=[self.request] * len(pos),
+                               positions=pos.tolist(), experts=ids, weights=w)
+
+
+def _trace(eng, path: Path | None):
+    if path is None:
+        return None
+    rec = _RouteRecorder(path, eng.model.spec)
+    eng.model.on_route = rec
+    return rec
+
+
 def _log(eng, timings, verbose: bool) -> None:
     """llama.cpp's timing lines, then the expert cache's (its figures since the last report)."""
     lines = timings.log_lines()
@@ -152,7 +178,7 @@ def _log(eng, timings, verbose: bool) -> None:
 @click.option("--no-display-prompt", is_flag=True, help="Do not echo the prompt before the generated text.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and timings.")
 def run(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache_slots, cache_policy, cache_prefill,
-        use_mmap, verbose, prompt, prompt_file, no_display_prompt, as_json, **kw):
+        use_mmap, trace_routing, verbose, prompt, prompt_file, no_display_prompt, as_json, **kw):
     """Complete a prompt, streaming the text to stdout; timings go to stderr."""
     params = _sampling(kw)
     if prompt_file is not None:
@@ -161,6 +187,7 @@ def run(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache_
         raise click.UsageError("give a prompt with -p or -f")
     eng = _engine(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache_slots, cache_policy,
                   cache_prefill, use_mmap)
+    tracer = _trace(eng, trace_routing)
     ids = eng.tokenizer.encode(prompt)
     gen = eng.generate(ids, params)
     if as_json:
@@ -170,6 +197,8 @@ def run(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache_
         if eng.expert_cache is not None:
             out["expert_cache"] = eng.expert_cache.stats.to_dict()
         click.echo(json.dumps(out))
+        if tracer is not None:
+            tracer.writer.close()
         return
     if not no_display_prompt:
         click.echo(prompt, nl=False)
@@ -179,6 +208,8 @@ def run(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache_
     click.echo()
     sys.stdout.flush()
     _log(eng, gen.timings, verbose)
+    if tracer is not None:
+        tracer.writer.close()
 
 
 @click.command()
@@ -186,13 +217,14 @@ def run(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache_
 @sampling_options
 @click.option("--system", default=None, help="System prompt.")
 def chat(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache_slots, cache_policy, cache_prefill,
-         use_mmap, verbose, system, **kw):
+         use_mmap, trace_routing, verbose, system, **kw):
     """Interactive chat with the model's chat template. Ctrl-C stops a reply, Ctrl-D exits."""
     from moerun.text import ChatTemplate
 
     params = _sampling(kw)
     eng = _engine(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache_slots, cache_policy,
                   cache_prefill, use_mmap)
+    tracer = _trace(eng, trace_routing)
     template = ChatTemplate.for_tokenizer(eng.tokenizer)
     seq = eng.new_sequence()
     messages = [{"role": "system", "content": system}] if system else []
@@ -227,3 +259,7 @@ def chat(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache
             continue
         messages.append({"role": "assistant", "content": "".join(reply)})
         _log(eng, gen.timings, verbose)
+        if tracer is not None:
+            tracer.request += 1
+    if tracer is not None:
+        tracer.writer.close()

@@ -115,3 +115,23 @@ def test_run_with_expert_cache_reports_hit_rate_and_same_text(hf_model):
     r = invoke(*base, "--expert-cache-mib", "0.05", "-v")
     assert re.search(r"^expert cache: prefill hit rate .*decode hit rate [\d.]+% \(\d+/\d+\)", r.stderr, re.MULTILINE)
     assert re.search(r"^layer +0: ", r.stderr, re.MULTILINE)
+
+
+def test_trace_routing_records_every_decision_and_replays(hf_model, tmp_path):
+    from moerun.experts.trace import read_trace
+
+    _, folder = hf_model("qwen2moe")
+    path = tmp_path / "routes.jsonl"
+    r = invoke("run", "-m", folder, "-p", "Hello there", "-n", "6", "--temp", "0", "--ignore-eos", "--json",
+               "--trace-routing", path)
+    out = json.loads(r.stdout)
+    trace = read_trace(path)
+    n_tokens = out["timings"]["prompt_n"] + out["timings"]["predicted_n"] - 1  # the last token is not run
+    assert trace.header.n_layers == 2 and trace.header.k == 2
+    assert len(trace.records) == n_tokens * 2
+    assert {r.phase for r in trace.records} == {"prefill", "decode"}
+    assert all(len(r.experts) == 2 and abs(sum(r.weights)) > 0 for r in trace.records)
+    sim = invoke("trace", "simulate", path, "--slots", "1,2", "--policy", "lru,belady")
+    assert sim.exit_code == 0 and "belady" in sim.output
+    again = invoke("run", "-m", folder, "-p", "x", "-n", "2", "--trace-routing", path)
+    assert again.exit_code != 0 and "already exists" in again.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -79,6 +80,8 @@ class MoEModel:
                                     for i in range(spec.n_layers) if spec.moe_layers[i]}
                                    for k in ("gate", "up", "down")))
         self.experts = experts or ResidentExperts(self.store)
+        # called with (layer, phase, positions [T], ids [T, k], weights [T, k]) after each routing decision
+        self.on_route: Callable[[int, str, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         rows = QTensor(self.embd.data[tokens], self.embd.qtype, (len(tokens), self.spec.hidden))
@@ -104,11 +107,13 @@ class MoEModel:
             k_pos = torch.arange(end)
         return mm(attend(q, k, v, pos, k_pos), lw.wo)  # [T, H]
 
-    def ffn(self, i: int, x: torch.Tensor, phase: str) -> torch.Tensor:
+    def ffn(self, i: int, x: torch.Tensor, phase: str, pos: torch.Tensor) -> torch.Tensor:
         s, lw, ops = self.spec, self.layers[i], self.ops
         if lw.ffn is not None:
             return ops.swiglu(x, *lw.ffn)
         w, ids = route(ops, x, lw.router, s.n_experts_used, s.norm_topk)  # [T, k]
+        if self.on_route is not None:
+            self.on_route(i, phase, pos, ids, w)
         out = ops.moe(x, ids, w, self.experts.fetch(i, torch.unique(ids).tolist(), phase))
         if lw.shexp is not None:
             sh = ops.swiglu(x, *lw.shexp)
@@ -135,7 +140,7 @@ class MoEModel:
             x = self.embed(tokens)
             for i, lw in enumerate(self.layers):
                 x = x + self.attention(i, rms_norm(x, lw.attn_norm, self.spec.rms_eps), pos, rope, kv)
-                x = x + self.ffn(i, rms_norm(x, lw.ffn_norm, self.spec.rms_eps), phase)
+                x = x + self.ffn(i, rms_norm(x, lw.ffn_norm, self.spec.rms_eps), phase, pos)
             if kv is not None:
                 kv.length = start + len(tokens)
             if last_only:
