@@ -35,3 +35,22 @@ def test_overflow_and_block_reuse(hf_model):
     other.reserve(32)
     with pytest.raises(ContextOverflowError, match="KV cache full"):
         SeqKV(pool, max_len=32).reserve(1)
+
+
+def test_scattered_blocks_read_the_same_as_consecutive_ones(hf_model):
+    """A sequence whose blocks are not consecutive in the pool (gather path) gives the same logits."""
+    _, folder = hf_model("olmoe")
+    model = load_model(folder).model
+    tokens = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(9))
+    pool = KVPool(model.spec, 128, block_size=8)
+    a, b = SeqKV(pool, 64), SeqKV(pool, 64)
+    out_a, out_b = [], []
+    for chunk in tokens.split(4):  # interleave two sequences so their blocks alternate in the pool
+        out_a.append(model.forward(chunk, a))
+        out_b.append(model.forward(chunk, b))
+    assert not a._contiguous and not b._contiguous
+    solo = SeqKV(KVPool(model.spec, 64, block_size=8), 64)
+    out_solo = [model.forward(chunk, solo) for chunk in tokens.split(4)]
+    assert solo._contiguous
+    assert torch.equal(torch.cat(out_a), torch.cat(out_b))
+    assert (torch.cat(out_a) - torch.cat(out_solo)).abs().max().item() < 1e-5

@@ -59,6 +59,7 @@ class SeqKV:
         self.blocks: list[int] = []
         self.length = 0
         self._slot_index = torch.empty(0, dtype=torch.long)  # pool slot of each reserved position
+        self._contiguous = False  # blocks consecutive in the pool: reads are views
 
     def reserve(self, n_new: int) -> None:
         """Make room for n_new more positions (raises ContextOverflowError past max_len or the pool)."""
@@ -72,6 +73,7 @@ class SeqKV:
             table = torch.tensor(self.blocks, dtype=torch.long)
             pos = torch.arange(len(self.blocks) * bs)
             self._slot_index = (table[pos // bs] * bs + pos % bs).to(self.pool.k.device)
+            self._contiguous = self.blocks == list(range(self.blocks[0], self.blocks[0] + len(self.blocks)))
 
     def truncate(self, length: int) -> None:
         """Forget positions >= length (e.g. to re-prefill from where a new chat prompt diverges)."""
@@ -80,7 +82,7 @@ class SeqKV:
     def free(self) -> None:
         self.pool.allocator.free(self.blocks)
         self.blocks, self.length = [], 0
-        self._slot_index = self._slot_index[:0]
+        self._slot_index, self._contiguous = self._slot_index[:0], False
 
     def _slots(self, start: int, end: int) -> torch.Tensor:
         return self._slot_index[start:end]
@@ -92,6 +94,10 @@ class SeqKV:
         self.pool.v[layer].index_copy_(0, slots, v.to(self.pool.v.dtype))
 
     def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [end, kv_heads, head_dim] for positions 0..end."""
+        """k, v [end, kv_heads, head_dim] for positions 0..end: a view when the blocks are consecutive in
+        the pool (the usual case for a single sequence), else a gather."""
+        if end and self._contiguous:
+            start = self.blocks[0] * self.pool.block_size
+            return self.pool.k[layer, start:start + end], self.pool.v[layer, start:start + end]
         slots = self._slots(0, end)
         return self.pool.k[layer].index_select(0, slots), self.pool.v[layer].index_select(0, slots)
