@@ -1,0 +1,203 @@
+"""What the machine offers: host RAM, physical cores, CPU features, GPUs (pynvml, else torch.cuda, else none).
+
+`detect()` never fails for want of NVIDIA libraries: pynvml is an optional import, and every probe that
+raises is treated as "not available". The dataclasses are frozen; the planner takes an `Inventory` and
+tests build made-up ones by hand.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# GB/s per lane and direction, after line coding (PCIe 1.0 .. 6.0)
+PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
+
+# CPU features the kernels care about, as /proc/cpuinfo spells them (x86 "flags", ARM "Features")
+CPU_FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16", "neon", "asimddp", "i8mm",
+                "sve", "sve2", "bf16")
+
+_UNITS = {"": 1, "b": 1,
+          "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,  # one letter: binary, as ls -h / docker
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """'6GiB', '512MiB', '8G' (binary), '1.5GB' (decimal), '4096' (bytes) -> bytes.
+
+    KiB/MiB/GiB/TiB and the one-letter K/M/G/T are powers of 1024; KB/MB/GB/TB powers of 1000.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"size must not be negative, got {text}")
+        return text
+    if not isinstance(text, str):
+        raise TypeError(f"size must be a string such as '6GiB', got {text!r}")
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"cannot read size {text!r}: expected a number and a unit, e.g. 6GiB, 512MiB, 8G, 1.5GB")
+    unit = m[2].lower()
+    if unit not in _UNITS:
+        raise ValueError(f"unknown unit {m[2]!r} in size {text!r} (use B, KiB, MiB, GiB, TiB, K, M, G, T, KB, MB, "
+                         "GB or TB)")
+    return round(float(m[1]) * _UNITS[unit])
+
+
+def format_size(n: int) -> str:
+    """Bytes as a short binary figure: '3.20 GiB', '512.0 MiB', '17 B'."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+@dataclass(frozen=True)
+class GPU:
+    index: int
+    name: str
+    total_bytes: int
+    free_bytes: int
+    pcie_gen: int | None = None  # the MAX link generation (the current one drops at idle)
+    pcie_width: int | None = None  # max lanes
+    mem_bus_bits: int | None = None
+    mem_clock_mhz: int | None = None  # max memory clock as NVML reports it (data rate = 2x)
+    source: str = "manual"  # "nvml", "torch" or "manual"
+
+    @property
+    def device(self) -> str:
+        return f"cuda:{self.index}"
+
+    @property
+    def mem_bandwidth_gbps(self) -> float | None:
+        """Peak device-memory bandwidth estimate: bus bytes x clock x 2 (double data rate)."""
+        if not self.mem_bus_bits or not self.mem_clock_mhz:
+            return None
+        return self.mem_bus_bits / 8 * self.mem_clock_mhz * 1e6 * 2 / 1e9
+
+    @property
+    def pcie_gbps(self) -> float | None:
+        """Peak host-to-device bandwidth of the link, one direction."""
+        if not self.pcie_gen or not self.pcie_width:
+            return None
+        return PCIE_LANE_GBPS.get(self.pcie_gen, PCIE_LANE_GBPS[6]) * self.pcie_width
+
+
+@dataclass(frozen=True)
+class Inventory:
+    ram_total: int
+    ram_available: int
+    physical_cores: int
+    logical_cores: int = 0
+    cpu_features: tuple[str, ...] = ()
+    gpus: tuple[GPU, ...] = ()
+
+    def gpu(self, device: str) -> GPU:
+        """The GPU named 'cuda:N'; KeyError when there is none."""
+        for g in self.gpus:
+            if g.device == device:
+                return g
+        raise KeyError(f"no GPU {device} (found: {', '.join(g.device for g in self.gpus) or 'none'})")
+
+    def to_json(self) -> dict:
+        return {"ram_total": self.ram_total, "ram_available": self.ram_available,
+                "physical_cores": self.physical_cores, "logical_cores": self.logical_cores,
+                "cpu_features": list(self.cpu_features),
+                "gpus": [{**g.__dict__, "mem_bandwidth_gbps": g.mem_bandwidth_gbps, "pcie_gbps": g.pcie_gbps}
+                         for g in self.gpus]}
+
+
+def parse_cpu_features(cpuinfo: str) -> tuple[str, ...]:
+    """The CPU_FEATURES present in /proc/cpuinfo text (ARM's 'asimd' is reported as 'neon')."""
+    found: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            found.update(value.split())
+    if "asimd" in found:
+        found.add("neon")
+    return tuple(f for f in CPU_FEATURES if f in found)
+
+
+def _nvml_gpus() -> tuple[GPU, ...] | None:
+    """GPUs as NVML sees them; None when pynvml or the driver library is missing."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        return None
+    try:
+        gpus = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(h)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+
+            def probe(fn, *args, _h=h):
+                try:
+                    return int(fn(_h, *args))
+                except Exception:  # noqa: BLE001 - not supported on this board / driver
+                    return None
+
+            gpus.append(GPU(
+                index=i, name=name.decode() if isinstance(name, bytes) else str(name),
+                total_bytes=int(mem.total), free_bytes=int(mem.free),
+                pcie_gen=probe(pynvml.nvmlDeviceGetMaxPcieLinkGeneration),
+                pcie_width=probe(pynvml.nvmlDeviceGetMaxPcieLinkWidth),
+                mem_bus_bits=probe(getattr(pynvml, "nvmlDeviceGetMemoryBusWidth", lambda _h: None)),
+                mem_clock_mhz=probe(pynvml.nvmlDeviceGetMaxClockInfo, pynvml.NVML_CLOCK_MEM),
+                source="nvml"))
+        return tuple(gpus)
+    except Exception:  # noqa: BLE001 - a broken driver means "no NVML", never a crash
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001, S110 - shutting down a library that already failed
+            pass
+
+
+def _torch_gpus() -> tuple[GPU, ...]:
+    """GPUs as torch.cuda sees them (no PCIe figures); () without CUDA."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return ()
+        gpus = []
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            free, total = torch.cuda.mem_get_info(i)
+            clock_khz = getattr(p, "memory_clock_rate", None)
+            gpus.append(GPU(index=i, name=p.name, total_bytes=int(total), free_bytes=int(free),
+                            mem_bus_bits=getattr(p, "memory_bus_width", None),
+                            mem_clock_mhz=int(clock_khz) // 1000 if clock_khz else None, source="torch"))
+        return tuple(gpus)
+    except Exception:  # noqa: BLE001 - CUDA present but unusable: no GPUs
+        return ()
+
+
+def detect(cpuinfo: str | Path = "/proc/cpuinfo", gpus: bool = True) -> Inventory:
+    """The machine's inventory. `gpus=False` skips the GPU probes (no CUDA initialisation)."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    logical = psutil.cpu_count(logical=True) or os.cpu_count() or 1
+    physical = psutil.cpu_count(logical=False) or logical
+    try:
+        features = parse_cpu_features(Path(cpuinfo).read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        features = ()
+    found: tuple[GPU, ...] = ()
+    if gpus:
+        nv = _nvml_gpus()
+        found = nv if nv is not None else _torch_gpus()
+    return Inventory(ram_total=int(vm.total), ram_available=int(vm.available), physical_cores=int(physical),
+                     logical_cores=int(logical), cpu_features=features, gpus=found)

@@ -1,0 +1,329 @@
+"""Placement planner, pure: (Arch, Inventory, Budgets) -> Plan. No torch allocation, no I/O.
+
+Order (DESIGN.md decisions 3 and 7): dense weights (attention, routers, norms, shared experts, embeddings
+with the first stage, head with the last) on the compute device(s), then the KV reserve, then as many
+expert cache slots per layer as the budget left allows. Routed experts live in the home tier: host RAM
+when it fits the RAM budget, else the memory-mapped file ("disk"). llama.cpp's --n-cpu-moe,
+--override-tensor (-ot REGEX=DEVICE, searched in GGUF names, first match wins) and --tensor-split keep
+their meaning. Tiers: "vram", "ram", "disk".
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from moerun.arch.tensors import source_shape
+from moerun.errors import MoerunError
+from moerun.formats.names import tensor_class
+from moerun.placement.devices import Inventory, format_size
+from moerun.quant.qtypes import tensor_bytes
+
+MiB = 1 << 20
+_DEV = re.compile(r"^(cpu|cuda:\d+)$")
+
+
+class PlanError(MoerunError):
+    """The budgets cannot hold what must be placed; the message says what would fit."""
+
+
+def parse_device(name: str) -> str:
+    """llama.cpp's CPU / CUDA0 (or cpu / cuda:0 / cuda0) -> 'cpu' / 'cuda:0'."""
+    s = name.strip().lower()
+    m = re.fullmatch(r"cuda:?(\d+)", s)
+    if s == "cpu" or m:
+        return "cpu" if s == "cpu" else f"cuda:{int(m[1])}"
+    raise ValueError(f"unknown device {name!r} (use CPU, CUDA0, CUDA1, ... or cpu, cuda:0, ...)")
+
+
+def parse_override(text: str) -> tuple[tuple[str, str], ...]:
+    """llama.cpp's -ot value 'REGEX=DEVICE[,REGEX=DEVICE...]' -> ((regex, 'cpu' | 'cuda:N'), ...)."""
+    out = []
+    for part in text.split(","):
+        pattern, sep, dev = part.rpartition("=")
+        if not sep or not pattern:
+            raise ValueError(f"override {part!r} is not REGEX=DEVICE (e.g. exps=CPU)")
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"override {part!r}: bad regular expression: {e}") from None
+        out.append((pattern, parse_device(dev)))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """What the user allows. vram: bytes per device (one figure for all, or one per device); None: free memory.
+    ram: bytes; None: available RAM. cache_mib caps each device's expert cache; cache_slots caps slots per layer."""
+
+    devices: tuple[str, ...] = ("cpu",)
+    vram: int | tuple[int, ...] | None = None
+    ram: int | None = None
+    cache_mib: int | None = None
+    cache_slots: int | None = None
+    ctx_size: int = 4096
+    kv_dtype_bytes: int = 2
+    n_cpu_moe: int = 0
+    override_tensor: tuple[tuple[str, str], ...] = ()
+    tensor_split: tuple[float, ...] | None = None
+
+    def __post_init__(self):
+        devs = tuple(parse_device(d) for d in self.devices)
+        object.__setattr__(self, "devices", devs)
+        if not devs or len(set(devs)) != len(devs):
+            raise ValueError(f"devices must be non-empty and distinct, got {list(self.devices)}")
+        if "cpu" in devs and len(devs) > 1:
+            raise ValueError("the compute devices are either 'cpu' alone or GPUs (cuda:N)")
+        if isinstance(self.vram, (list, tuple)):
+            object.__setattr__(self, "vram", tuple(self.vram))
+            if len(self.vram) != len(devs):
+                raise ValueError(f"{len(self.vram)} VRAM budgets for {len(devs)} devices")
+        for name in ("ram", "cache_mib", "cache_slots"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise ValueError(f"{name} must not be negative, got {v}")
+        if any(v < 0 for v in (self.vram if isinstance(self.vram, tuple) else (self.vram or 0,))):
+            raise ValueError("VRAM budgets must not be negative")
+        if self.cache_mib is not None and self.cache_slots is not None:
+            raise ValueError("give the expert cache size in MiB or in slots, not both")
+        if self.ctx_size <= 0 or self.kv_dtype_bytes <= 0 or self.n_cpu_moe < 0:
+            raise ValueError("ctx_size and kv_dtype_bytes must be positive and n_cpu_moe not negative")
+        object.__setattr__(self, "override_tensor", tuple((p, parse_device(d)) for p, d in self.override_tensor))
+        for _, d in self.override_tensor:
+            if d != "cpu" and d not in devs:
+                raise ValueError(f"--override-tensor names {d}, which is not among the devices {list(devs)}")
+        if self.tensor_split is not None:
+            object.__setattr__(self, "tensor_split", tuple(float(x) for x in self.tensor_split))
+            if len(self.tensor_split) != len(devs) or min(self.tensor_split) < 0 or sum(self.tensor_split) <= 0:
+                raise ValueError(f"tensor_split needs {len(devs)} non-negative proportions, got {self.tensor_split}")
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    device: str
+    layers: tuple[int, int]  # [start, stop)
+    budget: int
+    dense_bytes: int  # everything resident here that is not KV or cache (incl. tensors pinned by -ot)
+    kv_bytes: int
+    expert_slots: tuple[int, ...]  # per layer of the range; 0: experts computed at home / pinned / none
+    cache_bytes: int
+
+    @property
+    def used_bytes(self) -> int:
+        return self.dense_bytes + self.kv_bytes + self.cache_bytes
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    device: str  # where it is computed
+    tier: str  # where its bytes live: vram / ram / disk
+    nbytes: int
+    cached: bool = False  # routed experts served through the device's expert cache
+
+
+@dataclass(frozen=True)
+class Plan:
+    devices: tuple[DevicePlan, ...]
+    home: str  # home tier of the routed experts: "ram" or "disk"
+    ram_budget: int
+    ram_bytes: int  # host RAM moerun holds: home experts (when home is ram), tensors on cpu, cpu cache
+    tensors: dict[str, TensorPlan] = field(default_factory=dict)  # by GGUF name
+    ctx_size: int = 0
+    kv_bytes_per_token: int = 0
+
+    def layer_device(self, layer: int) -> str:
+        for d in self.devices:
+            if d.layers[0] <= layer < d.layers[1]:
+                return d.device
+        raise KeyError(layer)
+
+    def totals(self) -> dict:
+        t = {"vram": 0, "ram": 0, "disk": 0}
+        for tp in self.tensors.values():
+            t[tp.tier] += tp.nbytes
+        return {"model_bytes": sum(t.values()), "bytes_by_tier": t, "ram_bytes": self.ram_bytes,
+                "kv_bytes": sum(d.kv_bytes for d in self.devices),
+                "cache_bytes": sum(d.cache_bytes for d in self.devices)}
+
+    def to_json(self) -> dict:
+        return {"devices": [{**d.__dict__, "layers": list(d.layers), "expert_slots": list(d.expert_slots)}
+                            for d in self.devices],
+                "home": self.home, "ram_budget": self.ram_budget, "ram_bytes": self.ram_bytes,
+                "ctx_size": self.ctx_size, "kv_bytes_per_token": self.kv_bytes_per_token,
+                "tensors": {n: dict(t.__dict__) for n, t in sorted(self.tensors.items())},
+                "totals": self.totals()}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Plan:
+        devs = tuple(DevicePlan(**{**x, "layers": tuple(x["layers"]), "expert_slots": tuple(x["expert_slots"])})
+                     for x in d["devices"])
+        return cls(devs, d["home"], d["ram_budget"], d["ram_bytes"],
+                   {n: TensorPlan(**t) for n, t in d["tensors"].items()}, d["ctx_size"], d["kv_bytes_per_token"])
+
+    def table(self) -> str:
+        rows = [("device", "layers", "dense", "KV", "expert slots", "cache", "budget")]
+        for d in self.devices:
+            slots = sorted({s for s in d.expert_slots})
+            rows.append((d.device, f"{d.layers[0]}-{d.layers[1] - 1}" if d.layers[1] > d.layers[0] else "-",
+                         format_size(d.dense_bytes), format_size(d.kv_bytes),
+                         "-" if slots in ([], [0]) else "/".join(map(str, slots)) + " per layer",
+                         format_size(d.cache_bytes), format_size(d.budget)))
+        home = sum(t.nbytes for t in self.tensors.values() if t.tier == self.home and t.tier != "vram")
+        rows.append((f"home ({self.home})", "", "", "", "", format_size(home), format_size(self.ram_budget)
+                     if self.home == "ram" else "mmap"))
+        w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = [" | ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in rows]
+        lines.insert(1, "-+-".join("-" * x for x in w))
+        return "\n".join(lines)
+
+
+def _split_layers(n: int, weights: list[float]) -> list[tuple[int, int]]:
+    """Contiguous ranges covering range(n), sized in proportion to `weights` (cumulative rounding)."""
+    total, acc, bounds = sum(weights), 0.0, [0]
+    for w in weights:
+        acc += w
+        bounds.append(round(n * acc / total))
+    bounds[-1] = n
+    return [(bounds[i], bounds[i + 1]) for i in range(len(weights))]
+
+
+def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
+    spec, devs = arch.spec, budgets.devices
+    L, E = spec.n_layers, spec.n_experts
+    overrides = list(budgets.override_tensor)
+    if devs != ("cpu",):
+        overrides += [(rf"^blk\.{i}\.ffn_(up|down|gate)_exps", "cpu") for i in range(min(budgets.n_cpu_moe, L))]
+    kv_tok_layer = 2 * spec.n_kv_heads * spec.head_dim * budgets.kv_dtype_bytes
+    ram_budget = inventory.ram_available if budgets.ram is None else budgets.ram
+
+    # every tensor: bytes, class, override
+    info: dict[str, tuple] = {}  # name -> (layer, expert?, nbytes, override device | None)
+    for cn, src in arch.sources.items():
+        name = cn.gguf
+        ov = next((d for p, d in overrides if re.search(p, name)), None)
+        nbytes = tensor_bytes(src.records[0].qtype, source_shape(src))
+        info[name] = (cn.layer, tensor_class(cn.kind) == "routed_experts", nbytes, ov, cn.kind)
+    exp_bytes = [0] * L  # routed expert bytes per layer, counted only where served by a cache
+    cached_layer = [False] * L
+    for i in range(L):
+        names = [n for n, v in info.items() if v[0] == i and v[1]]
+        cached_layer[i] = bool(names) and all(info[n][3] is None for n in names)
+        exp_bytes[i] = sum(info[n][2] for n in names) if cached_layer[i] else 0
+    slot_b = [b // E if E else 0 for b in exp_bytes]
+
+    if devs == ("cpu",):
+        return _plan_cpu(spec, info, budgets, ram_budget, kv_tok_layer, slot_b)
+
+    try:
+        budget = {d: (b if b is not None else inventory.gpu(d).free_bytes) for d, b in
+                  zip(devs, budgets.vram if isinstance(budgets.vram, tuple) else [budgets.vram] * len(devs))}
+    except KeyError as e:
+        raise PlanError(f"{e.args[0]}; use --device cpu or --gpus with the GPUs present") from None
+    # dense bytes each layer brings to its stage; embeddings to the first, head and output norm to the last
+    lay_dense, first, last, pinned = [0] * L, 0, 0, {d: 0 for d in devs}
+    for name, (layer, is_exp, nbytes, ov, kind) in info.items():
+        if ov is not None:
+            if ov != "cpu":
+                pinned[ov] += nbytes
+        elif is_exp:
+            pass
+        elif layer is not None:
+            lay_dense[layer] += nbytes
+        elif kind == "token_embd.weight":
+            first += nbytes
+        else:
+            last += nbytes
+
+    def stage(d: str, k: int, r: tuple[int, int]) -> tuple[int, int, int]:
+        """(dense, kv, slots) of device d holding layers r; slots -1 when dense + KV do not fit."""
+        dense = pinned[d] + sum(lay_dense[r[0]:r[1]]) + (first if k == 0 else 0) + (last if k == len(devs) - 1 else 0)
+        kv = budgets.ctx_size * kv_tok_layer * (r[1] - r[0])
+        left, per = budget[d] - dense - kv, sum(slot_b[r[0]:r[1]])
+        if left < 0:
+            return dense, kv, -1
+        slots = E if per == 0 else min(E, left // per)
+        if budgets.cache_slots is not None:
+            slots = min(slots, budgets.cache_slots)
+        if budgets.cache_mib is not None and per:
+            slots = min(slots, budgets.cache_mib * MiB // per)
+        return dense, kv, slots
+
+    ranges = _split_layers(L, list(budgets.tensor_split or [budget[d] for d in devs]))
+    if budgets.tensor_split is None:  # move boundaries while it raises the smallest slot counts (maximin)
+        def score(rs):
+            return sorted(stage(d, k, r)[2] for k, (d, r) in enumerate(zip(devs, rs)))
+        best, improved = score(ranges), True
+        while improved:
+            improved = False
+            for b in range(1, len(devs)):
+                for step in (-1, 1):
+                    cut = ranges[b][0] + step
+                    if not ranges[b - 1][0] <= cut <= ranges[b][1]:
+                        continue
+                    cand = ranges[:b - 1] + [(ranges[b - 1][0], cut), (cut, ranges[b][1])] + ranges[b + 1:]
+                    s = score(cand)
+                    if s > best:
+                        ranges, best, improved = cand, s, True
+    stages = []
+    for k, (d, r) in enumerate(zip(devs, ranges)):
+        dense, kv, slots = stage(d, k, r)
+        if slots < 0:
+            per_layer = (sum(lay_dense[r[0]:r[1]]) + budgets.ctx_size * kv_tok_layer * (r[1] - r[0])) / max(
+                r[1] - r[0], 1)
+            fit = max(0, int((budget[d] - (dense - sum(lay_dense[r[0]:r[1]]))) // per_layer)) if per_layer else 0
+            raise PlanError(
+                f"the dense weights need {format_size(dense)} (+ {format_size(kv)} KV for --ctx-size "
+                f"{budgets.ctx_size}) but {d} has a budget of {format_size(budget[d])}: about {fit} of its "
+                f"{r[1] - r[0]} layers would fit; try -ot/--override-tensor to keep tensors on the CPU, a smaller "
+                "--ctx-size, a larger --vram-budget, more --gpus or --device cpu")
+        sl = tuple(slots if cached_layer[i] else 0 for i in range(*r))
+        stages.append(DevicePlan(d, r, budget[d], dense, kv, sl, sum(s * slot_b[i] for s, i in zip(sl, range(*r)))))
+
+    host = sum(v[2] for v in info.values() if v[3] == "cpu" or (v[1] and v[3] is None))
+    home = "ram" if host <= ram_budget else "disk"
+    tensors = {}
+    for name, (layer, is_exp, nbytes, ov, kind) in info.items():
+        own = devs[0] if kind == "token_embd.weight" else devs[-1] if layer is None else \
+            next(s.device for s in stages if s.layers[0] <= layer < s.layers[1])
+        if ov is not None:
+            tensors[name] = TensorPlan(ov, "vram" if ov != "cpu" else home, nbytes)
+        elif is_exp:
+            tensors[name] = TensorPlan(own if cached_layer[layer] else "cpu", home, nbytes, cached_layer[layer])
+        else:
+            tensors[name] = TensorPlan(own, "vram", nbytes)
+    return Plan(tuple(stages), home, ram_budget, host if home == "ram" else 0, tensors, budgets.ctx_size,
+                kv_tok_layer * L)
+
+
+def _plan_cpu(spec, info, budgets: Budgets, ram_budget: int, kv_tok_layer: int, slot_b: list[int]) -> Plan:
+    """CPU only: dense + KV in RAM; experts in RAM when the whole model fits, else mmap + a RAM cache."""
+    L, E = spec.n_layers, spec.n_experts
+    dense = sum(v[2] for v in info.values() if not v[1])
+    experts = sum(v[2] for v in info.values() if v[1])
+    kv = budgets.ctx_size * kv_tok_layer * L
+    if dense + kv > ram_budget:
+        raise PlanError(f"the dense weights need {format_size(dense)} (+ {format_size(kv)} KV for --ctx-size "
+                        f"{budgets.ctx_size}) but the RAM budget is {format_size(ram_budget)}; try a smaller "
+                        "--ctx-size or a larger --ram-budget")
+    left, per = ram_budget - dense - kv, sum(slot_b)
+    if dense + kv + experts <= ram_budget:
+        home, slots = "ram", 0
+    else:
+        home = "disk"
+        if budgets.cache_slots is not None:
+            slots = min(E, budgets.cache_slots)
+        elif budgets.cache_mib is not None:
+            slots = min(E, budgets.cache_mib * MiB // per) if per else 0
+        else:
+            slots = min(E, left // per) if per else 0
+        if slots * per > left:
+            raise PlanError(f"an expert cache of {slots} slots per layer needs {format_size(slots * per)} but only "
+                            f"{format_size(left)} of the RAM budget is left after the dense weights and KV; "
+                            f"at most {left // per} slots per layer fit")
+    sl = tuple(slots if slot_b[i] else 0 for i in range(L))
+    cache = sum(s * b for s, b in zip(sl, slot_b))
+    dp = DevicePlan("cpu", (0, L), ram_budget, dense, kv, sl, cache)
+    tensors = {n: TensorPlan("cpu", home if v[1] else "ram", v[2], cached=v[1] and home == "disk" and bool(slots))
+               for n, v in info.items()}
+    ram = dense + kv + cache + (experts if home == "ram" else 0)
+    return Plan((dp,), home, ram_budget, ram, tensors, budgets.ctx_size, kv_tok_layer * L)

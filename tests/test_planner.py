@@ -1,0 +1,215 @@
+"""Placement planner against made-up inventories: budgets, layer split, expert slots, overrides, JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moerun.arch import FAMILIES, Arch, Source, expected_shapes, resolve
+from moerun.formats import open_model
+from moerun.formats.names import CName, tensor_class
+from moerun.formats.records import TensorRecord
+from moerun.placement.devices import GPU, Inventory, detect, parse_cpu_features, parse_size
+from moerun.placement.planner import Budgets, Plan, PlanError, parse_device, parse_override, plan
+from moerun.quant.qtypes import QType, tensor_bytes
+from moerun.tools.presets import preset
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+def fake_arch(spec) -> Arch:
+    """An Arch whose sources are records of the right shapes and llama.cpp-like qtypes (no file)."""
+    sources = {}
+    for cn, shape in expected_shapes(spec).items():
+        cls = tensor_class(cn.kind)
+        qt = (QType.Q4_K if cls == "routed_experts" else QType.F32 if cls in ("norms", "router")
+              else QType.Q8_0)
+        rec = TensorRecord(cn.gguf, qt, shape, Path("fake.gguf"), 0, tensor_bytes(qt, shape))
+        sources[cn] = Source((rec,))
+    return Arch(FAMILIES["qwen3moe"], spec, sources)
+
+
+def gpu(i: int, gib: float) -> GPU:
+    return GPU(i, f"fake-{i}", int(gib * GiB), int(gib * GiB) - 300 * MiB, 4, 16, 256, 10000)
+
+
+TWO_GPUS = Inventory(64 * GiB, 60 * GiB, 8, 16, ("avx2",), (gpu(0, 8), gpu(1, 24)))
+ONE_GPU = Inventory(32 * GiB, 30 * GiB, 6, 12, ("avx2",), (gpu(0, 6),))
+CPU_ONLY = Inventory(4 * GiB, 3 * GiB, 2, 2, ("avx2",))
+
+
+@pytest.fixture(scope="module")
+def a3b() -> Arch:
+    return fake_arch(preset("a3b-L12"))
+
+
+def nbytes(arch, pred) -> int:
+    return sum(tensor_bytes(s.records[0].qtype, s.records[0].shape) for cn, s in arch.sources.items() if pred(cn))
+
+
+def check_invariants(p: Plan, arch: Arch) -> None:
+    covered = [i for d in p.devices for i in range(*d.layers)]
+    assert covered == list(range(arch.spec.n_layers))  # contiguous, in order, each layer once
+    for d in p.devices:
+        assert d.used_bytes <= d.budget, d
+        assert len(d.expert_slots) == d.layers[1] - d.layers[0]
+        assert all(0 <= s <= arch.spec.n_experts for s in d.expert_slots)
+        vram = sum(t.nbytes for t in p.tensors.values() if t.tier == "vram" and t.device == d.device)
+        if d.device != "cpu":
+            assert vram == d.dense_bytes
+    assert p.ram_bytes <= p.ram_budget
+    assert set(p.tensors) == {cn.gguf for cn in arch.sources}
+    assert sum(t.nbytes for t in p.tensors.values()) == nbytes(arch, lambda cn: True)
+
+
+def test_parse_size():
+    assert parse_size("6GiB") == 6 * GiB
+    assert parse_size("512MiB") == 512 * MiB
+    assert parse_size("8G") == 8 * GiB
+    assert parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("4096") == 4096 and parse_size(" 2 gib ") == 2 * GiB
+    for bad in ("", "GiB", "6 GiBs", "-1G", "1.2.3G"):
+        with pytest.raises(ValueError, match="size"):
+            parse_size(bad)
+
+
+def test_detect_and_cpu_features():
+    inv = detect(gpus=False)
+    assert inv.ram_total >= inv.ram_available > 0 and inv.physical_cores >= 1 and inv.gpus == ()
+    assert parse_cpu_features("flags\t: fpu sse4_2 avx avx2 avx512f avx512_vnni\n") == (
+        "sse4_2", "avx", "avx2", "avx512f", "avx512_vnni")
+    assert "neon" in parse_cpu_features("Features\t: fp asimd asimddp\n")
+    assert detect().gpus == () or all(g.total_bytes > 0 for g in detect().gpus)  # never fails without NVIDIA
+    g = gpu(0, 24)
+    assert g.device == "cuda:0" and g.pcie_gbps == pytest.approx(31.5, rel=0.01)
+    assert g.mem_bandwidth_gbps == pytest.approx(640.0)
+
+
+def test_parse_override_and_devices():
+    assert parse_override("exps=CPU") == (("exps", "cpu"),)
+    assert parse_override(r"blk\.[0-3]\.ffn_.*_exps=CUDA1,attn=cpu") == (
+        (r"blk\.[0-3]\.ffn_.*_exps", "cuda:1"), ("attn", "cpu"))
+    assert parse_device("CUDA0") == "cuda:0" and parse_device("cuda:2") == "cuda:2"
+    for bad in ("exps", "exps=TPU0", "(=CPU"):
+        with pytest.raises(ValueError):
+            parse_override(bad)
+    with pytest.raises(ValueError, match="not among"):
+        Budgets(devices=("cuda:0",), override_tensor=(("exps", "cuda:1"),))
+    with pytest.raises(ValueError):
+        Budgets(devices=("cuda:0", "cuda:1"), tensor_split=(1.0,))
+    with pytest.raises(ValueError):
+        Budgets(devices=("cpu", "cuda:0"))
+
+
+def test_two_gpus_default_split_balances_slots(a3b):
+    b = Budgets(devices=("cuda:0", "cuda:1"), vram=(1 * GiB, 3 * GiB), ram=32 * GiB, ctx_size=8192)
+    p = plan(a3b, TWO_GPUS, b)
+    check_invariants(p, a3b)
+    slots = [s for d in p.devices for s in d.expert_slots]
+    assert 0 < min(slots) and max(slots) - min(slots) <= 1
+    assert p.devices[0].layers[1] - p.devices[0].layers[0] < p.devices[1].layers[1] - p.devices[1].layers[0]
+    assert p.tensors["token_embd.weight"].device == "cuda:0" and p.tensors["output.weight"].device == "cuda:1"
+    assert p.home == "ram" and p.tensors["blk.0.ffn_up_exps.weight"].cached
+    assert p.devices[0].kv_bytes == 8192 * 2 * 4 * 128 * 2 * (p.devices[0].layers[1] - p.devices[0].layers[0])
+    assert "cuda:1" in p.table() and "expert slots" in p.table()
+
+
+def test_two_gpus_free_memory_all_experts_fit(a3b):
+    p = plan(a3b, TWO_GPUS, Budgets(devices=("cuda:0", "cuda:1")))
+    check_invariants(p, a3b)
+    assert all(s == 128 for d in p.devices for s in d.expert_slots)
+    assert p.devices[0].budget == 8 * GiB - 300 * MiB
+
+
+def test_tensor_split_proportions(a3b):
+    p = plan(a3b, TWO_GPUS, Budgets(devices=("cuda:0", "cuda:1"), tensor_split=(3, 1), ram=32 * GiB))
+    check_invariants(p, a3b)
+    assert [d.layers for d in p.devices] == [(0, 9), (9, 12)]
+    p = plan(a3b, TWO_GPUS, Budgets(devices=("cuda:0", "cuda:1"), tensor_split=(0, 1)))
+    assert [d.layers for d in p.devices] == [(0, 0), (0, 12)]
+
+
+def test_one_gpu_n_cpu_moe_and_cache_caps(a3b):
+    b = Budgets(devices=("cuda:0",), vram=2 * GiB, ram=16 * GiB, n_cpu_moe=4, cache_slots=32)
+    p = plan(a3b, ONE_GPU, b)
+    check_invariants(p, a3b)
+    d = p.devices[0]
+    assert d.expert_slots[:4] == (0,) * 4 and set(d.expert_slots[4:]) == {32}
+    for i in range(12):
+        t = p.tensors[f"blk.{i}.ffn_down_exps.weight"]
+        assert (t.device, t.cached) == (("cpu", False) if i < 4 else ("cuda:0", True))
+        assert t.tier == "ram"
+    p = plan(a3b, ONE_GPU, Budgets(devices=("cuda:0",), vram=6 * GiB, cache_mib=512))
+    assert p.devices[0].cache_bytes <= 512 * MiB
+    # without n_cpu_moe the slots shrink to what the budget allows, but stay equal per layer
+    p = plan(a3b, ONE_GPU, Budgets(devices=("cuda:0",), vram=2 * GiB, ram=16 * GiB))
+    assert len(set(p.devices[0].expert_slots)) == 1 and 0 < p.devices[0].expert_slots[0] < 128
+
+
+def test_override_tensor(a3b):
+    b = Budgets(devices=("cuda:0",), vram=3 * GiB,
+                override_tensor=parse_override(r"blk\.1[01]\.ffn_.*_exps=CPU,blk\.0\.ffn_up_exps=CUDA0,output\.=CPU"))
+    p = plan(a3b, ONE_GPU, b)
+    check_invariants(p, a3b)
+    d = p.devices[0]
+    assert d.expert_slots[10:] == (0, 0) and d.expert_slots[0] == 0 and d.expert_slots[1] > 0
+    assert p.tensors["blk.11.ffn_gate_exps.weight"].device == "cpu"
+    assert p.tensors["blk.0.ffn_up_exps.weight"].tier == "vram"
+    assert p.tensors["output.weight"].device == "cpu" and p.tensors["output.weight"].tier == "ram"
+    assert p.tensors["output_norm.weight"].device == "cuda:0"  # `output\.` does not match output_norm
+    assert p.tensors["blk.0.ffn_gate_exps.weight"].device == "cpu"  # a partly pinned layer is computed at home
+    assert d.dense_bytes == sum(t.nbytes for t in p.tensors.values() if t.tier == "vram")
+
+
+def test_plan_error_message(a3b):
+    with pytest.raises(PlanError, match=r"dense weights need 24\d\.\d\d MiB .* cuda:0 has a budget of 200.00 MiB"):
+        plan(a3b, ONE_GPU, Budgets(devices=("cuda:0",), vram=200 * MiB))
+    with pytest.raises(PlanError, match="about 6 of its 12 layers would fit"):
+        plan(a3b, ONE_GPU, Budgets(devices=("cuda:0",), vram=200 * MiB))
+    with pytest.raises(PlanError, match="RAM budget"):
+        plan(a3b, CPU_ONLY, Budgets(ram=100 * MiB))
+    with pytest.raises(PlanError, match="cuda:1"):
+        plan(a3b, ONE_GPU, Budgets(devices=("cuda:1",)))
+
+
+def test_cpu_only_larger_than_ram(a3b):
+    total = nbytes(a3b, lambda cn: True)
+    assert total > CPU_ONLY.ram_available  # the model does not fit: mmap home + RAM cache
+    p = plan(a3b, CPU_ONLY, Budgets(ctx_size=2048, cache_mib=1024))
+    check_invariants(p, a3b)
+    d = p.devices[0]
+    assert p.home == "disk" and d.device == "cpu" and 0 < d.cache_bytes <= 1024 * MiB
+    assert p.tensors["blk.5.ffn_up_exps.weight"].tier == "disk" and p.tensors["blk.5.ffn_up_exps.weight"].cached
+    assert p.tensors["blk.5.attn_q.weight"].tier == "ram"
+    assert plan(a3b, CPU_ONLY, Budgets(ctx_size=2048)).devices[0].cache_bytes > d.cache_bytes  # default: all left
+    with pytest.raises(PlanError, match="slots per layer fit"):
+        plan(a3b, CPU_ONLY, Budgets(cache_slots=128))
+    p = plan(a3b, CPU_ONLY, Budgets(ram=total + GiB))
+    assert p.home == "ram" and p.devices[0].cache_bytes == 0 and p.ram_bytes <= total + GiB
+
+
+def test_json_round_trip(a3b):
+    p = plan(a3b, TWO_GPUS, Budgets(devices=("cuda:0", "cuda:1"), vram=2 * GiB, n_cpu_moe=2))
+    d = json.loads(json.dumps(p.to_json()))
+    assert Plan.from_json(d) == p
+    assert d["totals"]["model_bytes"] == nbytes(a3b, lambda cn: True)
+
+
+def test_real_tiny_model(tmp_path):
+    from moerun.tools.make_model import make_model
+
+    path = make_model("tiny-qwen3moe", tmp_path / "tiny.gguf", progress=False, threads=1)
+    mf = open_model(path)
+    try:
+        arch = resolve(mf)
+        p = plan(arch, CPU_ONLY, Budgets())
+        check_invariants(p, arch)
+        assert p.home == "ram"
+        p = plan(arch, ONE_GPU, Budgets(devices=("cuda:0",), cache_slots=3))
+        check_invariants(p, arch)
+        assert all(s == 3 for s in p.devices[0].expert_slots)
+        assert CName("ffn_up_exps.weight", 1).gguf in p.tensors
+    finally:
+        mf.close()
