@@ -9,7 +9,9 @@ import psutil
 import torch
 
 from moerun.arch import Arch, resolve
+from moerun.experts.store import ExpertReader, FileSpan
 from moerun.formats import open_model
+from moerun.formats.names import CName
 from moerun.formats.records import ModelFile
 from moerun.model.model import MoEModel
 from moerun.weights.loader import load_weights
@@ -40,11 +42,31 @@ def weights_home(mf: ModelFile, home: str = "auto") -> str:
     return "ram" if size < 0.7 * psutil.virtual_memory().available else "mmap"
 
 
+def expert_reader(arch: Arch) -> ExpertReader | None:
+    """Positioned reads of the routed experts straight from the file, when every stacked expert tensor is
+    one stored record (GGUF); None otherwise (e.g. per-expert HF tensors, which are copied at load)."""
+    spans = {}
+    for layer, moe in enumerate(arch.spec.moe_layers):
+        if not moe:
+            continue
+        parts = []
+        for kind in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"):
+            src = arch.sources[CName(kind, layer)]
+            if src.stacked or src.chunk is not None or src.permute_heads or len(src.records) != 1:
+                return None
+            rec = src.records[0]
+            parts.append(FileSpan(str(rec.file), rec.offset, rec.nbytes // arch.spec.n_experts))
+        spans[layer] = tuple(parts)
+    return ExpertReader(spans) if spans else None
+
+
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, kernels: bool = True,
                home: str = "auto") -> Loaded:
     """kernels=False runs quantized weights through the torch reference (dequantize per use).
     home: "auto", "ram" (llama.cpp's --no-mmap) or "mmap" (see weights_home)."""
     mf = open_model(path)
     arch = resolve(mf)
-    weights = load_weights(mf, arch, copy_experts=weights_home(mf, home) == "ram")
-    return Loaded(mf, arch, MoEModel(arch.spec, weights, dtype=dtype, kernels=kernels))
+    in_ram = weights_home(mf, home) == "ram"
+    weights = load_weights(mf, arch, copy_experts=in_ram)
+    reader = None if in_ram else expert_reader(arch)
+    return Loaded(mf, arch, MoEModel(arch.spec, weights, dtype=dtype, kernels=kernels, expert_reader=reader))

@@ -1,10 +1,15 @@
 """The expert cache changes where experts are read from, never the result."""
 
+import os
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from hf_models import FAMILIES
 
 from moerun.engine.kv_cache import KVPool, SeqKV
+from moerun.errors import ModelFormatError
 from moerun.experts.cache import ExpertCache
 from moerun.experts.store import ExpertStore
 from moerun.loading import load_model
@@ -50,3 +55,61 @@ def test_owned_store_equals_mmap_store(hf_model):
     model.experts = ResidentExperts(owned)
     assert torch.equal(run_steps(model), ref)
     assert owned.total_bytes == s.total_bytes
+
+
+# The home tier read through the file (os.preadv): a GGUF loaded with its experts in the memory map.
+GGUF = Path(__file__).parent.parent / "moerun" / "data" / "default-qwen3moe.gguf"
+
+
+def mapped_model(path=GGUF):
+    model = load_model(path, home="mmap").model
+    assert model.store.reader is not None, "a GGUF store over the memory map reads misses from its file"
+    return model
+
+
+@pytest.mark.parametrize("slots,prefill", [(0, "bypass"), (1, "bypass"), (1, "cache"), (3, "cache"), (8, "bypass")])
+def test_file_reads_equal_resident(slots, prefill):
+    model = mapped_model()
+    ref = run_steps(model)
+    cache = ExpertCache(model.store, slots=slots, prefill=prefill)
+    model.experts = CachedExperts(cache)
+    assert torch.equal(run_steps(model), ref)
+    if slots == 1:
+        assert cache.stats.get(phase="decode").bytes_paged_in > 0
+
+
+def test_file_reads_never_use_the_map():
+    """Misses and bypasses come from the file, not the map: scribbling over the (copy-on-write, private) map
+    after loading leaves the cached logits unchanged, and no fetched expert views the map."""
+    model = mapped_model()
+    ref = run_steps(model)
+    store = model.store
+    mapped = [(t.data.data_ptr(), t.data.data_ptr() + t.nbytes) for parts in store._stacks.values() for t in parts]
+    for parts in store._stacks.values():
+        for t in parts:
+            t.data.fill_(0x55)
+    cache = ExpertCache(store, slots=2, prefill="bypass")
+    fetched = []
+    model.experts = CachedExperts(cache)
+    model.experts.fetch = lambda *a: fetched.append(out := cache.fetch(*a)) or out
+    assert torch.equal(run_steps(model), ref)
+    ptrs = [q.data.data_ptr() for out in fetched for ex in out.values() for q in (ex.gate, ex.up, ex.down)]
+    assert ptrs and not any(lo <= p < hi for p in ptrs for lo, hi in mapped)
+
+
+def test_file_truncated_while_paging_raises_clear_error(tmp_path):
+    path = tmp_path / "m.gguf"
+    shutil.copy(GGUF, path)
+    model = mapped_model(path)
+    model.experts = CachedExperts(ExpertCache(model.store, slots=1))
+    first = min(span.offset for parts in model.store.reader.spans.values() for span in parts)
+    os.truncate(path, first + 1000)
+    with pytest.raises(ModelFormatError, match="truncated: expert"):
+        run_steps(model)
+
+
+def test_store_in_ram_has_no_reader(hf_model):
+    _, folder = hf_model("qwen2moe")
+    store = load_model(folder).model.store
+    assert store.reader is None
+    assert ExpertStore(*({i: store._stacks[i][j] for i in store.layers} for j in range(3)), owned=True).reader is None

@@ -4,6 +4,14 @@ A step asks for the distinct experts its tokens were routed to. Residents hit; a
 expert into a slot (one contiguous buffer per slot, three copies) evicting the policy's victim, or is
 computed where it lives (a bypass: when every slot is pinned by the same step, or during prefill when
 `prefill="bypass"` keeps a long prompt from evicting the decode working set wholesale).
+
+When the store can read from its file (`store.reader`), loads are read straight into their slot and
+bypassed experts into scratch buffers, so the memory map is never touched and the process's resident
+set stays the slots plus the scratch (the page cache holds the file, outside it). The scratch grows to
+the most experts one step bypassed at one layer (at most one layer's experts, during a long prefill);
+its views are valid until the next `fetch`, which is how the forward pass uses them. Without a reader
+(a store in owned RAM or of unknown origin) loads copy from where the expert lives and bypasses are
+computed there, as before.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ class ExpertCache:
                                                   device=self.device)
         self._slots = {layer: [Expert.from_buffer(buf[i], store.get(layer, 0)) for i in range(len(buf))]
                        for layer, buf in self.buffers.items()}  # each slot's views, built once
+        self._scratch: list[torch.Tensor] = []  # CPU buffers for bypassed experts read from the file
 
     @property
     def nbytes(self) -> int:
@@ -49,22 +58,50 @@ class ExpertCache:
     def _slot(self, layer: int, slot: int) -> Expert:
         return self._slots[layer][slot]
 
-    def fetch(self, layer: int, experts: list[int], phase: str) -> dict[int, Expert]:
-        """expert id -> its weights for this step: a slot's views for hits and loads, home views for bypasses."""
-        table = self.tables.get(layer)
-        if table is None:  # no slots for this layer: everything is computed at home
-            self.stats.record_step(layer, phase, hits=0, misses=len(set(experts)))
+    def _scratch_buffers(self, n: int, nbytes: int) -> list[torch.Tensor]:
+        """n CPU buffers of at least nbytes each, reused step after step."""
+        if self._scratch and self._scratch[0].numel() < nbytes:
+            self._scratch.clear()
+        while len(self._scratch) < n:
+            self._scratch.append(torch.empty(nbytes, dtype=torch.uint8))
+        return [b[:nbytes] for b in self._scratch[:n]]
+
+    def _home(self, layer: int, experts: list[int]) -> dict[int, Expert]:
+        """Bypassed experts: read from the file into scratch buffers when the store can, else where they live."""
+        if self.store.reader is None:
             return {e: self.store.get(layer, e) for e in experts}
+        like = self.store.get(layer, 0)
+        out = {}
+        for e, buf in zip(experts, self._scratch_buffers(len(experts), self.store.expert_bytes(layer))):
+            self.store.read_into(layer, e, buf)
+            out[e] = Expert.from_buffer(buf, like)
+        return out
+
+    def _load(self, layer: int, e: int, slot: int) -> int:
+        dst = self.buffers[layer][slot]
+        if dst.is_cpu or self.store.reader is None:
+            return self.store.read_into(layer, e, dst)
+        staging = self._scratch_buffers(1, dst.numel())[0]  # a device slot: file -> host scratch -> device
+        n = self.store.read_into(layer, e, staging)
+        dst.copy_(staging)
+        return n
+
+    def fetch(self, layer: int, experts: list[int], phase: str) -> dict[int, Expert]:
+        """expert id -> its weights for this step: a slot's views for hits and loads; for bypasses, scratch
+        views (store with a reader) or views of where they live."""
+        table = self.tables.get(layer)
         t0 = time.perf_counter()
+        if table is None:  # no slots for this layer: everything is computed at home
+            out = self._home(layer, list(dict.fromkeys(experts)))
+            self.stats.record_step(layer, phase, hits=0, misses=len(out),
+                                   seconds_stalled=time.perf_counter() - t0 if self.store.reader else 0.0)
+            return out
         plan = table.request(experts, bypass_misses=phase == "prefill" and self.prefill == "bypass")
-        paged = 0
-        for load in plan.loads:
-            src = self.store.get(layer, load.expert)
-            src.copy_into(self.buffers[layer][load.slot])
-            paged += src.nbytes
-        stalled = time.perf_counter() - t0 if plan.loads else 0.0
+        paged = sum(self._load(layer, load.expert, load.slot) for load in plan.loads)
+        home = self._home(layer, list(plan.bypassed))
+        read = plan.loads or (plan.bypassed and self.store.reader is not None)
+        stalled = time.perf_counter() - t0 if read else 0.0
         self.stats.record_step(layer, phase, hits=len(plan.hits), misses=plan.misses,
                                evictions=plan.evictions, bytes_paged_in=paged, seconds_stalled=stalled)
         out = {e: self._slot(layer, table.slot_of(e)) for e in (*plan.hits, *(ld.expert for ld in plan.loads))}
-        out |= {e: self.store.get(layer, e) for e in plan.bypassed}
-        return out
+        return out | home

@@ -4,14 +4,24 @@ From a GGUF file the experts are stacked along the outermost dimension, so exper
 three contiguous slices of the memory map: the store hands out views, and a page-in is three copies.
 `owned=True` copies each expert into one contiguous buffer of memory moerun owns (the page cache may
 drop mmap pages at any time; DESIGN decision 10), pinned when a GPU will copy from it.
+
+A store over the memory map can be given an `ExpertReader` (built by the loader from the tensor records:
+file, offset, bytes per expert): it reads an expert into a buffer with positioned reads (`os.preadv`), so
+a cache miss never maps a file page into the process. Every page touched through the map counts in the process's resident set until the
+kernel drops it; a read leaves the file's pages in the page cache only (the kernel's memory, shared,
+not ours). No `posix_fadvise(DONTNEED)`: the page cache is shared with other readers of the file and
+dropping it would only make the next miss go to disk.
 """
 
 from __future__ import annotations
 
+import os
+import weakref
 from dataclasses import dataclass
 
 import torch
 
+from moerun.errors import ModelFormatError
 from moerun.quant.qtypes import QTensor
 
 
@@ -41,9 +51,74 @@ class Expert:
             off += t.nbytes
 
 
+@dataclass(frozen=True)
+class FileSpan:
+    """Where one stacked tensor (all experts of one of gate/up/down at one layer) starts in a file.
+    Expert e's slice is `expert_nbytes` bytes at `offset + e * expert_nbytes`."""
+
+    path: str
+    offset: int
+    expert_nbytes: int
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+class ExpertReader:
+    """Reads experts from their file into buffers moerun owns, without mapping the file.
+
+    spans: layer -> (gate, up, down) FileSpans. The file descriptors stay open until `close()` or until
+    the reader is collected, so a file replaced on disk is not read by mistake.
+    """
+
+    def __init__(self, spans: dict[int, tuple[FileSpan, FileSpan, FileSpan]]):
+        self.spans = spans
+        paths = sorted({s.path for parts in spans.values() for s in parts})
+        self._fds: dict[str, int] = {}
+        try:
+            for p in paths:
+                self._fds[p] = os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            _close_fds(list(self._fds.values()))
+            raise ModelFormatError(e.filename, f"cannot open for reading experts: {e.strerror or e}") from None
+        self._closer = weakref.finalize(self, _close_fds, list(self._fds.values()))
+
+    def close(self) -> None:
+        self._closer()
+
+    def read_into(self, layer: int, e: int, buf: torch.Tensor) -> int:
+        """Expert e of `layer` into `buf` (a contiguous CPU uint8 tensor, gate | up | down) -> bytes read.
+        A file that ends early (truncated while in use) or fails to read raises ModelFormatError."""
+        if not buf.is_cpu or not buf.is_contiguous() or buf.dtype != torch.uint8:
+            raise ValueError("read_into needs a contiguous CPU uint8 buffer")
+        view, off = memoryview(buf.numpy()).cast("B"), 0
+        for part, span in zip(("gate", "up", "down"), self.spans[layer]):
+            n = span.expert_nbytes
+            self._pread(span, view[off:off + n], span.offset + e * n, f"expert {e} of layer {layer} ({part})")
+            off += n
+        return off
+
+    def _pread(self, span: FileSpan, view: memoryview, pos: int, what: str) -> None:
+        fd, done = self._fds[span.path], 0
+        while done < len(view):
+            try:
+                n = os.preadv(fd, [view[done:]], pos + done)
+            except OSError as e:
+                raise ModelFormatError(span.path, f"cannot read {what}: {e.strerror or e}") from None
+            if n == 0:
+                raise ModelFormatError(span.path, f"truncated: {what} needs bytes {pos}..{pos + len(view)} but "
+                                                  f"the file ends at {pos + done} (was it changed while in use?)")
+            done += n
+
+
 class ExpertStore:
+    """reader: where the experts can be read from their file without the map (None: copy from the views);
+    owned stores need none."""
+
     def __init__(self, gate: dict[int, QTensor], up: dict[int, QTensor], down: dict[int, QTensor],
-                 owned: bool = False, pin: bool = False):
+                 owned: bool = False, pin: bool = False, reader: ExpertReader | None = None):
         self._stacks = {layer: (gate[layer], up[layer], down[layer]) for layer in gate}
         self._owned: dict[int, torch.Tensor] = {}
         if owned:
@@ -53,6 +128,7 @@ class ExpertStore:
                 for e in range(E):
                     self._view(layer, e).copy_into(buf[e])
                 self._owned[layer] = buf
+        self.reader = None if owned else reader
         # Every expert's views, built once: the decode loop asks for k of them per layer and token.
         self._experts = {layer: [self._build(layer, e) for e in range(self.n_experts(layer))]
                          for layer in self._stacks}
@@ -77,7 +153,17 @@ class ExpertStore:
         return self._view(layer, e)
 
     def get(self, layer: int, e: int) -> Expert:
+        """Expert e where it lives (views of the map or of owned RAM)."""
         return self._experts[layer][e]
+
+    def read_into(self, layer: int, e: int, buf: torch.Tensor) -> int:
+        """Expert e into `buf` (laid out gate | up | down) -> bytes: read from the file when the store has
+        a reader (the map's pages stay untouched), else copied from where it lives."""
+        if self.reader is not None and buf.is_cpu:
+            return self.reader.read_into(layer, e, buf)
+        src = self.get(layer, e)
+        src.copy_into(buf)
+        return src.nbytes
 
     @property
     def total_bytes(self) -> int:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moerun.arch.spec import ModelSpec
-from moerun.experts.store import ExpertStore
+from moerun.experts.store import ExpertReader, ExpertStore
 from moerun.formats.names import CName
 from moerun.model.layers import apply_rope, attend, rms_norm, rope_tables
 from moerun.model.moe import Experts, ResidentExperts, route
@@ -41,7 +41,7 @@ class LayerWeights:
 
 class MoEModel:
     def __init__(self, spec: ModelSpec, weights: dict[CName, QTensor], dtype: torch.dtype = torch.float32,
-                 experts: Experts | None = None, kernels: bool = True):
+                 experts: Experts | None = None, kernels: bool = True, expert_reader: ExpertReader | None = None):
         self.spec, self.dtype = spec, dtype
         self.ops = make_ops(kernels)  # quantized CPU kernels when built, else the torch reference
 
@@ -78,7 +78,7 @@ class MoEModel:
             self.layers.append(lw)
         self.store = ExpertStore(*({i: weights[CName(f"ffn_{k}_exps.weight", i)]
                                     for i in range(spec.n_layers) if spec.moe_layers[i]}
-                                   for k in ("gate", "up", "down")))
+                                   for k in ("gate", "up", "down")), reader=expert_reader)
         self.experts = experts or ResidentExperts(self.store)
         # called with (layer, phase, positions [T], ids [T, k], weights [T, k]) after each routing decision
         self.on_route: Callable[[int, str, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
