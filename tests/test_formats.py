@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import struct
 import time
@@ -467,3 +468,21 @@ def test_fuzz_safetensors(tmp_path):
     header_len = 8 + struct.unpack("<Q", blob[:8])[0]
     failures = _fuzz(open_model, path, blob, header_len, seed=99)
     assert 0 < failures < 200
+
+
+def test_read_copies_the_bytes_and_reports_truncation(tmp_path):
+    """ModelFile.read: the same bytes as the map view, in owned memory; a file cut short is a clear error."""
+    path = tmp_path / "r.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_tensor("t", np.arange(64, dtype=np.float32).reshape(8, 8))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    mf = open_model(path)
+    got = mf.read("t")
+    assert torch.equal(got, mf.raw("t")) and got.data_ptr() != mf.raw("t").data_ptr()
+    rec = mf.records["t"]
+    os.truncate(path, rec.offset + 10)
+    with pytest.raises(ModelFormatError, match="truncated: tensor 't'"):
+        mf.read("t")

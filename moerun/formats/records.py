@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from moerun.errors import ModelFormatError
 from moerun.quant.qtypes import QTensor, QType
 
 
@@ -46,6 +48,25 @@ class ModelFile:
         buf = self._maps[rec.file]
         return torch.frombuffer(buf, dtype=torch.uint8, count=rec.nbytes, offset=rec.offset) if rec.nbytes else \
             torch.empty(0, dtype=torch.uint8)
+
+    def read(self, rec: TensorRecord | str) -> torch.Tensor:
+        """A copy of the record's bytes in memory moerun owns, read with positioned reads (the map's pages
+        are not touched, so they never count in the process's resident set)."""
+        if isinstance(rec, str):
+            rec = self.records[rec]
+        out = torch.empty(rec.nbytes, dtype=torch.uint8)
+        view, done = memoryview(out.numpy()), 0
+        try:
+            with open(rec.file, "rb", buffering=0) as f:
+                while done < rec.nbytes:
+                    n = os.preadv(f.fileno(), [view[done:]], rec.offset + done)
+                    if n == 0:
+                        raise ModelFormatError(rec.file, f"truncated: tensor '{rec.name}' needs bytes "
+                                                         f"{rec.offset}..{rec.offset + rec.nbytes} (changed on disk?)")
+                    done += n
+        except OSError as e:
+            raise ModelFormatError(rec.file, f"cannot read tensor '{rec.name}': {e.strerror or e}") from None
+        return out
 
     def qtensor(self, rec: TensorRecord | str) -> QTensor:
         if isinstance(rec, str):

@@ -49,9 +49,10 @@ def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False) -> dict[
     """
     out = {}
     for cn, src in arch.sources.items():
-        q = materialize(mf, src)
         built_by_copy = src.stacked or src.chunk is not None or src.permute_heads
         if not built_by_copy and (copy_experts or tensor_class(cn.kind) != "routed_experts"):
-            q = QTensor(q.data.clone(), q.qtype, q.shape)
-        out[cn] = q
+            rec = src.records[0]
+            out[cn] = QTensor.from_bytes(mf.read(rec), rec.qtype, rec.shape)  # read, not copied via the map
+        else:
+            out[cn] = materialize(mf, src)
     return out
