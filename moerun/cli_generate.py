@@ -4,21 +4,11 @@ from __future__ import annotations
 
 import json
 import sys
-from importlib import resources
 from pathlib import Path
 
 import click
 
 from moerun.errors import MoerunError
-
-DEFAULT_MODEL = "default-qwen3moe.gguf"
-
-
-def default_model_path() -> Path:
-    path = Path(str(resources.files("moerun") / "data" / DEFAULT_MODEL))
-    if not path.is_file():
-        raise MoerunError(f"the built-in default model is missing ({path}); pass a model with -m")
-    return path
 
 
 def model_options(f):
@@ -46,6 +36,14 @@ def model_options(f):
                      help="Routed experts stay in the file's memory map (--mmap) or are copied to RAM "
                           "(--no-mmap). Default: RAM when the model takes under 70% of the available memory "
                           "and no expert cache is asked for."),
+        click.option("--device", default="cpu", show_default=True, help="Compute device (only cpu runs today)."),
+        click.option("--gpus", default=None, help="CUDA devices, e.g. 0,1 (llama.cpp's meaning)."),
+        click.option("--ram-budget", default=None, help="Host RAM moerun may use, e.g. 12GiB (default: available)."),
+        click.option("--n-cpu-moe", type=click.IntRange(min=0), default=0,
+                     help="llama.cpp's flag: routed experts of the first N layers stay on the CPU (with GPUs)."),
+        click.option("-ot", "--override-tensor", multiple=True,
+                     help="llama.cpp's REGEX=DEVICE placement override, matched on GGUF tensor names."),
+        click.option("--print-plan", is_flag=True, help="Print the placement plan to stderr before running."),
         click.option("--trace-routing", type=click.Path(path_type=Path), default=None,
                      help="Record every routing decision (JSON Lines) for `moerun trace simulate`."),
         click.option("-v", "--verbose", is_flag=True, help="Per-layer expert-cache figures."),
@@ -91,45 +89,43 @@ def _sampling(kw: dict):
         raise click.BadParameter(str(e)) from None
 
 
-def _cache(loaded, mib: float | None, slots: int | None, policy: str, prefill: str):
-    """Attach an expert cache when asked for; -> the cache, or None."""
-    from moerun.experts.cache import ExpertCache
-    from moerun.model.moe import CachedExperts
-
-    if mib is None and slots is None:
-        return None
-    if mib is not None and slots is not None:
-        raise click.UsageError("give --expert-cache-mib or --expert-cache-slots, not both")
-    store = loaded.model.store
-    if slots is None:
-        per_layer = max((store.expert_bytes(layer) for layer in store.layers), default=1)
-        slots = int(mib * 2**20 // (per_layer * max(len(store.layers), 1)))
-        if slots == 0:
-            click.echo(f"warning: {mib} MiB holds no expert per layer ({per_layer / 2**20:.2f} MiB each); "
-                       "every expert is read from its home tier", err=True)
-    cache = ExpertCache(store, slots=slots, policy=policy, prefill=prefill)
-    loaded.model.experts = CachedExperts(cache)
-    return cache
+RUNTIME_OPTIONS = ("model", "ctx_size", "ubatch", "threads", "dtype", "expert_cache_mib", "expert_cache_slots",
+                   "cache_policy", "cache_prefill", "use_mmap", "device", "gpus", "ram_budget", "n_cpu_moe",
+                   "override_tensor", "print_plan")
 
 
-def _engine(model: Path | None, ctx_size: int | None, ubatch: int, threads: int | None, dtype: str,
-            expert_cache_mib=None, expert_cache_slots=None, cache_policy="lru", cache_prefill="bypass",
-            use_mmap=None):
-    import psutil
+def _runtime(kw: dict):
+    """Pops the model and placement options out of kw; -> the built Runtime (plan printed when asked)."""
     import torch
 
-    from moerun.engine.engine import Engine
-    from moerun.loading import load_model
-    from moerun.text import Tokenizer
+    from moerun.config import RuntimeConfig
+    from moerun.placement.devices import parse_size
+    from moerun.placement.planner import parse_override
+    from moerun.runtime import build
 
-    torch.set_num_threads(threads or psutil.cpu_count(logical=False) or 1)
-    cached = expert_cache_mib is not None or expert_cache_slots is not None
-    home = {None: "mmap" if cached else "auto", True: "mmap", False: "ram"}[use_mmap]
-    loaded = load_model(model or default_model_path(), dtype=getattr(torch, dtype), home=home)
-    tok = Tokenizer.from_model_file(loaded.file)
-    ctx = ctx_size or min(4096, loaded.arch.spec.context_length)
-    cache = _cache(loaded, expert_cache_mib, expert_cache_slots, cache_policy, cache_prefill)
-    return Engine(loaded.model, tok, ctx_size=ctx, ubatch=ubatch, expert_cache=cache)
+    o = {name: kw.pop(name) for name in RUNTIME_OPTIONS}
+    if o["gpus"] is not None:
+        if not torch.cuda.is_available():
+            raise MoerunError(f"--gpus {o['gpus']}: no CUDA device is available here; run on the CPU with "
+                              "--device cpu")
+        raise MoerunError("GPU execution is not implemented yet; run on the CPU with --device cpu")
+    try:
+        overrides = tuple(pair for spec in o["override_tensor"] for pair in parse_override(spec))
+        cfg = RuntimeConfig(
+            model=None if o["model"] is None else str(o["model"]), device=o["device"], ctx_size=o["ctx_size"],
+            ubatch=o["ubatch"], threads=o["threads"], dtype=o["dtype"],
+            ram_budget=None if o["ram_budget"] is None else parse_size(o["ram_budget"]),
+            expert_cache_mib=o["expert_cache_mib"], expert_cache_slots=o["expert_cache_slots"],
+            cache_policy=o["cache_policy"], cache_prefill=o["cache_prefill"], mmap=o["use_mmap"],
+            n_cpu_moe=o["n_cpu_moe"], override_tensor=overrides)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    rt = build(cfg)
+    if o["print_plan"]:
+        click.echo(rt.plan.table(), err=True)
+    for w in rt.warnings:
+        click.echo(f"warning: {w}", err=True)
+    return rt
 
 
 class _RouteRecorder:
@@ -177,16 +173,14 @@ def _log(eng, timings, verbose: bool) -> None:
               help="Read the prompt from a file.")
 @click.option("--no-display-prompt", is_flag=True, help="Do not echo the prompt before the generated text.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and timings.")
-def run(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache_slots, cache_policy, cache_prefill,
-        use_mmap, trace_routing, verbose, prompt, prompt_file, no_display_prompt, as_json, **kw):
+def run(prompt, prompt_file, no_display_prompt, as_json, trace_routing, verbose, **kw):
     """Complete a prompt, streaming the text to stdout; timings go to stderr."""
     params = _sampling(kw)
     if prompt_file is not None:
         prompt = prompt_file.read()
     if not prompt:
         raise click.UsageError("give a prompt with -p or -f")
-    eng = _engine(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache_slots, cache_policy,
-                  cache_prefill, use_mmap)
+    eng = _runtime(kw).engine
     tracer = _trace(eng, trace_routing)
     ids = eng.tokenizer.encode(prompt)
     gen = eng.generate(ids, params)
@@ -216,14 +210,12 @@ def run(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache_
 @model_options
 @sampling_options
 @click.option("--system", default=None, help="System prompt.")
-def chat(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache_slots, cache_policy, cache_prefill,
-         use_mmap, trace_routing, verbose, system, **kw):
+def chat(system, trace_routing, verbose, **kw):
     """Interactive chat with the model's chat template. Ctrl-C stops a reply, Ctrl-D exits."""
     from moerun.text import ChatTemplate
 
     params = _sampling(kw)
-    eng = _engine(model, ctx_size, ubatch, threads, dtype, expert_cache_mib, expert_cache_slots, cache_policy,
-                  cache_prefill, use_mmap)
+    eng = _runtime(kw).engine
     tracer = _trace(eng, trace_routing)
     template = ChatTemplate.for_tokenizer(eng.tokenizer)
     seq = eng.new_sequence()

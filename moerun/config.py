@@ -107,3 +107,61 @@ class SamplingParams:
     def replace(self, **changes) -> SamplingParams:
         """A copy with some fields changed, validated again."""
         return dataclasses.replace(self, **changes)
+
+
+CACHE_POLICIES = ("lru", "lfu", "lfru")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Where and how a model runs: devices, budgets, expert cache, threads. Validated in one place.
+
+    mmap: True keeps routed experts in the file's memory map (read on demand), False copies them to RAM
+    (llama.cpp's --no-mmap), None lets the planner decide (RAM when the model fits the RAM budget).
+    """
+
+    model: str | None = None  # GGUF file or HF folder; None: the built-in default model
+    device: str = "cpu"
+    ctx_size: int | None = None  # None: the model's context, at most 4096
+    ubatch: int = 512
+    threads: int | None = None  # None: physical cores
+    dtype: str = "float32"
+    ram_budget: int | None = None  # bytes; None: the available RAM
+    expert_cache_mib: float | None = None
+    expert_cache_slots: int | None = None
+    cache_policy: str = "lru"
+    cache_prefill: str = "bypass"
+    mmap: bool | None = None
+    n_cpu_moe: int = 0
+    override_tensor: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.device != "cpu":
+            problems.append(f"device {self.device!r}: only 'cpu' runs today (GPU execution is not implemented yet)")
+        for name in ("ctx_size", "threads", "ram_budget"):
+            v = getattr(self, name)
+            if v is not None and not (_is_int(v) and v > 0):
+                problems.append(f"{name} must be a positive integer, got {v!r}")
+        if not (_is_int(self.ubatch) and self.ubatch > 0):
+            problems.append(f"ubatch must be a positive integer, got {self.ubatch!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            problems.append(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.expert_cache_mib is not None and self.expert_cache_slots is not None:
+            problems.append("give expert_cache_mib or expert_cache_slots, not both")
+        if self.expert_cache_mib is not None and not (_is_number(self.expert_cache_mib) and self.expert_cache_mib >= 0):
+            problems.append(f"expert_cache_mib must be >= 0, got {self.expert_cache_mib!r}")
+        if self.expert_cache_slots is not None and not (_is_int(self.expert_cache_slots) and self.expert_cache_slots >= 0):
+            problems.append(f"expert_cache_slots must be >= 0, got {self.expert_cache_slots!r}")
+        if self.cache_policy not in CACHE_POLICIES:
+            problems.append(f"cache_policy must be one of {', '.join(CACHE_POLICIES)}, got {self.cache_policy!r}")
+        if self.cache_prefill not in ("bypass", "cache"):
+            problems.append(f"cache_prefill must be bypass or cache, got {self.cache_prefill!r}")
+        if not (_is_int(self.n_cpu_moe) and self.n_cpu_moe >= 0):
+            problems.append(f"n_cpu_moe must be >= 0, got {self.n_cpu_moe!r}")
+        if problems:
+            raise ValueError("invalid runtime configuration: " + "; ".join(problems))
+
+    @property
+    def cache_requested(self) -> bool:
+        return self.expert_cache_mib is not None or self.expert_cache_slots is not None

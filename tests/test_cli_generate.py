@@ -135,3 +135,26 @@ def test_trace_routing_records_every_decision_and_replays(hf_model, tmp_path):
     assert sim.exit_code == 0 and "belady" in sim.output
     again = invoke("run", "-m", folder, "-p", "x", "-n", "2", "--trace-routing", path)
     assert again.exit_code != 0 and "already exists" in again.stderr
+
+
+def test_ram_budget_below_the_model_plans_a_disk_home_and_a_cache():
+    """The built-in model (9.6 MB) under an 8 MiB RAM budget: experts stay on disk, the plan sizes a cache."""
+    r = invoke("run", "-p", "import os", "-n", "8", "-c", "256", "--ram-budget", "8MiB", "--print-plan",
+               "--temp", "0", "--no-display-prompt")
+    assert r.exit_code == 0, r.output
+    assert "home (disk)" in r.stderr
+    assert re.search(r"^expert cache: .*decode hit rate", r.stderr, re.MULTILINE)
+    plain = invoke("run", "-p", "import os", "-n", "8", "-c", "256", "--temp", "0", "--no-display-prompt")
+    assert r.stdout == plain.stdout  # same text whatever the placement
+
+
+@pytest.mark.parametrize("args,phrase", [
+    (("--ram-budget", "1MiB"), "but the RAM budget is 1.00 MiB"),
+    (("--gpus", "0,1"), "--device cpu"),
+    (("--ram-budget", "lots"), "size"),
+    (("-ot", "exps=NPU"), "NPU"),
+])
+def test_placement_errors_are_one_line(args, phrase):
+    r = subprocess.run([sys.executable, "-m", "moerun", "run", "-p", "x", *args], capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and phrase in r.stderr, r.stderr
