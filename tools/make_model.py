@@ -10,6 +10,23 @@ Weights are a pure function of (seed, tensor name, part): each expert of a stack
 block of rows of a large matrix has its own torch.Generator, so memory stays bounded by one part,
 and the GGUF and safetensors outputs of the same seed hold the same float values (before
 quantization). Matrices are normal(0, 1/sqrt(fan_in)), norms 1 + normal(0, 0.02), biases normal(0, 0.02).
+
+Router skew (`router_skew=S`, `--router-skew S`; 0, the default, leaves every weight bit-identical).
+Random routers route near uniformly, so expert caches see no popular experts; S > 0 makes expert
+popularity Zipf-like while routing still depends on the token:
+  * a fixed random unit direction u (from the seed, shared by all layers) is added to every row of
+    token_embd.weight (rows have norm ~1), so typical hidden states have a large positive
+    component along u (x·u ~ sqrt(hidden/2) after the RMS norm at the first layer, less deeper down);
+  * row e of each layer's ffn_gate_inp.weight gets + S * log(1/(rank(e)+1)) * u * sqrt(2/hidden), the
+    rank being a per-layer random permutation of the experts (from the seed). Typical tokens thus see
+    a router logit bias of about -S * log(rank+1) on top of the token-dependent N(0, 1) logits:
+    rank 0 is favoured, rank 1 by S*log 2 less, and so on (a Zipf law with exponent ~S on the logits).
+    Attention and expert outputs also write along u, so deeper layers see a weaker or even reversed
+    x·u (then the low ranks are favoured): the routing is still skewed, just not in rank order.
+On tiny-qwen3moe (8 experts, top-2) S=2 makes the top expert ~4x as frequent as uniform (in nearly every
+top-2); with 32 experts ~16x, and LRU's decode hit rate at 4 slots rises from 0.31 (S=0) to 0.81.
+The embedding offset shifts every output logit alike when embeddings are tied; untied heads gain a
+small static per-token logit bias. Other tensors are unchanged.
 """
 
 from __future__ import annotations
@@ -37,7 +54,8 @@ from moerun.tools.parallel import ordered_map, worker_pool
 from moerun.tools.presets import ALIASES, preset, preset_names
 from moerun.tools.tokenizer import build_tokenizer, gguf_tokenizer_metadata, special_ids, write_hf_tokenizer
 
-__all__ = ["generate_part", "generate_tensor", "gguf_tensors", "main", "make_model", "model_metadata", "n_parts"]
+__all__ = ["generate_part", "generate_tensor", "gguf_tensors", "main", "make_model", "model_metadata", "n_parts",
+           "skew_popularity_ranks"]
 
 PART_ELEMS = 1 << 22  # rows of a 2-D matrix are generated in blocks of at most this many weights
 _HF_DTYPES = {"F32": QType.F32, "F16": QType.F16, "BF16": QType.BF16}
@@ -67,21 +85,54 @@ def _random_part(cn: CName, shape: tuple[int, ...], rows: int, gen: torch.Genera
     return x.mul_(shape[-1] ** -0.5)
 
 
+def _skew_direction(seed: int, hidden: int) -> torch.Tensor:
+    """The router-skew direction u: a unit vector of length `hidden`, a function of the seed only."""
+    u = torch.randn(hidden, generator=_generator(seed, "router_skew.direction", 0), dtype=torch.float32)
+    return u / u.norm()
+
+
+def _skew_ranks(seed: int, layer: int, n_experts: int) -> torch.Tensor:
+    """Popularity rank of each expert of `layer` (0 = most popular): a random permutation from the seed."""
+    order = torch.randperm(n_experts, generator=_generator(seed, f"router_skew.rank.{layer}", 0))
+    return torch.empty_like(order).scatter_(0, order, torch.arange(n_experts))
+
+
+def skew_popularity_ranks(seed: int, layer: int, n_experts: int) -> list[int]:
+    """Popularity rank per expert (0 = most popular) that `router_skew` gives layer `layer`."""
+    return _skew_ranks(seed, layer, n_experts).tolist()
+
+
+def _apply_skew(cn: CName, shape: tuple[int, ...], x: torch.Tensor, row0: int, seed: int, skew: float) \
+        -> torch.Tensor:
+    """Add the router-skew components (module docstring) to rows row0.. of `cn`; other tensors unchanged."""
+    if not skew or len(shape) != 2 or cn.kind not in ("token_embd.weight", "ffn_gate_inp.weight"):
+        return x
+    hidden = shape[1]
+    u = _skew_direction(seed, hidden)
+    if cn.kind == "token_embd.weight":
+        return x.add_(u)
+    ranks = _skew_ranks(seed, cn.layer or 0, shape[0])[row0:row0 + x.shape[0]]
+    scale = -skew * torch.log1p(ranks.to(torch.float32)) * (0.5 / hidden) ** 0.5
+    return x.add_(scale[:, None] * u[None, :])
+
+
 def n_parts(shape: tuple[int, ...]) -> int:
     return -(-shape[0] // _part_rows(shape))
 
 
-def generate_part(cn: CName, shape: tuple[int, ...], seed: int, part: int) -> torch.Tensor:
+def generate_part(cn: CName, shape: tuple[int, ...], seed: int, part: int, router_skew: float = 0.0) \
+        -> torch.Tensor:
     """Part `part` of tensor `cn` along dimension 0: expert `part` of a stacked tensor, or a block of rows."""
     step = _part_rows(shape)
     rows = min(step, shape[0] - part * step)
     x = _random_part(cn, shape, rows, _generator(seed, cn.gguf, part))
+    x = _apply_skew(cn, shape, x, part * step, seed, router_skew)
     return x[0] if len(shape) == 3 else x
 
 
-def generate_tensor(cn: CName, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+def generate_tensor(cn: CName, shape: tuple[int, ...], seed: int = 0, router_skew: float = 0.0) -> torch.Tensor:
     """The whole canonical float32 tensor (for tests and small tensors)."""
-    parts = [generate_part(cn, shape, seed, i) for i in range(n_parts(shape))]
+    parts = [generate_part(cn, shape, seed, i, router_skew) for i in range(n_parts(shape))]
     return torch.stack(parts) if len(shape) == 3 else torch.cat(parts)
 
 
@@ -95,8 +146,8 @@ def model_metadata(spec: ModelSpec, ftype: str, name: str) -> dict:
     return meta | gguf_tokenizer_metadata(build_tokenizer(spec.vocab))
 
 
-def gguf_tensors(spec: ModelSpec, ftype: str, seed: int = 0, pool: ThreadPoolExecutor | None = None) \
-        -> list[TensorOut]:
+def gguf_tensors(spec: ModelSpec, ftype: str, seed: int = 0, pool: ThreadPoolExecutor | None = None,
+                 router_skew: float = 0.0) -> list[TensorOut]:
     """Every tensor of a synthetic GGUF model, with producers that generate and quantize part by part
     (several parts at once on `pool`)."""
     out = []
@@ -105,7 +156,7 @@ def gguf_tensors(spec: ModelSpec, ftype: str, seed: int = 0, pool: ThreadPoolExe
 
         def produce(cn=cn, shape=shape, qtype=qtype) -> Iterator[torch.Tensor]:
             def part(i: int) -> torch.Tensor:
-                return quantize(generate_part(cn, shape, seed, i), qtype)
+                return quantize(generate_part(cn, shape, seed, i, router_skew), qtype)
 
             return ordered_map(part, range(n_parts(shape)), pool)
 
@@ -116,7 +167,7 @@ def gguf_tensors(spec: ModelSpec, ftype: str, seed: int = 0, pool: ThreadPoolExe
 # -------------------------------------------------------------------------------------- safetensors
 
 
-def _hf_tensors(spec: ModelSpec, dtype: QType, seed: int) -> list[TensorOut]:
+def _hf_tensors(spec: ModelSpec, dtype: QType, seed: int, router_skew: float = 0.0) -> list[TensorOut]:
     """Tensors of the safetensors folder, per expert, under save_pretrained's names."""
     permute = {"attn_q.weight": spec.n_heads, "attn_k.weight": spec.n_kv_heads} if \
         FAMILIES[spec.family].hf_permute_qk else {}
@@ -126,23 +177,25 @@ def _hf_tensors(spec: ModelSpec, dtype: QType, seed: int) -> list[TensorOut]:
         if len(shape) == 3:
             for e, name in enumerate(names):
                 def produce(cn=cn, shape=shape, e=e) -> Iterator[torch.Tensor]:
-                    yield quantize(generate_part(cn, shape, seed, e), dtype)
+                    yield quantize(generate_part(cn, shape, seed, e, router_skew), dtype)
 
                 out.append(TensorOut(name, dtype, shape[1:], produce))
             continue
 
         def produce(cn=cn, shape=shape) -> Iterator[torch.Tensor]:
             if cn.kind in permute:
-                yield quantize(permute_to_hf(generate_tensor(cn, shape, seed), permute[cn.kind]), dtype)
+                yield quantize(permute_to_hf(generate_tensor(cn, shape, seed, router_skew), permute[cn.kind]),
+                               dtype)
                 return
             for i in range(n_parts(shape)):
-                yield quantize(generate_part(cn, shape, seed, i), dtype)
+                yield quantize(generate_part(cn, shape, seed, i, router_skew), dtype)
 
         out.append(TensorOut(names[0], dtype, shape, produce))
     return out
 
 
-def _write_hf(spec: ModelSpec, out_path: Path, ftype: str, seed: int, overwrite: bool, progress: bool) -> Path:
+def _write_hf(spec: ModelSpec, out_path: Path, ftype: str, seed: int, overwrite: bool, progress: bool,
+              router_skew: float = 0.0) -> Path:
     dtype = _HF_DTYPES.get(ftype.upper())
     if dtype is None:
         raise ValueError(f"safetensors output holds float weights: ftype must be F32, F16 or BF16, not {ftype}")
@@ -152,7 +205,7 @@ def _write_hf(spec: ModelSpec, out_path: Path, ftype: str, seed: int, overwrite:
     if back != spec:
         lost = [f.name for f in dataclasses.fields(spec) if getattr(back, f.name) != getattr(spec, f.name)]
         raise ValueError(f"{spec.family} config.json cannot express this spec's {', '.join(lost)}")
-    tensors = _hf_tensors(spec, dtype, seed)
+    tensors = _hf_tensors(spec, dtype, seed, router_skew)
     with atomic_dir(out_path, overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         ids = special_ids(tok)
@@ -168,7 +221,7 @@ def _write_hf(spec: ModelSpec, out_path: Path, ftype: str, seed: int, overwrite:
 
 def make_model(preset_or_spec: str | ModelSpec, out_path: str | Path, fmt: str = "gguf", ftype: str = "F32",
                seed: int = 0, overwrite: bool = False, progress: bool = True, name: str | None = None,
-               threads: int | None = None) -> Path:
+               threads: int | None = None, router_skew: float = 0.0) -> Path:
     """Write a model with random weights and a generated byte-level BPE tokenizer.
 
     preset_or_spec: a preset name (see moerun.tools.presets) or a ModelSpec.
@@ -181,20 +234,25 @@ def make_model(preset_or_spec: str | ModelSpec, out_path: str | Path, fmt: str =
     progress: show a progress bar by bytes (only when stderr is a terminal).
     name: general.name in GGUF (default: the preset name, or "<family>-synthetic").
     threads: parts quantized at once (default: one per CPU); torch runs single-threaded meanwhile.
+    router_skew: S >= 0; 0 (default) is plain random weights. S > 0 biases the routers so expert
+           popularity is Zipf-like (rank r's logit lowered by ~S*log(r+1) for typical tokens; see the
+           module docstring), still token-dependent. Deterministic from the seed.
     Returns the path written.
     """
     spec = preset(preset_or_spec) if isinstance(preset_or_spec, str) else preset_or_spec
     name = name or (preset_or_spec if isinstance(preset_or_spec, str) else f"{spec.family}-synthetic")
     if ftype.upper() not in FTYPES:
         raise ValueError(f"unknown ftype '{ftype}' (known: {', '.join(FTYPES)})")
+    if not router_skew >= 0:
+        raise ValueError(f"router_skew must be >= 0, got {router_skew}")
     out_path = Path(out_path)
     if fmt == "gguf":
         meta = model_metadata(spec, ftype, name)
         with worker_pool(threads) as pool:
-            return write_gguf(out_path, meta, gguf_tensors(spec, ftype, seed, pool), overwrite=overwrite,
+            return write_gguf(out_path, meta, gguf_tensors(spec, ftype, seed, pool, router_skew), overwrite=overwrite,
                               progress=progress)
     if fmt == "safetensors":
-        return _write_hf(spec, out_path, ftype, seed, overwrite, progress)
+        return _write_hf(spec, out_path, ftype, seed, overwrite, progress, router_skew)
     raise ValueError(f"unknown format '{fmt}' (gguf or safetensors)")
 
 
@@ -226,6 +284,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--name", help="general.name (GGUF)")
     p.add_argument("--threads", type=int, help="parts quantized at once (default: one per CPU)")
+    p.add_argument("--router-skew", type=float, default=0.0, metavar="S",
+                   help="bias the routers so expert popularity is Zipf-like: for typical tokens the expert of "
+                        "popularity rank r loses ~S*log(r+1) in router logit (0, the default: plain random "
+                        "weights; 2-4 makes a few experts dominate); deterministic from --seed")
     for flag in ("family", "layers", "hidden", "heads", "kv-heads", "head-dim", "experts", "experts-used",
                  "expert-ffn", "shared-ffn", "dense-ffn", "vocab", "context"):
         p.add_argument(f"--{flag}", type=str if flag == "family" else int, help="override the preset's value")
@@ -245,7 +307,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         spec = preset(args.preset, **overrides)
         path = make_model(spec, args.out, fmt=args.fmt, ftype=args.ftype, seed=args.seed,
                           overwrite=args.overwrite, progress=not args.no_progress, name=args.name or args.preset,
-                          threads=args.threads)
+                          threads=args.threads, router_skew=args.router_skew)
     except (ValueError, FileExistsError, IsADirectoryError, NotADirectoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
