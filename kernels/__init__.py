@@ -1,1 +1,4 @@
-"""Compute kernels. Issue 4 adds quantized CPU and Triton kernels here; each has a torch reference in moerun.quant."""
+"""Compute kernels that read GGUF blocks as stored: `cpu` (the C extension `_cpu`, built by setup.py).
+
+Each kernel has a torch reference: moerun.quant.dequant + a float matmul (tests/test_kernels_cpu.py).
+"""

@@ -1,4 +1,4 @@
-"""Placement: what the machine offers (memory, measured bandwidths) and, later, where each tensor goes.
+"""Placement: what the machine offers and where each tensor goes.
 
-Pure planning code plus small, cached hardware measurements (`bandwidth.py`); see DESIGN.md, "The cost model".
+`devices` (inventory), `bandwidth` (measured, cached), `planner` (pure: spec + inventory + budgets -> Plan).
 """
