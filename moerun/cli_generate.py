@@ -32,6 +32,9 @@ def model_options(f):
                      help="Expert cache eviction policy."),
         click.option("--cache-prefill", type=click.Choice(["bypass", "cache"]), default="bypass", show_default=True,
                      help="Prefill misses: compute at home without evicting (bypass), or page in (cache)."),
+        click.option("--prefetch/--no-prefetch", default=False, show_default=True,
+                     help="Decode steps guess the next layer's experts (its router on the current hidden state) "
+                          "and page them into the expert cache on a background thread."),
         click.option("--mmap/--no-mmap", "use_mmap", default=None,
                      help="Routed experts stay in the file's memory map (--mmap) or are copied to RAM "
                           "(--no-mmap). Default: RAM when the model takes under 70% of the available memory "
@@ -90,7 +93,7 @@ def _sampling(kw: dict):
 
 
 RUNTIME_OPTIONS = ("model", "ctx_size", "ubatch", "threads", "dtype", "expert_cache_mib", "expert_cache_slots",
-                   "cache_policy", "cache_prefill", "use_mmap", "device", "gpus", "ram_budget", "n_cpu_moe",
+                   "cache_policy", "cache_prefill", "prefetch", "use_mmap", "device", "gpus", "ram_budget", "n_cpu_moe",
                    "override_tensor", "print_plan")
 
 
@@ -116,7 +119,8 @@ def _runtime(kw: dict):
             ubatch=o["ubatch"], threads=o["threads"], dtype=o["dtype"],
             ram_budget=None if o["ram_budget"] is None else parse_size(o["ram_budget"]),
             expert_cache_mib=o["expert_cache_mib"], expert_cache_slots=o["expert_cache_slots"],
-            cache_policy=o["cache_policy"], cache_prefill=o["cache_prefill"], mmap=o["use_mmap"],
+            cache_policy=o["cache_policy"], cache_prefill=o["cache_prefill"], prefetch=o["prefetch"],
+            mmap=o["use_mmap"],
             n_cpu_moe=o["n_cpu_moe"], override_tensor=overrides)
     except ValueError as e:
         raise click.UsageError(str(e)) from None

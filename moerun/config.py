@@ -131,6 +131,7 @@ class RuntimeConfig:
     expert_cache_slots: int | None = None
     cache_policy: str = "lru"
     cache_prefill: str = "bypass"
+    prefetch: bool = False  # decode steps guess the next MoE layer's experts and page them in ahead (needs a cache)
     mmap: bool | None = None
     n_cpu_moe: int = 0
     override_tensor: tuple[tuple[str, str], ...] = ()
@@ -157,6 +158,8 @@ class RuntimeConfig:
             problems.append(f"cache_policy must be one of {', '.join(CACHE_POLICIES)}, got {self.cache_policy!r}")
         if self.cache_prefill not in ("bypass", "cache"):
             problems.append(f"cache_prefill must be bypass or cache, got {self.cache_prefill!r}")
+        if not isinstance(self.prefetch, bool):
+            problems.append(f"prefetch must be a bool, got {self.prefetch!r}")
         if not (_is_int(self.n_cpu_moe) and self.n_cpu_moe >= 0):
             problems.append(f"n_cpu_moe must be >= 0, got {self.n_cpu_moe!r}")
         if problems:

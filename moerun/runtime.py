@@ -81,8 +81,11 @@ def build(cfg: RuntimeConfig) -> Runtime:
     slots = _cache_slots(cfg, the_plan, loaded.model.store, warnings)
     cache = None
     if slots is not None:
-        cache = ExpertCache(loaded.model.store, slots=slots, policy=cfg.cache_policy, prefill=cfg.cache_prefill)
+        cache = ExpertCache(loaded.model.store, slots=slots, policy=cfg.cache_policy, prefill=cfg.cache_prefill,
+                            prefetch=cfg.prefetch)
         loaded.model.experts = CachedExperts(cache)
+    elif cfg.prefetch:
+        warnings.append("prefetch needs an expert cache (--expert-cache-slots or --expert-cache-mib); ignored")
     tok = Tokenizer.from_model_file(loaded.file)
     engine = Engine(loaded.model, tok, ctx_size=ctx, ubatch=cfg.ubatch, expert_cache=cache)
     return Runtime(engine, the_plan, cache, warnings)

@@ -12,15 +12,23 @@ the most experts one step bypassed at one layer (at most one layer's experts, du
 its views are valid until the next `fetch`, which is how the forward pass uses them. Without a reader
 (a store in owned RAM or of unknown origin) loads copy from where the expert lives and bypasses are
 computed there, as before.
+
+With ``prefetch=True`` a guess of a layer's experts (``prefetch(layer, guessed)``, from the forward pass a
+layer ahead) is paged in by a background worker (moerun.experts.prefetch); ``fetch`` of that layer first
+waits for it, then scores it (precision/recall). A lock guards the slot tables; the worker reads into its
+slots outside the lock and only ever touches the guessed layer.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Sequence
 
 import torch
 
 from moerun.experts.policy import SlotTable
+from moerun.experts.prefetch import Prefetcher
 from moerun.experts.stats import CacheStats
 from moerun.experts.store import Expert, ExpertStore
 
@@ -29,7 +37,8 @@ PREFILL_MODES = ("bypass", "cache")
 
 class ExpertCache:
     def __init__(self, store: ExpertStore, slots: int | dict[int, int], policy: str = "lru",
-                 device: str | torch.device = "cpu", prefill: str = "bypass", stats: CacheStats | None = None):
+                 device: str | torch.device = "cpu", prefill: str = "bypass", stats: CacheStats | None = None,
+                 prefetch: bool = False):
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill mode must be one of {PREFILL_MODES}, got {prefill!r}")
         self.store, self.device, self.prefill = store, torch.device(device), prefill
@@ -46,6 +55,19 @@ class ExpertCache:
         self._slots = {layer: [Expert.from_buffer(buf[i], store.get(layer, 0)) for i in range(len(buf))]
                        for layer, buf in self.buffers.items()}  # each slot's views, built once
         self._scratch: list[torch.Tensor] = []  # CPU buffers for bypassed experts read from the file
+        self._staging: list[torch.Tensor] = []  # the prefetch worker's own (device slots only)
+        self._lock = threading.Lock()  # the slot tables, shared with the prefetch worker
+        self.prefetcher = Prefetcher(self._prefetch_layer) if prefetch else None
+
+    @property
+    def prefetching(self) -> bool:
+        return self.prefetcher is not None
+
+    def close(self) -> None:
+        """Stop the prefetch worker (after what it is doing)."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
 
     @property
     def nbytes(self) -> int:
@@ -77,31 +99,68 @@ class ExpertCache:
             out[e] = Expert.from_buffer(buf, like)
         return out
 
-    def _load(self, layer: int, e: int, slot: int) -> int:
+    def _load(self, layer: int, e: int, slot: int, staging: list[torch.Tensor] | None = None) -> int:
         dst = self.buffers[layer][slot]
         if dst.is_cpu or self.store.reader is None:
             return self.store.read_into(layer, e, dst)
-        staging = self._scratch_buffers(1, dst.numel())[0]  # a device slot: file -> host scratch -> device
+        if staging is None:  # a device slot: file -> host scratch -> device
+            staging = self._scratch_buffers(1, dst.numel())[0]
+        else:  # the prefetch worker's own buffer, never the forward pass's scratch
+            if not staging or staging[0].numel() < dst.numel():
+                staging[:] = [torch.empty(dst.numel(), dtype=torch.uint8)]
+            staging = staging[0][:dst.numel()]
         n = self.store.read_into(layer, e, staging)
         dst.copy_(staging)
         return n
+
+    def prefetch(self, layer: int, guessed: Sequence[int]) -> None:
+        """Page in a guess of ``layer``'s next step (most likely first) in the background; no-op when
+        prefetch is off or the layer has no slots. ``fetch(layer)`` waits for it."""
+        if self.prefetcher is not None and layer in self.tables:
+            self.prefetcher.submit(layer, list(dict.fromkeys(int(e) for e in guessed)))
+
+    def _prefetch_layer(self, layer: int, guessed: Sequence[int]) -> tuple[int, int]:
+        """On the worker: reserve a slot for each guessed expert not resident (the guess pinned: it never
+        evicts itself) and read the expert into it. -> (bytes read, evictions)."""
+        table, pinned = self.tables[layer], set(guessed)
+        paged = evictions = 0
+        try:
+            for e in guessed:
+                with self._lock:
+                    load = table.prefetch(e, pinned=pinned)
+                if load is None:
+                    continue
+                evictions += load.evicted is not None
+                paged += self._load(layer, e, load.slot, staging=self._staging)
+        except BaseException:
+            with self._lock:  # a slot may hold a partial read: forget the layer's residents, then report
+                table.reset()
+            raise
+        return paged, evictions
 
     def fetch(self, layer: int, experts: list[int], phase: str) -> dict[int, Expert]:
         """expert id -> its weights for this step: a slot's views for hits and loads; for bypasses, scratch
         views (store with a reader) or views of where they live."""
         table = self.tables.get(layer)
         t0 = time.perf_counter()
+        done = None if self.prefetcher is None else self.prefetcher.wait(layer)  # never compute on a slot being written
+        if done is not None:
+            self.stats.record_prefetch(layer, phase, done.guessed, set(experts))
+            self.stats.add(layer, phase, bytes_paged_in=done.bytes_paged_in, evictions=done.evictions)
+        waited = 0.0 if done is None else time.perf_counter() - t0
         if table is None:  # no slots for this layer: everything is computed at home
             out = self._home(layer, list(dict.fromkeys(experts)))
             self.stats.record_step(layer, phase, hits=0, misses=len(out),
-                                   seconds_stalled=time.perf_counter() - t0 if self.store.reader else 0.0)
+                                   seconds_stalled=time.perf_counter() - t0 if self.store.reader else waited)
             return out
-        plan = table.request(experts, bypass_misses=phase == "prefill" and self.prefill == "bypass")
+        with self._lock:
+            plan = table.request(experts, bypass_misses=phase == "prefill" and self.prefill == "bypass")
         paged = sum(self._load(layer, load.expert, load.slot) for load in plan.loads)
         home = self._home(layer, list(plan.bypassed))
         read = plan.loads or (plan.bypassed and self.store.reader is not None)
-        stalled = time.perf_counter() - t0 if read else 0.0
+        stalled = time.perf_counter() - t0 if read else waited
         self.stats.record_step(layer, phase, hits=len(plan.hits), misses=plan.misses,
                                evictions=plan.evictions, bytes_paged_in=paged, seconds_stalled=stalled)
-        out = {e: self._slot(layer, table.slot_of(e)) for e in (*plan.hits, *(ld.expert for ld in plan.loads))}
-        return out | home
+        with self._lock:
+            slot_of = {e: table.slot_of(e) for e in (*plan.hits, *(ld.expert for ld in plan.loads))}
+        return {e: self._slot(layer, s) for e, s in slot_of.items()} | home

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import torch
 
 from moerun.arch.spec import ModelSpec
+from moerun.experts.prefetch import guess_ids
 from moerun.experts.store import ExpertReader, ExpertStore
 from moerun.formats.names import CName
 from moerun.model.layers import apply_rope, attend, rms_norm, rope_tables
@@ -80,6 +82,8 @@ class MoEModel:
                                     for i in range(spec.n_layers) if spec.moe_layers[i]}
                                    for k in ("gate", "up", "down")), reader=expert_reader)
         self.experts = experts or ResidentExperts(self.store)
+        moe = [i for i in range(spec.n_layers) if spec.moe_layers[i]]
+        self._next_moe = dict(pairwise(moe))  # MoE layer -> the next one (prefetch target)
         # called with (layer, phase, positions [T], ids [T, k], weights [T, k]) after each routing decision
         self.on_route: Callable[[int, str, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
@@ -107,14 +111,30 @@ class MoEModel:
             k_pos = torch.arange(end)
         return mm(attend(q, k, v, pos, k_pos), lw.wo)  # [T, H]
 
-    def ffn(self, i: int, x: torch.Tensor, phase: str, pos: torch.Tensor) -> torch.Tensor:
+    def _prefetch_next(self, i: int, resid: torch.Tensor) -> None:
+        """DESIGN decision 6: guess the next MoE layer's experts with its router on the hidden state after layer
+        i's attention (rms-normed with that layer's ffn_norm; layer i's expert output is not known yet) and
+        hand the top-k to the expert source to page in while layer i's experts compute."""
+        j = self._next_moe.get(i)
+        if j is None:
+            return
+        s, lw = self.spec, self.layers[j]
+        p, ids = route(self.ops, rms_norm(resid, lw.ffn_norm, s.rms_eps), lw.router, s.n_experts_used, False)
+        self.experts.prefetch(j, guess_ids(p, ids))
+
+    def ffn(self, i: int, x: torch.Tensor, phase: str, pos: torch.Tensor,
+            resid: torch.Tensor | None = None) -> torch.Tensor:
+        """x: the normed input; resid (optional): the un-normed hidden state, for a decode step's prefetch."""
         s, lw, ops = self.spec, self.layers[i], self.ops
         if lw.ffn is not None:
             return ops.swiglu(x, *lw.ffn)
         w, ids = route(ops, x, lw.router, s.n_experts_used, s.norm_topk)  # [T, k]
         if self.on_route is not None:
             self.on_route(i, phase, pos, ids, w)
-        out = ops.moe(x, ids, w, self.experts.fetch(i, torch.unique(ids).tolist(), phase))
+        experts = self.experts.fetch(i, torch.unique(ids).tolist(), phase)
+        if resid is not None and phase == "decode" and getattr(self.experts, "prefetching", False):
+            self._prefetch_next(i, resid)  # after this layer's fetch, so it never competes with its loads
+        out = ops.moe(x, ids, w, experts)
         if lw.shexp is not None:
             sh = ops.swiglu(x, *lw.shexp)
             if lw.shexp_gate is not None:
@@ -140,7 +160,7 @@ class MoEModel:
             x = self.embed(tokens)
             for i, lw in enumerate(self.layers):
                 x = x + self.attention(i, rms_norm(x, lw.attn_norm, self.spec.rms_eps), pos, rope, kv)
-                x = x + self.ffn(i, rms_norm(x, lw.ffn_norm, self.spec.rms_eps), phase, pos)
+                x = x + self.ffn(i, rms_norm(x, lw.ffn_norm, self.spec.rms_eps), phase, pos, resid=x)
             if kv is not None:
                 kv.length = start + len(tokens)
             if last_only:

@@ -1,7 +1,8 @@
 """The MoE block's pieces: the router, and where each step's experts are read from.
 
 `route` picks each token's k experts. An `Experts` source hands over the chosen experts' weights for one
-step: `ResidentExperts` reads them where they are stored, `CachedExperts` through an ExpertCache. How they
+step: `ResidentExperts` reads them where they are stored, `CachedExperts` through an ExpertCache (which may
+also prefetch a guess of a layer's experts: `prefetching`, `prefetch`). How they
 are multiplied is `ops.moe` (moerun.model.ops); the forward pass knows neither detail.
 """
 
@@ -50,3 +51,12 @@ class CachedExperts:
 
     def fetch(self, layer, experts, phase):
         return self.cache.fetch(layer, experts, phase)
+
+    @property
+    def prefetching(self) -> bool:
+        """Whether the forward pass should guess layers ahead (the cache was built with prefetch on)."""
+        return self.cache.prefetching
+
+    def prefetch(self, layer: int, guessed: list[int]) -> None:
+        """A guess of `layer`'s experts for the step now running, most likely first: paged in meanwhile."""
+        self.cache.prefetch(layer, guessed)
