@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from moerun.cli_bench import bench
+from moerun.cli_estimate import estimate
 from moerun.cli_generate import chat, run
 from moerun.errors import MoerunError
 from moerun.experts.simulate_cli import trace
@@ -35,6 +36,7 @@ main.add_command(run)
 main.add_command(chat)
 main.add_command(trace)
 main.add_command(bench)
+main.add_command(estimate)
 
 
 def _fmt_bytes(n: float) -> str:

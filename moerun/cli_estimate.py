@@ -1,0 +1,221 @@
+"""`moerun estimate MODEL`: the cost model printed (moerun/placement/costmodel.py). Reads metadata and tensor
+sizes only; no weights, no GPU libraries needed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import click
+
+from moerun.errors import MoerunError
+
+MiB = 1 << 20
+
+
+def _gb(n: float) -> str:
+    from moerun.placement.devices import format_size
+
+    return format_size(int(n))
+
+
+def _cpu_cache_plan(the_plan, arch, cache_mib: float):
+    """The runtime's CPU behaviour with --expert-cache-mib: experts stay in the file's map (home "disk") and a
+    RAM cache of cache_mib split evenly over the MoE layers serves them (moerun/runtime.py _cache_slots)."""
+    spec = arch.spec
+    exp = {}
+    for name, tp in the_plan.tensors.items():
+        if "_exps" in name and name.startswith("blk."):
+            layer = int(name.split(".")[1])
+            exp[layer] = exp.get(layer, 0) + tp.nbytes
+    if not exp or not spec.n_experts:
+        return the_plan
+    per_expert = max(exp.values()) // spec.n_experts
+    slots = min(spec.n_experts, int(cache_mib * MiB // (per_expert * len(exp))))
+    d = the_plan.devices[0]
+    sl = tuple(slots if i in exp else 0 for i in range(*d.layers))
+    cache = sum(s * exp.get(i, 0) // spec.n_experts for s, i in zip(sl, range(*d.layers)))
+    dev = dataclasses.replace(d, expert_slots=sl, cache_bytes=cache)
+    tensors = {n: (dataclasses.replace(t, tier="disk", cached=bool(slots)) if "_exps" in n else t)
+               for n, t in the_plan.tensors.items()}
+    ram = d.dense_bytes + d.kv_bytes + cache
+    return dataclasses.replace(the_plan, devices=(dev,), home="disk", tensors=tensors, ram_bytes=ram)
+
+
+def llama_cpp_command(model: Path, threads: int, ctx: int, the_plan, n_layers: int) -> str:
+    """The llama.cpp command line that places the model the same way."""
+    cmd = ["llama-cli", "-m", str(model), "-t", str(threads), "-c", str(ctx)]
+    gpu = any(d.device != "cpu" for d in the_plan.devices)
+    if gpu:
+        cmd += ["-ngl", "999"]
+        cpu_layers = sorted({int(n.split(".")[1]) for n, t in the_plan.tensors.items()
+                             if "_exps" in n and n.startswith("blk.") and t.device == "cpu"})
+        cached = any(t.cached for t in the_plan.tensors.values())
+        if cached:  # llama.cpp has no expert cache: experts stay on the CPU
+            cmd += ["-ot", "exps=CPU"]
+        elif cpu_layers and cpu_layers == list(range(len(cpu_layers))):
+            cmd += ["--n-cpu-moe", str(len(cpu_layers))]
+        elif cpu_layers:
+            cmd += ["-ot", "blk\\.(" + "|".join(map(str, cpu_layers)) + ")\\.ffn_.*_exps=CPU"]
+        if len(the_plan.devices) > 1:
+            cmd += ["--tensor-split", ",".join(str(d.layers[1] - d.layers[0]) for d in the_plan.devices)]
+    if the_plan.home == "ram":
+        cmd.append("--no-mmap")
+    return " ".join(cmd)
+
+
+@click.command()
+@click.argument("model", type=click.Path(path_type=Path))
+@click.option("-t", "--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads (default: physical cores).")
+@click.option("--ram-budget", default=None, help="Host RAM moerun may use, e.g. 12GiB (default: available).")
+@click.option("--expert-cache-mib", type=click.FloatRange(min=0), default=None,
+              help="Expert cache size in MiB, split over the MoE layers (experts then stay in the file's map).")
+@click.option("-c", "--ctx-size", type=click.IntRange(min=16), default=None,
+              help="Context size in tokens (default: the model's, at most 4096).")
+@click.option("--ram-bw", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Host RAM read bandwidth in GB/s (default: measured/cached, else a default).")
+@click.option("--disk-bw", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Read bandwidth of the model file (home tier 'disk') in GB/s.")
+@click.option("--measure", is_flag=True, help="Run the probes now (bandwidth, kernels, overhead; ~15 s) and cache them.")
+@click.option("--trace", "trace_path", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
+              help="Routing trace (moerun run --trace-routing) for the expected cache hit rate.")
+@click.option("-p", "--n-prompt", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Prompt tokens for the prefill / TTFT estimate.")
+@click.option("-ub", "--ubatch", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Prefill chunk size in tokens.")
+@click.option("--device", type=click.Choice(["auto", "cpu"]), default="auto", show_default=True,
+              help="auto: the GPUs found, else the CPU.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def estimate(model, threads, ram_budget, expert_cache_mib, ctx_size, ram_bw, disk_bw, measure, trace_path, n_prompt,
+             ubatch, device, as_json):
+    """Predict decode and prefill speed and memory for MODEL on this machine, without loading weights."""
+    from moerun.arch import resolve
+    from moerun.arch.summary import summarize
+    from moerun.formats import open_model
+    from moerun.placement import costmodel as cm
+    from moerun.placement.devices import detect, parse_size
+    from moerun.placement.planner import Budgets, plan
+
+    t0 = time.perf_counter()
+    try:
+        with open_model(model) as mf:
+            arch = resolve(mf)
+    except MoerunError:
+        raise
+    except (OSError, ValueError) as e:
+        raise MoerunError(f"cannot read {model}: {e}") from None
+    spec = arch.spec
+    summary = summarize(arch)
+    inv = detect(gpus=device == "auto")
+    threads = threads or inv.physical_cores or 1
+    devices = tuple(g.device for g in inv.gpus) if inv.gpus else ("cpu",)
+    ctx = ctx_size or min(4096, spec.context_length)
+    try:
+        budgets = Budgets(devices=devices, ram=None if ram_budget is None else parse_size(ram_budget), ctx_size=ctx,
+                          kv_dtype_bytes=4, cache_mib=None if expert_cache_mib is None else int(expert_cache_mib))
+    except ValueError as e:
+        raise MoerunError(str(e)) from None
+    the_plan = plan(arch, inv, budgets)
+    if devices == ("cpu",) and expert_cache_mib is not None:
+        the_plan = _cpu_cache_plan(the_plan, arch, expert_cache_mib)
+    qtypes = sorted({src.records[0].qtype.name for src in arch.sources.values()})
+    rates = cm.gather_rates(cm.RateOptions(threads=threads, measure=measure, ram_gbps=ram_bw, disk_gbps=disk_bw,
+                                           model_path=str(model), qtypes=qtypes, shape=cm.probe_shape(spec),
+                                           gpu=inv.gpus[0] if inv.gpus and devices != ("cpu",) else None))
+    hit_rates = hit_source = None
+    slots = [0] * spec.n_layers
+    for d in the_plan.devices:
+        for i, s in zip(range(*d.layers), d.expert_slots):
+            slots[i] = s
+    if trace_path is not None:
+        try:
+            hit_rates, hit_source = cm.trace_hit_rates(trace_path, slots, spec.n_layers), "trace"
+        except (OSError, ValueError) as e:
+            raise MoerunError(f"cannot use trace {trace_path}: {e}") from None
+    w = cm.workload(arch, the_plan, hit_rates, hit_source)
+    bound = cm.decode_time(w, rates, bound=True)
+    expect = cm.decode_time(w, rates)
+    pre = cm.prefill_time(w, rates, n_prompt, ubatch)
+    cached_layers = [h for h, c in zip(w.hit_rate, slots) if h < 1 or c]
+    hit = (sum(cached_layers) / len(cached_layers)) if cached_layers else None
+    cmd = llama_cpp_command(model, threads, ctx, the_plan, spec.n_layers)
+    mem = [{"device": d.device, "dense_bytes": d.dense_bytes, "kv_bytes": d.kv_bytes, "cache_bytes": d.cache_bytes,
+            "used_bytes": d.used_bytes, "budget_bytes": d.budget} for d in the_plan.devices]
+    home_bytes = sum(t.nbytes for t in the_plan.tensors.values() if t.tier == the_plan.home and t.tier != "vram")
+    info = {
+        "model": str(model), "threads": threads, "ctx_size": ctx, "devices": list(devices), "home": the_plan.home,
+        "total_params": summary.total_params, "active_params": summary.active_params,
+        "total_bytes": summary.total_bytes, "bytes_per_token": sum(dict(expect.bytes_by_class).values()),
+        "bytes_per_token_by_class": dict(expect.bytes_by_class), "bytes_per_token_by_tier": dict(expect.bytes_by_tier),
+        "hit_rate": hit, "hit_source": w.hit_source,
+        "decode": {"bound_tok_s": bound.tok_s, "expected_tok_s": expect.tok_s, "bound": bound.to_dict(),
+                   "expected": expect.to_dict()},
+        "prefill": {**pre.to_dict(), "ubatch": ubatch},
+        "memory": {"devices": mem, "home_bytes": home_bytes, "ram_bytes": the_plan.ram_bytes},
+        "rates": {"ram_gbps": rates.ram_gbps.value, "disk_gbps": rates.disk_gbps.value,
+                  "kernel_gbps": {q: rates.kernel(q) for q in qtypes},
+                  "moe_kernel_gbps": {q: rates.kernel(q, moe=True) for q in qtypes},
+                  "qflops": {q: rates.flops(q) for q in qtypes}, "float_flops": rates.float_flops.value,
+                  "layer_overhead_s": rates.layer_overhead_s.value, "token_overhead_s": rates.token_overhead_s.value,
+                  "h2d_gbps": rates.h2d_gbps.value if rates.h2d_gbps else None,
+                  "device_gbps": rates.device_gbps.value if rates.device_gbps else None},
+        "sources": rates.sources(),
+        "llama_cpp": cmd, "plan": the_plan.to_json(), "seconds": time.perf_counter() - t0,
+    }
+    if as_json:
+        info["plan"].pop("tensors", None)
+        click.echo(json.dumps(info, indent=2, default=lambda x: None if isinstance(x, float) and math.isinf(x) else x))
+        return
+    e = click.echo
+    e(f"model        {model}  ({spec.family}, {spec.n_layers} layers, {spec.n_experts} experts, top-{spec.n_experts_used})")
+    e(f"parameters   {summary.total_params / 1e9:.3f}B total, {summary.active_params / 1e9:.3f}B active per token")
+    e(f"threads {threads}, ctx {ctx}, devices {', '.join(devices)}, experts' home: {the_plan.home}")
+    e("")
+    e(the_plan.table())
+    e("")
+    e(f"weights read per token: {_gb(info['bytes_per_token'])}")
+    for c, b in expect.bytes_by_class:
+        e(f"  {c:<16} {_gb(b):>12}")
+    e("  by tier:       " + ", ".join(f"{t} {_gb(b)}" for t, b in expect.bytes_by_tier))
+    if hit is not None:
+        e(f"expert cache hit rate (decode): {hit:.1%} ({w.hit_source})")
+    e("")
+    e(f"decode bound     {bound.tok_s:8.1f} tok/s   (bandwidth only: {bound.total * 1e3:.2f} ms/token)")
+    e(f"decode expected  {expect.tok_s:8.1f} tok/s   ({expect.total * 1e3:.2f} ms/token = dense "
+      f"{expect.dense * 1e3:.2f} + experts hit {expect.experts_hit * 1e3:.2f} + miss {expect.experts_miss * 1e3:.2f}"
+      f" + overhead {expect.overhead * 1e3:.2f} + head {expect.head * 1e3:.2f})")
+    e(f"prefill pp{n_prompt:<6} {pre.tok_s:8.1f} tok/s   TTFT {pre.seconds:.2f} s (compute {pre.compute:.2f} s, "
+      f"memory {pre.memory:.2f} s, overhead {pre.overhead:.2f} s; ubatch {ubatch})")
+    e("")
+    e("memory:")
+    for m in mem:
+        e(f"  {m['device']:<8} {_gb(m['used_bytes']):>12} (dense {_gb(m['dense_bytes'])}, KV {_gb(m['kv_bytes'])}, "
+          f"cache {_gb(m['cache_bytes'])}) of {_gb(m['budget_bytes'])}")
+    e(f"  home     {_gb(home_bytes):>12} ({'host RAM' if the_plan.home == 'ram' else 'memory-mapped file'})")
+    e("")
+    e(f"llama.cpp:  {cmd}")
+    e("")
+    e("rates:")
+    e(f"  host RAM read   {rates.ram_gbps.value:8.2f} GB/s   {rates.ram_gbps.source}")
+    e(f"  disk (file)     {rates.disk_gbps.value:8.2f} GB/s   {rates.disk_gbps.source}")
+    for q in qtypes:
+        if q not in cm.F32_NAMES:
+            src = dict(rates.kernel_gbps).get(q)
+            fl = dict(rates.qflops).get(q)
+            e(f"  kernel {q:<8} {rates.kernel(q):8.2f} GB/s decode ({rates.kernel(q, moe=True):.2f} MoE), "
+              f"{rates.flops(q) / 1e9:6.1f} GFLOP/s prefill   "
+              f"{src.source if src else 'default'}{'' if src else f' ({cm.DEFAULT_KERNEL_EFF:.0%} of host RAM)'}"
+              f"{'' if fl else ', prefill default'}")
+    e(f"  torch float32   {rates.float_flops.value / 1e9:8.1f} GFLOP/s {rates.float_flops.source}")
+    e(f"  overhead        {rates.layer_overhead_s.value * 1e3:8.3f} ms/layer + {rates.token_overhead_s.value * 1e3:.3f}"
+      f" ms/token decode, {rates.prefill_overhead_s.value * 1e3:.3f} ms/layer/token prefill   "
+      f"{rates.layer_overhead_s.source}")
+    if rates.h2d_gbps:
+        e(f"  host-to-device  {rates.h2d_gbps.value:8.2f} GB/s   {rates.h2d_gbps.source}")
+        e(f"  device memory   {rates.device_gbps.value:8.2f} GB/s   {rates.device_gbps.source}")
+    if "default" in rates.sources().values():
+        e("  (default figures: run `moerun estimate --measure` once to measure this machine)")

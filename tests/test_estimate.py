@@ -1,0 +1,202 @@
+"""`moerun estimate` and the cost model: arithmetic checked against counts made independently from the GGUF
+tensors (gguf's own reader), the hit-rate and miss terms, JSON fields, errors and figure labels. No timing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from moerun.cli import main
+from moerun.placement import bandwidth as bw_mod
+from moerun.placement import costmodel as cm
+
+GB = 1e9
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from moerun.tools.make_model import make_model
+
+    return make_model("tiny-qwen3moe", tmp_path_factory.mktemp("est") / "tiny.gguf", ftype="Q8_0", progress=False,
+                      threads=1)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    d = tmp_path / "cache"
+    monkeypatch.setenv("MOERUN_CACHE", str(d))
+    return d
+
+
+@pytest.fixture(scope="module")
+def counts(tiny):
+    """Bytes per token counted from the file with gguf's reader: dense tensors whole, k/E of the routed
+    experts, one embedding row."""
+    import gguf
+
+    r = gguf.GGUFReader(str(tiny))
+    f = {x.name: x for x in r.fields.values()}
+
+    def val(key):
+        fld = f[key]
+        return int(fld.parts[fld.data[0]][0])
+
+    E, k = val("qwen3moe.expert_count"), val("qwen3moe.expert_used_count")
+    dense = experts = embd_row = 0
+    for t in r.tensors:
+        if "_exps" in t.name:
+            experts += int(t.n_bytes)
+        elif t.name == "token_embd.weight":
+            embd_row = int(t.n_bytes) // int(t.shape[-1])  # gguf shapes are innermost first: [hidden, vocab]
+        else:
+            dense += int(t.n_bytes)
+    return {"E": E, "k": k, "dense": dense, "experts": experts, "embd_row": embd_row,
+            "per_token": dense + experts * k / E + embd_row}
+
+
+def estimate(*args):
+    r = CliRunner().invoke(main, ["estimate", *map(str, args)])
+    return r
+
+
+def estimate_json(*args) -> dict:
+    r = estimate(*args, "--json")
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output)
+
+
+def test_bytes_per_token_and_bound(tiny, counts):
+    d = estimate_json(tiny, "-t", "1", "--ram-bw", "10", "--device", "cpu")
+    assert d["home"] == "ram" and d["hit_source"] == "resident" and d["hit_rate"] is None
+    assert d["bytes_per_token"] == pytest.approx(counts["per_token"], abs=8)
+    by = d["bytes_per_token_by_class"]
+    assert by["routed_experts"] == pytest.approx(counts["experts"] * counts["k"] / counts["E"], abs=2)
+    assert by["embeddings"] == counts["embd_row"]
+    assert d["bytes_per_token_by_tier"] == {"ram": d["bytes_per_token"]}
+    # the bound: bandwidth only, every byte at the given 10 GB/s
+    assert d["decode"]["bound_tok_s"] == pytest.approx(10 * GB / counts["per_token"], rel=1e-4)
+    assert d["decode"]["bound"]["overhead_s"] == 0
+    exp = d["decode"]["expected"]
+    assert exp["tok_s"] < d["decode"]["bound_tok_s"]
+    parts = ("dense_s", "experts_hit_s", "experts_miss_s", "overhead_s", "head_s")
+    assert sum(exp[p] for p in parts) == pytest.approx(exp["total_s"])
+    # the expectation at default kernel efficiency and overhead, recomputed by hand
+    eff = cm.DEFAULT_KERNEL_EFF * 10 * GB
+    f32 = sum(b for c, b in by.items() if c in ("norms", "router"))  # float tensors: torch, at raw bandwidth
+    hand = (d["bytes_per_token"] - f32) / eff + f32 / (10 * GB) + 2 * cm.DEFAULT_LAYER_OVERHEAD_S
+    assert exp["total_s"] == pytest.approx(hand, rel=1e-3)
+    assert {"total_params", "active_params", "prefill", "memory", "llama_cpp", "sources", "plan", "rates"} <= set(d)
+    assert d["prefill"]["n_tokens"] == 512 and d["prefill"]["tok_s"] > 0 and d["prefill"]["ttft_s"] > 0
+    assert d["llama_cpp"].startswith(f"llama-cli -m {tiny} -t 1 -c ") and d["llama_cpp"].endswith("--no-mmap")
+    assert d["memory"]["devices"][0]["kv_bytes"] > 0
+
+
+def test_hit_rate_and_miss_terms(tiny, counts):
+    # a cache of 2 experts per layer (the runtime's split: MiB / (one expert x MoE layers))
+    one_expert = counts["experts"] / 2 / counts["E"]  # 2 MoE layers
+    mib = 2 * one_expert * 2 / (1 << 20)
+    d = estimate_json(tiny, "-t", "1", "--ram-bw", "10", "--disk-bw", "1", "--expert-cache-mib", f"{mib + 1e-4:.6f}",
+                      "--device", "cpu")
+    assert d["home"] == "disk" and d["hit_source"] == "uniform"
+    h = 2 / counts["E"]
+    assert d["hit_rate"] == pytest.approx(h)
+    b = d["decode"]["bound"]
+    routed = counts["experts"] * counts["k"] / counts["E"]
+    assert b["experts_hit_s"] == pytest.approx(routed * h / (10 * GB), rel=1e-4)
+    # a CPU miss is read from the file into a slot (1 GB/s), then computed from RAM (10 GB/s)
+    assert b["experts_miss_s"] == pytest.approx(routed * (1 - h) * (1 / GB + 1 / (10 * GB)), rel=1e-4)
+    assert d["bytes_per_token_by_tier"]["disk"] == pytest.approx(routed * (1 - h), abs=2)
+    assert "--no-mmap" not in d["llama_cpp"]
+
+
+def test_trace_hit_rate(tiny, counts, tmp_path):
+    """--trace replaces slots/E by the trace's decode hit rate: a trace that always routes to experts 0 and 1
+    misses only on the first step of each layer (2 of 2 x 10 queries)."""
+    from moerun.experts.trace import TraceHeader, TraceWriter
+
+    path = tmp_path / "routing.jsonl"
+    with TraceWriter(path, TraceHeader("qwen3moe", 2, counts["E"], counts["k"])) as tw:
+        for pos in range(10):
+            for layer in range(2):
+                tw.write_step(layer=layer, phase="decode", request_ids=[0], positions=[pos], experts=[[0, 1]],
+                              weights=[[0.5, 0.5]])
+    one_expert = counts["experts"] / 2 / counts["E"]
+    mib = 2 * one_expert * 2 / (1 << 20) + 1e-4
+    d = estimate_json(tiny, "-t", "1", "--ram-bw", "10", "--disk-bw", "1", "--expert-cache-mib", f"{mib:.6f}",
+                      "--device", "cpu", "--trace", path)
+    assert d["hit_source"] == "trace"
+    assert d["hit_rate"] == pytest.approx(18 / 20)
+    routed = counts["experts"] * counts["k"] / counts["E"]
+    assert d["decode"]["bound"]["experts_hit_s"] == pytest.approx(routed * 0.9 / (10 * GB), rel=1e-4)
+
+
+def test_miss_choice():
+    kw = {"home_gbps": 20, "link_gbps": 10, "compute_gbps": 1000}
+    # one token: shipping 2 x hidden floats beats moving a 10 MB expert
+    assert cm.miss_choice(10e6, 1, 4096, **kw) == "home"
+    # many tokens on the same expert: the activations outweigh the weights
+    assert cm.miss_choice(10e6, 100_000, 4096, **kw) == "fetch"
+    t = cm.miss_time(10e6, 1, 4096, **kw, launch_s=0)
+    assert t["fetch"] == pytest.approx(10e6 / 10e9 + 10e6 / 1000e9)
+    assert t["home"] == pytest.approx(10e6 / 20e9 + 2 * 4096 * 4 / 10e9)
+
+
+def test_prefill_arithmetic():
+    p = (cm.Part(0, "attention", "Q4_K", "ram", "cpu", 1000, 1000),
+         cm.Part(0, "routed_experts", "Q4_K", "ram", "cpu", 8000, 8000))
+    w = cm.Workload(1, 8, 2, 64, 4, 16, p, (1.0,), "resident")
+    rates = cm.Rates(cm.Figure(10, "given"), cm.Figure(1, "given"), cm.Figure(0, "default"), cm.Figure(0, "default"),
+                     cm.Figure(1e9, "default"), cm.Figure(2e9, "default"))
+    m = 16
+    pre = cm.prefill_time(w, rates, m, ubatch=512)
+    compute = 2 * 1000 * m / 1e9 + 2 * 8000 * m * 2 / 8 / 1e9 + 4 * 4 * 16 * m * (m + 1) / 2 / 2e9
+    assert pre.compute == pytest.approx(compute)
+    assert pre.seconds == pytest.approx(max(compute, pre.memory))
+    assert pre.tok_s == pytest.approx(m / pre.seconds)
+    # the default Q8_0 prefill rate is the K-quants' x DEFAULT_QFLOPS_FACTOR
+    assert rates.flops("Q8_0") == pytest.approx(1e9 * cm.DEFAULT_QFLOPS_FACTOR["Q8_0"])
+
+
+def test_bad_file_one_line_error(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    r = estimate(bad)
+    assert r.exit_code == 1
+    assert r.output.strip().startswith("error:") and len(r.output.strip().splitlines()) == 1
+    r = estimate(tmp_path / "missing.gguf")
+    assert r.exit_code == 1 and r.output.startswith("error:") and len(r.output.strip().splitlines()) == 1
+
+
+def test_labels_default_cached_given_measured(tiny, cache, monkeypatch):
+    d = estimate_json(tiny, "-t", "1", "--device", "cpu")
+    assert set(d["sources"].values()) == {"default"}
+    assert d["rates"]["ram_gbps"] == bw_mod.DEFAULT_HOST_READ_GBPS
+    r = estimate(tiny, "-t", "1", "--device", "cpu")
+    assert "default" in r.output and "moerun estimate --measure" in r.output
+    d = estimate_json(tiny, "-t", "1", "--ram-bw", "12.5", "--device", "cpu")
+    assert d["sources"]["ram_gbps"] == "given" and d["rates"]["ram_gbps"] == 12.5
+
+    # --measure: the probes (stubbed here: no timing in tests) run, are stored, and are labelled measured
+    monkeypatch.setattr(bw_mod, "measure_host_read_bandwidth",
+                        lambda threads, nbytes=0, runs=0: {"gbps": 33.0, "measured_at": "now"})
+    monkeypatch.setattr(cm, "measure_kernels",
+                        lambda threads, qtypes, runs=5: {q: {"decode_gbps": 25.0, "moe_decode_gbps": 24.0, "prefill_flops": 2e11}
+                                                         for q in qtypes if q not in cm.F32_NAMES})
+    monkeypatch.setattr(cm, "measure_float_flops", lambda threads, runs=5: 1e11)
+    monkeypatch.setattr(cm, "measure_file_read", lambda path, nbytes=0: 3.0)
+    monkeypatch.setattr(cm, "measure_overhead", lambda threads, shape, rates: {
+        "layer_s": 4e-4, "token_s": 1e-4, "prefill_layer_token_s": 1e-4})
+    d = estimate_json(tiny, "-t", "1", "--measure", "--device", "cpu")
+    assert set(d["sources"].values()) == {"measured"}, d["sources"]
+    assert d["rates"]["ram_gbps"] == 33.0 and d["rates"]["kernel_gbps"]["Q8_0"] == 25.0
+    assert d["rates"]["layer_overhead_s"] == 4e-4
+    assert (cache / "hardware.json").is_file()
+    d = estimate_json(tiny, "-t", "1", "--device", "cpu")
+    assert d["sources"]["ram_gbps"] == "cached" and d["sources"]["layer_overhead_s"] == "cached"
+    assert d["sources"]["disk_gbps"] == "default"  # the file read is not cached: files differ
+    assert d["decode"]["expected"]["overhead_s"] == pytest.approx(2 * 4e-4 + 1e-4)
+    # another thread count has nothing cached
+    d = estimate_json(tiny, "-t", "3", "--device", "cpu")
+    assert d["sources"]["layer_overhead_s"] == "default"
