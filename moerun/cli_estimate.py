@@ -97,6 +97,7 @@ def estimate(model, threads, ram_budget, expert_cache_mib, ctx_size, ram_bw, dis
     from moerun.arch.summary import summarize
     from moerun.formats import open_model
     from moerun.placement import costmodel as cm
+    from moerun.placement import probes
     from moerun.placement.devices import detect, parse_size
     from moerun.placement.planner import Budgets, plan
 
@@ -123,8 +124,8 @@ def estimate(model, threads, ram_budget, expert_cache_mib, ctx_size, ram_bw, dis
     if devices == ("cpu",) and expert_cache_mib is not None:
         the_plan = _cpu_cache_plan(the_plan, arch, expert_cache_mib)
     qtypes = sorted({src.records[0].qtype.name for src in arch.sources.values()})
-    rates = cm.gather_rates(cm.RateOptions(threads=threads, measure=measure, ram_gbps=ram_bw, disk_gbps=disk_bw,
-                                           model_path=str(model), qtypes=qtypes, shape=cm.probe_shape(spec),
+    rates = probes.gather_rates(probes.RateOptions(threads=threads, measure=measure, ram_gbps=ram_bw, disk_gbps=disk_bw,
+                                           model_path=str(model), qtypes=qtypes, shape=probes.probe_shape(spec),
                                            gpu=inv.gpus[0] if inv.gpus and devices != ("cpu",) else None))
     hit_rates = hit_source = None
     slots = [0] * spec.n_layers

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from moerun.cli import main
 from moerun.placement import bandwidth as bw_mod
 from moerun.placement import costmodel as cm
+from moerun.placement import probes
 
 GB = 1e9
 
@@ -181,12 +182,12 @@ def test_labels_default_cached_given_measured(tiny, cache, monkeypatch):
     # --measure: the probes (stubbed here: no timing in tests) run, are stored, and are labelled measured
     monkeypatch.setattr(bw_mod, "measure_host_read_bandwidth",
                         lambda threads, nbytes=0, runs=0: {"gbps": 33.0, "measured_at": "now"})
-    monkeypatch.setattr(cm, "measure_kernels",
+    monkeypatch.setattr(probes, "measure_kernels",
                         lambda threads, qtypes, runs=5: {q: {"decode_gbps": 25.0, "moe_decode_gbps": 24.0, "prefill_flops": 2e11}
                                                          for q in qtypes if q not in cm.F32_NAMES})
-    monkeypatch.setattr(cm, "measure_float_flops", lambda threads, runs=5: 1e11)
-    monkeypatch.setattr(cm, "measure_file_read", lambda path, nbytes=0: 3.0)
-    monkeypatch.setattr(cm, "measure_overhead", lambda threads, shape, rates: {
+    monkeypatch.setattr(probes, "measure_float_flops", lambda threads, runs=5: 1e11)
+    monkeypatch.setattr(probes, "measure_file_read", lambda path, nbytes=0: 3.0)
+    monkeypatch.setattr(probes, "measure_overhead", lambda threads, shape, rates: {
         "layer_s": 4e-4, "token_s": 1e-4, "prefill_layer_token_s": 1e-4})
     d = estimate_json(tiny, "-t", "1", "--measure", "--device", "cpu")
     assert set(d["sources"].values()) == {"measured"}, d["sources"]
