@@ -78,6 +78,11 @@ def build(cfg: RuntimeConfig) -> Runtime:
         home = "mmap" if cfg.cache_requested or the_plan.home == "disk" else "ram"
     loaded = load_model(path, dtype=getattr(torch, cfg.dtype), home=home)
     warnings: list[str] = []
+    if loaded.model.ops.name == "reference" and any(
+            src.records[0].qtype.name not in ("F32", "F16", "BF16") for src in arch.sources.values()):
+        from moerun.kernels import cpu
+
+        warnings.append(f"quantized weights run on the slow torch reference: {cpu.features()['reason']}")
     slots = _cache_slots(cfg, the_plan, loaded.model.store, warnings)
     cache = None
     if slots is not None:
