@@ -27,7 +27,8 @@ import torch
 
 from moerun.quant.qtypes import QTensor, QType
 
-__all__ = ["available", "features", "get_threads", "matmul", "moe_ffn", "moe_ffn_experts", "set_threads", "supports"]
+__all__ = ["AttnLayer", "attn_block", "available", "dequant_rows", "features", "get_threads", "matmul", "moe_ffn", "moe_ffn_experts",
+           "set_threads", "supports"]
 
 MODE = os.environ.get("MOERUN_KERNELS", "").strip().lower()  # "" / "auto", "scalar", "off"
 
@@ -132,6 +133,21 @@ def matmul(x: torch.Tensor, w: QTensor, *, isa: str | None = None) -> torch.Tens
     return out
 
 
+def dequant_rows(w: QTensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of w [N, K] (a supported qtype) as float32 [len(rows), K]: the values gguf.quants gives (an
+    embedding lookup without dequantizing the table)."""
+    _need()
+    _check_q(w, "w", 2)
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64 or rows.dim() != 1:
+        raise ValueError("rows must be a 1-D int64 tensor")
+    rows = rows.contiguous()
+    N, K = w.shape
+    out = torch.empty((len(rows), K), dtype=torch.float32)
+    if len(rows):
+        _cpu.dequant_rows(int(w.qtype), w.data.data_ptr(), N, K, rows.data_ptr(), len(rows), out.data_ptr())
+    return out
+
+
 def moe_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: QTensor, up: QTensor,
             down: QTensor, *, isa: str | None = None) -> torch.Tensor:
     """One MoE layer's routed experts: out[t] = sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t),
@@ -172,14 +188,18 @@ def moe_ffn_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, e
         raise ValueError(f"negative expert id {items[0][0]}")
     table = array("Q", bytes(24 * E))  # gate | up | down addresses, 0 where not given
     like = [(q.qtype, q.shape) for q in (first.gate, first.up, first.down)]
-    for e, ex in items:
-        for m, (name, (qtype, shape)) in enumerate(zip(("gate", "up", "down"), like)):
-            q = getattr(ex, name, None)
-            if not isinstance(q, QTensor) or q.qtype != qtype or q.shape != shape:
-                raise ValueError(f"experts[{e}].{name} is not a {qtype.name}{shape} QTensor like experts[{items[0][0]}]")
-            if not q.data.is_cpu or not q.data.is_contiguous():
-                raise ValueError(f"experts[{e}].{name}.data must be a contiguous CPU tensor")
-            table[m * E + e] = q.data.data_ptr()
+    names = ("gate", "up", "down")
+    try:  # on the decode path for every layer: plain attribute checks only
+        for e, ex in items:
+            for m, (qtype, shape) in enumerate(like):
+                q = getattr(ex, names[m])
+                data = q.data
+                if q.qtype is not qtype or q.shape != shape or not data.is_cpu or not data.is_contiguous():
+                    raise TypeError
+                table[m * E + e] = data.data_ptr()
+    except (AttributeError, TypeError):
+        raise ValueError(f"experts[{e}].{names[m]} is not a contiguous CPU {like[m][0].name}{like[m][1]} QTensor "
+                         f"like experts[{items[0][0]}]") from None
     base = table.buffer_info()[0]
     mats = [(base + 8 * m * E, 0, int(q.qtype)) for m, q in enumerate((first.gate, first.up, first.down))]
     return _moe(isa_id, x, ids, weights, mats, E, I, H)
@@ -208,6 +228,100 @@ def _moe(isa_id: int, x, ids, weights, mats, E: int, I: int, H: int) -> torch.Te
     _cpu.moe_ffn(isa_id, x.data_ptr(), T, H, ids32.data_ptr(), w32.data_ptr(), k, g, gs, gt, u, us, ut, d, ds, dt,
                  E, I, out.data_ptr())
     return out
+
+
+# ------------------------------------------------------------------------ fused decode attention
+
+FLOAT_TYPES = {torch.float32: 0}  # ggml F32; float weights enter the fused path as float32 tensors
+
+
+class AttnLayer:
+    """One layer's constant part for attn_block: its weights' addresses, types and shapes, checked once.
+
+    Weights are QTensors of a supported type or contiguous float32 tensors; norms and biases float32
+    vectors. The object keeps references to everything it points to. router=None: a dense layer.
+    """
+
+    def __init__(self, *, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: str | None,
+                 rope_style: str, attn_norm, ffn_norm, wq, wk, wv, wo, q_norm=None, k_norm=None, bq=None,
+                 bk=None, bv=None, router=None, n_used: int = 0, norm_topk: bool = False):
+        _need()
+        q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
+        if n_heads % n_kv_heads or head_dim % 2:
+            raise ValueError(f"{n_heads} heads over {n_kv_heads} KV heads of dim {head_dim}: not supported")
+        f = {"hidden": hidden, "n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim,
+             "qk_norm": {None: 0, "full": 1, "head": 2}[qk_norm], "neox": int(rope_style == "neox")}
+        self._keep = []
+        norm_len = {"full": (q_dim, kv_dim), "head": (head_dim, head_dim)}.get(qk_norm, (None, None))
+        for name, t, n in (("attn_norm", attn_norm, hidden), ("ffn_norm", ffn_norm, hidden),
+                           ("q_norm", q_norm, norm_len[0]), ("k_norm", k_norm, norm_len[1]),
+                           ("bq", bq, q_dim), ("bk", bk, kv_dim), ("bv", bv, kv_dim)):
+            f[name] = self._vector(name, t, n)
+        n_experts = 0 if router is None else router.shape[0]
+        for name, w, shape in (("wq", wq, (q_dim, hidden)), ("wk", wk, (kv_dim, hidden)),
+                               ("wv", wv, (kv_dim, hidden)), ("wo", wo, (hidden, q_dim)),
+                               ("router", router, (n_experts, hidden))):
+            f[name], f[name + "_type"] = (0, 0) if w is None else self._matrix(name, w, shape)
+        if router is not None and not 1 <= n_used <= n_experts:
+            raise ValueError(f"n_used {n_used} out of 1..{n_experts}")
+        f.update(n_experts=n_experts, n_used=n_used, norm_topk=int(norm_topk))
+        self.desc = torch.tensor([f[name] for name in _cpu.attn_fields()], dtype=torch.int64)
+        self.hidden, self.n_used, self.routed = hidden, n_used, router is not None
+
+    def _vector(self, name: str, t, n: int | None) -> int:
+        if t is None:
+            return 0
+        if n is None or not (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.is_cpu
+                             and t.is_contiguous() and t.numel() == n):
+            raise ValueError(f"{name} must be a contiguous float32 CPU vector of {n} values")
+        self._keep.append(t)
+        return t.data_ptr()
+
+    def _matrix(self, name: str, w, shape) -> tuple[int, int]:
+        if isinstance(w, QTensor):
+            _check_q(w, name, 2)
+            ok, data, ggml = tuple(w.shape) == shape, w.data, int(w.qtype)
+        else:
+            ok = (isinstance(w, torch.Tensor) and w.dtype in FLOAT_TYPES and w.is_cpu and w.is_contiguous()
+                  and tuple(w.shape) == shape)
+            data, ggml = w, FLOAT_TYPES.get(getattr(w, "dtype", None), -1)
+        if not ok:
+            raise ValueError(f"{name} must be a supported QTensor or a contiguous float32 CPU tensor of shape {shape}")
+        self._keep.append(data)
+        return data.data_ptr(), ggml
+
+
+def attn_block(layer: AttnLayer, x: torch.Tensor, slot_tables: list[torch.Tensor], pos: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+               eps: float, clip: float | None = None, *, isa: str | None = None):
+    """The attention half of a layer for B rows (see kernels/csrc/attn.h), x [B, hidden] updated in place.
+
+    Row r is the token at position pos[r] of a sequence whose position p lives in cache slot
+    slot_tables[r][p] (int64; positions 0..pos[r] reserved, earlier ones filled). k_cache / v_cache: this
+    layer's [slots, kv_heads, head_dim] float32; rope_cos / rope_sin [positions > max(pos), head_dim / 2].
+    Returns (xn [B, hidden]: ffn_norm of the new x, ids [B, k] int64, weights [B, k] float32), the last two
+    None for a dense layer.
+    """
+    isa_id = _isa(isa)
+    _check_x(x, "x")
+    B = x.shape[0]
+    if x.shape[1] != layer.hidden or pos.dtype != torch.int64 or pos.shape != (B,) or len(slot_tables) != B:
+        raise ValueError(f"x {tuple(x.shape)}, pos {tuple(pos.shape)} and {len(slot_tables)} slot tables "
+                         f"must describe the same rows of {layer.hidden} features")
+    top = int(pos.max())
+    if int(pos.min()) < 0 or rope_cos.shape[0] <= top or any(len(t) <= p for t, p in zip(slot_tables, pos.tolist())):
+        raise ValueError("a position is negative or beyond its slot table or the RoPE tables")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("rope_cos", rope_cos), ("rope_sin", rope_sin)):
+        if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
+    slots = torch.tensor([t.data_ptr() for t in slot_tables], dtype=torch.int64)
+    xn = torch.empty_like(x)
+    k = layer.n_used if layer.routed else 1
+    ids, w = torch.empty((B, k), dtype=torch.int64), torch.empty((B, k), dtype=torch.float32)
+    _cpu.attn_block(isa_id, layer.desc.data_ptr(), x.data_ptr(), B, slots.data_ptr(), pos.data_ptr(),
+                    k_cache.data_ptr(), v_cache.data_ptr(), rope_cos.data_ptr(), rope_sin.data_ptr(), eps,
+                    clip or 0.0, xn.data_ptr(), ids.data_ptr(), w.data_ptr())
+    return (xn, ids, w) if layer.routed else (xn, None, None)
 
 
 # ------------------------------------------------------------------------------------------ checks

@@ -104,27 +104,32 @@ typedef struct {
     dot_fn dot;
     const uint8_t *w;
     int64_t N, nb, row_bytes;
-    const uint8_t *xq;
-    int64_t xq_row, T;
+    int act;               /* activation format, or -1: float weights read the float rows of x */
+    const uint8_t *xq;     /* activation rows in that format */
+    int64_t xq_row;
     float *out;
-    int64_t rows_per, nitems;
+    int64_t item0;         /* the matrix's first work item */
+} mm_mat;
+
+typedef struct {
+    mm_mat m[QK_MM_MAX];
+    int n;
+    int64_t T, rows_per;
     workq q;
 } mm_ctx;
 
-/* Rows [r0, r1) of W against all T tokens, four tokens per pass over the rows. */
-static void mm_rows(const mm_ctx *c, int64_t r0, int64_t r1) {
-    const dot_fn dot = c->dot;
-    const int64_t nb = c->nb, rb = c->row_bytes, N = c->N, T = c->T;
-    const uint8_t *w = c->w;
-    float *out = c->out;
+/* Rows [r0, r1) of one matrix against all T tokens, four tokens per pass over the rows. */
+static void mm_rows(const mm_mat *m, int64_t T, int64_t r0, int64_t r1) {
+    const dot_fn dot = m->dot;
+    const int64_t nb = m->nb, rb = m->row_bytes, N = m->N;
     for (int64_t t = 0; t < T; t += DOT_MAX_NT) {
         const int nt = (int)min64(DOT_MAX_NT, T - t);
         const void *xs[DOT_MAX_NT];
-        for (int j = 0; j < nt; j++) xs[j] = c->xq + (t + j) * c->xq_row;
+        for (int j = 0; j < nt; j++) xs[j] = m->xq + (t + j) * m->xq_row;
         for (int64_t r = r0; r < r1; r++) {
             float o[DOT_MAX_NT];
-            dot(nb, w + r * rb, xs, nt, o);
-            for (int j = 0; j < nt; j++) out[(t + j) * N + r] = o[j];
+            dot(nb, m->w + r * rb, xs, nt, o);
+            for (int j = 0; j < nt; j++) m->out[(t + j) * N + r] = o[j];
         }
     }
 }
@@ -133,32 +138,77 @@ static void mm_task(void *p, int tid, int nth) {
     mm_ctx *c = p;
     (void)nth;
     int cur = tid % c->q.n;
-    for (int64_t it; (it = wq_next(&c->q, &cur)) >= 0;)
-        mm_rows(c, it * c->rows_per, min64((it + 1) * c->rows_per, c->N));
+    for (int64_t it; (it = wq_next(&c->q, &cur)) >= 0;) {
+        int j = 0;
+        while (j + 1 < c->n && it >= c->m[j + 1].item0) j++;
+        const int64_t r0 = (it - c->m[j].item0) * c->rows_per;
+        mm_rows(&c->m[j], c->T, r0, min64(r0 + c->rows_per, c->m[j].N));
+    }
+}
+
+int qk_matmuls(int isa, int n, const qk_wmat *w, int64_t K, const float *x, int64_t T, float *const *out) {
+    const kernel_set *ks = qk_kernels(isa);
+    if (!ks) return QK_EISA;
+    if (n < 1 || n > QK_MM_MAX || T < 1 || K < 1) return QK_ESHAPE;
+    mm_ctx c = {.n = n, .T = T};
+    int need[ACT_COUNT] = {0};
+    int64_t rows = 0;
+    for (int j = 0; j < n; j++) {
+        mm_mat *m = &c.m[j];
+        *m = (mm_mat){.w = w[j].w, .N = w[j].N, .out = out[j], .act = -1};
+        if (m->N < 1) return QK_ESHAPE;
+        rows += m->N;
+        const dot_fn fd = qk_fdot(isa, w[j].ggml);
+        if (fd) {
+            *m = (mm_mat){fd, w[j].w, w[j].N, K, K * (w[j].ggml == GGML_F32 ? 4 : 2), -1,
+                          (const uint8_t *)x, K * (int64_t)sizeof(float), out[j], 0};
+            continue;
+        }
+        const int qt = qk_qtype_index(w[j].ggml);
+        if (qt < 0) return QK_ETYPE;
+        const qtype_info *ti = &QK_TYPES[qt];
+        if (K % ti->blk_elems) return QK_ESHAPE;
+        m->dot = ks->dot[qt];
+        m->nb = K / ti->blk_elems;
+        m->row_bytes = m->nb * ti->blk_bytes;
+        m->act = ti->act;
+        need[ti->act] = 1;
+    }
+    /* x quantized once per activation format the matrices use */
+    int64_t xrow[ACT_COUNT] = {0}, bytes = 0;
+    for (int a = 0; a < ACT_COUNT; a++)
+        if (need[a]) bytes += T * (xrow[a] = K / qk_act_elems(a) * qk_act_bytes(a));
+    uint8_t *mem = bytes ? malloc((size_t)bytes) : NULL, *xq[ACT_COUNT] = {0};
+    if (bytes && !mem) return QK_ENOMEM;
+    int64_t off = 0;
+    for (int a = 0; a < ACT_COUNT; a++) {
+        if (!need[a]) continue;
+        xq[a] = mem + off;
+        off += T * xrow[a];
+        quantize_rows(ks->quant[a], x, T, K, xq[a], xrow[a]);
+    }
+    const int nth = qk_pool_threads();
+    c.rows_per = rows_per_item(rows, nth);
+    int64_t items = 0;
+    for (int j = 0; j < n; j++) {
+        mm_mat *m = &c.m[j];
+        if (m->act >= 0) {
+            m->xq = xq[m->act];
+            m->xq_row = xrow[m->act];
+        }
+        m->item0 = items;
+        items += (m->N + c.rows_per - 1) / c.rows_per;
+    }
+    wq_init(&c.q, items, nth);
+    qk_pool_run(mm_task, &c);
+    free(mem);
+    return QK_OK;
 }
 
 int qk_matmul(int isa, int ggml, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t T, float *out) {
-    const kernel_set *ks = qk_kernels(isa);
-    const int qt = qk_qtype_index(ggml);
-    if (!ks) return QK_EISA;
-    if (qt < 0) return QK_ETYPE;
-    const qtype_info *ti = &QK_TYPES[qt];
-    if (N < 1 || T < 1 || K < 1 || K % ti->blk_elems) return QK_ESHAPE;
-    const int act = ti->act;
-    const int64_t xq_row = K / qk_act_elems(act) * qk_act_bytes(act);
-    uint8_t *xq = malloc((size_t)(T * xq_row));
-    if (!xq) return QK_ENOMEM;
-    quantize_rows(ks->quant[act], x, T, K, xq, xq_row);
-
-    const int nth = qk_pool_threads();
-    mm_ctx c = {.dot = ks->dot[qt], .w = w, .N = N, .nb = K / ti->blk_elems,
-                .row_bytes = K / ti->blk_elems * ti->blk_bytes, .xq = xq, .xq_row = xq_row, .T = T, .out = out};
-    c.rows_per = rows_per_item(N, nth);
-    c.nitems = (N + c.rows_per - 1) / c.rows_per;
-    wq_init(&c.q, c.nitems, nth);
-    qk_pool_run(mm_task, &c);
-    free(xq);
-    return QK_OK;
+    if (qk_fdot(isa, ggml)) return QK_ETYPE; /* the public matmul takes quantized weights only */
+    const qk_wmat m = {w, ggml, N};
+    return qk_matmuls(isa, 1, &m, K, x, T, &out);
 }
 
 /* ----------------------------------------------------------------------------------- MoE FFN */

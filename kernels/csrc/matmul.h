@@ -10,6 +10,16 @@ enum { QK_OK = 0, QK_ENOMEM = -1, QK_EISA = -2, QK_ETYPE = -3, QK_ESHAPE = -4, Q
 int qk_matmul(int isa, int ggml, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t T,
               float *out);
 
+/* Several matrices against the same x [T, K] in one pool job (x quantized once per activation format):
+ * out[j][T, w[j].N] = x @ W_j^T. ggml may also be GGML_F32 / GGML_F16 (float rows, no quantization). */
+#define QK_MM_MAX 4
+typedef struct {
+    const uint8_t *w;
+    int ggml;
+    int64_t N;
+} qk_wmat;
+int qk_matmuls(int isa, int n, const qk_wmat *w, int64_t K, const float *x, int64_t T, float *const *out);
+
 /* Where each expert's copy of one matrix lies: with stride > 0, expert e's rows start at base + e * stride
  * (a stacked [E, rows, cols] tensor); with stride == 0, base points to E little-endian uint64 addresses,
  * 0 for an expert that is not provided (an error if routed to). `type` is the ggml type. */
@@ -23,5 +33,8 @@ typedef struct {
  * the order of j. gate/up: [I, H] per expert, down: [H, I], each matrix kind of its own ggml type. */
 int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts, int k,
                qk_expert_mats gate, qk_expert_mats up, qk_expert_mats down, int64_t E, int64_t I, float *out);
+
+/* out[n, K] = rows[i] of W[N, K] (ggml type `ggml`) as floats, the values gguf.quants gives. */
+int qk_dequant_rows(int ggml, const uint8_t *w, int64_t N, int64_t K, const int64_t *rows, int64_t n, float *out);
 
 #endif

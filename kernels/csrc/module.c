@@ -7,6 +7,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "attn.h"
 #include "matmul.h"
 #include "pool.h"
 #include "qk.h"
@@ -135,6 +136,59 @@ static PyObject *py_moe_ffn(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS return raise_code(rc);
 }
 
+/* dequant_rows(ggml, w, N, K, rows, n, out): out[n, K] = rows of W[N, K] as floats. */
+static PyObject *py_dequant_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    int ggml;
+    unsigned long long w, rows, out;
+    long long N, K, n;
+    if (!PyArg_ParseTuple(args, "iKLLKLK", &ggml, &w, &N, &K, &rows, &n, &out)) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = qk_dequant_rows(ggml, (const uint8_t *)(uintptr_t)w, N, K,
+                                                (const int64_t *)(uintptr_t)rows, n, (float *)(uintptr_t)out);
+    Py_END_ALLOW_THREADS return raise_code(rc);
+}
+
+/* attn_fields(): the names of qk_attn_desc's int64 fields, in order. */
+static PyObject *py_attn_fields(PyObject *self, PyObject *args) {
+    (void)self, (void)args;
+#define QK_ATTN_NAME(name) #name,
+    static const char *const names[] = {QK_ATTN_FIELDS(QK_ATTN_NAME)};
+#undef QK_ATTN_NAME
+    const Py_ssize_t n = (Py_ssize_t)(sizeof names / sizeof names[0]);
+    PyObject *t = PyTuple_New(n);
+    if (!t) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *s = PyUnicode_FromString(names[i]);
+        if (!s) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, i, s);
+    }
+    return t;
+}
+
+/* attn_block(isa, desc, x, B, slots, pos, kc, vc, cos, sin, eps, clip, xn_out, ids_out, w_out): see
+ * qk_attn_block; desc is the address of a qk_attn_desc, slots of B addresses of int64 slot tables. */
+static PyObject *py_attn_block(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa;
+    unsigned long long desc, x, slots, pos, kc, vc, cs, sn, xn, ids, w;
+    long long B;
+    float eps, clip;
+    if (!PyArg_ParseTuple(args, "iKKLKKKKKKffKKK", &isa, &desc, &x, &B, &slots, &pos, &kc, &vc, &cs, &sn, &eps,
+                          &clip, &xn, &ids, &w))
+        return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = qk_attn_block(
+        isa, (const qk_attn_desc *)(uintptr_t)desc, (float *)(uintptr_t)x, B,
+        (const int64_t *const *)(uintptr_t)slots, (const int64_t *)(uintptr_t)pos, (float *)(uintptr_t)kc,
+        (float *)(uintptr_t)vc, (const float *)(uintptr_t)cs, (const float *)(uintptr_t)sn, eps, clip,
+        (float *)(uintptr_t)xn, (int64_t *)(uintptr_t)ids, (float *)(uintptr_t)w);
+    Py_END_ALLOW_THREADS return raise_code(rc);
+}
+
 static PyMethodDef methods[] = {
     {"features", py_features, METH_NOARGS, "Kernel sets this CPU runs, the best one, thread pool settings."},
     {"qtypes", py_qtypes, METH_NOARGS, "ggml type ids with kernels."},
@@ -146,6 +200,10 @@ static PyMethodDef methods[] = {
     {"moe_ffn", py_moe_ffn, METH_VARARGS,
      "moe_ffn(isa, x, T, H, ids, wts, k, gate, gate_stride, gate_type, up, up_stride, up_type, down, "
      "down_stride, down_type, E, I, out)"},
+    {"dequant_rows", py_dequant_rows, METH_VARARGS, "dequant_rows(ggml, w, N, K, rows, n, out)"},
+    {"attn_fields", py_attn_fields, METH_NOARGS, "Field names of the attention block's layer descriptor."},
+    {"attn_block", py_attn_block, METH_VARARGS,
+     "attn_block(isa, desc, x, B, slots, pos, kc, vc, cos, sin, eps, clip, xn_out, ids_out, w_out)"},
     {NULL, NULL, 0, NULL},
 };
 

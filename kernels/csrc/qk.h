@@ -49,6 +49,10 @@
 enum { GGML_Q4_0 = 2, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14,
        GGML_IQ4_XS = 23, GGML_MXFP4 = 39 };
 
+/* Float weight types, read by the fused decode path's matmuls (fdot.c). */
+enum { GGML_F32 = 0, GGML_F16 = 1 };
+enum { FT_F32, FT_F16, FT_COUNT };
+
 /* Our dense indices for those types. */
 enum { QT_Q4_0, QT_Q8_0, QT_MXFP4, QT_Q4_K, QT_Q5_K, QT_Q6_K, QT_IQ4_XS, QT_COUNT };
 
@@ -96,6 +100,10 @@ const kernel_set *qk_kernels(int isa);
 /* The best ISA this CPU runs. */
 int qk_best_isa(void);
 const char *qk_isa_name(int isa);
+
+/* Dot for float weight rows (ggml F32 / F16) with kernel set `isa` (a float row per token, nb = the
+ * row's length), or NULL for other types (fdot.c). */
+dot_fn qk_fdot(int isa, int ggml);
 
 /* Portable kernels (dot_scalar.c); x86 ones (quant_avx2.c, dot_avx2.c, dot_vnni.c). */
 void qk_quant_q8k_scalar(const float *x, void *out, int64_t k);

@@ -84,6 +84,11 @@ class SeqKV:
         self.blocks, self.length = [], 0
         self._slot_index, self._contiguous = self._slot_index[:0], False
 
+    @property
+    def slot_table(self) -> torch.Tensor:
+        """int64 [reserved positions]: the pool slot of each position (what fused kernels index with)."""
+        return self._slot_index
+
     def _slots(self, start: int, end: int) -> torch.Tensor:
         return self._slot_index[start:end]
 

@@ -13,6 +13,7 @@ from moerun.arch.spec import ModelSpec
 from moerun.experts.prefetch import guess_ids
 from moerun.experts.store import ExpertReader, ExpertStore
 from moerun.formats.names import CName
+from moerun.model.fused import FusedAttention
 from moerun.model.layers import apply_rope, attend, rms_norm, rope_tables
 from moerun.model.moe import Experts, ResidentExperts, route
 from moerun.model.ops import Weight, make_ops
@@ -86,8 +87,12 @@ class MoEModel:
         self._next_moe = dict(pairwise(moe))  # MoE layer -> the next one (prefetch target)
         # called with (layer, phase, positions [T], ids [T, k], weights [T, k]) after each routing decision
         self.on_route: Callable[[int, str, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+        self.fused = FusedAttention.build(self)  # small steps' attention in one C call per layer, when it applies
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        cpu = getattr(self.ops, "cpu", None)
+        if cpu is not None and cpu.supports(self.embd.qtype) and self.embd.data.is_cpu:
+            return cpu.dequant_rows(self.embd, tokens).to(self.dtype)  # [T, H], the values gguf.quants gives
         rows = QTensor(self.embd.data[tokens], self.embd.qtype, (len(tokens), self.spec.hidden))
         return rows.dequantize(self.dtype)  # [T, H]
 
@@ -129,9 +134,15 @@ class MoEModel:
         if lw.ffn is not None:
             return ops.swiglu(x, *lw.ffn)
         w, ids = route(ops, x, lw.router, s.n_experts_used, s.norm_topk)  # [T, k]
+        return self.moe(i, x, w, ids, phase, pos, resid)
+
+    def moe(self, i: int, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, phase: str, pos: torch.Tensor,
+            resid: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts (ids, w [T, k]) and the shared expert of MoE layer i on the normed x [T, H]."""
+        lw, ops = self.layers[i], self.ops
         if self.on_route is not None:
             self.on_route(i, phase, pos, ids, w)
-        experts = self.experts.fetch(i, torch.unique(ids).tolist(), phase)
+        experts = self.experts.fetch(i, sorted(set(ids.view(-1).tolist())), phase)
         if resid is not None and phase == "decode" and getattr(self.experts, "prefetching", False):
             self._prefetch_next(i, resid)  # after this layer's fetch, so it never competes with its loads
         out = ops.moe(x, ids, w, experts)
@@ -141,6 +152,22 @@ class MoEModel:
                 sh = torch.sigmoid(ops.linear(x, lw.shexp_gate)) * sh
             out = out + sh
         return out
+
+    def _layers_fused(self, x: torch.Tensor, kvs: list[SeqKV], pos: torch.Tensor, phase: str) -> torch.Tensor:
+        """Every layer on rows x [B, H], row r at position pos[r] of kvs[r] (room reserved)."""
+        tables, pool = [kv.slot_table for kv in kvs], kvs[0].pool
+        for i, lw in enumerate(self.layers):
+            xn, ids, w = self.fused(i, x, tables, pos, pool.k[i], pool.v[i])  # x += attention, in place
+            x += self.ops.swiglu(xn, *lw.ffn) if lw.ffn is not None else self.moe(i, xn, w, ids, phase, pos, x)
+        return x
+
+    def _fused_ok(self, n_rows: int, kvs: list[SeqKV]) -> bool:
+        pool = kvs[0].pool
+        return (self.fused is not None and self.fused.usable(n_rows, pool.k.device)
+                and pool.k.dtype == torch.float32 and all(kv.pool is pool for kv in kvs))
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(rms_norm(x, self.out_norm, self.spec.rms_eps), self.head).float()
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, kv: SeqKV | None = None, last_only: bool = False,
@@ -155,14 +182,42 @@ class MoEModel:
         if kv is not None:
             kv.reserve(len(tokens))
         pos = torch.arange(start, start + len(tokens))
-        rope = rope_tables(pos, self.spec.head_dim, self.spec.rope_theta)
         with self.ops.step(len(tokens)):
             x = self.embed(tokens)
-            for i, lw in enumerate(self.layers):
-                x = x + self.attention(i, rms_norm(x, lw.attn_norm, self.spec.rms_eps), pos, rope, kv)
-                x = x + self.ffn(i, rms_norm(x, lw.ffn_norm, self.spec.rms_eps), phase, pos, resid=x)
+            if kv is not None and self._fused_ok(len(tokens), [kv]):
+                x = self._layers_fused(x, [kv] * len(tokens), pos, phase)
+            else:
+                rope = rope_tables(pos, self.spec.head_dim, self.spec.rope_theta)
+                for i, lw in enumerate(self.layers):
+                    x = x + self.attention(i, rms_norm(x, lw.attn_norm, self.spec.rms_eps), pos, rope, kv)
+                    x = x + self.ffn(i, rms_norm(x, lw.ffn_norm, self.spec.rms_eps), phase, pos, resid=x)
             if kv is not None:
                 kv.length = start + len(tokens)
-            if last_only:
-                x = x[-1:]
-            return self.ops.linear(rms_norm(x, self.out_norm, self.spec.rms_eps), self.head).float()
+            return self._head(x[-1:] if last_only else x)
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, kvs: list[SeqKV], phase: str = "decode") -> torch.Tensor:
+        """One new token for each of B sequences, together: tokens [B] (token b continues kvs[b], at position
+        kvs[b].length) -> logits [B, V] float32. Each cache gets room for its token and advances by one; the
+        MoE layers see all B tokens at once (the union of their experts)."""
+        B = len(tokens)
+        if B != len(kvs) or B == 0 or len({id(kv) for kv in kvs}) != B:
+            raise ValueError(f"decode takes one token for each of distinct sequences: {B} tokens, "
+                             f"{len(kvs)} caches")
+        for kv in kvs:
+            kv.reserve(1)
+        pos = torch.tensor([kv.length for kv in kvs], dtype=torch.int64)
+        with self.ops.step(B):
+            x = self.embed(tokens)
+            if self._fused_ok(B, kvs):
+                x = self._layers_fused(x, kvs, pos, phase)
+            else:
+                cos, sin = rope_tables(pos, self.spec.head_dim, self.spec.rope_theta)
+                for i, lw in enumerate(self.layers):
+                    xn = rms_norm(x, lw.attn_norm, self.spec.rms_eps)
+                    x = x + torch.cat([self.attention(i, xn[b:b + 1], pos[b:b + 1], (cos[b:b + 1], sin[b:b + 1]),
+                                                      kvs[b]) for b in range(B)])
+                    x = x + self.ffn(i, rms_norm(x, lw.ffn_norm, self.spec.rms_eps), phase, pos, resid=x)
+            for kv in kvs:
+                kv.length += 1
+            return self._head(x)

@@ -1,0 +1,308 @@
+/* The attention half of a decoder layer for a few rows at once (see attn.h): the decode step's whole
+ * pre-MoE work in one call, with the GIL released, instead of ~40 torch operations per layer.
+ *
+ * Matrix products go through qk_matmuls (q, k, v in one pool job; then o; then the router); attention
+ * runs on the pool too, one work item per (row, KV head) covering that head's group of query heads.
+ * Norms, biases, RoPE and routing are a few thousand floats per row and stay on the calling thread.
+ * Every value is computed by one thread in a fixed order, so results do not depend on the thread count. */
+#include "attn.h"
+
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#include "matmul.h"
+#include "pool.h"
+#include "qk.h"
+
+/* ------------------------------------------------------------------ attention inner loops */
+
+/* s[j] = scale * q . k_j, k_j = kbase + slot[j] * stride, for j < n (D floats each). */
+typedef void (*scores_fn)(float *s, const float *q, int64_t n, const float *kbase, const int64_t *slot,
+                          int64_t stride, int64_t D, float scale);
+/* s[j] = exp(s[j] - max) for j < n; returns the sum. */
+typedef float (*softmax_fn)(float *s, int64_t n, float max);
+/* out[D] = sum_j p[j] * v_j, v_j = vbase + slot[j] * stride. */
+typedef void (*wsum_fn)(float *out, const float *p, int64_t n, const float *vbase, const int64_t *slot,
+                        int64_t stride, int64_t D);
+
+typedef struct {
+    scores_fn scores;
+    softmax_fn exp_sum;
+    wsum_fn wsum;
+} attn_kernels;
+
+static void scores_scalar(float *s, const float *q, int64_t n, const float *kbase, const int64_t *slot,
+                          int64_t stride, int64_t D, float scale) {
+    for (int64_t j = 0; j < n; j++) {
+        const float *k = kbase + slot[j] * stride;
+        float acc = 0.0f;
+        for (int64_t i = 0; i < D; i++) acc += q[i] * k[i];
+        s[j] = acc * scale;
+    }
+}
+
+static float exp_sum_scalar(float *s, int64_t n, float max) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; j++) sum += s[j] = expf(s[j] - max);
+    return sum;
+}
+
+static void wsum_scalar(float *out, const float *p, int64_t n, const float *vbase, const int64_t *slot,
+                        int64_t stride, int64_t D) {
+    for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        const float *v = vbase + slot[j] * stride;
+        for (int64_t i = 0; i < D; i++) out[i] += p[j] * v[i];
+    }
+}
+
+static const attn_kernels ATTN_SCALAR = {scores_scalar, exp_sum_scalar, wsum_scalar};
+
+#if QK_X86
+#include "x86_common.h"
+
+static QK_AVX2 void scores_avx2(float *s, const float *q, int64_t n, const float *kbase, const int64_t *slot,
+                                int64_t stride, int64_t D, float scale) {
+    for (int64_t j = 0; j < n; j++) {
+        const float *k = kbase + slot[j] * stride;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        int64_t i = 0;
+        for (; i + 32 <= D; i += 32) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_loadu_ps(k + i + 8), a1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 16), _mm256_loadu_ps(k + i + 16), a2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 24), _mm256_loadu_ps(k + i + 24), a3);
+        }
+        for (; i + 8 <= D; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k + i), a0);
+        float acc = avx2_hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+        for (; i < D; i++) acc += q[i] * k[i];
+        s[j] = acc * scale;
+    }
+}
+
+/* exp on 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial), within
+ * 2 ulp of expf on the softmax's inputs (<= 0); below -87.3 it flushes towards 0. */
+QK_AVX2_INLINE __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static QK_AVX2 float exp_sum_avx2(float *s, int64_t n, float max) {
+    const __m256 m = _mm256_set1_ps(max);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+        _mm256_storeu_ps(s + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float sum = avx2_hsum(acc);
+    for (; j < n; j++) sum += s[j] = expf(s[j] - max);
+    return sum;
+}
+
+/* 64 output floats at a time in eight accumulators; every v row is read once per chunk. */
+static QK_AVX2 void wsum_avx2(float *out, const float *p, int64_t n, const float *vbase, const int64_t *slot,
+                              int64_t stride, int64_t D) {
+    int64_t i = 0;
+    for (; i + 64 <= D; i += 64) {
+        __m256 a[8];
+        for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            const float *v = vbase + slot[j] * stride + i;
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * c), a[c]);
+        }
+        for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + i + 8 * c, a[c]);
+    }
+    for (; i + 8 <= D; i += 8) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j++)
+            a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(vbase + slot[j] * stride + i), a);
+        _mm256_storeu_ps(out + i, a);
+    }
+    for (; i < D; i++) {
+        float a = 0.0f;
+        for (int64_t j = 0; j < n; j++) a += p[j] * vbase[slot[j] * stride + i];
+        out[i] = a;
+    }
+}
+
+static const attn_kernels ATTN_AVX2 = {scores_avx2, exp_sum_avx2, wsum_avx2};
+#endif
+
+static const attn_kernels *attn_kernels_for(int isa) {
+#if QK_X86
+    if (isa != ISA_SCALAR) return &ATTN_AVX2;
+#endif
+    (void)isa;
+    return &ATTN_SCALAR;
+}
+
+/* ------------------------------------------------------------------------------ attention job */
+
+typedef struct {
+    const attn_kernels *k;
+    int64_t nh, nkv, D, maxkeys, items;
+    const float *q, *kc, *vc;
+    float *att, *scores, scale;
+    const int64_t *const *slots;
+    const int64_t *pos;
+    atomic_long next;
+} attn_ctx;
+
+static void attn_task(void *p, int tid, int nth) {
+    attn_ctx *c = p;
+    (void)tid, (void)nth;
+    const int64_t g = c->nh / c->nkv, kd = c->nkv * c->D, qd = c->nh * c->D;
+    for (int64_t it; (it = atomic_fetch_add(&c->next, 1)) < c->items;) {
+        const int64_t r = it / c->nkv, h = it % c->nkv, n = c->pos[r] + 1;
+        for (int64_t gi = 0; gi < g; gi++) {
+            const int64_t head = h * g + gi;
+            float *s = c->scores + (r * c->nh + head) * c->maxkeys;
+            c->k->scores(s, c->q + r * qd + head * c->D, n, c->kc + h * c->D, c->slots[r], kd, c->D, c->scale);
+            float max = -INFINITY;
+            for (int64_t j = 0; j < n; j++) max = s[j] > max ? s[j] : max;
+            const float inv = 1.0f / c->k->exp_sum(s, n, max);
+            for (int64_t j = 0; j < n; j++) s[j] *= inv;
+            c->k->wsum(c->att + r * qd + head * c->D, s, n, c->vc + h * c->D, c->slots[r], kd, c->D);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------- per-row pieces */
+
+static const float *fptr(int64_t a) { return (const float *)(uintptr_t)a; }
+
+/* out = w * (x / rms(x)), the mean of squares accumulated in double. */
+static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    const float scale = 1.0f / sqrtf((float)(ss / (double)n) + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * scale);
+}
+
+/* One head's RoPE at one position: neox rotates (x[i], x[i + D/2]), interleaved (x[2i], x[2i + 1]). */
+static void rope(float *x, const float *cos, const float *sin, int64_t D, int neox) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float *a = neox ? x + i : x + 2 * i, *b = neox ? x + i + half : x + 2 * i + 1;
+        const float x1 = *a, x2 = *b;
+        *a = x1 * cos[i] - x2 * sin[i];
+        *b = x2 * cos[i] + x1 * sin[i];
+    }
+}
+
+/* Biases, clamp, q/k norms and RoPE for one row's q [nh * D] and k [nkv * D] (v: bias and clamp). */
+static void finish_qkv(const qk_attn_desc *d, float *q, float *k, float *v, const float *cos, const float *sin,
+                       float eps, float clip) {
+    const int64_t D = d->head_dim, qd = d->n_heads * D, kd = d->n_kv_heads * D;
+    float *vecs[3] = {q, k, v};
+    const int64_t len[3] = {qd, kd, kd}, bias[3] = {d->bq, d->bk, d->bv};
+    for (int m = 0; m < 3; m++)
+        for (int64_t i = 0; i < len[m]; i++) {
+            float t = vecs[m][i] + (bias[m] ? fptr(bias[m])[i] : 0.0f);
+            if (clip > 0.0f) t = t < -clip ? -clip : t > clip ? clip : t;
+            vecs[m][i] = t;
+        }
+    if (d->qk_norm == 1) {
+        rms_norm(q, fptr(d->q_norm), qd, eps, q);
+        rms_norm(k, fptr(d->k_norm), kd, eps, k);
+    } else if (d->qk_norm == 2) {
+        for (int64_t h = 0; h < d->n_heads; h++) rms_norm(q + h * D, fptr(d->q_norm), D, eps, q + h * D);
+        for (int64_t h = 0; h < d->n_kv_heads; h++) rms_norm(k + h * D, fptr(d->k_norm), D, eps, k + h * D);
+    }
+    for (int64_t h = 0; h < d->n_heads; h++) rope(q + h * D, cos, sin, D, (int)d->neox);
+    for (int64_t h = 0; h < d->n_kv_heads; h++) rope(k + h * D, cos, sin, D, (int)d->neox);
+}
+
+/* softmax(logits) -> the top n_used (ties: the lower id first), renormalised if asked. */
+static void route(const float *logits, int64_t E, int64_t k, int norm, float *p, int64_t *ids, float *w) {
+    float max = -INFINITY, sum = 0.0f;
+    for (int64_t e = 0; e < E; e++) max = logits[e] > max ? logits[e] : max;
+    for (int64_t e = 0; e < E; e++) sum += p[e] = expf(logits[e] - max);
+    for (int64_t e = 0; e < E; e++) p[e] /= sum;
+    float chosen = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++)
+            if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
+        ids[j] = best;
+        w[j] = p[best];
+        chosen += p[best];
+        p[best] = -1.0f; /* taken */
+    }
+    if (norm)
+        for (int64_t j = 0; j < k; j++) w[j] /= chosen;
+}
+
+/* ------------------------------------------------------------------------------------ the call */
+
+int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_t *const *slots,
+                  const int64_t *pos, float *kc, float *vc, const float *rope_cos, const float *rope_sin,
+                  float eps, float clip, float *xn_out, int64_t *ids_out, float *w_out) {
+    const int64_t H = d->hidden, nh = d->n_heads, nkv = d->n_kv_heads, D = d->head_dim;
+    const int64_t qd = nh * D, kd = nkv * D, E = d->router ? d->n_experts : 0;
+    if (!qk_kernels(isa)) return QK_EISA;
+    if (B < 1 || H < 1 || nh < 1 || nkv < 1 || nh % nkv || D < 2 || D % 2 || (E && (d->n_used < 1 ||
+        d->n_used > E)))
+        return QK_ESHAPE;
+    int64_t maxkeys = 1;
+    for (int64_t r = 0; r < B; r++) {
+        if (pos[r] < 0) return QK_ESHAPE;
+        maxkeys = pos[r] + 1 > maxkeys ? pos[r] + 1 : maxkeys;
+    }
+    const int64_t nfloat = B * (2 * H + 2 * qd + 2 * kd + 2 * E + nh * maxkeys);
+    float *mem = malloc((size_t)nfloat * sizeof(float));
+    if (!mem) return QK_ENOMEM;
+    float *xn = mem, *q = xn + B * H, *k = q + B * qd, *v = k + B * kd, *att = v + B * kd, *o = att + B * qd;
+    float *probs = o + B * H, *logits = probs + B * E, *scores = logits + B * E;
+
+    for (int64_t r = 0; r < B; r++) rms_norm(x + r * H, fptr(d->attn_norm), H, eps, xn + r * H);
+    const qk_wmat wqkv[3] = {{(const uint8_t *)(uintptr_t)d->wq, (int)d->wq_type, qd},
+                             {(const uint8_t *)(uintptr_t)d->wk, (int)d->wk_type, kd},
+                             {(const uint8_t *)(uintptr_t)d->wv, (int)d->wv_type, kd}};
+    float *const qkv[3] = {q, k, v};
+    int rc = qk_matmuls(isa, 3, wqkv, H, xn, B, qkv);
+    for (int64_t r = 0; !rc && r < B; r++) {
+        const float *cs = rope_cos + pos[r] * (D / 2), *sn = rope_sin + pos[r] * (D / 2);
+        finish_qkv(d, q + r * qd, k + r * kd, v + r * kd, cs, sn, eps, clip);
+        const int64_t slot = slots[r][pos[r]];
+        memcpy(kc + slot * kd, k + r * kd, (size_t)kd * sizeof(float));
+        memcpy(vc + slot * kd, v + r * kd, (size_t)kd * sizeof(float));
+    }
+    if (!rc) {
+        attn_ctx c = {.k = attn_kernels_for(isa), .nh = nh, .nkv = nkv, .D = D, .maxkeys = maxkeys,
+                      .items = B * nkv, .q = q, .kc = kc, .vc = vc, .att = att, .scores = scores,
+                      .scale = (float)(1.0 / sqrt((double)D)), .slots = slots, .pos = pos};
+        atomic_init(&c.next, 0);
+        qk_pool_run(attn_task, &c);
+        const qk_wmat wo = {(const uint8_t *)(uintptr_t)d->wo, (int)d->wo_type, H};
+        rc = qk_matmuls(isa, 1, &wo, qd, att, B, &o);
+    }
+    for (int64_t r = 0; !rc && r < B; r++) {
+        for (int64_t i = 0; i < H; i++) x[r * H + i] += o[r * H + i];
+        rms_norm(x + r * H, fptr(d->ffn_norm), H, eps, xn_out + r * H);
+    }
+    if (!rc && E) {
+        const qk_wmat wr = {(const uint8_t *)(uintptr_t)d->router, (int)d->router_type, E};
+        rc = qk_matmuls(isa, 1, &wr, H, xn_out, B, &logits);
+        for (int64_t r = 0; !rc && r < B; r++)
+            route(logits + r * E, E, d->n_used, (int)d->norm_topk, probs + r * E, ids_out + r * d->n_used,
+                  w_out + r * d->n_used);
+    }
+    free(mem);
+    return rc;
+}

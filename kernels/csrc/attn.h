@@ -1,0 +1,35 @@
+/* The attention half of a decoder layer for a few rows at once (decode steps), in one call (attn.c). */
+#ifndef MOERUN_ATTN_H
+#define MOERUN_ATTN_H
+
+#include <stdint.h>
+
+/* A layer's constant part, built once per layer by the Python side from the field names below (an
+ * X-macro, so the binding can hand the names over and the two sides cannot drift apart). Addresses are
+ * of float32 vectors (0: absent) or of weight matrices of ggml type *_type (quantized, F32 or F16).
+ * qk_norm: 0 none, 1 over the whole q / k vector, 2 per head. rope: 0 interleaved pairs, 1 neox halves.
+ * router == 0: a dense layer (no routing outputs). */
+#define QK_ATTN_FIELDS(X)                                                                          \
+    X(hidden) X(n_heads) X(n_kv_heads) X(head_dim) X(qk_norm) X(neox)                               \
+    X(attn_norm) X(ffn_norm) X(q_norm) X(k_norm) X(bq) X(bk) X(bv)                                  \
+    X(wq) X(wq_type) X(wk) X(wk_type) X(wv) X(wv_type) X(wo) X(wo_type)                             \
+    X(router) X(router_type) X(n_experts) X(n_used) X(norm_topk)
+
+#define QK_ATTN_MEMBER(name) int64_t name;
+typedef struct {
+    QK_ATTN_FIELDS(QK_ATTN_MEMBER)
+} qk_attn_desc;
+#undef QK_ATTN_MEMBER
+
+/* For rows r < B (token at position pos[r] of a sequence whose cache slot of position p is slots[r][p]):
+ *   xn = attn_norm(x); q, k, v = xn Wq, xn Wk, xn Wv (+ biases, clamped to +-clip when clip > 0, q/k norms,
+ *   RoPE from the tables cos/sin [positions, head_dim / 2]); k, v stored at the row's slot of kc, vc
+ *   ([slots, n_kv_heads * head_dim] of this layer); o = softmax(q k^T / sqrt(head_dim)) v over positions
+ *   0..pos[r]; x += o Wo (in place); xn_out = ffn_norm(x); for MoE layers ids_out / w_out [B, n_used] =
+ *   the top experts of softmax(xn_out Wr) (renormalised when norm_topk), best first.
+ * Rows of one sequence see each other's keys (the causal mask within the step). Returns 0 or QK_E*. */
+int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_t *const *slots,
+                  const int64_t *pos, float *kc, float *vc, const float *rope_cos, const float *rope_sin,
+                  float eps, float clip, float *xn_out, int64_t *ids_out, float *w_out);
+
+#endif

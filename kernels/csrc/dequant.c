@@ -1,0 +1,88 @@
+/* Rows of a weight matrix back to floats, as gguf.quants dequantizes them (same float operations, so
+ * the same values): the token embedding lookup of a quantized model, one row per token. Layouts: qk.h. */
+#include "matmul.h"
+#include "qk.h"
+
+static void deq_q4_0(const uint8_t *b, float *y) {
+    const float d = qk_f16_at(b);
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)((b[2 + j] & 15) - 8);
+        y[j + 16] = d * (float)((b[2 + j] >> 4) - 8);
+    }
+}
+
+static void deq_q8_0(const uint8_t *b, float *y) {
+    const float d = qk_f16_at(b);
+    for (int j = 0; j < 32; j++) y[j] = d * (float)(int8_t)b[2 + j];
+}
+
+static void deq_mxfp4(const uint8_t *b, float *y) {
+    const float d = qk_e8m0_half(b[0]);
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)QK_KV_MXFP4[b[1 + j] & 15];
+        y[j + 16] = d * (float)QK_KV_MXFP4[b[1 + j] >> 4];
+    }
+}
+
+static void deq_iq4_xs(const uint8_t *b, float *y) {
+    const float d = qk_f16_at(b);
+    const uint16_t sh = qk_rd16(b + 2);
+    for (int s = 0; s < 8; s++, y += 32) {
+        const float dl = d * (float)((((b[4 + s / 2] >> (4 * (s % 2))) & 15) | (((sh >> (2 * s)) & 3) << 4)) - 32);
+        const uint8_t *qs = b + 8 + 16 * s;
+        for (int j = 0; j < 16; j++) {
+            y[j] = dl * (float)QK_KV_IQ4NL[qs[j] & 15];
+            y[j + 16] = dl * (float)QK_KV_IQ4NL[qs[j] >> 4];
+        }
+    }
+}
+
+/* Q4_K and Q5_K: value = (d * sc) * q - (dmin * m), per 32-element sub-block; hb: Q5_K's fifth bits. */
+static void deq_q45_k(const uint8_t *b, float *y, const uint8_t *qs, const uint8_t *hb) {
+    const float d = qk_f16_at(b), dmin = qk_f16_at(b + 2);
+    uint8_t sc[8], m[8];
+    qk_unpack_q4k_scales(b + 4, sc, m);
+    for (int s = 0; s < 8; s++, y += 32) {
+        const float d1 = d * (float)sc[s], m1 = dmin * (float)m[s];
+        const uint8_t *q = qs + 32 * (s / 2);
+        for (int j = 0; j < 32; j++) {
+            int v = s % 2 ? q[j] >> 4 : q[j] & 15;
+            if (hb) v |= ((hb[j] >> s) & 1) << 4;
+            y[j] = d1 * (float)v - m1;
+        }
+    }
+}
+
+static void deq_q4_k(const uint8_t *b, float *y) { deq_q45_k(b, y, b + 16, NULL); }
+static void deq_q5_k(const uint8_t *b, float *y) { deq_q45_k(b, y, b + 48, b + 16); }
+
+static void deq_q6_k(const uint8_t *b, float *y) {
+    const float d = qk_f16_at(b + 208);
+    const int8_t *scales = (const int8_t *)(b + 192);
+    for (int e = 0; e < 256; e++) {
+        const int h = e / 128, r = e % 128, j = r % 64, k = r / 32;
+        const int lo = (b[64 * h + j] >> (4 * (r / 64))) & 15;
+        const int hi = (b[128 + 32 * h + r % 32] >> (2 * k)) & 3;
+        y[e] = d * (float)scales[e / 16] * (float)((lo | hi << 4) - 32);
+    }
+}
+
+typedef void (*deq_fn)(const uint8_t *block, float *out);
+static const deq_fn DEQ[QT_COUNT] = {
+    [QT_Q4_0] = deq_q4_0, [QT_Q8_0] = deq_q8_0, [QT_MXFP4] = deq_mxfp4, [QT_Q4_K] = deq_q4_k,
+    [QT_Q5_K] = deq_q5_k, [QT_Q6_K] = deq_q6_k, [QT_IQ4_XS] = deq_iq4_xs,
+};
+
+int qk_dequant_rows(int ggml, const uint8_t *w, int64_t N, int64_t K, const int64_t *rows, int64_t n, float *out) {
+    const int qt = qk_qtype_index(ggml);
+    if (qt < 0) return QK_ETYPE;
+    const qtype_info *ti = &QK_TYPES[qt];
+    if (K < 1 || K % ti->blk_elems) return QK_ESHAPE;
+    const int64_t nb = K / ti->blk_elems, row_bytes = nb * ti->blk_bytes;
+    for (int64_t i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= N) return QK_EIDS;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t blk = 0; blk < nb; blk++)
+            DEQ[qt](w + rows[i] * row_bytes + blk * ti->blk_bytes, out + i * K + blk * ti->blk_elems);
+    return QK_OK;
+}
