@@ -1,7 +1,8 @@
 """Frozen configuration objects, each validated in one place (`__post_init__` raises ValueError).
 
 SamplingParams carries llama.cpp's defaults and meanings, so a llama.cpp command line or an OpenAI
-request maps onto it field by field. (RuntimeConfig: devices, budgets, cache, will live here too.)
+request maps onto it field by field. RuntimeConfig: devices, budgets, cache. ServerConfig: how `moerun serve`
+listens and admits requests.
 """
 
 from __future__ import annotations
@@ -168,3 +169,62 @@ class RuntimeConfig:
     @property
     def cache_requested(self) -> bool:
         return self.expert_cache_mib is not None or self.expert_cache_slots is not None
+
+
+_MAX_BODY_DEFAULT = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How `moerun serve` listens and admits requests. Validated in one place.
+
+    model_names   the ids a request may name in "model"; the first is the one /v1/models lists.
+    parallel      requests decoding together (llama-server's slots); each may use the whole context.
+    max_queue     requests waiting for a slot beyond those; one more gets 503.
+    n_predict     max_tokens for a request that sets none; None: until end of sequence or a full context.
+    defaults      sampling for the fields a request leaves out (llama-server's command-line defaults).
+    cache_prompt  a finished request's KV stays in its slot, so a request sharing its prefix skips it.
+    log_interval  seconds between throughput lines while busy; 0 turns them off.
+    """
+
+    model_names: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    parallel: int = 4
+    max_queue: int = 64
+    max_body_bytes: int = _MAX_BODY_DEFAULT
+    n_predict: int | None = None
+    defaults: SamplingParams = SamplingParams()
+    cache_prompt: bool = True
+    log_interval: float = 5.0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not (isinstance(self.model_names, tuple) and self.model_names
+                and all(isinstance(n, str) and n for n in self.model_names)):
+            problems.append(f"model_names must be a non-empty tuple of names, got {self.model_names!r}")
+        if not (isinstance(self.host, str) and self.host):
+            problems.append(f"host must be a non-empty string, got {self.host!r}")
+        if not (_is_int(self.port) and 1 <= self.port <= 65535):
+            problems.append(f"port must be in 1..65535, got {self.port!r}")
+        if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key):
+            problems.append("api_key must be a non-empty string when given")
+        for name, low in (("parallel", 1), ("max_queue", 0), ("max_body_bytes", 1)):
+            v = getattr(self, name)
+            if not (_is_int(v) and v >= low):
+                problems.append(f"{name} must be an integer >= {low}, got {v!r}")
+        if self.n_predict is not None and not (_is_int(self.n_predict) and self.n_predict >= 1):
+            problems.append(f"n_predict must be None (until the context is full) or >= 1, got {self.n_predict!r}")
+        if not isinstance(self.defaults, SamplingParams):
+            problems.append(f"defaults must be SamplingParams, got {type(self.defaults).__name__}")
+        if not isinstance(self.cache_prompt, bool):
+            problems.append(f"cache_prompt must be a bool, got {self.cache_prompt!r}")
+        if not (_is_number(self.log_interval) and self.log_interval >= 0):
+            problems.append(f"log_interval must be >= 0 seconds, got {self.log_interval!r}")
+        if problems:
+            raise ValueError("invalid server configuration: " + "; ".join(problems))
+
+    @property
+    def loopback(self) -> bool:
+        return self.host in ("127.0.0.1", "localhost", "::1") or self.host.startswith("127.")

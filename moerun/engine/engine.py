@@ -34,6 +34,15 @@ class Sequence:
         self.tokens = []
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class Engine:
     def __init__(self, model: MoEModel, tokenizer: Tokenizer, ctx_size: int = 4096, ubatch: int = 512,
                  expert_cache: ExpertCache | None = None):
@@ -47,25 +56,34 @@ class Engine:
     def new_sequence(self) -> Sequence:
         return Sequence(SeqKV(self.pool, self.ctx_size))
 
-    def prefill(self, seq: Sequence, prompt: list[int]) -> tuple[torch.Tensor, int]:
-        """Bring `seq` to exactly `prompt`, reusing the cached common prefix.
+    def resize_pool(self, n_tokens: int) -> None:
+        """A KV pool of n_tokens positions in all (e.g. room for several sequences of ctx_size each).
+        Only before any sequence holds blocks of the current pool."""
+        if self.pool.allocator.n_free != self.pool.allocator.n_blocks:
+            raise RuntimeError("resize_pool with sequences still holding KV blocks")
+        self.pool = None  # the old pool's memory goes before the new one is allocated
+        self.pool = KVPool(self.model.spec, n_tokens, dtype=self.model.dtype)
 
-        -> (logits of the last token [V], number of tokens run; the others came from the cache)
-        """
+    def reuse_prefix(self, seq: Sequence, prompt: list[int]) -> list[int]:
+        """Cut `seq` back to its longest common prefix with `prompt` -> the prompt tokens still to run
+        (at least one, for its logits)."""
         if not prompt:
             raise ValueError("empty prompt")
         if len(prompt) >= self.ctx_size:
             raise ContextOverflowError(
                 f"the prompt has {len(prompt)} tokens but the context size is {self.ctx_size}")
-        keep = 0
-        for a, b in zip(seq.tokens, prompt):
-            if a != b:
-                break
-            keep += 1
-        keep = min(keep, len(prompt) - 1)  # always run at least one token to get its logits
+        keep = common_prefix(seq.tokens, prompt)
+        keep = min(keep, len(prompt) - 1)
         seq.kv.truncate(keep)
         seq.tokens = seq.tokens[:keep]
-        todo = torch.tensor(prompt[keep:], dtype=torch.long)
+        return prompt[keep:]
+
+    def prefill(self, seq: Sequence, prompt: list[int]) -> tuple[torch.Tensor, int]:
+        """Bring `seq` to exactly `prompt`, reusing the cached common prefix.
+
+        -> (logits of the last token [V], number of tokens run; the others came from the cache)
+        """
+        todo = torch.tensor(self.reuse_prefix(seq, prompt), dtype=torch.long)
         for chunk in todo.split(self.ubatch):
             logits = self.model.forward(chunk, seq.kv, last_only=True)
             seq.tokens += chunk.tolist()

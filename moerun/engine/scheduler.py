@@ -1,0 +1,383 @@
+"""Continuous batching (nano-vllm's shape): one engine loop, requests joining between steps.
+
+    sched = Scheduler(engine, parallel=4, max_queue=64)
+    sched.submit(Request(prompt_ids, params, emit))   # any thread; QueueFullError past the bound
+    while sched.has_work(): sched.step()              # the engine loop (EngineLoop runs it on a thread)
+
+A step: drop cancelled requests (their KV blocks freed); admit waiting requests into idle slots; one decode
+step for every slot with a token to feed, all through the model together (the MoE layers see the union
+of their experts); then prompt chunks (`ubatch` tokens each, oldest request first) until `ubatch` prompt
+tokens were run. A long prompt advances a chunk per step while the other streams keep decoding.
+
+Slots are llama-server's: there are `parallel` of them, each may hold a whole context, and each keeps its
+KV cache after a request, so a request goes to the idle slot sharing the longest prefix with its prompt
+and runs only the rest (a chat resending its history). Events reach the caller through `Request.emit`,
+called on the engine thread; the last one has `finish_reason` set.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from moerun.config import SamplingParams
+from moerun.engine.engine import Engine, Sequence, common_prefix
+from moerun.engine.kv_cache import ContextOverflowError, SeqKV
+from moerun.engine.sampler import Sampler, StopChecker
+from moerun.engine.timings import Timings
+from moerun.errors import MoerunError
+from moerun.experts.stats import PHASES, CacheStats, Counters
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(MoerunError):
+    """Every slot is busy and the waiting queue is full."""
+
+
+@dataclass(frozen=True)
+class Event:
+    """New text of one request; the last event has finish_reason: stop | length | cancelled | error."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+def _no_events(event: Event) -> None:
+    pass
+
+
+@dataclass(eq=False)
+class Request:
+    """What a client asked for; after its last event, what it got (tokens, timings, cache lookups)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    emit: Callable[[Event], None] = _no_events
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    cache_prompt: bool = True
+    arrival: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    timings: Timings = field(default_factory=Timings)
+    cache: dict[str, Counters] = field(default_factory=lambda: {ph: Counters() for ph in PHASES})
+    seed: int | None = None
+    slot: int | None = None
+    t_first: float | None = None
+    t_end: float | None = None
+
+    def cancel(self) -> None:
+        """Drop the request at the next step (its client went away)."""
+        self.cancelled = True
+
+    @property
+    def cache_hits(self) -> int:
+        return sum(c.hits for c in self.cache.values())
+
+    @property
+    def cache_queries(self) -> int:
+        return sum(c.queries for c in self.cache.values())
+
+
+class Observer:
+    """What the scheduler reports as it goes (metrics, logs): called on the engine thread."""
+
+    def prompt_done(self, req: Request) -> None:
+        pass
+
+    def token(self, req: Request, gap: float | None) -> None:
+        """A token was sampled; gap: seconds since the request's previous one (None for the first)."""
+
+    def finished(self, req: Request) -> None:
+        pass
+
+
+class Slot:
+    """One of the `parallel` places a request runs in: its KV cache outlives the request."""
+
+    def __init__(self, index: int, seq: Sequence, ctx_size: int):
+        self.index, self.seq = index, seq
+        self.history = torch.empty(ctx_size, dtype=torch.long)  # prompt + sampled ids, for the penalties
+        self.req: Request | None = None
+        self.last_used = 0.0
+        self.todo: list[int] = []  # prompt tokens still to run
+        self.next_token: int | None = None  # sampled, to be fed to the model
+        self.n_history = 0
+        self.sampler: Sampler | None = None
+        self.decoder = self.stops = None
+        self.t_prefill = self.t_token = 0.0
+
+    @property
+    def kv(self) -> SeqKV:
+        return self.seq.kv
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The scheduler's state for metrics and logs (read from any thread)."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+    kv_tokens: int
+    prompt_tokens: int
+    generated_tokens: int
+    cache: CacheStats | None
+
+
+def _diff(after: Counters, before: Counters) -> Counters:
+    return Counters(**{f.name: getattr(after, f.name) - getattr(before, f.name) for f in fields(Counters)})
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, parallel: int = 4, max_queue: int = 64, observer: Observer | None = None):
+        if parallel < 1 or max_queue < 0:
+            raise ValueError("parallel must be >= 1 and max_queue >= 0")
+        self.engine, self.max_queue = engine, max_queue
+        self.observer = observer or Observer()
+        bs = engine.pool.block_size
+        engine.resize_pool(parallel * -(-engine.ctx_size // bs) * bs)  # every slot can fill the context
+        self.slots = [Slot(i, engine.new_sequence(), engine.ctx_size) for i in range(parallel)]
+        self._waiting: deque[Request] = deque()
+        self._active = 0  # admitted, not finished
+        self._cond = threading.Condition()
+        self._batched = hasattr(engine.model, "decode")
+        self.prompt_tokens = self.generated_tokens = 0
+        self._cache_copy: CacheStats | None = None
+        self._copied_at = 0.0
+
+    # -- any thread ----------------------------------------------------------------------------------
+
+    def submit(self, req: Request) -> None:
+        if not req.prompt:
+            raise ValueError("empty prompt")
+        if len(req.prompt) >= self.engine.ctx_size:
+            raise ContextOverflowError(f"the prompt has {len(req.prompt)} tokens but the context size is "
+                                       f"{self.engine.ctx_size}")
+        with self._cond:
+            if len(self._waiting) + self._active >= len(self.slots) + self.max_queue:
+                raise QueueFullError(f"server busy: {self._active} requests running and {len(self._waiting)} "
+                                     f"waiting (--parallel {len(self.slots)}, --max-queue {self.max_queue}); "
+                                     "retry later")
+            self._waiting.append(req)
+            self._cond.notify()
+
+    def has_work(self) -> bool:
+        return bool(self._waiting) or any(s.req is not None for s in self.slots)
+
+    def wait_for_work(self, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(self.has_work, timeout)
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def snapshot(self) -> Snapshot:
+        alloc = self.engine.pool.allocator
+        return Snapshot(running=sum(s.req is not None for s in self.slots), waiting=len(self._waiting),
+                        kv_usage=1.0 - alloc.n_free / alloc.n_blocks, kv_tokens=sum(s.kv.length for s in self.slots),
+                        prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
+                        cache=self._cache_copy)
+
+    # -- the engine thread ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        for slot in self.slots:
+            if slot.req is not None and slot.req.cancelled:
+                self._finish(slot, "cancelled")
+        self._admit()
+        self._decode()
+        self._prefill()
+        self._copy_cache_stats()
+
+    def abort_all(self, message: str) -> None:
+        """Fail every request, running or waiting (shutting down)."""
+        for slot in self.slots:
+            if slot.req is not None:
+                self._finish(slot, "error", message)
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), deque()
+        for req in waiting:
+            self._drop(req, "error", message)
+
+    def _drop(self, req: Request, reason: str, error: str | None = None) -> None:
+        """End a request that never reached a slot."""
+        req.finish_reason, req.t_end = reason, time.perf_counter()
+        self.observer.finished(req)
+        req.emit(Event(finish_reason=reason, error=error))
+
+    def _admit(self) -> None:
+        while True:
+            with self._cond:
+                idle = [s for s in self.slots if s.req is None]
+                if not self._waiting or not idle:
+                    return
+                req = self._waiting.popleft()
+                if not req.cancelled:
+                    self._active += 1
+            if req.cancelled:
+                self._drop(req, "cancelled")
+                continue
+            self._start(max(idle, key=lambda s: (
+                common_prefix(s.seq.tokens, req.prompt) if req.cache_prompt else -s.kv.length, -s.last_used)), req)
+
+    def _start(self, slot: Slot, req: Request) -> None:
+        if not req.cache_prompt:
+            slot.seq.free()
+        slot.req, slot.todo = req, self.engine.reuse_prefix(slot.seq, req.prompt)
+        req.slot, req.timings.cache_n = slot.index, len(req.prompt) - len(slot.todo)
+        slot.sampler = Sampler(req.params, self.engine.model.spec.vocab)
+        req.seed = slot.sampler.seed
+        slot.decoder = self.engine.tokenizer.incremental_decoder(prefix_ids=req.prompt[-1:])
+        slot.stops = StopChecker(req.params.stop)
+        slot.history[:len(req.prompt)] = torch.tensor(req.prompt)
+        slot.n_history, slot.next_token, slot.t_prefill = len(req.prompt), None, 0.0
+
+    def _run(self, slots: list[Slot], phase: str, forward: Callable[..., torch.Tensor], *args) -> torch.Tensor | None:
+        """forward(*args) with the cache lookups it made credited to each of `slots`; on an error those requests
+        fail (their KV freed) and the loop goes on."""
+        stats = self.engine.expert_cache.stats if self.engine.expert_cache is not None else None
+        before = stats.get(phase=phase) if stats is not None else None
+        try:
+            logits = forward(*args)
+        except Exception as e:  # one request's failure must not stop the others
+            log.exception("engine step failed (%s) for requests %s", phase, [s.req.id for s in slots])
+            for slot in slots:
+                self._finish(slot, "error", f"{type(e).__name__}: {e}")
+            return None
+        if stats is not None:
+            step = _diff(stats.get(phase=phase), before)
+            for slot in slots:
+                slot.req.cache[phase].add(step)
+        return logits
+
+    def _decode(self) -> None:
+        batch = [s for s in self.slots if s.req is not None and s.next_token is not None]
+        if not batch:
+            return
+        tokens = torch.tensor([s.next_token for s in batch], dtype=torch.long)
+        kvs = [s.kv for s in batch]
+        model = self.engine.model
+        logits = self._run(batch, "decode", model.decode if self._batched else self._decode_one_by_one, tokens, kvs)
+        if logits is None:
+            return
+        for slot, row in zip(batch, logits):
+            slot.seq.tokens.append(slot.next_token)
+            slot.next_token = None
+            self._sample(slot, row)
+
+    def _decode_one_by_one(self, tokens: torch.Tensor, kvs: list[SeqKV]) -> torch.Tensor:
+        """Until MoEModel.decode exists: the same contract, one sequence at a time."""
+        return torch.cat([self.engine.model.forward(tokens[b:b + 1], kv, last_only=True) for b, kv in enumerate(kvs)])
+
+    def _prefill(self) -> None:
+        spent, ub = 0, self.engine.ubatch
+        for slot in sorted((s for s in self.slots if s.req is not None and s.todo), key=lambda s: s.req.arrival):
+            while slot.todo and (spent == 0 or spent + min(ub, len(slot.todo)) <= ub):
+                chunk, rest = slot.todo[:ub], slot.todo[ub:]
+                if not slot.t_prefill:
+                    slot.t_prefill = time.perf_counter()
+                logits = self._run([slot], "prefill", self.engine.model.forward, torch.tensor(chunk, dtype=torch.long),
+                                   slot.kv, True, "prefill")
+                if logits is None:
+                    break
+                slot.seq.tokens += chunk
+                slot.todo, spent = rest, spent + len(chunk)
+                if not rest:
+                    req, now = slot.req, time.perf_counter()
+                    req.timings.prompt_n = len(req.prompt) - req.timings.cache_n
+                    req.timings.prompt_ms = (now - slot.t_prefill) * 1e3
+                    self.prompt_tokens += req.timings.prompt_n
+                    self.observer.prompt_done(req)
+                    slot.t_token = now
+                    self._sample(slot, logits[-1])
+
+    def _sample(self, slot: Slot, logits: torch.Tensor) -> None:
+        req, p = slot.req, slot.req.params
+        tok = int(slot.sampler.sample(logits, slot.history[:slot.n_history]))
+        now = time.perf_counter()
+        first = req.t_first is None
+        if first:
+            req.t_first = now
+        self.observer.token(req, None if first else now - slot.t_token)
+        slot.t_token = now
+        if tok in self.engine.tokenizer.eos_ids and not p.ignore_eos:
+            self._finish(slot, "stop")
+            return
+        req.tokens.append(tok)
+        self.generated_tokens += 1
+        piece, stopped = slot.stops.feed(slot.decoder.step(tok))
+        if piece:
+            req.emit(Event(text=piece))
+        if stopped:
+            self._finish(slot, "stop")
+        elif len(req.tokens) >= p.max_tokens or slot.kv.length + 1 > self.engine.ctx_size:
+            self._finish(slot, "length")
+        else:
+            slot.history[slot.n_history] = tok
+            slot.n_history += 1
+            slot.next_token = tok
+
+    def _finish(self, slot: Slot, reason: str, error: str | None = None) -> None:
+        req, rest = slot.req, ""
+        if reason in ("stop", "length") and not slot.stops.stopped:  # text held back: partial characters, stop prefixes
+            rest, _ = slot.stops.feed(slot.decoder.flush())
+            rest += "" if slot.stops.stopped else slot.stops.flush()
+        req.t_end = time.perf_counter()
+        req.finish_reason = reason
+        if slot.t_prefill and not slot.todo:
+            t = req.timings
+            t.predicted_n = len(req.tokens)
+            t.predicted_ms = (req.t_end - slot.t_prefill) * 1e3 - t.prompt_ms
+        if reason in ("cancelled", "error") or not req.cache_prompt:
+            slot.seq.free()
+        slot.req, slot.todo, slot.next_token, slot.sampler = None, [], None, None
+        slot.last_used = req.t_end
+        with self._cond:
+            self._active -= 1
+        self.observer.finished(req)
+        req.emit(Event(text=rest, finish_reason=reason, error=error))
+
+    def _copy_cache_stats(self) -> None:
+        """A copy of the expert-cache statistics for readers on other threads: every 0.25 s, and when idle."""
+        cache = self.engine.expert_cache
+        now = time.perf_counter()
+        if cache is not None and (now - self._copied_at > 0.25 or not self.has_work()):
+            self._cache_copy, self._copied_at = cache.stats + CacheStats(), now
+
+
+class EngineLoop:
+    """Runs `scheduler.step()` on one thread while there is work; sleeps otherwise."""
+
+    def __init__(self, scheduler: Scheduler, after_step: Callable[[], None] | None = None):
+        self.scheduler, self.after_step = scheduler, after_step
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="moerun-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self.scheduler.wake()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        sched = self.scheduler
+        while not self._stop:
+            if sched.wait_for_work(timeout=1.0):
+                sched.step()
+            if self.after_step is not None:
+                self.after_step()
+        sched.abort_all("the server is shutting down")
