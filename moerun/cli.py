@@ -11,6 +11,7 @@ import click
 from moerun.cli_bench import bench
 from moerun.cli_estimate import estimate
 from moerun.cli_generate import chat, run
+from moerun.cli_serve import serve
 from moerun.errors import MoerunError
 from moerun.experts.simulate_cli import trace
 
@@ -37,6 +38,7 @@ main.add_command(chat)
 main.add_command(trace)
 main.add_command(bench)
 main.add_command(estimate)
+main.add_command(serve)
 
 
 def _fmt_bytes(n: float) -> str:

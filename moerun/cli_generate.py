@@ -97,17 +97,16 @@ RUNTIME_OPTIONS = ("model", "ctx_size", "ubatch", "threads", "dtype", "expert_ca
                    "override_tensor", "print_plan")
 
 
-def _runtime(kw: dict):
-    """Pops the model and placement options out of kw; -> the built Runtime (plan printed when asked)."""
-    import torch
-
+def runtime_config(kw: dict):
+    """Pops the model and placement options out of kw; -> (RuntimeConfig, whether to print the plan)."""
     from moerun.config import RuntimeConfig
     from moerun.placement.devices import parse_size
     from moerun.placement.planner import parse_override
-    from moerun.runtime import build
 
     o = {name: kw.pop(name) for name in RUNTIME_OPTIONS}
     if o["gpus"] is not None:
+        import torch
+
         if not torch.cuda.is_available():
             raise MoerunError(f"--gpus {o['gpus']}: no CUDA device is available here; run on the CPU with "
                               "--device cpu")
@@ -124,8 +123,16 @@ def _runtime(kw: dict):
             n_cpu_moe=o["n_cpu_moe"], override_tensor=overrides)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    return cfg, o["print_plan"]
+
+
+def _runtime(kw: dict):
+    """Pops the model and placement options out of kw; -> the built Runtime (plan printed when asked)."""
+    from moerun.runtime import build
+
+    cfg, print_plan = runtime_config(kw)
     rt = build(cfg)
-    if o["print_plan"]:
+    if print_plan:
         click.echo(rt.plan.table(), err=True)
     for w in rt.warnings:
         click.echo(f"warning: {w}", err=True)

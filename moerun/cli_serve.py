@@ -1,0 +1,109 @@
+"""`moerun serve`: an OpenAI-compatible HTTP server with continuous batching (llama-server's flags)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from moerun.cli_generate import model_options, runtime_config, sampling_options
+from moerun.errors import MoerunError
+
+
+def _serve_sampling_options(f):
+    """run/chat's sampling flags as the defaults for requests; -n is llama-server's (-1: until the context
+    is full or the model ends)."""
+    f = sampling_options(f)
+    for p in f.__click_params__:
+        if p.name == "max_tokens":
+            p.type, p.default = click.IntRange(min=-1), -1
+            p.help = "Tokens to generate at most for requests that set no max_tokens; -1: until the context is full."
+    return f
+
+
+def _sampling_defaults(kw: dict):
+    from moerun.config import SamplingParams
+
+    names = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+             "frequency_penalty", "ignore_eos")
+    seed = kw.pop("seed")
+    try:
+        return SamplingParams(**{n: kw.pop(n) for n in names}, stop=tuple(kw.pop("stop")),
+                              seed=None if seed < 0 else seed)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+@click.command()
+@model_options
+@_serve_sampling_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
+@click.option("--api-key", envvar="MOERUN_API_KEY", default=None,
+              help="Clients must send 'Authorization: Bearer KEY' (/health stays open). Also MOERUN_API_KEY.")
+@click.option("-np", "--parallel", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Requests decoding together (slots); each may use the whole context.")
+@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True,
+              help="Requests waiting for a slot; one more is answered 503.")
+@click.option("-a", "--alias", multiple=True,
+              help="Model name for /v1/models and requests (repeatable; default: the model file's name).")
+@click.option("--max-body-size", default="16MiB", show_default=True, help="Largest request body, e.g. 1MiB.")
+@click.option("--cache-prompt/--no-cache-prompt", default=True, show_default=True,
+              help="Slots keep their KV cache after a request, so a request sharing a prefix skips it.")
+@click.option("--log-interval", type=click.FloatRange(min=0), default=5.0, show_default=True,
+              help="Seconds between throughput lines while busy (0: none).")
+def serve(host, port, api_key, parallel, max_queue, alias, max_body_size, cache_prompt, log_interval,
+          trace_routing, verbose, **kw):
+    """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics."""
+    import uvicorn
+
+    from moerun.config import ServerConfig
+    from moerun.placement.devices import parse_size
+    from moerun.runtime import DEFAULT_MODEL
+    from moerun.server.app import create_app
+
+    if trace_routing is not None:
+        raise click.UsageError("--trace-routing is not supported by serve yet (use run or chat)")
+    max_tokens = kw.pop("max_tokens")
+    defaults = _sampling_defaults(kw)
+    rcfg, print_plan = runtime_config(kw)
+    names = tuple(alias) or (Path(rcfg.model).name if rcfg.model else DEFAULT_MODEL,)
+    try:
+        cfg = ServerConfig(model_names=names, host=host, port=port, api_key=api_key, parallel=parallel,
+                           max_queue=max_queue, max_body_bytes=parse_size(max_body_size),
+                           n_predict=None if max_tokens < 0 else max_tokens, defaults=defaults,
+                           cache_prompt=cache_prompt, log_interval=log_interval)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S", force=True)
+    log = logging.getLogger("moerun.server")
+    if not cfg.loopback and cfg.api_key is None:
+        log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", host)
+
+    def load():
+        from moerun.runtime import build
+
+        rt = build(rcfg)
+        if print_plan:
+            log.info("placement plan:\n%s", rt.plan.table())
+        return rt
+
+    uv: uvicorn.Server | None = None
+
+    def stop_on_error(e: BaseException) -> None:
+        if uv is not None:
+            uv.should_exit = True
+
+    app = create_app(cfg, load, on_load_error=stop_on_error)
+    uv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5,
+                                       timeout_keep_alive=30))
+    log.info("moerun serve: http://%s:%d (OpenAI API under /v1), loading %s", host, port, rcfg.model or DEFAULT_MODEL)
+    uv.run()
+    error = app.state.server.load_error
+    if error is not None:
+        raise error if isinstance(error, MoerunError) else MoerunError(f"loading the model failed: {error}")
+    if not uv.started:
+        sys.exit(1)

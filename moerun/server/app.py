@@ -1,0 +1,353 @@
+"""The HTTP side of `moerun serve`: OpenAI-compatible routes over the scheduler's engine loop.
+
+    app = create_app(ServerConfig(model_names=("my-model",)), load=lambda: build(RuntimeConfig(...)))
+    uvicorn.run(app)
+
+The app answers at once; the model loads on a thread meanwhile (/health says 503 "Loading model", then
+200). Handlers tokenize, submit a scheduler Request and await its events, which the engine thread hands
+over with `call_soon_threadsafe`. A client that goes away cancels its request: the engine drops it at the
+next step and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from moerun.config import ServerConfig
+from moerun.server.errors import APIError, Guard, install_handlers
+from moerun.server.metrics import Telemetry, ThroughputLog
+from moerun.server.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    Reply,
+    TokenizeRequest,
+    message_texts,
+    sampling_params,
+    usage,
+)
+
+if TYPE_CHECKING:  # torch and the model load on the loader thread, after the port answers
+    from moerun.engine.scheduler import EngineLoop, Event, Request, Scheduler
+    from moerun.runtime import Runtime
+    from moerun.text import ChatTemplate
+
+log = logging.getLogger("moerun.server")
+
+
+@dataclass
+class Ready:
+    runtime: Runtime
+    scheduler: Scheduler
+    loop: EngineLoop
+    template: ChatTemplate | None
+    template_error: str | None
+
+
+class _Events:
+    """One request's events, from the engine thread to the handler's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue = loop, asyncio.Queue()
+
+    def emit(self, event: Event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: the server is going down
+            pass
+
+
+class Server:
+    """What the routes share: the configuration, then the loaded model and its engine loop."""
+
+    def __init__(self, cfg: ServerConfig, load: Callable[[], Runtime],
+                 on_load_error: Callable[[BaseException], None] | None = None):
+        self.cfg, self._load_fn, self.on_load_error = cfg, load, on_load_error
+        self.ready: Ready | None = None
+        self.load_error: BaseException | None = None
+        self.telemetry = Telemetry(self.snapshot, device=lambda: self.ready.runtime.engine.pool.k.device.type
+                                   if self.ready else "cpu")
+        self.throughput = ThroughputLog(self.snapshot, cfg.log_interval)
+        self._stopping = False
+
+    def snapshot(self):
+        return self.ready.scheduler.snapshot() if self.ready is not None else None
+
+    def start_loading(self) -> None:
+        threading.Thread(target=self._load, name="moerun-load", daemon=True).start()
+
+    def _load(self) -> None:
+        try:
+            from moerun.engine.scheduler import EngineLoop, Scheduler
+            from moerun.text import ChatTemplate, ChatTemplateError
+
+            t0 = time.perf_counter()
+            rt = self._load_fn()
+            for w in rt.warnings:
+                log.warning(w)
+            eng, cfg = rt.engine, self.cfg
+            sched = Scheduler(eng, parallel=cfg.parallel, max_queue=cfg.max_queue, observer=self.telemetry)
+            template = error = None
+            try:
+                template = ChatTemplate.for_tokenizer(eng.tokenizer)
+            except ChatTemplateError as e:
+                error = str(e)
+                log.warning("chat completions are off: %s", e)
+            loop = EngineLoop(sched, after_step=self.throughput.tick)
+            if self._stopping:
+                return
+            loop.start()
+            self.ready = Ready(rt, sched, loop, template, error)
+            kv = eng.pool.k.nbytes + eng.pool.v.nbytes
+            log.info("model loaded in %.2f s: %s, context %d tokens x %d slots (KV cache %.1f MiB), %s",
+                     time.perf_counter() - t0, self.cfg.model_names[0], eng.ctx_size, cfg.parallel, kv / 2**20,
+                     "expert cache on" if eng.expert_cache is not None else "no expert cache")
+        except BaseException as e:  # noqa: BLE001 - reported, then the server stops
+            self.load_error = e
+            log.error("loading the model failed: %s", e)
+            if self.on_load_error is not None:
+                self.on_load_error(e)
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self.ready is not None:
+            self.ready.loop.stop()
+            cache = self.ready.runtime.cache
+            if cache is not None:
+                cache.close()
+
+    def require(self) -> Ready:
+        if self.ready is None:
+            raise APIError(503, "Loading model", "unavailable_error")
+        return self.ready
+
+    def check_model(self, name: str | None) -> str:
+        names = self.cfg.model_names
+        if name is not None and name not in names:
+            raise APIError(404, f"the model '{name}' does not exist (this server has: {', '.join(names)})",
+                           param="model")
+        return names[0]
+
+    # -- generation -----------------------------------------------------------------------------------
+
+    async def generate(self, http: HTTPRequest, body: ChatRequest | CompletionRequest, prompt: list[int],
+                       kind: str):
+        from moerun.engine.kv_cache import ContextOverflowError
+        from moerun.engine.scheduler import QueueFullError
+        from moerun.engine.scheduler import Request as EngineRequest
+
+        ready, model = self.require(), self.check_model(body.model)
+        eng = ready.runtime.engine
+        n_ctx = eng.ctx_size
+        if not prompt:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if len(prompt) >= n_ctx:
+            raise APIError(400, f"the request has {len(prompt)} prompt tokens but the context size is {n_ctx} "
+                                f"(generation needs at least one free position; start the server with a larger "
+                                f"-c/--ctx-size)", "exceed_context_size_error", n_prompt_tokens=len(prompt),
+                           n_ctx=n_ctx)
+        if any(not 0 <= t < eng.model.spec.vocab for t in prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {eng.model.spec.vocab})", param="prompt")
+        requested = next((n for n in (getattr(body, "max_completion_tokens", None), body.max_tokens, self.cfg.n_predict)
+                          if n is not None), n_ctx - len(prompt))
+        params = sampling_params(body, self.cfg.defaults, requested)
+        events = _Events(asyncio.get_running_loop())
+        cache_prompt = self.cfg.cache_prompt if body.cache_prompt is None else body.cache_prompt
+        req = EngineRequest(prompt, params, emit=events.emit, cache_prompt=cache_prompt)
+        try:
+            ready.scheduler.submit(req)
+        except QueueFullError as e:
+            raise APIError(503, str(e), "unavailable_error") from None
+        except ContextOverflowError as e:
+            raise APIError(400, str(e), "exceed_context_size_error") from None
+        reply = Reply(kind, req.id, model)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(self._sse(req, events, reply, include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                              "X-Request-Id": req.id})
+        return await self._whole(http, req, events, reply)
+
+    def _finals(self, req: Request) -> tuple[dict, dict]:
+        timings = {**req.timings.to_dict(), "expert_cache_hits": req.cache_hits,
+                   "expert_cache_queries": req.cache_queries}
+        return usage(len(req.prompt), len(req.tokens), req.timings.cache_n), timings
+
+    async def _whole(self, http: HTTPRequest, req: Request, events: _Events, reply: Reply) -> JSONResponse:
+        gone = asyncio.ensure_future(_disconnected(http))
+        text: list[str] = []
+        try:
+            while True:
+                get = asyncio.ensure_future(events.queue.get())
+                done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    req.cancel()
+                    return JSONResponse({}, status_code=499)  # nobody is listening
+                ev: Event = get.result()
+                text.append(ev.text)
+                if ev.finish_reason is not None:
+                    break
+        finally:
+            gone.cancel()
+        if ev.finish_reason == "error":
+            raise APIError(500, f"generation failed: {ev.error}")
+        use, timings = self._finals(req)
+        return JSONResponse(reply.whole("".join(text), ev.finish_reason, use, timings),
+                            headers={"X-Request-Id": req.id})
+
+    async def _sse(self, req: Request, events: _Events, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+        finished = False
+        try:
+            first = reply.first_chunk()
+            if first is not None:
+                yield _sse(first)
+            while True:
+                ev: Event = await events.queue.get()
+                if ev.text:
+                    yield _sse(reply.chunk(ev.text))
+                if ev.finish_reason is None:
+                    continue
+                finished = True
+                if ev.finish_reason == "error":
+                    yield _sse(APIError(500, f"generation failed: {ev.error}").body())
+                else:
+                    use, timings = self._finals(req)
+                    for chunk in reply.final_chunks(ev.finish_reason, use, timings, include_usage):
+                        yield _sse(chunk)
+                    yield "data: [DONE]\n\n"
+                return
+        finally:
+            if not finished:  # the client went away (the response was cancelled) or the server is stopping
+                req.cancel()
+                if self.ready is not None:
+                    self.ready.scheduler.wake()
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _disconnected(http: HTTPRequest) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(cfg: ServerConfig, load: Callable[[], Runtime],
+               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+    server = Server(cfg, load, on_load_error)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.start_loading()
+        yield
+        server.stop()
+
+    app = FastAPI(title="moerun", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    app.add_middleware(Guard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
+                       open_paths=frozenset({"/health", "/v1/health"}))
+    install_handlers(app)
+    _routes(app, server)
+    return app
+
+
+def _routes(app: FastAPI, server: Server) -> None:
+    @app.get("/health")
+    @app.get("/v1/health")
+    async def health():
+        if server.load_error is not None:
+            return APIError(500, f"loading the model failed: {server.load_error}").response()
+        server.require()
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    @app.get("/models")
+    async def models():
+        ready = server.require()
+        eng = ready.runtime.engine
+        meta = {"n_ctx": eng.ctx_size, "n_vocab": eng.model.spec.vocab, "n_parallel": server.cfg.parallel,
+                "family": eng.model.spec.family, "n_experts": eng.model.spec.n_experts}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "moerun",
+                                            "meta": meta} for name in server.cfg.model_names[:1]]}
+
+    @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")
+    async def chat(body: ChatRequest, http: HTTPRequest):
+        from moerun.text import ChatTemplateError
+
+        ready = server.require()
+        server.check_model(body.model)
+        body.refuse_unsupported()
+        if ready.template is None:
+            raise APIError(501, f"this model's chat template cannot be used: {ready.template_error}")
+        try:
+            text = ready.template.render(message_texts(body.messages), add_generation_prompt=True,
+                                         **(body.chat_template_kwargs or {}))
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param="messages") from None
+        prompt = ready.runtime.engine.tokenizer.encode(text, add_special=False)
+        return await server.generate(http, body, prompt, "chat")
+
+    @app.post("/v1/completions")
+    @app.post("/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest):
+        ready = server.require()
+        server.check_model(body.model)
+        body.refuse_unsupported()
+        p = body.single_prompt()
+        prompt = ready.runtime.engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        return await server.generate(http, body, prompt, "text")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        ready = server.require()
+        server.check_model(getattr(body, "model", None))
+        tok = ready.runtime.engine.tokenizer
+        if body.messages is not None:
+            if ready.template is None:
+                raise APIError(501, f"this model's chat template cannot be used: {ready.template_error}")
+            text, add_special = ready.template.render(message_texts(body.messages), add_generation_prompt=True), False
+        else:
+            text = body.content if body.content is not None else body.prompt
+            if text is None:
+                raise APIError(400, "give 'content' (or 'prompt', or 'messages') to tokenize", param="content")
+            add_special = body.add_special
+        ids = tok.encode(text, add_special=add_special)
+        tokens: list[Any] = [{"id": i, "piece": tok.token_to_piece(i)} for i in ids] if body.with_pieces else ids
+        return {"tokens": tokens, "count": len(ids), "max_model_len": ready.runtime.engine.ctx_size}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        ready = server.require()
+        vocab = ready.runtime.engine.model.spec.vocab
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", param="tokens")
+        return {"content": ready.runtime.engine.tokenizer.decode(body.tokens)}
+
+    @app.get("/metrics")
+    async def metrics():
+        server.require()
+        return PlainTextResponse(server.telemetry.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/slots")
+    async def slots():
+        ready = server.require()
+        n_ctx = ready.runtime.engine.ctx_size
+        return [{"id": s.index, "is_processing": s.req is not None, "n_ctx": n_ctx, "n_tokens": s.kv.length,
+                 "n_blocks": len(s.kv.blocks), "id_task": None if s.req is None else s.req.id}
+                for s in ready.scheduler.slots]

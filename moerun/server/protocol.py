@@ -1,0 +1,201 @@
+"""OpenAI's request and response shapes, the part moerun serves, and their mapping onto SamplingParams.
+
+Requests may carry fields moerun does not know (clients send `user`, `metadata`, ...): they are ignored.
+Fields that would change the answer and are not implemented (logprobs, tools, n > 1, ...) are refused
+with a 400 rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from moerun.config import SamplingParams
+from moerun.server.errors import APIError
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool | None = None
+    n: int | None = None
+    cache_prompt: bool | None = None  # llama-server's: reuse a slot's KV cache for a shared prefix
+    logit_bias: dict[str, float] | None = None
+
+    def refuse_unsupported(self) -> None:
+        if self.n not in (None, 1):
+            raise APIError(400, f"n={self.n}: only one choice per request (n=1) is supported", param="n")
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+
+
+class ChatRequest(_Sampling):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.logprobs or self.top_logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        if self.tools:
+            raise APIError(400, "tools (function calling) are not supported", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError(400, f"response_format {self.response_format.get('type')!r} is not supported "
+                                "(only 'text')", param="response_format")
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if self.suffix:
+            raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "best_of > 1 is not supported", param="best_of")
+        if self.logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(400, f"{len(p)} prompts in one request: send one prompt per request", param="prompt")
+            p = p[0]
+        if isinstance(p, list) and not p:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        return p
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    content: str | None = None  # llama-server's name
+    prompt: str | None = None  # vLLM's
+    messages: list[dict[str, Any]] | None = None
+    add_special: bool = False
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    tokens: list[int]
+
+
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n",
+                    "presence_penalty", "frequency_penalty", "ignore_eos")
+
+
+def sampling_params(req: _Sampling, defaults: SamplingParams, max_tokens: int) -> SamplingParams:
+    """The request's fields over the server's defaults. seed -1 means a random one (llama-server)."""
+    changes: dict[str, Any] = {name: v for name in _SAMPLING_FIELDS if (v := getattr(req, name)) is not None}
+    if req.seed is not None:
+        changes["seed"] = None if req.seed == -1 else req.seed
+    if req.stop is not None:
+        changes["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+    changes["max_tokens"] = max_tokens
+    try:
+        return defaults.replace(**changes)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+def message_texts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for the chat template: content parts joined into text; anything but text refused."""
+    out = []
+    for i, m in enumerate(messages):
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not role:
+            raise APIError(400, f"messages[{i}] has no role", param=f"messages[{i}].role")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise APIError(400, f"messages[{i}]: content of type {kind!r} is not supported (text only)",
+                                   param=f"messages[{i}].content")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is not None and not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
+                           param=f"messages[{i}].content")
+        out.append({**m, "content": content})
+    return out
+
+
+def usage(n_prompt: int, n_out: int, cached: int) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class Reply:
+    """The response objects of one request: whole, or as stream chunks (chat or text completion)."""
+
+    def __init__(self, kind: str, request_id: str, model: str):
+        self.chat = kind == "chat"
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
+        self.model, self.created = model, int(time.time())
+
+    def _envelope(self, choices: list[dict], chunk: bool) -> dict:
+        obj = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": "moerun", "choices": choices}
+
+    def _choice(self, text: str | None, finish_reason: str | None, delta: bool, role: bool = False) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        body = {"role": "assistant"} if role else {}
+        if text is not None:
+            body["content"] = text
+        return {"index": 0, ("delta" if delta else "message"): body, "logprobs": None, "finish_reason": finish_reason}
+
+    def whole(self, text: str, finish_reason: str, use: dict, timings: dict) -> dict:
+        return {**self._envelope([self._choice(text, finish_reason, delta=False, role=True)], chunk=False),
+                "usage": use, "timings": timings}
+
+    def first_chunk(self) -> dict | None:
+        """Chat streams open with the assistant's role (OpenAI's first chunk)."""
+        return self._envelope([self._choice("", None, delta=True, role=True)], chunk=True) if self.chat else None
+
+    def chunk(self, text: str) -> dict:
+        return self._envelope([self._choice(text, None, delta=True)], chunk=True)
+
+    def final_chunks(self, finish_reason: str, use: dict, timings: dict, include_usage: bool) -> list[dict]:
+        """The chunk with finish_reason, then usage and timings: on it (llama-server), or on one more chunk
+        with no choices when the client asked for stream_options.include_usage (OpenAI)."""
+        last = self._envelope([self._choice(None if self.chat else "", finish_reason, delta=True)], chunk=True)
+        if not include_usage:
+            return [{**last, "usage": use, "timings": timings}]
+        return [last, {**self._envelope([], chunk=True), "usage": use, "timings": timings}]

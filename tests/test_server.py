@@ -1,0 +1,377 @@
+"""`moerun serve` end to end: a real server process on a free port, the built-in model, the real `openai`
+client (and http.client for what the client hides: status codes, raw SSE, chunked bodies, disconnects)."""
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+KEY = "sk-test-7f3a"
+CTX = 384
+PARALLEL, QUEUE = 8, 4
+MAX_BODY = 32 * 1024
+MODEL = "default-qwen3moe.gguf"
+PROMPTS = ["def fib(n):", "import os\n", "class Foo:\n    def", "    return self.", "for i in range(",
+           "x = [", "while True:\n", "# compute the"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Response:
+    status_code: int
+    headers: dict
+    text: str
+
+    def json(self):
+        return json.loads(self.text)
+
+
+class Server:
+    def __init__(self, tmp_path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp_path / "serve.log"
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "moerun", "serve", "--port", str(self.port), "--api-key", KEY, "-c", str(CTX),
+                 "-np", str(PARALLEL), "--max-queue", str(QUEUE), "--max-body-size", str(MAX_BODY), "-t", "1",
+                 "--expert-cache-slots", "4", "--log-interval", "0.5"], stdout=log, stderr=subprocess.STDOUT)
+        self.health = []  # (status, body) of every /health answer until the model was ready
+        deadline = time.time() + 120
+        while time.time() < deadline and self.proc.poll() is None:
+            try:
+                r = self.http("GET", "/health", key=None)
+            except OSError:
+                time.sleep(0.01)
+                continue
+            self.health.append((r.status_code, r.json()))
+            if r.status_code == 200:
+                return
+            time.sleep(0.01)
+        self.stop()
+        raise RuntimeError(f"the server did not start:\n{self.log_path.read_text()}")
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+    def _connect(self, method, path, key, body, headers):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        h = {"Authorization": f"Bearer {key}"} if key else {}
+        if isinstance(body, (dict, list)):
+            body, h["Content-Type"] = json.dumps(body), "application/json"
+        conn.request(method, path, body=body, headers={**h, **(headers or {})},
+                     encode_chunked=body is not None and not isinstance(body, (str, bytes)))
+        return conn
+
+    def http(self, method, path, body=None, key=KEY, headers=None):
+        """body: a dict (sent as JSON), str/bytes as they are, or an iterable of bytes (chunked)."""
+        conn = self._connect(method, path, key, body, headers)
+        try:
+            r = conn.getresponse()
+            return Response(r.status, dict(r.getheaders()), r.read().decode())
+        finally:
+            conn.close()
+
+    @contextmanager
+    def http_stream(self, path, body):
+        """A streaming request held open until the `with` block ends; then the client disconnects. Yields an
+        iterator over the response's lines."""
+        conn = self._connect("POST", path, KEY, body, None)
+        r = conn.getresponse()
+        assert r.status == 200
+        try:
+            yield (line.decode().rstrip("\n") for line in iter(r.readline, b""))
+        finally:
+            conn.close()
+
+    def metrics(self):
+        text = self.http("GET", "/metrics").text
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                key = s.name if not s.labels else (s.name, tuple(sorted(s.labels.items())))
+                out[key] = s.value
+        return out
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("serve"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def total(metrics, name):
+    return sum(v for k, v in metrics.items() if (k[0] if isinstance(k, tuple) else k) == name)
+
+
+def stream_text(stream):
+    parts, last = [], None
+    for chunk in stream:
+        last = chunk
+        if chunk.choices:
+            c = chunk.choices[0]
+            parts.append(c.delta.content or "" if hasattr(c, "delta") else c.text)
+    return "".join(parts), last
+
+
+# -- loading, health, models, auth ------------------------------------------------------------------------
+
+def test_health_is_503_while_loading_then_200(server):
+    statuses = [s for s, _ in server.health]
+    assert statuses[0] == 503 and statuses[-1] == 200
+    assert server.health[0][1]["error"] | {"param": None} == {
+        "code": 503, "message": "Loading model", "type": "unavailable_error", "param": None}
+    assert server.health[-1][1] == {"status": "ok"}
+    assert set(statuses) == {503, 200} and statuses.index(200) == len(statuses) - 1
+
+
+def test_models_and_api_key(server, client):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert server.http("GET", "/health", key=None).status_code == 200  # open
+    for key in (None, "sk-wrong", KEY + "x"):
+        r = server.http("GET", "/v1/models", key=key)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert r.json()["error"]["code"] == 401
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
+# -- generation ---------------------------------------------------------------------------------------------
+
+def test_chat_streamed_equals_whole_at_temperature_0(client):
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": "write a loop"}], "max_tokens": 24,
+          "temperature": 0}
+    whole = client.chat.completions.create(**kw)
+    text, last = stream_text(client.chat.completions.create(**kw, stream=True))
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == text and text
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage.completion_tokens <= 24 and whole.usage.prompt_tokens > 5
+    assert last.usage.completion_tokens == whole.usage.completion_tokens
+    timings = last.model_extra["timings"]
+    assert {"prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms", "predicted_per_second",
+            "expert_cache_hits", "expert_cache_queries"} <= set(timings)
+    assert timings["predicted_n"] == whole.usage.completion_tokens
+    assert timings["expert_cache_queries"] > 0 and 0 <= timings["expert_cache_hits"] <= timings["expert_cache_queries"]
+
+
+def test_completion_streamed_equals_whole_and_raw_sse(server, client):
+    kw = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 20, "temperature": 0}
+    whole = client.completions.create(**kw)
+    text, _ = stream_text(client.completions.create(**kw, stream=True))
+    assert whole.choices[0].text == text and text
+    r = server.http("POST", "/v1/completions", {**kw, "stream": True, "stream_options": {"include_usage": True}})
+    events = [line[len("data: "):] for line in r.text.split("\n\n") if line]
+    assert r.headers["content-type"].startswith("text/event-stream"), r.text
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text
+    assert chunks[-2]["choices"][0]["finish_reason"] == whole.choices[0].finish_reason
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == whole.usage.completion_tokens
+    assert "timings" in chunks[-1]
+
+
+def test_same_seed_same_text(client):
+    kw = {"model": MODEL, "prompt": "import ", "max_tokens": 32, "temperature": 0.9, "extra_body": {"ignore_eos": True}}
+    a = client.completions.create(**kw, seed=1234).choices[0].text
+    b = client.completions.create(**kw, seed=1234).choices[0].text
+    c = client.completions.create(**kw, seed=99).choices[0].text
+    assert a == b and a != c
+
+
+def test_eight_concurrent_streams_each_get_what_they_get_alone(client):
+    kw = {"model": MODEL, "max_tokens": 32, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    alone = [client.completions.create(prompt=p, **kw).choices[0].text for p in PROMPTS]
+    got, spans = [None] * len(PROMPTS), [None] * len(PROMPTS)
+    start = threading.Barrier(len(PROMPTS))
+
+    def one(i):
+        start.wait()
+        t0 = time.perf_counter()
+        got[i], _ = stream_text(client.completions.create(prompt=PROMPTS[i], stream=True, **kw))
+        spans[i] = (t0, time.perf_counter())
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == alone
+    assert max(s for s, _ in spans) < min(e for _, e in spans)  # all eight were in flight at once
+
+
+def test_a_client_that_disconnects_is_cancelled_and_its_kv_freed(server, client):
+    before = server.metrics()
+    kw = {"model": MODEL, "max_tokens": 40, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    expected = client.completions.create(prompt=PROMPTS[5], **kw).choices[0].text
+    other = {}
+    t = threading.Thread(target=lambda: other.update(
+        text=stream_text(client.completions.create(prompt=PROMPTS[5], stream=True, **kw))[0]))
+    with server.http_stream("/v1/completions", {"model": MODEL, "prompt": PROMPTS[0] * 4, "max_tokens": 300,
+                                                "temperature": 0, "stream": True, "ignore_eos": True}) as lines:
+        first = json.loads(next(line for line in lines if line.startswith("data: "))[len("data: "):])
+        for _ in range(5):
+            next(lines)
+        t.start()
+        rid = first["id"].removeprefix("cmpl-")
+        slot = next(s for s in server.http("GET", "/slots").json() if s["id_task"] == rid)
+        assert slot["is_processing"] and slot["n_blocks"] > 0
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        now = next(s for s in server.http("GET", "/slots").json() if s["id"] == slot["id"])
+        if not now["is_processing"]:
+            break
+        time.sleep(0.02)
+    assert not now["is_processing"] and now["n_tokens"] == 0 and now["n_blocks"] == 0
+    t.join()
+    assert other["text"] == expected
+    after = server.metrics()
+    reason = ("moerun:requests_finished_total", (("finish_reason", "cancelled"),))
+    assert after.get(reason, 0) == before.get(reason, 0) + 1
+
+
+# -- metrics and logs ---------------------------------------------------------------------------------------
+
+def test_metrics_parse_and_move(server, client):
+    before = server.metrics()
+    r = client.completions.create(model=MODEL, prompt="while x:", max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True, "cache_prompt": False})
+    after = server.metrics()
+    assert after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"] == 12
+    assert after["llamacpp:prompt_tokens_total"] - before["llamacpp:prompt_tokens_total"] == r.usage.prompt_tokens
+    assert after["llamacpp:prompt_seconds_total"] > before["llamacpp:prompt_seconds_total"]
+    for h in ("moerun:time_to_first_token_seconds_count", "moerun:e2e_request_latency_seconds_count"):
+        assert after[h] == before[h] + 1
+    assert after["moerun:inter_token_latency_seconds_count"] == before["moerun:inter_token_latency_seconds_count"] + 11
+    for name in ("moerun:expert_cache_queries_total", "moerun:expert_cache_hits_total"):
+        assert total(after, name) > total(before, name)
+    assert total(after, "moerun:expert_cache_queries_total") >= total(after, "moerun:expert_cache_hits_total")
+    labels = {dict(k[1])["phase"] for k in after if isinstance(k, tuple) and k[0] == "moerun:expert_cache_hits_total"}
+    assert labels == {"prefill", "decode"}
+    for gauge in ("llamacpp:requests_processing", "llamacpp:requests_deferred", "llamacpp:kv_cache_usage_ratio",
+                  "moerun:expert_cache_evictions_total", "moerun:expert_paged_bytes_total",
+                  "moerun:expert_prefetch_hits_total"):
+        assert any((k[0] if isinstance(k, tuple) else k) == gauge for k in after), gauge
+
+
+def test_log_lines(server):
+    time.sleep(0.6)
+    log = server.log_path.read_text()
+    assert "prompt eval time = " in log and "       eval time = " in log and "total time = " in log
+    assert "expert cache: prefill hit rate" in log and "decode hit rate" in log
+    assert "Avg prompt throughput: " in log and "Running: " in log and "Expert cache hit rate: " in log
+
+
+def test_tokenize_detokenize(server):
+    r = server.http("POST", "/tokenize", {"content": "def f(x): return x", "with_pieces": True}).json()
+    ids = [t["id"] for t in r["tokens"]]
+    assert "".join(t["piece"] for t in r["tokens"]) == "def f(x): return x"
+    assert server.http("POST", "/detokenize", {"tokens": ids}).json() == {"content": "def f(x): return x"}
+    assert server.http("POST", "/detokenize", {"tokens": [10**9]}).status_code == 400
+
+
+# -- errors ------------------------------------------------------------------------------------------------
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@pytest.mark.parametrize("body,status,phrase", [
+    ('{"model": "x", "messages": [', 400, "malformed JSON"),
+    ("[1, 2]", 400, "invalid request"),
+    ({**CHAT, "temperature": "hot"}, 400, "temperature"),
+    ({**CHAT, "top_p": 2}, 400, "top_p"),
+    ({**CHAT, "max_tokens": 0}, 400, "max_tokens"),
+    ({**CHAT, "n": 2}, 400, "n=2"),
+    ({**CHAT, "stop": [""]}, 400, "stop"),
+    ({**CHAT, "logprobs": True}, 400, "logprobs"),
+    ({**CHAT, "messages": []}, 400, "messages"),
+    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "image_url"),
+    ({**CHAT, "model": "gpt-4"}, 404, "gpt-4"),
+    ({"model": MODEL, "prompt": [], "max_tokens": 2}, 400, "empty"),
+])
+def test_bad_requests_get_openai_shaped_errors(server, body, status, phrase):
+    path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+    r = server.http("POST", path, body if isinstance(body, str) else json.dumps(body),
+                    headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == status and phrase in err["message"] and err["type"]
+
+
+def test_prompt_longer_than_the_context(server, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=list(range(5, 5 + CTX + 10)), max_tokens=4)
+    err = e.value.body
+    assert err["type"] == "exceed_context_size_error"
+    assert err["n_prompt_tokens"] == CTX + 10 and err["n_ctx"] == CTX
+    assert f"{CTX + 10} prompt tokens" in err["message"] and f"context size is {CTX}" in err["message"]
+
+
+def test_body_over_the_size_limit(server):
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * MAX_BODY}]}
+    r = server.http("POST", "/v1/chat/completions", big)
+    assert r.status_code == 413 and str(MAX_BODY) in r.json()["error"]["message"]
+    data = json.dumps(big).encode()
+    r = server.http("POST", "/v1/chat/completions", iter([data[:1000], data[1000:]]))  # chunked: no Content-Length
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    small = json.dumps(CHAT).encode()
+    assert server.http("POST", "/v1/chat/completions", iter([small[:10], small[10:]])).status_code == 200
+
+
+def test_queue_full_is_503_and_the_server_recovers(server, client):
+    long = {"model": MODEL, "prompt": "x", "max_tokens": 300, "temperature": 0, "stream": True, "ignore_eos": True}
+    with ExitStack() as stack:
+        for _ in range(PARALLEL + QUEUE):
+            stack.enter_context(server.http_stream("/v1/completions", long))
+        r = server.http("POST", "/v1/completions", {**long, "stream": False})
+        assert r.status_code == 503
+        err = r.json()["error"]
+        assert err["type"] == "unavailable_error" and "busy" in err["message"] and f"--parallel {PARALLEL}" in err[
+            "message"]
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        m = server.metrics()
+        if m["llamacpp:requests_processing"] == 0 and m["llamacpp:requests_deferred"] == 0:
+            break
+        time.sleep(0.05)
+    assert m["llamacpp:requests_processing"] == 0 and m["llamacpp:requests_deferred"] == 0
+
+
+def test_the_server_survives_all_of_it(server, client):
+    assert server.proc.poll() is None
+    assert server.http("GET", "/health", key=None).json() == {"status": "ok"}
+    r = client.chat.completions.create(**CHAT)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_model_that_does_not_load_stops_the_server_with_one_line(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 20)
+    r = subprocess.run([sys.executable, "-m", "moerun", "serve", "-m", str(bad), "--host", "0.0.0.0",
+                        "--port", str(free_port())], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 1
+    assert "without --api-key" in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "broken.gguf" in r.stderr
+    assert "Traceback" not in r.stderr
