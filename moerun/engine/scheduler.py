@@ -5,8 +5,8 @@
     while sched.has_work(): sched.step()              # the engine loop (EngineLoop runs it on a thread)
 
 A step: drop cancelled requests (their KV blocks freed); admit waiting requests into idle slots; one decode
-step for every slot with a token to feed, all through the model together (the MoE layers see the union
-of their experts); then prompt chunks (`ubatch` tokens each, oldest request first) until `ubatch` prompt
+step for every slot with a token to feed, all through the model together (MoEModel.decode: the MoE
+layers see the union of their experts); then prompt chunks (`ubatch` tokens each, oldest request first) until `ubatch` prompt
 tokens were run. A long prompt advances a chunk per step while the other streams keep decoding.
 
 Slots are llama-server's: there are `parallel` of them, each may hold a whole context, and each keeps its
@@ -150,7 +150,6 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._active = 0  # admitted, not finished
         self._cond = threading.Condition()
-        self._batched = hasattr(engine.model, "decode")
         self.prompt_tokens = self.generated_tokens = 0
         self._cache_copy: CacheStats | None = None
         self._copied_at = 0.0
@@ -268,18 +267,13 @@ class Scheduler:
             return
         tokens = torch.tensor([s.next_token for s in batch], dtype=torch.long)
         kvs = [s.kv for s in batch]
-        model = self.engine.model
-        logits = self._run(batch, "decode", model.decode if self._batched else self._decode_one_by_one, tokens, kvs)
+        logits = self._run(batch, "decode", self.engine.model.decode, tokens, kvs)
         if logits is None:
             return
         for slot, row in zip(batch, logits):
             slot.seq.tokens.append(slot.next_token)
             slot.next_token = None
             self._sample(slot, row)
-
-    def _decode_one_by_one(self, tokens: torch.Tensor, kvs: list[SeqKV]) -> torch.Tensor:
-        """Until MoEModel.decode exists: the same contract, one sequence at a time."""
-        return torch.cat([self.engine.model.forward(tokens[b:b + 1], kv, last_only=True) for b, kv in enumerate(kvs)])
 
     def _prefill(self) -> None:
         spent, ub = 0, self.engine.ubatch
