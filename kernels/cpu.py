@@ -27,7 +27,7 @@ import torch
 
 from moerun.quant.qtypes import QTensor, QType
 
-__all__ = ["AttnLayer", "attn_block", "available", "dequant_rows", "features", "get_threads", "matmul", "moe_ffn", "moe_ffn_experts",
+__all__ = ["AttnLayer", "AttnRows", "attn_block", "available", "dequant_rows", "features", "get_threads", "matmul", "moe_ffn", "moe_ffn_experts",
            "set_threads", "supports"]
 
 MODE = os.environ.get("MOERUN_KERNELS", "").strip().lower()  # "" / "auto", "scalar", "off"
@@ -266,7 +266,7 @@ class AttnLayer:
             raise ValueError(f"n_used {n_used} out of 1..{n_experts}")
         f.update(n_experts=n_experts, n_used=n_used, norm_topk=int(norm_topk))
         self.desc = torch.tensor([f[name] for name in _cpu.attn_fields()], dtype=torch.int64)
-        self.hidden, self.n_used, self.routed = hidden, n_used, router is not None
+        self.hidden, self.kv_dim, self.n_used, self.routed = hidden, kv_dim, n_used, router is not None
 
     def _vector(self, name: str, t, n: int | None) -> int:
         if t is None:
@@ -291,35 +291,55 @@ class AttnLayer:
         return data.data_ptr(), ggml
 
 
-def attn_block(layer: AttnLayer, x: torch.Tensor, slot_tables: list[torch.Tensor], pos: torch.Tensor,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
-               eps: float, clip: float | None = None, *, isa: str | None = None):
-    """The attention half of a layer for B rows (see kernels/csrc/attn.h), x [B, hidden] updated in place.
+class AttnRows:
+    """The rows of one step for attn_block, checked once and shared by every layer.
 
     Row r is the token at position pos[r] of a sequence whose position p lives in cache slot
-    slot_tables[r][p] (int64; positions 0..pos[r] reserved, earlier ones filled). k_cache / v_cache: this
-    layer's [slots, kv_heads, head_dim] float32; rope_cos / rope_sin [positions > max(pos), head_dim / 2].
-    Returns (xn [B, hidden]: ffn_norm of the new x, ids [B, k] int64, weights [B, k] float32), the last two
-    None for a dense layer.
+    slot_tables[r][p] (int64; positions 0..pos[r] reserved, earlier ones filled); rope_cos / rope_sin
+    [positions > max(pos), head_dim / 2] float32.
     """
+
+    def __init__(self, slot_tables: list[torch.Tensor], pos: torch.Tensor, rope_cos: torch.Tensor,
+                 rope_sin: torch.Tensor):
+        B = len(slot_tables)
+        if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or pos.shape != (B,) or B == 0:
+            raise ValueError(f"pos must be int64 [{B}] (one position per slot table)")
+        plist = pos.tolist()
+        for t, p in zip(slot_tables, plist):
+            if t.dtype != torch.int64 or not t.is_cpu or not t.is_contiguous() or t.dim() != 1 or not 0 <= p < len(t):
+                raise ValueError("slot tables must be contiguous int64 CPU vectors covering their row's position")
+        for name, t in (("rope_cos", rope_cos), ("rope_sin", rope_sin)):
+            if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or t.shape[0] <= max(plist):
+                raise ValueError(f"{name} must be a contiguous float32 CPU table past position {max(plist)}")
+        self.B, self.pos, self.cos, self.sin, self.tables = B, pos.contiguous(), rope_cos, rope_sin, slot_tables
+        self.slots = torch.tensor([t.data_ptr() for t in slot_tables], dtype=torch.int64)
+        used = [t[: p + 1] for t, p in zip(slot_tables, plist)]
+        self.max_slot = max(int(u.max()) for u in used)
+        if min(int(u.min()) for u in used) < 0:
+            raise ValueError("negative cache slot")
+
+
+def attn_block(layer: AttnLayer, x: torch.Tensor, rows: AttnRows, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               eps: float, clip: float | None = None, *, isa: str | None = None):
+    """The attention half of a layer for rows.B rows (see kernels/csrc/attn.h), x [B, hidden] updated in
+    place. k_cache / v_cache: this layer's [slots, kv_heads, head_dim] float32, holding every slot the
+    rows' tables name. Returns (xn [B, hidden]: ffn_norm of the new x, ids [B, k] int64, weights [B, k]
+    float32), the last two None for a dense layer."""
     isa_id = _isa(isa)
     _check_x(x, "x")
-    B = x.shape[0]
-    if x.shape[1] != layer.hidden or pos.dtype != torch.int64 or pos.shape != (B,) or len(slot_tables) != B:
-        raise ValueError(f"x {tuple(x.shape)}, pos {tuple(pos.shape)} and {len(slot_tables)} slot tables "
-                         f"must describe the same rows of {layer.hidden} features")
-    top = int(pos.max())
-    if int(pos.min()) < 0 or rope_cos.shape[0] <= top or any(len(t) <= p for t, p in zip(slot_tables, pos.tolist())):
-        raise ValueError("a position is negative or beyond its slot table or the RoPE tables")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("rope_cos", rope_cos), ("rope_sin", rope_sin)):
-        if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
-    slots = torch.tensor([t.data_ptr() for t in slot_tables], dtype=torch.int64)
+    B = rows.B
+    if x.shape != (B, layer.hidden):
+        raise ValueError(f"x {tuple(x.shape)} must be [{B}, {layer.hidden}]")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if (t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or t[0].numel() != layer.kv_dim
+                or t.shape[0] <= rows.max_slot):
+            raise ValueError(f"{name} must be a contiguous float32 CPU tensor of {layer.kv_dim} values for each "
+                             f"of > {rows.max_slot} slots")
     xn = torch.empty_like(x)
     k = layer.n_used if layer.routed else 1
     ids, w = torch.empty((B, k), dtype=torch.int64), torch.empty((B, k), dtype=torch.float32)
-    _cpu.attn_block(isa_id, layer.desc.data_ptr(), x.data_ptr(), B, slots.data_ptr(), pos.data_ptr(),
-                    k_cache.data_ptr(), v_cache.data_ptr(), rope_cos.data_ptr(), rope_sin.data_ptr(), eps,
+    _cpu.attn_block(isa_id, layer.desc.data_ptr(), x.data_ptr(), B, rows.slots.data_ptr(), rows.pos.data_ptr(),
+                    k_cache.data_ptr(), v_cache.data_ptr(), rows.cos.data_ptr(), rows.sin.data_ptr(), eps,
                     clip or 0.0, xn.data_ptr(), ids.data_ptr(), w.data_ptr())
     return (xn, ids, w) if layer.routed else (xn, None, None)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,4 +70,6 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, kernels: bo
     in_ram = weights_home(mf, home) == "ram"
     weights = load_weights(mf, arch, copy_experts=in_ram)
     reader = None if in_ram else expert_reader(arch)
-    return Loaded(mf, arch, MoEModel(arch.spec, weights, dtype=dtype, kernels=kernels, expert_reader=reader))
+    loaded = Loaded(mf, arch, MoEModel(arch.spec, weights, dtype=dtype, kernels=kernels, expert_reader=reader))
+    gc.freeze()  # the model's thousands of objects live as long as it: keep them out of every full collection
+    return loaded

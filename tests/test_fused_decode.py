@@ -108,11 +108,31 @@ def test_attn_block_matches_plain_torch(head_dim):
     want = torch_block(p, x, tables, pos, kc.clone(), vc.clone(), cos, sin, 1e-6, 1.5)
     for isa in cpu.features()["isas"]:
         xk, kk, vk = x.clone(), kc.clone(), vc.clone()
-        xn, ids, w = cpu.attn_block(layer, xk, tables, pos, kk, vk, cos, sin, 1e-6, 1.5, isa=isa)
+        xn, ids, w = cpu.attn_block(layer, xk, cpu.AttnRows(tables, pos, cos, sin), kk, vk, 1e-6, 1.5, isa=isa)
         assert (xk - want[0]).abs().max() < 2e-5, isa
         assert (xn - want[1]).abs().max() < 2e-5, isa
         assert torch.equal(ids, want[2]), isa
         assert (w - want[3]).abs().max() < 1e-5, isa
+
+
+def test_attn_rows_and_caches_are_checked():
+    t = torch.arange(8)
+    cos = sin = torch.zeros(16, 4)
+    with pytest.raises(ValueError, match="slot tables"):
+        cpu.AttnRows([t], torch.tensor([8]), cos, sin)  # position beyond its table
+    with pytest.raises(ValueError, match="rope_cos"):
+        cpu.AttnRows([t], torch.tensor([3]), torch.zeros(3, 4), sin)
+    with pytest.raises(ValueError, match="negative"):
+        cpu.AttnRows([torch.tensor([0, -1])], torch.tensor([1]), cos, sin)
+    H = 32
+    layer = cpu.AttnLayer(hidden=H, n_heads=1, n_kv_heads=1, head_dim=8, qk_norm=None, rope_style="neox",
+                          attn_norm=torch.ones(H), ffn_norm=torch.ones(H), wq=torch.zeros(8, H), wk=torch.zeros(8, H),
+                          wv=torch.zeros(8, H), wo=torch.zeros(H, 8))
+    rows = cpu.AttnRows([t], torch.tensor([5]), cos, sin)
+    with pytest.raises(ValueError, match="k_cache"):
+        cpu.attn_block(layer, torch.zeros(1, H), rows, torch.zeros(5, 1, 8), torch.zeros(5, 1, 8), 1e-6)  # no slot 5
+    xn, ids, w = cpu.attn_block(layer, torch.zeros(1, H), rows, torch.zeros(8, 1, 8), torch.zeros(8, 1, 8), 1e-6)
+    assert xn.shape == (1, H) and ids is None and w is None
 
 
 def test_attn_layer_rejects_mismatched_weights():

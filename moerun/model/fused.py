@@ -54,10 +54,10 @@ class FusedAttention:
                                     rope_tables(torch.arange(n), self.spec.head_dim, self.spec.rope_theta))
         return self._cos, self._sin
 
-    def __call__(self, i: int, x: torch.Tensor, slot_tables: list[torch.Tensor], pos: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor):
+    def rows(self, slot_tables: list[torch.Tensor], pos: torch.Tensor):
+        """One step's rows (row r at position pos[r] of the sequence with slot table slot_tables[r])."""
+        return self.cpu.AttnRows(slot_tables, pos, *self._rope(int(pos.max())))
+
+    def __call__(self, i: int, x: torch.Tensor, rows, k_cache: torch.Tensor, v_cache: torch.Tensor):
         """x [B, H] += layer i's attention (in place) -> (ffn-normed x, ids [B, k], weights [B, k])."""
-        cos, sin = self._rope(int(pos.max()))
-        s = self.spec
-        return self.cpu.attn_block(self.layers[i], x, slot_tables, pos, k_cache, v_cache, cos, sin, s.rms_eps,
-                                   s.clip_qkv)
+        return self.cpu.attn_block(self.layers[i], x, rows, k_cache, v_cache, self.spec.rms_eps, self.spec.clip_qkv)

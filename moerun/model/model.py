@@ -155,9 +155,9 @@ class MoEModel:
 
     def _layers_fused(self, x: torch.Tensor, kvs: list[SeqKV], pos: torch.Tensor, phase: str) -> torch.Tensor:
         """Every layer on rows x [B, H], row r at position pos[r] of kvs[r] (room reserved)."""
-        tables, pool = [kv.slot_table for kv in kvs], kvs[0].pool
+        rows, pool = self.fused.rows([kv.slot_table for kv in kvs], pos), kvs[0].pool
         for i, lw in enumerate(self.layers):
-            xn, ids, w = self.fused(i, x, tables, pos, pool.k[i], pool.v[i])  # x += attention, in place
+            xn, ids, w = self.fused(i, x, rows, pool.k[i], pool.v[i])  # x += attention, in place
             x += self.ops.swiglu(xn, *lw.ffn) if lw.ffn is not None else self.moe(i, xn, w, ids, phase, pos, x)
         return x
 
