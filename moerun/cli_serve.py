@@ -91,15 +91,17 @@ def serve(host, port, api_key, parallel, max_queue, alias, max_body_size, cache_
             log.info("placement plan:\n%s", rt.plan.table())
         return rt
 
-    uv: uvicorn.Server | None = None
+    class Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # Ctrl-C / SIGTERM: end the streams in flight, then uvicorn's shutdown
+            app.state.server.begin_shutdown()
+            super().handle_exit(sig, frame)
 
     def stop_on_error(e: BaseException) -> None:
-        if uv is not None:
-            uv.should_exit = True
+        uv.should_exit = True
 
     app = create_app(cfg, load, on_load_error=stop_on_error)
-    uv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5,
-                                       timeout_keep_alive=30))
+    uv = Uvicorn(uvicorn.Config(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5,
+                                timeout_keep_alive=30))
     log.info("moerun serve: http://%s:%d (OpenAI API under /v1), loading %s", host, port, rcfg.model or DEFAULT_MODEL)
     uv.run()
     error = app.state.server.load_error

@@ -3,6 +3,7 @@ client (and http.client for what the client hides: status codes, raw SSE, chunke
 
 import http.client
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -375,3 +376,31 @@ def test_a_model_that_does_not_load_stops_the_server_with_one_line(tmp_path):
     assert "without --api-key" in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "broken.gguf" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_non_streaming_client_that_goes_away_is_cancelled(server):
+    before = server.metrics()
+    reason = ("moerun:requests_finished_total", (("finish_reason", "cancelled"),))
+    conn = server._connect("POST", "/v1/completions", KEY, {"model": MODEL, "prompt": "x", "max_tokens": CTX,
+                                                            "temperature": 0, "ignore_eos": True}, None)
+    time.sleep(0.3)
+    conn.close()
+    deadline = time.time() + 30
+    while time.time() < deadline and server.metrics().get(reason, 0) == before.get(reason, 0):
+        time.sleep(0.05)
+    after = server.metrics()
+    assert after.get(reason, 0) == before.get(reason, 0) + 1
+    assert after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"] < CTX - 2
+
+
+def test_sigterm_ends_the_streams_in_flight_and_exits(server):  # last: it stops the module's server
+    with server.http_stream("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": CTX, "stream": True,
+                                                "temperature": 0, "ignore_eos": True}) as lines:
+        next(lines)
+        server.proc.terminate()
+        rest = list(lines)
+        events = [line for line in rest if line.startswith("data: ")]
+    assert json.loads(events[-1][len("data: "):])["error"]["code"] == 503, rest
+    assert server.proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it is done
+    log = server.log_path.read_text()
+    assert "Finished server process" in log and "Traceback" not in log

@@ -340,14 +340,16 @@ class Scheduler:
         slot.last_used = req.t_end
         with self._cond:
             self._active -= 1
+        self._copy_cache_stats(force=True)  # a client reading /metrics after its answer sees its lookups
         self.observer.finished(req)
         req.emit(Event(text=rest, finish_reason=reason, error=error))
 
-    def _copy_cache_stats(self) -> None:
-        """A copy of the expert-cache statistics for readers on other threads: every 0.25 s, and when idle."""
+    def _copy_cache_stats(self, force: bool = False) -> None:
+        """A copy of the expert-cache statistics for readers on other threads: every 0.25 s, when a request
+        ends, and when idle."""
         cache = self.engine.expert_cache
         now = time.perf_counter()
-        if cache is not None and (now - self._copied_at > 0.25 or not self.has_work()):
+        if cache is not None and (force or now - self._copied_at > 0.25 or not self.has_work()):
             self._cache_copy, self._copied_at = cache.stats + CacheStats(), now
 
 
@@ -362,9 +364,13 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def request_stop(self) -> None:
+        """End every request (their clients get an error event) and leave the loop, without waiting."""
         self._stop = True
         self.scheduler.wake()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.request_stop()
         self._thread.join(timeout)
 
     def _run(self) -> None:

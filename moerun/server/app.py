@@ -121,6 +121,13 @@ class Server:
             if self.on_load_error is not None:
                 self.on_load_error(e)
 
+    def begin_shutdown(self) -> None:
+        """Requests in flight end now with an error event, so their connections close and shutdown need not
+        wait for them."""
+        self._stopping = True
+        if self.ready is not None:
+            self.ready.loop.request_stop()
+
     def stop(self) -> None:
         self._stopping = True
         if self.ready is not None:
@@ -204,7 +211,7 @@ class Server:
         finally:
             gone.cancel()
         if ev.finish_reason == "error":
-            raise APIError(500, f"generation failed: {ev.error}")
+            raise APIError(503 if self._stopping else 500, f"generation failed: {ev.error}")
         use, timings = self._finals(req)
         return JSONResponse(reply.whole("".join(text), ev.finish_reason, use, timings),
                             headers={"X-Request-Id": req.id})
@@ -223,7 +230,7 @@ class Server:
                     continue
                 finished = True
                 if ev.finish_reason == "error":
-                    yield _sse(APIError(500, f"generation failed: {ev.error}").body())
+                    yield _sse(APIError(503 if self._stopping else 500, f"generation failed: {ev.error}").body())
                 else:
                     use, timings = self._finals(req)
                     for chunk in reply.final_chunks(ev.finish_reason, use, timings, include_usage):
