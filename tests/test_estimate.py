@@ -4,6 +4,7 @@ tensors (gguf's own reader), the hit-rate and miss terms, JSON fields, errors an
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -201,3 +202,20 @@ def test_labels_default_cached_given_measured(tiny, cache, monkeypatch):
     # another thread count has nothing cached
     d = estimate_json(tiny, "-t", "3", "--device", "cpu")
     assert d["sources"]["layer_overhead_s"] == "default"
+
+
+def test_estimate_and_inspect_read_metadata_without_importing_torch(tiny, tmp_path):
+    """Issue 7: under 2 s on a 15 GB file. Importing torch alone takes 1-2 s here, so the metadata-only
+    commands must not import it (measured on a3b-L12 F16, 15 GB: 0.5 s; bench/RESULTS.md)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom moerun.cli import main\n"
+            "for args in (['estimate', sys.argv[1], '--json'], ['inspect', sys.argv[1]]):\n"
+            "    try:\n        main(args)\n    except SystemExit as e:\n        assert not e.code, e.code\n"
+            "print('torch' in sys.modules)\n")
+    env = {**os.environ, "MOERUN_CACHE": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", code, str(tiny)], check=False, capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "False"

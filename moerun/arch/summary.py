@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from moerun.arch import Arch
 from moerun.arch.tensors import source_shape
 from moerun.formats.names import tensor_class
-from moerun.quant.qtypes import tensor_bytes
+from moerun.quant.ggml_types import tensor_bytes
 
 
 @dataclass

@@ -17,7 +17,7 @@ import numpy as np
 
 from moerun.errors import ModelFormatError
 from moerun.formats.records import ModelFile, TensorRecord
-from moerun.quant.qtypes import SUPPORTED, QType, block_size, tensor_bytes
+from moerun.quant.ggml_types import SUPPORTED, QType, block_size, tensor_bytes
 
 __all__ = ["GGUF_MAGIC", "read_gguf"]
 

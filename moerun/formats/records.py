@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from moerun.errors import ModelFormatError
-from moerun.quant.qtypes import QTensor, QType
+from moerun.quant.ggml_types import QType
+
+if TYPE_CHECKING:  # torch is imported where bytes are handed out, so metadata-only tools start fast
+    import torch
+
+    from moerun.quant.qtypes import QTensor
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,8 @@ class ModelFile:
 
     def raw(self, rec: TensorRecord | str) -> torch.Tensor:
         """The record's bytes as a uint8 tensor viewing the memory map."""
+        import torch
+
         if isinstance(rec, str):
             rec = self.records[rec]
         buf = self._maps[rec.file]
@@ -52,6 +57,8 @@ class ModelFile:
     def read(self, rec: TensorRecord | str) -> torch.Tensor:
         """A copy of the record's bytes in memory moerun owns, read with positioned reads (the map's pages
         are not touched, so they never count in the process's resident set)."""
+        import torch
+
         if isinstance(rec, str):
             rec = self.records[rec]
         out = torch.empty(rec.nbytes, dtype=torch.uint8)
@@ -69,6 +76,8 @@ class ModelFile:
         return out
 
     def qtensor(self, rec: TensorRecord | str) -> QTensor:
+        from moerun.quant.qtypes import QTensor
+
         if isinstance(rec, str):
             rec = self.records[rec]
         return QTensor.from_bytes(self.raw(rec), rec.qtype, rec.shape)

@@ -14,7 +14,7 @@ from typing import Any
 
 from moerun.errors import ModelFormatError
 from moerun.formats.records import ModelFile, TensorRecord
-from moerun.quant.qtypes import QType, tensor_bytes
+from moerun.quant.ggml_types import QType, tensor_bytes
 
 __all__ = ["CONFIG_NAME", "INDEX_NAME", "WEIGHTS_NAME", "read_hf"]
 

@@ -372,7 +372,7 @@ def parts_from_arch(arch, plan=None) -> tuple[Part, ...]:
     routed-expert tensor, scaled by k/E later), parameters, qtype; tier and device from `plan` (None: RAM, cpu)."""
     from moerun.arch.tensors import source_shape
     from moerun.formats.names import tensor_class
-    from moerun.quant.qtypes import tensor_bytes
+    from moerun.quant.ggml_types import tensor_bytes
 
     parts = []
     for cn, src in arch.sources.items():

@@ -164,8 +164,15 @@ def _nvml_gpus() -> tuple[GPU, ...] | None:
             pass
 
 
+def _gpu_driver_present() -> bool:
+    """An NVIDIA (or ROCm) kernel driver is loaded; without one torch sees no GPU, so it need not be imported."""
+    return any(Path(p).exists() for p in ("/proc/driver/nvidia/version", "/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd"))
+
+
 def _torch_gpus() -> tuple[GPU, ...]:
     """GPUs as torch.cuda sees them (no PCIe figures); () without CUDA."""
+    if not _gpu_driver_present():
+        return ()
     try:
         import torch
 

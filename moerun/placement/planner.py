@@ -17,7 +17,7 @@ from moerun.arch.tensors import source_shape
 from moerun.errors import MoerunError
 from moerun.formats.names import tensor_class
 from moerun.placement.devices import Inventory, format_size
-from moerun.quant.qtypes import tensor_bytes
+from moerun.quant.ggml_types import tensor_bytes
 
 MiB = 1 << 20
 _DEV = re.compile(r"^(cpu|cuda:\d+)$")
