@@ -43,9 +43,17 @@ class LayerWeights:
 
 
 class MoEModel:
+    """The whole model, or one pipeline stage of it: `layers=(a, b)` holds layers [a, b) only (`weights` need
+    not have the others), the embeddings when a == 0 and the head when b == n_layers. Layer indices stay the
+    model's (expert statistics, routing traces); a stage's KV pool holds its own layers, from a."""
+
     def __init__(self, spec: ModelSpec, weights: dict[CName, QTensor], dtype: torch.dtype = torch.float32,
-                 experts: Experts | None = None, kernels: bool = True, expert_reader: ExpertReader | None = None):
+                 experts: Experts | None = None, kernels: bool = True, expert_reader: ExpertReader | None = None,
+                 layers: tuple[int, int] | None = None):
         self.spec, self.dtype = spec, dtype
+        self.first, self.stop = layers or (0, spec.n_layers)
+        if not 0 <= self.first <= self.stop <= spec.n_layers:
+            raise ValueError(f"layers {layers} are not a range within the model's {spec.n_layers}")
         self.ops = make_ops(kernels)  # quantized CPU kernels when built, else the torch reference
 
         def mat(kind: str, layer: int | None = None) -> Weight | None:
@@ -58,11 +66,11 @@ class MoEModel:
             t = weights.get(CName(kind, layer))
             return None if t is None else t.dequantize(torch.float32).to(dtype)
 
-        self.embd = weights[CName("token_embd.weight")]
+        self.embd = weights[CName("token_embd.weight")] if self.first == 0 else None
         self.out_norm = vec("output_norm.weight")
         self.head = mat("output.weight") if not spec.tie_embeddings else mat("token_embd.weight")
-        self.layers = []
-        for i in range(spec.n_layers):
+        self.layers = []  # self.layers[i - self.first] is layer i
+        for i in range(self.first, self.stop):
             lw = LayerWeights(
                 attn_norm=vec("attn_norm.weight", i), ffn_norm=vec("ffn_norm.weight", i),
                 wq=mat("attn_q.weight", i), wk=mat("attn_k.weight", i), wv=mat("attn_v.weight", i),
@@ -80,10 +88,10 @@ class MoEModel:
                 lw.ffn = (mat("ffn_gate.weight", i), mat("ffn_up.weight", i), mat("ffn_down.weight", i))
             self.layers.append(lw)
         self.store = ExpertStore(*({i: weights[CName(f"ffn_{k}_exps.weight", i)]
-                                    for i in range(spec.n_layers) if spec.moe_layers[i]}
+                                    for i in range(self.first, self.stop) if spec.moe_layers[i]}
                                    for k in ("gate", "up", "down")), reader=expert_reader)
         self.experts = experts or ResidentExperts(self.store)
-        moe = [i for i in range(spec.n_layers) if spec.moe_layers[i]]
+        moe = [i for i in range(self.first, self.stop) if spec.moe_layers[i]]
         self._next_moe = dict(pairwise(moe))  # MoE layer -> the next one (prefetch target)
         # called with (layer, phase, positions [T], ids [T, k], weights [T, k]) after each routing decision
         self.on_route: Callable[[int, str, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
@@ -97,7 +105,7 @@ class MoEModel:
         return rows.dequantize(self.dtype)  # [T, H]
 
     def attention(self, i: int, x: torch.Tensor, pos: torch.Tensor, rope, kv: SeqKV | None) -> torch.Tensor:
-        s, lw, T = self.spec, self.layers[i], x.shape[0]
+        s, lw, T = self.spec, self.layers[i - self.first], x.shape[0]
         mm = self.ops.linear
         q, k, v = mm(x, lw.wq, lw.bq), mm(x, lw.wk, lw.bk), mm(x, lw.wv, lw.bv)  # [T, q_dim|kv_dim]
         if s.clip_qkv is not None:
@@ -111,8 +119,8 @@ class MoEModel:
         k_pos = pos
         if kv is not None:  # append to the cache, attend over everything cached so far
             start, end = int(pos[0]), int(pos[-1]) + 1
-            kv.write(i, start, k, v)
-            k, v = kv.read(i, end)  # [end, kv_heads, D]
+            kv.write(i - self.first, start, k, v)
+            k, v = kv.read(i - self.first, end)  # [end, kv_heads, D]
             k_pos = torch.arange(end)
         return mm(attend(q, k, v, pos, k_pos), lw.wo)  # [T, H]
 
@@ -123,14 +131,14 @@ class MoEModel:
         j = self._next_moe.get(i)
         if j is None:
             return
-        s, lw = self.spec, self.layers[j]
+        s, lw = self.spec, self.layers[j - self.first]
         p, ids = route(self.ops, rms_norm(resid, lw.ffn_norm, s.rms_eps), lw.router, s.n_experts_used, False)
         self.experts.prefetch(j, guess_ids(p, ids))
 
     def ffn(self, i: int, x: torch.Tensor, phase: str, pos: torch.Tensor,
             resid: torch.Tensor | None = None) -> torch.Tensor:
         """x: the normed input; resid (optional): the un-normed hidden state, for a decode step's prefetch."""
-        s, lw, ops = self.spec, self.layers[i], self.ops
+        s, lw, ops = self.spec, self.layers[i - self.first], self.ops
         if lw.ffn is not None:
             return ops.swiglu(x, *lw.ffn)
         w, ids = route(ops, x, lw.router, s.n_experts_used, s.norm_topk)  # [T, k]
@@ -139,7 +147,7 @@ class MoEModel:
     def moe(self, i: int, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, phase: str, pos: torch.Tensor,
             resid: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts (ids, w [T, k]) and the shared expert of MoE layer i on the normed x [T, H]."""
-        lw, ops = self.layers[i], self.ops
+        lw, ops = self.layers[i - self.first], self.ops
         if self.on_route is not None:
             self.on_route(i, phase, pos, ids, w)
         experts = self.experts.fetch(i, sorted(set(ids.view(-1).tolist())), phase)
@@ -153,11 +161,14 @@ class MoEModel:
             out = out + sh
         return out
 
-    def _layers_fused(self, x: torch.Tensor, kvs: list[SeqKV], pos: torch.Tensor, phase: str) -> torch.Tensor:
-        """Every layer on rows x [B, H], row r at position pos[r] of kvs[r] (room reserved)."""
+    def _layers_fused(self, x: torch.Tensor, kvs: list[SeqKV], pos: torch.Tensor, phase: str,
+                      layers: range) -> torch.Tensor:
+        """`layers` on rows x [B, H], row r at position pos[r] of kvs[r] (room reserved)."""
         rows, pool = self.fused.rows([kv.slot_table for kv in kvs], pos), kvs[0].pool
-        for i, lw in enumerate(self.layers):
-            xn, ids, w = self.fused(i, x, rows, pool.k[i], pool.v[i])  # x += attention, in place
+        for i in layers:
+            j = i - self.first
+            lw = self.layers[j]
+            xn, ids, w = self.fused(j, x, rows, pool.k[j], pool.v[j])  # x += attention, in place
             x += self.ops.swiglu(xn, *lw.ffn) if lw.ffn is not None else self.moe(i, xn, w, ids, phase, pos, x)
         return x
 
@@ -168,6 +179,28 @@ class MoEModel:
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(rms_norm(x, self.out_norm, self.spec.rms_eps), self.head).float()
+
+    def run_layers(self, x: torch.Tensor, pos: torch.Tensor, kv: SeqKV | list[SeqKV] | None, phase: str,
+                   layers: tuple[int, int] | None = None) -> torch.Tensor:
+        """Layers [a, b) (default: all this model holds) on hidden states x [T, H] at positions pos [T] -> x.
+
+        kv: one cache that all T rows continue (a prompt chunk), one cache per row (a decode batch), or None.
+        Room must be reserved; lengths are left to the caller."""
+        span = range(*(layers or (self.first, self.stop)))
+        kvs = kv if isinstance(kv, list) else None if kv is None else [kv] * len(pos)
+        if kvs is not None and self._fused_ok(len(pos), kvs):
+            return self._layers_fused(x, kvs, pos, phase, span)
+        cos, sin = rope_tables(pos, self.spec.head_dim, self.spec.rope_theta)
+        for i in span:
+            lw = self.layers[i - self.first]
+            xn = rms_norm(x, lw.attn_norm, self.spec.rms_eps)
+            if isinstance(kv, list):
+                x = x + torch.cat([self.attention(i, xn[r:r + 1], pos[r:r + 1], (cos[r:r + 1], sin[r:r + 1]),
+                                                  kv[r]) for r in range(len(kv))])
+            else:
+                x = x + self.attention(i, xn, pos, (cos, sin), kv)
+            x = x + self.ffn(i, rms_norm(x, lw.ffn_norm, self.spec.rms_eps), phase, pos, resid=x)
+        return x
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, kv: SeqKV | None = None, last_only: bool = False,
@@ -183,14 +216,7 @@ class MoEModel:
             kv.reserve(len(tokens))
         pos = torch.arange(start, start + len(tokens))
         with self.ops.step(len(tokens)):
-            x = self.embed(tokens)
-            if kv is not None and self._fused_ok(len(tokens), [kv]):
-                x = self._layers_fused(x, [kv] * len(tokens), pos, phase)
-            else:
-                rope = rope_tables(pos, self.spec.head_dim, self.spec.rope_theta)
-                for i, lw in enumerate(self.layers):
-                    x = x + self.attention(i, rms_norm(x, lw.attn_norm, self.spec.rms_eps), pos, rope, kv)
-                    x = x + self.ffn(i, rms_norm(x, lw.ffn_norm, self.spec.rms_eps), phase, pos, resid=x)
+            x = self.run_layers(self.embed(tokens), pos, kv, phase)
             if kv is not None:
                 kv.length = start + len(tokens)
             return self._head(x[-1:] if last_only else x)
@@ -208,16 +234,7 @@ class MoEModel:
             kv.reserve(1)
         pos = torch.tensor([kv.length for kv in kvs], dtype=torch.int64)
         with self.ops.step(B):
-            x = self.embed(tokens)
-            if self._fused_ok(B, kvs):
-                x = self._layers_fused(x, kvs, pos, phase)
-            else:
-                cos, sin = rope_tables(pos, self.spec.head_dim, self.spec.rope_theta)
-                for i, lw in enumerate(self.layers):
-                    xn = rms_norm(x, lw.attn_norm, self.spec.rms_eps)
-                    x = x + torch.cat([self.attention(i, xn[b:b + 1], pos[b:b + 1], (cos[b:b + 1], sin[b:b + 1]),
-                                                      kvs[b]) for b in range(B)])
-                    x = x + self.ffn(i, rms_norm(x, lw.ffn_norm, self.spec.rms_eps), phase, pos, resid=x)
+            x = self.run_layers(self.embed(tokens), pos, list(kvs), phase)
             for kv in kvs:
                 kv.length += 1
             return self._head(x)
