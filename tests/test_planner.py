@@ -213,3 +213,64 @@ def test_real_tiny_model(tmp_path):
         assert CName("ffn_up_exps.weight", 1).gguf in p.tensors
     finally:
         mf.close()
+
+
+# -- issue 6: splits over several devices, against made-up inventories ---------------------------------------
+
+def test_two_gpus_8_and_24_gib_model_larger_than_both(a3b):
+    big = fake_arch(preset("a3b-L12", n_layers=128))  # ~43 GiB of routed experts: they cannot all be cached
+    p = plan(big, TWO_GPUS, Budgets(devices=("cuda:0", "cuda:1"), ram=64 * GiB))
+    check_invariants(p, big)
+    small, large = p.devices
+    assert (small.budget, large.budget) == (8 * GiB - 300 * MiB, 24 * GiB - 300 * MiB)
+    assert large.layers[1] - large.layers[0] > small.layers[1] - small.layers[0]  # sized by free memory
+    slots = [s for d in p.devices for s in d.expert_slots]
+    assert 0 < min(slots) < big.spec.n_experts and max(slots) - min(slots) <= 0.05 * big.spec.n_experts
+    cut = small.layers[1]  # moving the boundary a layer either way leaves some layers fewer slots
+    for other in (cut - 1, cut + 1):
+        q = plan(big, TWO_GPUS, Budgets(devices=("cuda:0", "cuda:1"), ram=64 * GiB, tensor_split=(other, 128 - other)))
+        assert q.devices[0].layers == (0, other)
+        assert min(s for d in q.devices for s in d.expert_slots) <= min(slots)
+    for d in p.devices:  # each GPU is full: one more slot per layer would not fit
+        assert d.budget - d.used_bytes < sum(p.tensors[f"blk.{i}.ffn_up_exps.weight"].nbytes * 3 // 128
+                                             for i in range(*d.layers))
+
+
+def test_one_gpu_6_gib_and_ram(a3b):
+    big = fake_arch(preset("a3b-L12", n_layers=48))
+    p = plan(big, ONE_GPU, Budgets(devices=("cuda:0",), ram=24 * GiB))
+    check_invariants(p, big)
+    d = p.devices[0]
+    assert d.layers == (0, 48) and d.budget == 6 * GiB - 300 * MiB
+    assert p.home == "ram" and len(set(d.expert_slots)) == 1 and 0 < d.expert_slots[0] < 128
+    assert p.ram_bytes == sum(t.nbytes for t in p.tensors.values() if t.tier == "ram") <= 24 * GiB
+    with pytest.raises(PlanError, match="budget"):  # dense + KV alone exceed the GPU
+        plan(big, ONE_GPU, Budgets(devices=("cuda:0",), ram=24 * GiB, ctx_size=65536))
+
+
+@pytest.mark.parametrize("split,ranges", [(None, [(0, 6), (6, 12)]), ((3, 1), [(0, 9), (9, 12)]),
+                                          ((1, 2, 1), [(0, 3), (3, 9), (9, 12)])])
+def test_cpu_stages_split_one_plan(a3b, split, ranges):
+    one = plan(a3b, CPU_ONLY, Budgets(ctx_size=2048, cache_mib=1024))
+    n = len(ranges)
+    p = plan(a3b, CPU_ONLY, Budgets(devices=("cpu",) * n, ctx_size=2048, cache_mib=1024, tensor_split=split))
+    check_invariants(p, a3b)
+    assert [d.layers for d in p.devices] == ranges and p.home == one.home == "disk"
+    for field in ("dense_bytes", "kv_bytes", "cache_bytes"):  # the stages add up to the one-stage plan
+        assert sum(getattr(d, field) for d in p.devices) == getattr(one.devices[0], field)
+    assert [s for d in p.devices for s in d.expert_slots] == list(one.devices[0].expert_slots)
+    assert p.ram_bytes == one.ram_bytes and p.tensors == one.tensors
+    embd, head = p.tensors["token_embd.weight"].nbytes, p.tensors["output.weight"].nbytes
+    per_layer = [sum(t.nbytes for name, t in p.tensors.items() if name.startswith(f"blk.{i}.") and "exps" not in name)
+                 for i in range(12)]
+    assert p.devices[0].dense_bytes == embd + sum(per_layer[slice(*ranges[0])])
+    assert p.devices[-1].dense_bytes == head + p.tensors["output_norm.weight"].nbytes + sum(
+        per_layer[slice(*ranges[-1])])
+
+
+def test_cpu_stages_budgets():
+    assert Budgets(devices=("cpu", "cpu")).devices == ("cpu", "cpu")
+    with pytest.raises(ValueError):
+        Budgets(devices=("cuda:0", "cuda:0"))
+    with pytest.raises(ValueError):
+        Budgets(devices=("cpu", "cpu"), tensor_split=(1, 1, 1))

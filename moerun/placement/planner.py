@@ -70,10 +70,11 @@ class Budgets:
     def __post_init__(self):
         devs = tuple(parse_device(d) for d in self.devices)
         object.__setattr__(self, "devices", devs)
-        if not devs or len(set(devs)) != len(devs):
-            raise ValueError(f"devices must be non-empty and distinct, got {list(self.devices)}")
-        if "cpu" in devs and len(devs) > 1:
-            raise ValueError("the compute devices are either 'cpu' alone or GPUs (cuda:N)")
+        cpu_stages = bool(devs) and set(devs) == {"cpu"}  # cpu,cpu: stages sharing the host (how splits are tested)
+        if not devs or (not cpu_stages and len(set(devs)) != len(devs)):
+            raise ValueError(f"devices must be non-empty and distinct (or all cpu), got {list(self.devices)}")
+        if "cpu" in devs and not cpu_stages:
+            raise ValueError("the compute devices are either 'cpu' (one or more stages) or GPUs (cuda:N)")
         if isinstance(self.vram, (list, tuple)):
             object.__setattr__(self, "vram", tuple(self.vram))
             if len(self.vram) != len(devs):
@@ -211,7 +212,7 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
         exp_bytes[i] = sum(info[n][2] for n in names) if cached_layer[i] else 0
     slot_b = [b // E if E else 0 for b in exp_bytes]
 
-    if devs == ("cpu",):
+    if set(devs) == {"cpu"}:
         return _plan_cpu(spec, info, budgets, ram_budget, kv_tok_layer, slot_b)
 
     try:
@@ -296,7 +297,9 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
 
 
 def _plan_cpu(spec, info, budgets: Budgets, ram_budget: int, kv_tok_layer: int, slot_b: list[int]) -> Plan:
-    """CPU only: dense + KV in RAM; experts in RAM when the whole model fits, else mmap + a RAM cache."""
+    """CPU only: dense + KV in RAM; experts in RAM when the whole model fits, else mmap + a RAM cache.
+    Several cpu stages split the layers (equally, or by tensor_split) and share the RAM budget; each stage's
+    row counts its layers' dense weights (embeddings with the first, head with the last), KV and cache."""
     L, E = spec.n_layers, spec.n_experts
     dense = sum(v[2] for v in info.values() if not v[1])
     experts = sum(v[2] for v in info.values() if v[1])
@@ -322,8 +325,18 @@ def _plan_cpu(spec, info, budgets: Budgets, ram_budget: int, kv_tok_layer: int, 
                             f"at most {left // per} slots per layer fit")
     sl = tuple(slots if slot_b[i] else 0 for i in range(L))
     cache = sum(s * b for s, b in zip(sl, slot_b))
-    dp = DevicePlan("cpu", (0, L), ram_budget, dense, kv, sl, cache)
+    n = len(budgets.devices)
+    ranges = _split_layers(L, list(budgets.tensor_split or [1.0] * n))
+    stage_dense = [0] * n
+    for layer, is_exp, nbytes, _, kind in info.values():
+        if not is_exp:
+            k = 0 if kind == "token_embd.weight" else n - 1 if layer is None else \
+                next(k for k, r in enumerate(ranges) if r[0] <= layer < r[1])
+            stage_dense[k] += nbytes
+    stages = tuple(DevicePlan("cpu", r, ram_budget, d, budgets.ctx_size * kv_tok_layer * (r[1] - r[0]),
+                              sl[r[0]:r[1]], sum(s * b for s, b in zip(sl[r[0]:r[1]], slot_b[r[0]:r[1]])))
+                   for r, d in zip(ranges, stage_dense))
     tensors = {n: TensorPlan("cpu", home if v[1] else "ram", v[2], cached=v[1] and home == "disk" and bool(slots))
                for n, v in info.items()}
     ram = dense + kv + cache + (experts if home == "ram" else 0)
-    return Plan((dp,), home, ram_budget, ram, tensors, budgets.ctx_size, kv_tok_layer * L)
+    return Plan(stages, home, ram_budget, ram, tensors, budgets.ctx_size, kv_tok_layer * L)
