@@ -173,9 +173,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self._waiting) or any(s.req is not None for s in self.slots)
 
-    def wait_for_work(self, timeout: float) -> bool:
+    def wait_for_work(self, timeout: float, or_until: Callable[[], bool] = lambda: False) -> bool:
+        """Sleep until there is work (-> True), `or_until()` holds after a wake(), or timeout."""
         with self._cond:
-            return self._cond.wait_for(self.has_work, timeout)
+            return self._cond.wait_for(lambda: self.has_work() or or_until(), timeout) and self.has_work()
 
     def wake(self) -> None:
         with self._cond:
@@ -376,7 +377,7 @@ class EngineLoop:
     def _run(self) -> None:
         sched = self.scheduler
         while not self._stop:
-            if sched.wait_for_work(timeout=1.0):
+            if sched.wait_for_work(timeout=1.0, or_until=lambda: self._stop):
                 sched.step()
             if self.after_step is not None:
                 self.after_step()

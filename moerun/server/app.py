@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from moerun.config import ServerConfig
+from moerun.errors import MoerunError
 from moerun.server.errors import APIError, Guard, install_handlers
 from moerun.server.metrics import Telemetry, ThroughputLog
 from moerun.server.protocol import (
@@ -115,9 +116,9 @@ class Server:
             log.info("model loaded in %.2f s: %s, context %d tokens x %d slots (KV cache %.1f MiB), %s",
                      time.perf_counter() - t0, self.cfg.model_names[0], eng.ctx_size, cfg.parallel, kv / 2**20,
                      "expert cache on" if eng.expert_cache is not None else "no expert cache")
-        except BaseException as e:  # noqa: BLE001 - reported, then the server stops
+        except BaseException as e:  # reported; then the server stops
             self.load_error = e
-            log.error("loading the model failed: %s", e)
+            log.error("loading the model failed: %s", e, exc_info=not isinstance(e, MoerunError))
             if self.on_load_error is not None:
                 self.on_load_error(e)
 
@@ -194,27 +195,27 @@ class Server:
         return usage(len(req.prompt), len(req.tokens), req.timings.cache_n), timings
 
     async def _whole(self, http: HTTPRequest, req: Request, events: _Events, reply: Reply) -> JSONResponse:
-        gone = asyncio.ensure_future(_disconnected(http))
-        text: list[str] = []
-        try:
+        async def collect() -> tuple[str, Event]:
+            text = []
             while True:
-                get = asyncio.ensure_future(events.queue.get())
-                done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if get not in done:
-                    get.cancel()
-                    req.cancel()
-                    return JSONResponse({}, status_code=499)  # nobody is listening
-                ev: Event = get.result()
+                ev: Event = await events.queue.get()
                 text.append(ev.text)
                 if ev.finish_reason is not None:
-                    break
-        finally:
-            gone.cancel()
+                    return "".join(text), ev
+
+        work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(http))
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            req.cancel()
+            self.ready.scheduler.wake()
+            return JSONResponse({}, status_code=499)  # nobody is listening
+        text, ev = work.result()
         if ev.finish_reason == "error":
             raise APIError(503 if self._stopping else 500, f"generation failed: {ev.error}")
         use, timings = self._finals(req)
-        return JSONResponse(reply.whole("".join(text), ev.finish_reason, use, timings),
-                            headers={"X-Request-Id": req.id})
+        return JSONResponse(reply.whole(text, ev.finish_reason, use, timings), headers={"X-Request-Id": req.id})
 
     async def _sse(self, req: Request, events: _Events, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
         finished = False
