@@ -1,0 +1,410 @@
+"""moerun.kernels.triton_q (Triton, dequantizing GGUF blocks in registers) against the torch reference
+dequantizer, gguf.quants.dequantize (an independent oracle) and ReferenceOps.
+
+Without CUDA the kernels run in triton's CPU interpreter: TRITON_INTERPRET=1 is set for this module's
+tests only (triton_q reads it at each call and rebuilds its kernels when it changes), so import order
+with the rest of the suite does not matter. With CUDA the same tests run compiled.
+
+Error bound. Activations are not quantized: the only error is float32 accumulation. For a matmul each
+output is checked elementwise against a float64 product of the dequantized weights,
+    |y - y64| <= TOL * (|x| @ |w|^T),    TOL = 1e-5
+(the float32 summation bound is (number of sequential adds) * 2^-24 times that magnitude; a single
+wrong weight among K = 1120 moves an output by ~1/K of it, 90x this bound). MoE outputs are checked
+normwise, max|y - ref| <= TOL * max|ref|, against ReferenceOps in float64 and in float32.
+Dequantization in the interpreter (no fused multiply-add) is bit-exact.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from gguf.quants import dequantize as gguf_dequantize
+
+from moerun.experts.store import Expert
+from moerun.kernels import triton_q as tq
+from moerun.model.gpu_ops import TritonOps
+from moerun.model.ops import ReferenceOps
+from moerun.quant.qtypes import QTensor, QType, block_size, row_bytes
+from moerun.quant.quantize import quantize
+
+TOL = 1e-5
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+QTYPES = [QType.Q8_0, QType.Q4_K, QType.Q6_K, QType.Q5_K, QType.Q4_0, QType.IQ4_XS, QType.MXFP4]
+QUANTIZABLE = {QType.Q8_0, QType.Q4_0, QType.Q4_K, QType.Q6_K}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter():
+    old = os.environ.get("TRITON_INTERPRET")
+    if DEVICE == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        if not tq.available():
+            pytest.skip("triton cannot run kernels here")
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+# ------------------------------------------------------------------------------------------ weights
+
+
+def random_blocks(qtype: QType, rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """Random bytes for rows x cols weights with scale fields set so weights stay below ~1."""
+    elems, nbytes = block_size(qtype)
+    nb = rows * cols // elems
+    raw = torch.randint(0, 256, (nb, nbytes), dtype=torch.uint8, generator=gen)
+
+    def f16(offset: int, lo: float, hi: float) -> None:
+        v = torch.empty(nb, 1).uniform_(lo, hi, generator=gen)
+        raw[:, offset:offset + 2] = v.to(torch.float16).view(torch.uint8)
+
+    if qtype in (QType.Q4_K, QType.Q5_K, QType.Q4_1):
+        f16(0, 1e-4, 4e-4)  # d
+        f16(2, 1e-4, 4e-4)  # dmin
+    elif qtype == QType.Q6_K:
+        f16(208, 1e-4, 4e-4)
+    elif qtype in (QType.Q8_0, QType.Q4_0):
+        f16(0, -0.02, 0.02)
+    elif qtype == QType.IQ4_XS:
+        f16(0, -2e-4, 2e-4)
+    elif qtype == QType.MXFP4:
+        raw[:, 0] = torch.randint(118, 124, (nb,), dtype=torch.uint8, generator=gen)  # 2^-10 .. 2^-5
+    return raw.reshape(rows, row_bytes(qtype, cols))
+
+
+@functools.cache
+def weight(qtype: QType, rows: int, cols: int, seed: int = 0) -> QTensor:
+    gen = torch.Generator().manual_seed(seed * 7919 + rows * 31 + cols + int(qtype))
+    if qtype in QUANTIZABLE:
+        data = quantize(torch.randn(rows, cols, generator=gen) * 0.05, qtype)
+    else:
+        data = random_blocks(qtype, rows, cols, gen)
+    return QTensor.from_bytes(data.to(DEVICE), qtype, (rows, cols))
+
+
+def cols_for(qtype: QType) -> int:
+    """A row length: two 256-blocks, or 35 32-blocks (not a multiple of 256) where the format allows."""
+    return 512 if block_size(qtype)[0] == 256 else 1120
+
+
+def activations(t: int, k: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(t, k, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+def check_matmul(y: torch.Tensor, x: torch.Tensor, w: QTensor) -> float:
+    """Asserts the elementwise bound; returns max err / magnitude."""
+    wd = w.dequantize().to(x.device).double()
+    ref = x.double() @ wd.T  # [T, N]
+    mag = x.double().abs() @ wd.abs().T  # [T, N]
+    err = (y.double() - ref).abs()
+    assert y.shape == ref.shape and y.dtype == x.dtype
+    assert bool((err <= TOL * mag).all()), f"max err/magnitude {(err / mag.clamp_min(1e-30)).max().item():.3g}"
+    return (err / mag.clamp_min(1e-30)).max().item()
+
+
+def rel_max(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+# ------------------------------------------------------------------------------------------ dequant
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_dequantize_matches_torch_reference_and_gguf(qtype):
+    w = weight(qtype, 3, cols_for(qtype))
+    got = tq.dequantize(w).cpu()
+    ref = w.dequantize()
+    oracle = torch.from_numpy(gguf_dequantize(w.data.cpu().numpy(), qtype).astype(np.float32)).view(3, -1)
+    if tq.interpreting():  # no fused multiply-add: bit-exact
+        assert torch.equal(got, ref)
+        assert torch.equal(got, oracle)
+    else:
+        torch.testing.assert_close(got, ref, rtol=2e-7, atol=1e-7 * ref.abs().max().item())
+        torch.testing.assert_close(got, oracle, rtol=2e-7, atol=1e-7 * ref.abs().max().item())
+
+
+# ------------------------------------------------------------------------------------------ matmul
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("t, n", [(1, 1), (3, 7), (17, 33)])
+def test_matmul_matches_reference(qtype, t, n):
+    w = weight(qtype, n, cols_for(qtype))
+    x = activations(t, w.shape[1])
+    check_matmul(tq.matmul(x, w), x, w)
+
+
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_K, QType.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("t", [2, 5, 9, 16, 31, 64])
+def test_matmul_token_counts(qtype, t):
+    w = weight(qtype, 19, 256)
+    x = activations(t, 256, seed=t)
+    check_matmul(tq.matmul(x, w), x, w)
+
+
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_K, QType.Q6_K], ids=lambda q: q.name)
+def test_matmul_device_tile_sizes(qtype, monkeypatch):
+    """The GPU's tile table (small tiles, the tl.dot path at 16+ rows), run here by the interpreter."""
+    monkeypatch.setattr(tq, "INTERPRETER_TILES", tq.TILES)
+    w = weight(qtype, 33, cols_for(qtype))
+    for t in (1, 2, 3, 8, 16, 20):
+        x = activations(t, w.shape[1], seed=t)
+        check_matmul(tq.matmul(x, w), x, w)
+
+
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.MXFP4], ids=lambda q: q.name)
+def test_matmul_reads_nothing_past_the_rows(qtype, monkeypatch):
+    """The last tile of a row runs past K = 1120; the bytes after the tensor are 0xFF (an f16 NaN, the
+    largest E8M0 exponent), so a read there would turn the output to NaN."""
+    w = weight(qtype, 3, 1120)
+    buf = torch.full((w.nbytes + 4096,), 0xFF, dtype=torch.uint8, device=DEVICE)
+    buf[:w.nbytes] = w.data.reshape(-1)
+    w = QTensor.from_bytes(buf[:w.nbytes], qtype, w.shape)
+    x = activations(2, 1120)
+    check_matmul(tq.matmul(x, w), x, w)
+    monkeypatch.setattr(tq, "INTERPRETER_TILES", tq.TILES)
+    check_matmul(tq.matmul(x, w), x, w)
+
+
+def test_matmul_keeps_dtype_and_handles_no_tokens():
+    w = weight(QType.Q8_0, 5, 64)
+    assert tq.matmul(torch.empty(0, 64, device=DEVICE), w).shape == (0, 5)
+    x = activations(3, 64)
+    y = tq.matmul(x.to(torch.bfloat16), w)
+    assert y.dtype == torch.bfloat16
+    ref = x.to(torch.bfloat16).float() @ w.dequantize().to(DEVICE).T
+    torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
+def test_matmul_rejects_bad_inputs():
+    w = weight(QType.Q8_0, 5, 64)
+    with pytest.raises(ValueError, match="features"):
+        tq.matmul(activations(2, 32), w)
+    f16 = QTensor.from_float(torch.zeros(5, 64, dtype=torch.float16, device=DEVICE))
+    with pytest.raises(ValueError, match="no Triton kernel"):
+        tq.matmul(activations(2, 64), f16)
+
+
+# ------------------------------------------------------------------------------------------ MoE
+
+
+def make_experts(ids: list[int], qtypes: tuple[QType, QType, QType], h: int, i: int) -> dict[int, Expert]:
+    g, u, d = qtypes
+    return {e: Expert(weight(g, i, h, seed=3 * e), weight(u, i, h, seed=3 * e + 1), weight(d, h, i, seed=3 * e + 2))
+            for e in ids}
+
+
+def routing(t: int, k: int, n_experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(n_experts, generator=gen)[:k] for _ in range(t)])  # [T, k]
+    w = torch.softmax(torch.randn(t, k, generator=gen), -1)  # [T, k]
+    return ids.to(DEVICE), w.to(DEVICE)
+
+
+def check_moe(qtypes, h: int, i: int, t: int, k: int) -> float:
+    """Experts 0, 2, 3, 5, 6 of 8 are given: choices of 1, 4 and 7 add nothing (as in ReferenceOps)."""
+    experts = make_experts([0, 2, 3, 5, 6], qtypes, h, i)
+    x = activations(t, h, seed=t)
+    ids, w = routing(t, k, 8, seed=t)
+    y = tq.moe_ffn(x, ids, w, experts)
+    ref32 = ReferenceOps().moe(x, ids, w, experts)
+    ref64 = ReferenceOps().moe(x.double(), ids, w.double(), experts)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert rel_max(y, ref64) <= TOL and rel_max(y, ref32) <= TOL
+    return rel_max(y, ref64)
+
+
+@pytest.mark.parametrize("t, k", [(1, 2), (3, 4), (17, 2)])
+def test_moe_q8_0_matches_reference(t, k):
+    check_moe((QType.Q8_0,) * 3, 64, 96, t, k)
+
+
+@pytest.mark.parametrize("t", [1, 6])
+def test_moe_q4_k_m_matches_reference(t):
+    """Q4_K_M's mix: gate and up Q4_K, down Q6_K."""
+    check_moe((QType.Q4_K, QType.Q4_K, QType.Q6_K), 256, 256, t, 3)
+
+
+def test_moe_gate_and_up_of_different_types():
+    check_moe((QType.Q4_K, QType.Q5_K, QType.Q8_0), 256, 256, 4, 2)
+
+
+def test_moe_device_tile_sizes(monkeypatch):
+    monkeypatch.setattr(tq, "INTERPRETER_TILES", tq.TILES)
+    for t in (1, 20):  # one row per expert (GEMV tiles); ~8 rows per expert
+        check_moe((QType.Q8_0,) * 3, 64, 64, t, 2)
+
+
+def test_moe_no_routed_expert_given():
+    experts = make_experts([2], (QType.Q8_0,) * 3, 64, 32)
+    x = activations(3, 64)
+    y = tq.moe_ffn(x, torch.zeros(3, 1, dtype=torch.int64, device=DEVICE), torch.ones(3, 1, device=DEVICE), experts)
+    assert torch.equal(y, torch.zeros_like(x))
+
+
+def test_moe_rejects_mixed_experts():
+    experts = make_experts([0], (QType.Q8_0,) * 3, 64, 32) | make_experts([1], (QType.Q4_0,) * 3, 64, 32)
+    ids, w = routing(2, 2, 2, seed=0)
+    with pytest.raises(ValueError, match="experts\\[1\\].gate"):
+        tq.moe_ffn(activations(2, 64), ids, w, experts)
+
+
+@pytest.mark.parametrize("bm", [1, 4, 32])
+def test_schedule_covers_each_pair_once(bm):
+    """The tile table (built on the device, no host sync) for prefill-sized routing: every pair with a
+    given expert lies in exactly one tile of at most BM rows of that expert; the others in none."""
+    keys = sorted(torch.randperm(128, generator=torch.Generator().manual_seed(bm))[:37].tolist())
+    ids, _ = routing(300, 8, 128, seed=bm)
+    pair, (table, _) = tq._schedule(ids, keys, 1, {"BM": bm})
+    slot_of = {e: s for s, e in enumerate(keys)}
+    want = {p: slot_of[e] for p, e in enumerate(ids.reshape(-1).tolist()) if e in slot_of}
+    seen = {}
+    for s, r0, r1 in table.tolist():
+        if s < 0:
+            continue
+        assert 0 < r1 - r0 <= bm
+        for p in pair[r0:r1].tolist():
+            assert p not in seen and want[p] == s
+            seen[p] = s
+    assert seen == want
+
+
+# ------------------------------------------------------------------------------------------ TritonOps
+
+
+def spy(monkeypatch, name: str) -> list:
+    calls = []
+    real = getattr(tq, name)
+    monkeypatch.setattr(tq, name, lambda *a, **kw: calls.append(name) or real(*a, **kw))
+    return calls
+
+
+def test_triton_ops_linear(monkeypatch):
+    ops, calls = TritonOps(), spy(monkeypatch, "matmul")
+    w = weight(QType.Q6_K, 9, 256)
+    x = activations(2, 256)
+    b = torch.randn(9, device=DEVICE)
+    y = ops.linear(x.view(1, 2, 256), w, b)
+    assert calls == ["matmul"] and y.shape == (1, 2, 9)
+    check_matmul(y.view(2, 9) - b, x, w)
+    f32 = torch.randn(9, 256, device=DEVICE)
+    torch.testing.assert_close(ops.linear(x, f32), x @ f32.T)  # plain tensor: the reference
+    q4_1 = QTensor.from_bytes(random_blocks(QType.Q4_1, 9, 256, torch.Generator()).to(DEVICE), QType.Q4_1, (9, 256))
+    torch.testing.assert_close(ops.linear(x, q4_1), ReferenceOps().linear(x, q4_1))  # no kernel for Q4_1
+    assert calls == ["matmul"]
+
+
+def test_triton_ops_moe_and_swiglu(monkeypatch):
+    ops, moe_calls, swiglu_calls = TritonOps(), spy(monkeypatch, "moe_ffn"), spy(monkeypatch, "swiglu")
+    experts = make_experts([1, 4], (QType.Q4_K, QType.Q4_K, QType.Q6_K), 256, 256)
+    x = activations(3, 256)
+    ids, w = routing(3, 2, 5, seed=9)
+    ref = ReferenceOps().moe(x, ids, w, experts)
+    assert rel_max(ops.moe(x, ids, w, experts), ref) <= TOL
+    ex = experts[1]
+    ref = ReferenceOps().swiglu(x, ex.gate, ex.up, ex.down)
+    assert rel_max(ops.swiglu(x, ex.gate, ex.up, ex.down), ref) <= TOL
+    assert moe_calls == ["moe_ffn"] and swiglu_calls == ["swiglu"]
+
+
+def test_triton_ops_falls_back_without_a_device(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not tq.available() and not tq.runs_on(torch.device("cpu"))
+    w = QTensor.from_bytes(quantize(torch.randn(4, 64), QType.Q8_0), QType.Q8_0, (4, 64))
+    x = torch.randn(2, 64)
+    calls = spy(monkeypatch, "matmul")
+    torch.testing.assert_close(TritonOps().linear(x, w), ReferenceOps().linear(x, w))
+    assert calls == []
+
+
+def test_import_without_triton():
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import torch\n"
+            "from moerun.kernels import triton_q\n"
+            "from moerun.model.gpu_ops import TritonOps\n"
+            "from moerun.quant.qtypes import QTensor, QType\n"
+            "from moerun.quant.quantize import quantize\n"
+            "w = QTensor.from_bytes(quantize(torch.ones(2, 32), QType.Q8_0), QType.Q8_0, (2, 32))\n"
+            "print(triton_q.available(), TritonOps().linear(torch.ones(1, 32), w).tolist())\n")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0] == "False"
+
+
+# ------------------------------------------------------------------------------------------ compiled
+
+
+def compile_for_sm90(qtype: QType, grouped: bool, bm: int, monkeypatch):
+    """qgemm_kernel compiled for an H100/H200 (sm_90) by triton's bundled LLVM and ptxas: no GPU
+    needed, so code that only the compiler rejects (not the interpreter) fails here too."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _, gm = tq._kernels()
+    if not isinstance(triton.language.standard._sum_combine, triton.runtime.jit.JITFunction):
+        pytest.skip("triton was imported with TRITON_INTERPRET=1: its library is interpreted")
+    tiles = tq._tiles(bm, 2048)
+    warps = tiles.pop("num_warps")
+    ptr = "*i64" if grouped else "*u8"
+    types = {"a_ptr": "*fp32", "stride_a": "i32", "out_ptr": "*fp32", "stride_out": "i32", "pair_ptr": "*i32",
+             "a_div": "i32", "scale_ptr": "*fp32", "tiles_ptr": "*i32", "w_ptr": ptr, "w2_ptr": ptr, "row_bytes": "i32",
+             "row_bytes2": "i32", "kv_ptr": "*fp32", "kv2_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32"}
+    consts = {"QTYPE": int(qtype), "QTYPE2": int(qtype), "GROUPED": grouped, "GATED": grouped, "SCALED": grouped,
+              **tiles}
+    src = triton.compiler.ASTSource(gm.qgemm_kernel, {**types, **dict.fromkeys(consts, "constexpr")}, consts)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "enable_fp_fusion": True})
+    assert len(kernel.asm["cubin"]) > 0
+
+
+def test_compiles_for_sm90(monkeypatch):
+    compile_for_sm90(QType.Q4_K, True, 32, monkeypatch)  # grouped gate+up, tl.dot
+    compile_for_sm90(QType.Q6_K, False, 1, monkeypatch)  # plain GEMV
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_compiles_for_sm90_every_type(qtype, monkeypatch):
+    for grouped in (False, True):
+        for bm in (1, 4, 16):
+            compile_for_sm90(qtype, grouped, bm, monkeypatch)
+
+
+# ------------------------------------------------------------------------------------------ larger
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_matmul_sweep(qtype):
+    k = 2 * cols_for(qtype)
+    for t, n in [(1, 65), (7, 130), (40, 97)]:
+        w = weight(qtype, n, k, seed=5)
+        x = activations(t, k, seed=n)
+        check_matmul(tq.matmul(x, w), x, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 512])
+def test_a3b_layer_on_cuda(t):
+    """Qwen3-30B-A3B's expert shape (hidden 2048, FFN 768, 128 experts, top-8) in Q4_K_M, compiled."""
+    assert not tq.interpreting() and DEVICE == "cuda"
+    ids, w = routing(t, 8, 128, seed=t)
+    experts = make_experts(sorted(set(ids.reshape(-1).tolist())), (QType.Q4_K, QType.Q4_K, QType.Q6_K), 2048, 768)
+    x = activations(t, 2048, seed=t)
+    assert rel_max(tq.moe_ffn(x, ids, w, experts), ReferenceOps().moe(x.double(), ids, w.double(), experts)) <= TOL
+    check_matmul(tq.matmul(x, experts[ids[0, 0].item()].gate), x, experts[ids[0, 0].item()].gate)
