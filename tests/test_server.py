@@ -202,6 +202,18 @@ def test_same_seed_same_text(client):
     assert a == b and a != c
 
 
+def test_a_chat_turn_reuses_the_previous_turns_kv_cache(server, client):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "write a class"}]
+    a = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)
+    tokenized = server.http("POST", "/tokenize", {"messages": msgs}).json()
+    assert tokenized["count"] == a.usage.prompt_tokens
+    msgs += [{"role": "assistant", "content": a.choices[0].message.content}, {"role": "user", "content": "again"}]
+    b = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4, temperature=0)
+    assert a.usage.prompt_tokens <= b.usage.prompt_tokens_details.cached_tokens < b.usage.prompt_tokens
+    assert b.model_extra["timings"]["cache_n"] == b.usage.prompt_tokens_details.cached_tokens
+    assert b.model_extra["timings"]["prompt_n"] == b.usage.prompt_tokens - b.usage.prompt_tokens_details.cached_tokens
+
+
 def test_eight_concurrent_streams_each_get_what_they_get_alone(client):
     kw = {"model": MODEL, "max_tokens": 32, "temperature": 0, "extra_body": {"ignore_eos": True}}
     alone = [client.completions.create(prompt=p, **kw).choices[0].text for p in PROMPTS]

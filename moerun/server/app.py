@@ -25,6 +25,7 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
 
 from moerun.config import ServerConfig
 from moerun.errors import MoerunError
@@ -292,22 +293,25 @@ def _routes(app: FastAPI, server: Server) -> None:
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "moerun",
                                             "meta": meta} for name in server.cfg.model_names[:1]]}
 
-    @app.post("/v1/chat/completions")
-    @app.post("/chat/completions")
-    async def chat(body: ChatRequest, http: HTTPRequest):
+    def chat_prompt(ready: Ready, messages: list[dict], kwargs: dict | None) -> list[int]:
+        """The chat template applied, then tokenized (the template writes BOS itself when the model wants it)."""
         from moerun.text import ChatTemplateError
 
-        ready = server.require()
-        server.check_model(body.model)
-        body.refuse_unsupported()
         if ready.template is None:
             raise APIError(501, f"this model's chat template cannot be used: {ready.template_error}")
         try:
-            text = ready.template.render(message_texts(body.messages), add_generation_prompt=True,
-                                         **(body.chat_template_kwargs or {}))
+            text = ready.template.render(message_texts(messages), add_generation_prompt=True, **(kwargs or {}))
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
-        prompt = ready.runtime.engine.tokenizer.encode(text, add_special=False)
+        return ready.runtime.engine.tokenizer.encode(text, add_special=False)
+
+    @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")
+    async def chat(body: ChatRequest, http: HTTPRequest):
+        ready = server.require()
+        server.check_model(body.model)
+        body.refuse_unsupported()
+        prompt = await run_in_threadpool(chat_prompt, ready, body.messages, body.chat_template_kwargs)
         return await server.generate(http, body, prompt, "chat")
 
     @app.post("/v1/completions")
@@ -317,7 +321,7 @@ def _routes(app: FastAPI, server: Server) -> None:
         server.check_model(body.model)
         body.refuse_unsupported()
         p = body.single_prompt()
-        prompt = ready.runtime.engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        prompt = await run_in_threadpool(ready.runtime.engine.tokenizer.encode, p) if isinstance(p, str) else list(p)
         return await server.generate(http, body, prompt, "text")
 
     @app.post("/tokenize")
@@ -326,15 +330,12 @@ def _routes(app: FastAPI, server: Server) -> None:
         server.check_model(getattr(body, "model", None))
         tok = ready.runtime.engine.tokenizer
         if body.messages is not None:
-            if ready.template is None:
-                raise APIError(501, f"this model's chat template cannot be used: {ready.template_error}")
-            text, add_special = ready.template.render(message_texts(body.messages), add_generation_prompt=True), False
+            ids = await run_in_threadpool(chat_prompt, ready, body.messages, None)
         else:
             text = body.content if body.content is not None else body.prompt
             if text is None:
                 raise APIError(400, "give 'content' (or 'prompt', or 'messages') to tokenize", param="content")
-            add_special = body.add_special
-        ids = tok.encode(text, add_special=add_special)
+            ids = await run_in_threadpool(tok.encode, text, body.add_special)
         tokens: list[Any] = [{"id": i, "piece": tok.token_to_piece(i)} for i in ids] if body.with_pieces else ids
         return {"tokens": tokens, "count": len(ids), "max_model_len": ready.runtime.engine.ctx_size}
 
