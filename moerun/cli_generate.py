@@ -41,6 +41,20 @@ def model_options(f):
                           "and no expert cache is asked for."),
         click.option("--device", default="cpu", show_default=True, help="Compute device (only cpu runs today)."),
         click.option("--gpus", default=None, help="CUDA devices, e.g. 0,1 (llama.cpp's meaning)."),
+        click.option("--devices", default=None,
+                     help="One stage per device, in layer order, in this process, e.g. cpu,cpu."),
+        click.option("--tensor-split", default=None,
+                     help="Share of the layers per stage, e.g. 3,1 (llama.cpp's meaning; default: equal on CPUs)."),
+        click.option("--pipeline-rank", type=click.IntRange(min=0), default=0, envvar="RANK", show_default=True,
+                     help="This process's stage in a pipeline over processes (torchrun's RANK)."),
+        click.option("--pipeline-world-size", type=click.IntRange(min=1), default=1, envvar="WORLD_SIZE",
+                     show_default=True, help="Processes in the pipeline, one stage each (torchrun's WORLD_SIZE)."),
+        click.option("--master-addr", default="127.0.0.1", envvar="MASTER_ADDR", show_default=True,
+                     help="Rank 0's host (torchrun's MASTER_ADDR)."),
+        click.option("--master-port", type=click.IntRange(1, 65535), default=29500, envvar="MASTER_PORT",
+                     show_default=True, help="Rank 0's port (torchrun's MASTER_PORT)."),
+        click.option("--pipeline-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0,
+                     show_default=True, help="Seconds to wait for the other ranks to join, or to answer a step."),
         click.option("--ram-budget", default=None, help="Host RAM moerun may use, e.g. 12GiB (default: available)."),
         click.option("--n-cpu-moe", type=click.IntRange(min=0), default=0,
                      help="llama.cpp's flag: routed experts of the first N layers stay on the CPU (with GPUs)."),
@@ -94,17 +108,33 @@ def _sampling(kw: dict):
 
 RUNTIME_OPTIONS = ("model", "ctx_size", "ubatch", "threads", "dtype", "expert_cache_mib", "expert_cache_slots",
                    "cache_policy", "cache_prefill", "prefetch", "use_mmap", "device", "gpus", "ram_budget", "n_cpu_moe",
-                   "override_tensor", "print_plan")
+                   "override_tensor", "print_plan", "devices", "tensor_split", "pipeline_rank", "pipeline_world_size",
+                   "master_addr", "master_port", "pipeline_timeout")
+
+
+def _split_list(text: str | None, convert, flag: str) -> tuple | None:
+    if text is None:
+        return None
+    try:
+        return tuple(convert(x) for x in text.split(","))
+    except ValueError as e:
+        raise click.UsageError(f"{flag} {text}: {e}") from None
 
 
 def runtime_config(kw: dict):
-    """Pops the model and placement options out of kw; -> (RuntimeConfig, whether to print the plan)."""
+    """Pops the model and placement options out of kw; -> (RuntimeConfig, whether to print the plan).
+
+    On a pipeline rank other than 0 it does not return: the process serves its stage until rank 0 stops it,
+    then exits (the other ranks run no command of their own; rank 0 runs run, chat or serve)."""
     from moerun.config import RuntimeConfig
     from moerun.placement.devices import parse_size
-    from moerun.placement.planner import parse_override
+    from moerun.placement.planner import parse_device, parse_override
 
     o = {name: kw.pop(name) for name in RUNTIME_OPTIONS}
     if o["gpus"] is not None:
+        import os
+
+        os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # --gpus 0,1 numbers GPUs as nvidia-smi does
         import torch
 
         if not torch.cuda.is_available():
@@ -120,17 +150,29 @@ def runtime_config(kw: dict):
             expert_cache_mib=o["expert_cache_mib"], expert_cache_slots=o["expert_cache_slots"],
             cache_policy=o["cache_policy"], cache_prefill=o["cache_prefill"], prefetch=o["prefetch"],
             mmap=o["use_mmap"],
-            n_cpu_moe=o["n_cpu_moe"], override_tensor=overrides)
+            n_cpu_moe=o["n_cpu_moe"], override_tensor=overrides,
+            devices=_split_list(o["devices"], parse_device, "--devices") or (),
+            tensor_split=_split_list(o["tensor_split"], float, "--tensor-split"),
+            pipeline_rank=o["pipeline_rank"], pipeline_world_size=o["pipeline_world_size"],
+            master_addr=o["master_addr"], master_port=o["master_port"], pipeline_timeout=o["pipeline_timeout"])
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    if cfg.pipeline_rank > 0:
+        from moerun.runtime import serve_worker
+
+        serve_worker(cfg)
+        sys.exit(0)
     return cfg, o["print_plan"]
 
 
 def _runtime(kw: dict):
     """Pops the model and placement options out of kw; -> the built Runtime (plan printed when asked)."""
+    return _build(*runtime_config(kw))
+
+
+def _build(cfg, print_plan: bool):
     from moerun.runtime import build
 
-    cfg, print_plan = runtime_config(kw)
     rt = build(cfg)
     if print_plan:
         click.echo(rt.plan.table(), err=True)
@@ -163,17 +205,35 @@ def _trace(eng, path: Path | None):
     return rec
 
 
-def _log(eng, timings, verbose: bool) -> None:
-    """llama.cpp's timing lines, then the expert cache's (its figures since the last report)."""
+def _log(rt, timings, verbose: bool) -> None:
+    """llama.cpp's timing lines, then the expert cache's (its figures since the last report): one line per
+    stage when there are several, then their total."""
+    from moerun.experts.stats import CacheStats
+
     lines = timings.log_lines()
-    if eng.expert_cache is not None:
-        stats = eng.expert_cache.stats
-        lines.append(stats.summary_line())
+    stages = rt.stage_stats(reset=True)
+    if stages:
+        if len(stages) > 1:
+            lines += [s.summary_line().replace("expert cache:", f"expert cache, {label}:", 1) for label, s in stages]
+        total = sum((s for _, s in stages), CacheStats())
+        lines.append(total.summary_line())
         if verbose:
-            lines += stats.per_layer_lines()
-        stats.reset()
+            lines += total.per_layer_lines()
     for line in lines:
         click.echo(line, err=True)
+
+
+def _cache_json(rt) -> dict:
+    """The expert cache's figures for --json: the total, and per stage when there are several."""
+    from moerun.experts.stats import CacheStats
+
+    stages = rt.stage_stats()
+    if not stages:
+        return {}
+    out = {"expert_cache": sum((s for _, s in stages), CacheStats()).to_dict()}
+    if len(stages) > 1:
+        out["expert_cache_stages"] = [{"stage": label, **s.to_dict()} for label, s in stages]
+    return out
 
 
 @click.command()
@@ -187,23 +247,24 @@ def _log(eng, timings, verbose: bool) -> None:
 def run(prompt, prompt_file, no_display_prompt, as_json, trace_routing, verbose, **kw):
     """Complete a prompt, streaming the text to stdout; timings go to stderr."""
     params = _sampling(kw)
+    cfg, print_plan = runtime_config(kw)  # a pipeline rank other than 0 serves its stage here, and exits
     if prompt_file is not None:
         prompt = prompt_file.read()
     if not prompt:
         raise click.UsageError("give a prompt with -p or -f")
-    eng = _runtime(kw).engine
+    rt = _build(cfg, print_plan)
+    eng = rt.engine
     tracer = _trace(eng, trace_routing)
     ids = eng.tokenizer.encode(prompt)
     gen = eng.generate(ids, params)
     if as_json:
         gen.run()
         out = {"prompt": prompt, "text": gen.text, "tokens": gen.tokens, "finish_reason": gen.finish_reason,
-               "seed": gen.sampler.seed, "timings": gen.timings.to_dict()}
-        if eng.expert_cache is not None:
-            out["expert_cache"] = eng.expert_cache.stats.to_dict()
+               "seed": gen.sampler.seed, "timings": gen.timings.to_dict(), **_cache_json(rt)}
         click.echo(json.dumps(out))
         if tracer is not None:
             tracer.writer.close()
+        rt.close()
         return
     if not no_display_prompt:
         click.echo(prompt, nl=False)
@@ -212,9 +273,10 @@ def run(prompt, prompt_file, no_display_prompt, as_json, trace_routing, verbose,
         sys.stdout.flush()
     click.echo()
     sys.stdout.flush()
-    _log(eng, gen.timings, verbose)
+    _log(rt, gen.timings, verbose)
     if tracer is not None:
         tracer.writer.close()
+    rt.close()
 
 
 @click.command()
@@ -226,7 +288,8 @@ def chat(system, trace_routing, verbose, **kw):
     from moerun.text import ChatTemplate
 
     params = _sampling(kw)
-    eng = _runtime(kw).engine
+    rt = _runtime(kw)
+    eng = rt.engine
     tracer = _trace(eng, trace_routing)
     template = ChatTemplate.for_tokenizer(eng.tokenizer)
     seq = eng.new_sequence()
@@ -261,8 +324,9 @@ def chat(system, trace_routing, verbose, **kw):
             messages.pop()
             continue
         messages.append({"role": "assistant", "content": "".join(reply)})
-        _log(eng, gen.timings, verbose)
+        _log(rt, gen.timings, verbose)
         if tracer is not None:
             tracer.request += 1
     if tracer is not None:
         tracer.writer.close()
+    rt.close()

@@ -119,6 +119,11 @@ class RuntimeConfig:
 
     mmap: True keeps routed experts in the file's memory map (read on demand), False copies them to RAM
     (llama.cpp's --no-mmap), None lets the planner decide (RAM when the model fits the RAM budget).
+
+    Stages: `devices` splits the layers over several devices in this process (('cpu', 'cpu') is how a split
+    is tested without GPUs); `pipeline_world_size` > 1 puts one stage in each of that many processes joined
+    by torch.distributed (this one is `pipeline_rank`; rank 0 owns sampling). `tensor_split`: one proportion
+    per stage (llama.cpp's --tensor-split); None: equal on CPUs, by free memory on GPUs.
     """
 
     model: str | None = None  # GGUF file or HF folder; None: the built-in default model
@@ -136,11 +141,38 @@ class RuntimeConfig:
     mmap: bool | None = None
     n_cpu_moe: int = 0
     override_tensor: tuple[tuple[str, str], ...] = ()
+    devices: tuple[str, ...] = ()  # (): one stage on `device`
+    tensor_split: tuple[float, ...] | None = None
+    pipeline_rank: int = 0
+    pipeline_world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    pipeline_timeout: float = 120.0  # seconds: joining the group, and waiting on another rank during a step
 
     def __post_init__(self) -> None:
         problems = []
-        if self.device != "cpu":
-            problems.append(f"device {self.device!r}: only 'cpu' runs today (GPU execution is not implemented yet)")
+        for d in (self.device, *self.devices):
+            if d != "cpu":
+                problems.append(f"device {d!r}: only 'cpu' runs today (GPU execution is not implemented yet)")
+        if not isinstance(self.devices, tuple):
+            problems.append(f"devices must be a tuple, got {self.devices!r}")
+        w, r = self.pipeline_world_size, self.pipeline_rank
+        if not (_is_int(w) and w >= 1 and _is_int(r) and 0 <= r < w):
+            problems.append(f"pipeline rank {r!r} must be in 0..world size - 1 (world size {w!r}, at least 1)")
+        elif w > 1 and len(self.devices) > 1:
+            problems.append("a pipeline over processes runs one stage per process: give --device, not --devices")
+        if self.tensor_split is not None and _is_int(w) and w >= 1:
+            ts = self.tensor_split
+            if not (isinstance(ts, tuple) and all(_is_number(x) and x >= 0 for x in ts) and sum(ts) > 0
+                    and len(ts) == len(self.stage_devices)):
+                problems.append(f"tensor_split needs {len(self.stage_devices)} non-negative proportions (one per "
+                                f"stage), got {ts!r}")
+        if not (isinstance(self.master_addr, str) and self.master_addr):
+            problems.append(f"master_addr must be a host name or address, got {self.master_addr!r}")
+        if not (_is_int(self.master_port) and 1 <= self.master_port <= 65535):
+            problems.append(f"master_port must be in 1..65535, got {self.master_port!r}")
+        if not (_is_number(self.pipeline_timeout) and self.pipeline_timeout > 0):
+            problems.append(f"pipeline_timeout must be > 0 seconds, got {self.pipeline_timeout!r}")
         for name in ("ctx_size", "threads", "ram_budget"):
             v = getattr(self, name)
             if v is not None and not (_is_int(v) and v > 0):
@@ -169,6 +201,13 @@ class RuntimeConfig:
     @property
     def cache_requested(self) -> bool:
         return self.expert_cache_mib is not None or self.expert_cache_slots is not None
+
+    @property
+    def stage_devices(self) -> tuple[str, ...]:
+        """The device of every stage of the pipeline, in layer order (all processes' when distributed)."""
+        if self.pipeline_world_size > 1:
+            return (self.device,) * self.pipeline_world_size
+        return self.devices or (self.device,)
 
 
 _MAX_BODY_DEFAULT = 16 * 2**20

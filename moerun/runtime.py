@@ -2,11 +2,16 @@
 
 formats -> arch (metadata only) -> placement (pure plan) -> weights (loaded per plan) -> experts (cache)
 -> engine. The plan is returned too, so the CLI can print it.
+
+Each device of the plan is a stage (a layer range with its own expert cache). Several stages in one process
+run through a StagedModel; with pipeline_world_size > 1 each process is one stage (moerun.distributed):
+`build` is rank 0's (it owns the engine), `serve_worker` every other rank's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import atexit
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -16,11 +21,13 @@ import torch
 from moerun.arch import resolve
 from moerun.config import RuntimeConfig
 from moerun.engine.engine import Engine
+from moerun.engine.pipeline import Stage, StageCaches, StagedModel
 from moerun.errors import MoerunError
 from moerun.experts.cache import ExpertCache
+from moerun.experts.stats import CacheStats
 from moerun.formats import open_model
 from moerun.loading import load_model
-from moerun.model.moe import CachedExperts
+from moerun.model.moe import CachedExperts, ResidentExperts
 from moerun.placement.devices import detect
 from moerun.placement.planner import Budgets, Plan, plan
 from moerun.text import Tokenizer
@@ -40,8 +47,35 @@ def default_model_path() -> Path:
 class Runtime:
     engine: Engine
     plan: Plan
-    cache: ExpertCache | None
+    cache: ExpertCache | StageCaches | None
     warnings: list[str]
+    stages: list[Stage] = field(default_factory=list)  # this process's
+    pipeline: object | None = None  # rank 0's moerun.distributed.PipelineModel when the stages span processes
+
+    def stage_stats(self, reset: bool = False) -> list[tuple[str, CacheStats]]:
+        """(label, a copy of its expert-cache statistics) for every stage with a cache, in layer order; their
+        sum is the total. reset: every stage starts counting afresh."""
+        out = []
+        for k, st in enumerate(self.stages):
+            if st.cache is not None:
+                out.append((f"stage {k} ({st.label})", st.cache.stats + CacheStats()))
+                if reset:
+                    st.cache.stats.reset()
+        if self.pipeline is not None:
+            bounds = [d.layers for d in self.plan.devices]
+            out = [(f"rank 0 ({self.stages[0].label})", s) for _, s in out]
+            for r, stats in enumerate(self.pipeline.remote_stats(reset), 1):
+                if stats is not None:
+                    a, b = bounds[r]
+                    out.append((f"rank {r} (layers {a}-{b - 1})", stats))
+        return out
+
+    def close(self) -> None:
+        """Stop the pipeline's other ranks, if any, and the expert caches' workers."""
+        if self.pipeline is not None:
+            self.pipeline.close()
+        if self.cache is not None:
+            self.cache.close()
 
 
 def _cache_slots(cfg: RuntimeConfig, the_plan: Plan, store, warnings: list[str]) -> int | dict[int, int] | None:
@@ -56,19 +90,32 @@ def _cache_slots(cfg: RuntimeConfig, the_plan: Plan, store, warnings: list[str])
                             "each); every expert is read from its home tier")
         return slots
     if the_plan.home == "disk":
-        dp = the_plan.devices[0]
-        return {layer: dp.expert_slots[layer - dp.layers[0]] for layer in range(*dp.layers)}
+        return {layer: dp.expert_slots[layer - dp.layers[0]] for dp in the_plan.devices for layer in range(*dp.layers)}
     return None
 
 
-def build(cfg: RuntimeConfig) -> Runtime:
+def make_stage(cfg: RuntimeConfig, device: str, layers: tuple[int, int], store,
+               slots: int | dict[int, int] | None) -> Stage:
+    """A stage over `layers`: its own expert cache (of the store's layers in its range) when slots are given."""
+    if slots is None:
+        return Stage(torch.device(device), layers, ResidentExperts(store))
+    mine = {layer: slots if isinstance(slots, int) else slots.get(layer, 0)
+            for layer in store.layers if layers[0] <= layer < layers[1]}
+    cache = ExpertCache(store, slots=mine, policy=cfg.cache_policy, device=device, prefill=cfg.cache_prefill,
+                        prefetch=cfg.prefetch)
+    return Stage(torch.device(device), layers, CachedExperts(cache), cache)
+
+
+def _prepare(cfg: RuntimeConfig) -> tuple[Path, int, Plan, str]:
+    """-> (model path, context size, plan, home of the routed experts)."""
     torch.set_num_threads(cfg.threads or psutil.cpu_count(logical=False) or 1)
     path = Path(cfg.model) if cfg.model else default_model_path()
     with open_model(path) as mf:  # metadata and tensor sizes only
         arch = resolve(mf)
     ctx = cfg.ctx_size or min(4096, arch.spec.context_length)
-    budgets = Budgets(devices=(cfg.device,), ram=cfg.ram_budget, ctx_size=ctx, n_cpu_moe=cfg.n_cpu_moe,
-                      override_tensor=cfg.override_tensor, kv_dtype_bytes=torch.finfo(getattr(torch, cfg.dtype)).bits // 8,
+    budgets = Budgets(devices=cfg.stage_devices, tensor_split=cfg.tensor_split, ram=cfg.ram_budget, ctx_size=ctx,
+                      n_cpu_moe=cfg.n_cpu_moe, override_tensor=cfg.override_tensor,
+                      kv_dtype_bytes=torch.finfo(getattr(torch, cfg.dtype)).bits // 8,
                       cache_slots=cfg.expert_cache_slots,
                       cache_mib=None if cfg.expert_cache_mib is None else int(cfg.expert_cache_mib))
     the_plan = plan(arch, detect(gpus=False), budgets)
@@ -76,21 +123,81 @@ def build(cfg: RuntimeConfig) -> Runtime:
         home = "mmap" if cfg.mmap else "ram"
     else:
         home = "mmap" if cfg.cache_requested or the_plan.home == "disk" else "ram"
-    loaded = load_model(path, dtype=getattr(torch, cfg.dtype), home=home)
-    warnings: list[str] = []
+    return path, ctx, the_plan, home
+
+
+def _check_kernels(loaded, warnings: list[str]) -> None:
     if loaded.model.ops.name == "reference" and any(
-            src.records[0].qtype.name not in ("F32", "F16", "BF16") for src in arch.sources.values()):
+            src.records[0].qtype.name not in ("F32", "F16", "BF16") for src in loaded.arch.sources.values()):
         from moerun.kernels import cpu
 
         warnings.append(f"quantized weights run on the slow torch reference: {cpu.features()['reason']}")
+
+
+def build(cfg: RuntimeConfig) -> Runtime:
+    """The engine of a single process, or rank 0's of a pipeline over processes."""
+    if cfg.pipeline_rank != 0:
+        raise ValueError("build() runs rank 0; other ranks run serve_worker()")
+    path, ctx, the_plan, home = _prepare(cfg)
+    if cfg.pipeline_world_size > 1:
+        return _build_rank0(cfg, ctx, the_plan, home)
+    loaded = load_model(path, dtype=getattr(torch, cfg.dtype), home=home)
+    warnings: list[str] = []
+    _check_kernels(loaded, warnings)
     slots = _cache_slots(cfg, the_plan, loaded.model.store, warnings)
-    cache = None
-    if slots is not None:
-        cache = ExpertCache(loaded.model.store, slots=slots, policy=cfg.cache_policy, prefill=cfg.cache_prefill,
-                            prefetch=cfg.prefetch)
-        loaded.model.experts = CachedExperts(cache)
-    elif cfg.prefetch:
+    if slots is None and cfg.prefetch:
         warnings.append("prefetch needs an expert cache (--expert-cache-slots or --expert-cache-mib); ignored")
+    stages = [make_stage(cfg, dp.device, dp.layers, loaded.model.store, slots) for dp in the_plan.devices]
+    if len(stages) == 1:
+        model, cache = loaded.model, stages[0].cache
+        model.experts = stages[0].experts
+    else:
+        model = StagedModel(loaded.model, stages)
+        cache = StageCaches(stages) if slots is not None else None
     tok = Tokenizer.from_model_file(loaded.file)
-    engine = Engine(loaded.model, tok, ctx_size=ctx, ubatch=cfg.ubatch, expert_cache=cache)
-    return Runtime(engine, the_plan, cache, warnings)
+    engine = Engine(model, tok, ctx_size=ctx, ubatch=cfg.ubatch, expert_cache=cache)
+    return Runtime(engine, the_plan, cache, warnings, stages)
+
+
+def _join(cfg: RuntimeConfig, the_plan: Plan, home: str):
+    """Join the process group, agree on rank 0's layer split, load this rank's layers and make its stage."""
+    from moerun.distributed import Link, stage_weights
+
+    link = Link(cfg)
+    bounds = link.bounds([d.layers[0] for d in the_plan.devices] + [the_plan.devices[-1].layers[1]])
+    layers = (bounds[cfg.pipeline_rank], bounds[cfg.pipeline_rank + 1])
+    loaded = stage_weights(Path(cfg.model) if cfg.model else default_model_path(), layers,
+                           getattr(torch, cfg.dtype), home)
+    warnings: list[str] = []
+    _check_kernels(loaded, warnings)
+    slots = _cache_slots(cfg, the_plan, loaded.model.store, warnings)
+    stage = make_stage(cfg, cfg.device, layers, loaded.model.store, slots)
+    loaded.model.experts = stage.experts
+    return link, loaded, stage, warnings
+
+
+def _build_rank0(cfg: RuntimeConfig, ctx: int, the_plan: Plan, home: str) -> Runtime:
+    from moerun.distributed import PipelineModel, StageEngine
+
+    link, loaded, stage, warnings = _join(cfg, the_plan, home)
+    model = PipelineModel(loaded.model, stage, link)
+    atexit.register(model.close)  # the other ranks stop when this process ends, however it ends
+    engine = StageEngine(model, Tokenizer.from_model_file(loaded.file), ctx_size=ctx, ubatch=cfg.ubatch,
+                         expert_cache=stage.cache)
+    return Runtime(engine, the_plan, stage.cache, warnings, [stage], model)
+
+
+def serve_worker(cfg: RuntimeConfig) -> None:
+    """A pipeline rank other than 0: load its layers, run the steps rank 0 sends until it stops them."""
+    from moerun.distributed import serve_stage
+
+    if cfg.pipeline_rank == 0:
+        raise ValueError("rank 0 runs build(), not serve_worker()")
+    _, _, the_plan, home = _prepare(cfg)
+    link, loaded, stage, _ = _join(cfg, the_plan, home)
+    try:
+        serve_stage(cfg, link, loaded.model, stage)
+    finally:
+        if stage.cache is not None:
+            stage.cache.close()
+        link.close()

@@ -1,0 +1,313 @@
+"""Pipeline stages in separate processes, joined by torch.distributed (gloo on CPU, NCCL on GPUs).
+
+Each rank loads only its layer range (rank 0 also the embeddings, the last rank the head). Rank 0 runs the
+Engine: it embeds, runs its layers, tells every other rank what the step is (a control message), and sends
+its hidden state to rank 1; rank r runs its layers on what rank r - 1 sent and passes it on; the last rank
+applies the head and sends the logits back to rank 0, which samples. Between ranks go the hidden state
+(float32: lossless for bfloat16 too), control messages and the logits, as tensors, point to point.
+
+Workers keep no sequence state: a step names each sequence's KV blocks as rank 0's allocator handed them
+out, and every rank's pool has rank 0's block geometry for its own layers. So truncating, reusing or
+freeing a sequence on rank 0 needs no message. A control message is int64 words:
+
+    header  [op, phase (0 prefill, 1 decode), last_only, batched, rows, pool_tokens, payload_len, 0]
+    payload per group of rows (one sequence): [start, rows, n_blocks (-1: no cache), block ids...]
+
+Every wait has a limit (`pipeline_timeout`) except a worker's wait for its next step, which may idle as
+long as rank 0 does; a rank that exits or crashes closes its connections, which ends the others' waits
+with a PipelineError naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moerun.arch import Arch, resolve
+from moerun.config import RuntimeConfig
+from moerun.engine.engine import Engine
+from moerun.engine.kv_cache import KVPool, SeqKV
+from moerun.engine.pipeline import Stage, StagedModel
+from moerun.errors import MoerunError
+from moerun.experts.stats import CacheStats
+from moerun.formats import open_model
+from moerun.loading import Loaded, expert_reader, weights_home
+from moerun.model.model import MoEModel
+from moerun.weights.loader import load_weights
+
+OP_STOP, OP_STEP, OP_STATS = 0, 1, 2
+HEADER = 8
+IDLE = timedelta(days=365)  # a worker waiting for rank 0's next step
+
+
+class PipelineError(MoerunError):
+    """Another rank crashed, stopped or did not answer in time."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """Rows of one step that continue one sequence: positions start.., its KV blocks (None: no cache)."""
+
+    start: int
+    rows: int
+    blocks: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class Step:
+    phase: str
+    last_only: bool
+    batched: bool  # decode of several sequences (a cache per row) rather than one sequence's chunk
+    groups: tuple[Group, ...]
+    pool_tokens: int
+
+    @property
+    def rows(self) -> int:
+        return sum(g.rows for g in self.groups)
+
+    def encode(self) -> tuple[torch.Tensor, torch.Tensor]:
+        payload = []
+        for g in self.groups:
+            payload += [g.start, g.rows, -1] if g.blocks is None else [g.start, g.rows, len(g.blocks), *g.blocks]
+        header = [OP_STEP, int(self.phase == "decode"), int(self.last_only), int(self.batched), self.rows,
+                  self.pool_tokens, len(payload), 0]
+        return torch.tensor(header, dtype=torch.int64), torch.tensor(payload, dtype=torch.int64)
+
+    @classmethod
+    def decode(cls, header: torch.Tensor, payload: torch.Tensor) -> Step:
+        h, p, groups, k = header.tolist(), payload.tolist(), [], 0
+        while k < len(p):
+            start, rows, n = p[k:k + 3]
+            groups.append(Group(start, rows, None if n < 0 else tuple(p[k + 3:k + 3 + n])))
+            k += 3 + max(n, 0)
+        return cls("decode" if h[1] else "prefill", bool(h[2]), bool(h[3]), tuple(groups), h[5])
+
+    def positions(self) -> torch.Tensor:
+        return torch.cat([torch.arange(g.start, g.start + g.rows) for g in self.groups])
+
+
+class Link:
+    """Point-to-point tensors between this rank and the others, every wait bounded and its failure named."""
+
+    def __init__(self, cfg: RuntimeConfig):
+        self.rank, self.world = cfg.pipeline_rank, cfg.pipeline_world_size
+        self.timeout = timedelta(seconds=cfg.pipeline_timeout)
+        backend = "gloo" if cfg.device == "cpu" else "nccl"
+        try:
+            dist.init_process_group(backend, init_method=f"tcp://{cfg.master_addr}:{cfg.master_port}",
+                                    rank=self.rank, world_size=self.world, timeout=self.timeout)
+        except Exception as e:  # noqa: BLE001 - DistStoreError, RuntimeError, socket errors: one line
+            raise PipelineError(f"rank {self.rank} of {self.world} could not join the pipeline at "
+                                f"{cfg.master_addr}:{cfg.master_port} within {cfg.pipeline_timeout:g} s: "
+                                f"{_first_line(e)}") from None
+
+    def _fail(self, e: Exception, peer: int, what: str, timeout: timedelta) -> PipelineError:
+        msg = str(e)
+        if "Timed out" in msg or "timed out" in msg:
+            why = f"rank {peer} did not answer within {timeout.total_seconds():g} s"
+        elif "closed by peer" in msg or "Connection reset" in msg or "Broken pipe" in msg:
+            why = f"rank {peer} is gone (it stopped or crashed; see its output)"
+        else:
+            why = _first_line(e)
+        return PipelineError(f"pipeline rank {self.rank}, {what}: {why}")
+
+    def send(self, t: torch.Tensor, dst: int, what: str) -> None:
+        try:
+            dist.isend(t.contiguous(), dst).wait(self.timeout)
+        except RuntimeError as e:
+            raise self._fail(e, dst, what, self.timeout) from None
+
+    def recv(self, t: torch.Tensor, src: int, what: str, timeout: timedelta | None = None) -> torch.Tensor:
+        timeout = timeout or self.timeout
+        try:
+            dist.irecv(t, src).wait(timeout)
+        except RuntimeError as e:
+            raise self._fail(e, src, what, timeout) from None
+        return t
+
+    def bounds(self, mine: list[int]) -> list[int]:
+        """Rank 0's layer boundaries (world + 1 of them), so every rank loads the range rank 0 planned."""
+        t = torch.tensor(mine, dtype=torch.int64)
+        try:
+            dist.broadcast(t, 0)
+        except RuntimeError as e:
+            raise self._fail(e, 0, "agreeing on the layer split", self.timeout) from None
+        return t.tolist()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def stage_weights(path: str | Path, layers: tuple[int, int], dtype: torch.dtype, home: str,
+                  kernels: bool = True) -> Loaded:
+    """load_model for one stage: only layers [a, b), the embeddings on the first and the head on the last."""
+    mf = open_model(path)
+    arch = resolve(mf)
+    (a, b), spec = layers, arch.spec
+
+    def keep(cn) -> bool:
+        if cn.layer is not None:
+            return a <= cn.layer < b
+        if cn.kind == "token_embd.weight":
+            return a == 0 or (b == spec.n_layers and spec.tie_embeddings)
+        return b == spec.n_layers
+
+    mine = Arch(arch.family, spec, {cn: src for cn, src in arch.sources.items() if keep(cn)})
+    in_ram = weights_home(mf, home) == "ram"
+    weights = load_weights(mf, mine, copy_experts=in_ram)
+    reader = None if in_ram else expert_reader(arch)
+    return Loaded(mf, arch, MoEModel(spec, weights, dtype=dtype, kernels=kernels, expert_reader=reader,
+                                     layers=layers))
+
+
+def stage_pool(model: MoEModel, n_tokens: int) -> KVPool:
+    """A KV pool for the model's own layers only (its KV index i - model.first)."""
+    a, b = model.first, model.stop
+    spec = replace(model.spec, n_layers=b - a, moe_layers=model.spec.moe_layers[a:b])
+    return KVPool(spec, n_tokens, dtype=model.dtype)
+
+
+class StageEngine(Engine):
+    """Rank 0's Engine: its KV pool holds rank 0's layers only."""
+
+    def __init__(self, model: PipelineModel, *args, **kwargs):
+        super().__init__(model, *args, **kwargs)
+        self.pool = None  # the full-depth pool Engine made goes before the stage's is allocated
+        self.pool = stage_pool(model.model, self.ctx_size)
+
+    def resize_pool(self, n_tokens: int) -> None:
+        if self.pool.allocator.n_free != self.pool.allocator.n_blocks:
+            raise RuntimeError("resize_pool with sequences still holding KV blocks")
+        self.pool = None
+        self.pool = stage_pool(self.model.model, n_tokens)
+
+
+class PipelineModel(StagedModel):
+    """Rank 0's model: its own stage here, the others' on ranks 1.. (see the module docstring)."""
+
+    def __init__(self, model: MoEModel, stage: Stage, link: Link):
+        super().__init__(model, [stage])
+        self.link, self.stopped = link, False
+
+    @torch.inference_mode()
+    def _run(self, tokens, pos, kv, phase, last_only):
+        m, link = self.model, self.link
+        kvs = kv if isinstance(kv, list) else [kv]
+        if kv is None:
+            groups = (Group(int(pos[0]), len(pos), None),)
+        elif isinstance(kv, list):
+            groups = tuple(Group(int(p), 1, tuple(k.blocks)) for p, k in zip(pos, kv))
+        else:
+            groups = (Group(int(pos[0]), len(pos), tuple(kv.blocks)),)
+        pool_tokens = 0 if kv is None else kvs[0].pool.k.shape[1]
+        step = Step(phase, last_only and not isinstance(kv, list), isinstance(kv, list), groups, pool_tokens)
+        header, payload = step.encode()
+        for r in range(1, link.world):
+            link.send(header, r, "sending a step")
+            if payload.numel():
+                link.send(payload, r, "sending a step")
+        with m.ops.step(len(tokens)):
+            x = m.run_layers(m.embed(tokens), pos, kv, phase)
+        link.send(x.float(), 1, "sending the hidden state")
+        rows_out = len(groups) if step.last_only else step.rows
+        logits = torch.empty((rows_out, m.spec.vocab), dtype=torch.float32)
+        return link.recv(logits, link.world - 1, "waiting for the logits")
+
+    def remote_stats(self, reset: bool = False) -> list[CacheStats | None]:
+        """Each other rank's expert-cache statistics (None where it has no cache), in rank order; with
+        `reset` the ranks start counting afresh."""
+        out = []
+        for r in range(1, self.link.world):
+            self.link.send(torch.tensor([OP_STATS, int(reset), *[0] * (HEADER - 2)], dtype=torch.int64), r,
+                           "asking for stats")
+            n = int(self.link.recv(torch.zeros(1, dtype=torch.int64), r, "waiting for stats")[0])
+            raw = self.link.recv(torch.zeros(n, dtype=torch.uint8), r, "waiting for stats") if n else None
+            out.append(None if raw is None else CacheStats.from_dict(json.loads(bytes(raw.tolist()).decode())))
+        return out
+
+    def close(self) -> None:
+        """Stop the other ranks (they exit) and leave the group; safe to call twice, and after a failure."""
+        if self.stopped:
+            return
+        self.stopped = True
+        try:
+            for r in range(1, self.link.world):
+                self.link.send(torch.tensor([OP_STOP, *[0] * (HEADER - 1)], dtype=torch.int64), r, "stopping")
+        except PipelineError:
+            pass  # a rank already gone has nothing to stop
+        finally:
+            self.link.close()
+
+
+class _HandedBlocks:
+    """A worker pool's allocator: rank 0's allocator chose the blocks; the worker is handed them per step."""
+
+    def __init__(self, n_blocks: int):
+        self.n_blocks, self.given = n_blocks, []
+
+    @property
+    def n_free(self) -> int:
+        return self.n_blocks
+
+    def allocate(self, n: int) -> list[int]:
+        out, self.given = self.given[:n], self.given[n:]
+        return out
+
+    def free(self, blocks: list[int]) -> None:
+        pass
+
+
+def _borrowed(pool: KVPool, g: Group) -> SeqKV:
+    """The sequence's cache on this worker: rank 0's blocks, filled up to g.start, room for g.rows more."""
+    kv = SeqKV(pool, len(g.blocks) * pool.block_size)
+    pool.allocator.given = list(g.blocks)
+    kv.reserve(len(g.blocks) * pool.block_size)
+    kv.length = g.start
+    return kv
+
+
+def serve_stage(cfg: RuntimeConfig, link: Link, model: MoEModel, stage: Stage) -> None:
+    """A worker rank's loop: run each step rank 0 sends, until it says stop (or goes away)."""
+    rank, last = link.rank, link.rank == link.world - 1
+    header = torch.zeros(HEADER, dtype=torch.int64)
+    pool: KVPool | None = None
+    while True:
+        link.recv(header, 0, "waiting for the next step", timeout=IDLE)
+        op = int(header[0])
+        if op == OP_STOP:
+            return
+        if op == OP_STATS:
+            raw = b"" if stage.cache is None else json.dumps(stage.cache.stats.to_dict()).encode()
+            link.send(torch.tensor([len(raw)], dtype=torch.int64), 0, "sending stats")
+            if raw:
+                link.send(torch.frombuffer(bytearray(raw), dtype=torch.uint8), 0, "sending stats")
+            if header[1] and stage.cache is not None:
+                stage.cache.stats.reset()
+            continue
+        payload = torch.zeros(int(header[6]), dtype=torch.int64)
+        if payload.numel():
+            link.recv(payload, 0, "receiving a step")
+        step = Step.decode(header, payload)
+        if step.pool_tokens and (pool is None or pool.k.shape[1] != step.pool_tokens):
+            pool = None
+            pool = stage_pool(model, step.pool_tokens)
+            pool.allocator = _HandedBlocks(pool.allocator.n_blocks)
+        kvs = [None if g.blocks is None else _borrowed(pool, g) for g in step.groups]
+        kv = kvs if step.batched else kvs[0]
+        x = link.recv(torch.empty((step.rows, model.spec.hidden)), rank - 1, "waiting for the hidden state")
+        with torch.inference_mode(), model.ops.step(step.rows):
+            x = model.run_layers(x.to(model.dtype), step.positions(), kv, step.phase)
+            if last:
+                link.send(model._head(x[-1:] if step.last_only else x), 0, "sending the logits")
+        if not last:
+            link.send(x.float(), rank + 1, "sending the hidden state")

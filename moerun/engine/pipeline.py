@@ -1,0 +1,164 @@
+"""Stages in one process: contiguous layer ranges, each on its device with its own expert source and cache.
+
+A `StagedModel` has MoEModel's interface (forward, decode, spec, dtype, on_route) for the Engine and the
+scheduler. The embeddings run on the first stage, the head on the last; between stages only the hidden state
+moves (`x.to(next stage's device)`). Stage k's KV cache is layers [a, b) of the sequence's pool. Expert
+statistics are kept per stage (each stage's ExpertCache has its own CacheStats); `StageCaches` reads them as
+one, so totals are the sum of the stages' figures by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from moerun.engine.kv_cache import SeqKV
+from moerun.experts.cache import ExpertCache
+from moerun.experts.stats import CacheStats, Counters
+from moerun.model.model import MoEModel
+from moerun.model.moe import Experts
+
+
+@dataclass
+class Stage:
+    device: torch.device
+    layers: tuple[int, int]  # [start, stop)
+    experts: Experts  # where its layers' experts come from (its own cache when it has one)
+    cache: ExpertCache | None = None
+
+    @property
+    def label(self) -> str:
+        a, b = self.layers
+        return f"{self.device.type if self.device.index is None else self.device}, layers " + (
+            f"{a}-{b - 1}" if b > a else "none")
+
+
+class StageExperts:
+    """The expert source a whole model sees: each layer's fetch (and prefetch) goes to its stage's source."""
+
+    def __init__(self, stages: Sequence[Stage]):
+        self.by_layer = {i: st.experts for st in stages for i in range(*st.layers)}
+
+    def fetch(self, layer, experts, phase):
+        return self.by_layer[layer].fetch(layer, experts, phase)
+
+    @property
+    def prefetching(self) -> bool:
+        return any(getattr(src, "prefetching", False) for src in self.by_layer.values())
+
+    def prefetch(self, layer: int, guessed: list[int]) -> None:
+        src = self.by_layer.get(layer)
+        if getattr(src, "prefetching", False):
+            src.prefetch(layer, guessed)
+
+
+class StageStats(CacheStats):
+    """Several stages' statistics read as one CacheStats (their layers are disjoint; a layer present in two
+    would be summed). Read-only: each stage's cache records into its own; `reset` resets them all."""
+
+    def __init__(self, parts: Sequence[CacheStats]):
+        self.parts = list(parts)
+
+    @property
+    def _c(self) -> dict[tuple[int, str], Counters]:
+        out: dict[tuple[int, str], Counters] = {}
+        for part in self.parts:
+            for key, c in part._c.items():
+                out.setdefault(key, Counters()).add(c)
+        return out
+
+    def add(self, layer: int, phase: str, **counts) -> None:
+        raise TypeError("StageStats is read-only: record into a stage's own statistics")
+
+    def reset(self) -> None:
+        for part in self.parts:
+            part.reset()
+
+
+class StageCaches:
+    """The stages' expert caches where the Engine expects one: `.stats` sums them, `.stages` lists them."""
+
+    def __init__(self, stages: Sequence[Stage]):
+        self.stages = [st for st in stages if st.cache is not None]
+        self.stats = StageStats([st.cache.stats for st in self.stages])
+
+    @property
+    def prefetching(self) -> bool:
+        return any(st.cache.prefetching for st in self.stages)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(st.cache.nbytes for st in self.stages)
+
+    def close(self) -> None:
+        for st in self.stages:
+            st.cache.close()
+
+
+class StagedModel:
+    """One model's layers run stage by stage in this process; see the module docstring."""
+
+    def __init__(self, model: MoEModel, stages: Sequence[Stage]):
+        covered = [i for st in stages for i in range(*st.layers)]
+        if covered != list(range(model.first, model.stop)):
+            raise ValueError(f"stages {[st.layers for st in stages]} do not cover layers {model.first}.."
+                             f"{model.stop - 1} in order")
+        self.model, self.stages = model, list(stages)
+        model.experts = StageExperts(self.stages)
+
+    @property
+    def spec(self):
+        return self.model.spec
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def on_route(self):
+        return self.model.on_route
+
+    @on_route.setter
+    def on_route(self, fn) -> None:
+        self.model.on_route = fn
+
+    @torch.inference_mode()
+    def _run(self, tokens: torch.Tensor, pos: torch.Tensor, kv: SeqKV | list[SeqKV] | None, phase: str,
+             last_only: bool) -> torch.Tensor:
+        m = self.model
+        with m.ops.step(len(tokens)):
+            x = m.embed(tokens)
+            for st in self.stages:
+                x = m.run_layers(x.to(st.device), pos, kv, phase, st.layers)
+            return m._head(x[-1:] if last_only else x)
+
+    def forward(self, tokens: torch.Tensor, kv: SeqKV | None = None, last_only: bool = False,
+                phase: str | None = None) -> torch.Tensor:
+        """As MoEModel.forward."""
+        phase = phase or ("prefill" if len(tokens) > 1 else "decode")
+        start = 0 if kv is None else kv.length
+        if kv is not None:
+            kv.reserve(len(tokens))
+        logits = self._run(tokens, torch.arange(start, start + len(tokens)), kv, phase, last_only)
+        if kv is not None:
+            kv.length = start + len(tokens)
+        return logits
+
+    def decode(self, tokens: torch.Tensor, kvs: list[SeqKV], phase: str = "decode") -> torch.Tensor:
+        """As MoEModel.decode."""
+        check_decode(tokens, kvs)
+        for kv in kvs:
+            kv.reserve(1)
+        logits = self._run(tokens, torch.tensor([kv.length for kv in kvs], dtype=torch.int64), list(kvs), phase,
+                           False)
+        for kv in kvs:
+            kv.length += 1
+        return logits
+
+
+def check_decode(tokens: torch.Tensor, kvs: list[SeqKV]) -> None:
+    B = len(tokens)
+    if B != len(kvs) or B == 0 or len({id(kv) for kv in kvs}) != B:
+        raise ValueError(f"decode takes one token for each of distinct sequences: {B} tokens, {len(kvs)} caches")
