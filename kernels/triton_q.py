@@ -100,8 +100,8 @@ def _pow2(n: int) -> int:
 
 
 # rows per tile -> (BN, BK, num_warps). Chosen offline: compiled for sm_90 (triton.compile with a
-# GPUTarget, no device needed), none spills registers for any supported type except BM=32 gate+up on
-# IQ4_XS / MXFP4 (24-32 bytes of stack). Not timed on a GPU yet.
+# GPUTarget, no device needed) and read with cuobjdump, every type and layout fits in 255 registers
+# with at most 32 bytes of stack (BM=32 gate+up on IQ4_XS / MXFP4). Not timed on a GPU yet.
 TILES = {1: (16, 64, 4), 2: (16, 64, 4), 4: (32, 32, 4), 8: (16, 32, 4), 16: (32, 32, 8), 32: (32, 32, 8)}
 # The interpreter's cost is per program and per operation, not per element: fewer, larger tiles.
 INTERPRETER_TILES = {bm: (64, 256, 4) for bm in TILES}

@@ -11,7 +11,8 @@ output is checked elementwise against a float64 product of the dequantized weigh
 (the float32 summation bound is (number of sequential adds) * 2^-24 times that magnitude; a single
 wrong weight among K = 1120 moves an output by ~1/K of it, 90x this bound). MoE outputs are checked
 normwise, max|y - ref| <= TOL * max|ref|, against ReferenceOps in float64 and in float32.
-Dequantization in the interpreter (no fused multiply-add) is bit-exact.
+Dequantization in the interpreter (no fused multiply-add) is bit-exact. References are computed on the
+CPU (moerun.quant.dequant allocates its output there), from CPU copies when the kernels ran on CUDA.
 """
 
 from __future__ import annotations
@@ -86,13 +87,22 @@ def random_blocks(qtype: QType, rows: int, cols: int, gen: torch.Generator) -> t
 
 
 @functools.cache
-def weight(qtype: QType, rows: int, cols: int, seed: int = 0) -> QTensor:
+def weight(qtype: QType, rows: int, cols: int, seed: int = 0, random_bytes: bool = False) -> QTensor:
+    """A QTensor on DEVICE: quantized Gaussian weights where moerun has a quantizer, else random blocks."""
     gen = torch.Generator().manual_seed(seed * 7919 + rows * 31 + cols + int(qtype))
-    if qtype in QUANTIZABLE:
+    if qtype in QUANTIZABLE and not random_bytes:
         data = quantize(torch.randn(rows, cols, generator=gen) * 0.05, qtype)
     else:
         data = random_blocks(qtype, rows, cols, gen)
     return QTensor.from_bytes(data.to(DEVICE), qtype, (rows, cols))
+
+
+def on_cpu(q: QTensor) -> QTensor:
+    return QTensor(q.data.cpu(), q.qtype, q.shape)
+
+
+def cpu_experts(experts: dict[int, Expert]) -> dict[int, Expert]:
+    return {e: Expert(on_cpu(ex.gate), on_cpu(ex.up), on_cpu(ex.down)) for e, ex in experts.items()}
 
 
 def cols_for(qtype: QType) -> int:
@@ -106,17 +116,20 @@ def activations(t: int, k: int, seed: int = 1) -> torch.Tensor:
 
 def check_matmul(y: torch.Tensor, x: torch.Tensor, w: QTensor) -> float:
     """Asserts the elementwise bound; returns max err / magnitude."""
-    wd = w.dequantize().to(x.device).double()
-    ref = x.double() @ wd.T  # [T, N]
-    mag = x.double().abs() @ wd.abs().T  # [T, N]
-    err = (y.double() - ref).abs()
-    assert y.shape == ref.shape and y.dtype == x.dtype
+    assert y.dtype == x.dtype
+    wd = on_cpu(w).dequantize().double()  # [N, K]
+    x = x.cpu().double()
+    ref = x @ wd.T  # [T, N]
+    mag = x.abs() @ wd.abs().T  # [T, N]
+    err = (y.cpu().double() - ref).abs()
+    assert y.shape == ref.shape
     assert bool((err <= TOL * mag).all()), f"max err/magnitude {(err / mag.clamp_min(1e-30)).max().item():.3g}"
     return (err / mag.clamp_min(1e-30)).max().item()
 
 
 def rel_max(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+    a, ref = a.cpu().double(), ref.cpu().double()
+    return ((a - ref).abs().max() / ref.abs().max()).item()
 
 
 # ------------------------------------------------------------------------------------------ dequant
@@ -126,7 +139,7 @@ def rel_max(a: torch.Tensor, ref: torch.Tensor) -> float:
 def test_dequantize_matches_torch_reference_and_gguf(qtype):
     w = weight(qtype, 3, cols_for(qtype))
     got = tq.dequantize(w).cpu()
-    ref = w.dequantize()
+    ref = on_cpu(w).dequantize()
     oracle = torch.from_numpy(gguf_dequantize(w.data.cpu().numpy(), qtype).astype(np.float32)).view(3, -1)
     if tq.interpreting():  # no fused multiply-add: bit-exact
         assert torch.equal(got, ref)
@@ -185,8 +198,8 @@ def test_matmul_keeps_dtype_and_handles_no_tokens():
     x = activations(3, 64)
     y = tq.matmul(x.to(torch.bfloat16), w)
     assert y.dtype == torch.bfloat16
-    ref = x.to(torch.bfloat16).float() @ w.dequantize().to(DEVICE).T
-    torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    ref = x.to(torch.bfloat16).float().cpu() @ on_cpu(w).dequantize().T
+    torch.testing.assert_close(y.float().cpu(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
 
 
 def test_matmul_rejects_bad_inputs():
@@ -201,10 +214,16 @@ def test_matmul_rejects_bad_inputs():
 # ------------------------------------------------------------------------------------------ MoE
 
 
-def make_experts(ids: list[int], qtypes: tuple[QType, QType, QType], h: int, i: int) -> dict[int, Expert]:
+def make_experts(ids: list[int], qtypes: tuple[QType, QType, QType], h: int, i: int, random_bytes: bool = False
+                 ) -> dict[int, Expert]:
     g, u, d = qtypes
-    return {e: Expert(weight(g, i, h, seed=3 * e), weight(u, i, h, seed=3 * e + 1), weight(d, h, i, seed=3 * e + 2))
-            for e in ids}
+    return {e: Expert(weight(g, i, h, 3 * e, random_bytes), weight(u, i, h, 3 * e + 1, random_bytes),
+                      weight(d, h, i, 3 * e + 2, random_bytes)) for e in ids}
+
+
+def reference_moe(x, ids, w, experts, dtype=torch.float64) -> torch.Tensor:
+    """ReferenceOps.moe on the CPU in `dtype`."""
+    return ReferenceOps().moe(x.cpu().to(dtype), ids.cpu(), w.cpu().to(dtype), cpu_experts(experts))
 
 
 def routing(t: int, k: int, n_experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,8 +239,8 @@ def check_moe(qtypes, h: int, i: int, t: int, k: int) -> float:
     x = activations(t, h, seed=t)
     ids, w = routing(t, k, 8, seed=t)
     y = tq.moe_ffn(x, ids, w, experts)
-    ref32 = ReferenceOps().moe(x, ids, w, experts)
-    ref64 = ReferenceOps().moe(x.double(), ids, w.double(), experts)
+    ref32 = reference_moe(x, ids, w, experts, torch.float32)
+    ref64 = reference_moe(x, ids, w, experts)
     assert y.shape == x.shape and y.dtype == x.dtype
     assert rel_max(y, ref64) <= TOL and rel_max(y, ref32) <= TOL
     return rel_max(y, ref64)
@@ -303,7 +322,8 @@ def test_triton_ops_linear(monkeypatch):
     f32 = torch.randn(9, 256, device=DEVICE)
     torch.testing.assert_close(ops.linear(x, f32), x @ f32.T)  # plain tensor: the reference
     q4_1 = QTensor.from_bytes(random_blocks(QType.Q4_1, 9, 256, torch.Generator()).to(DEVICE), QType.Q4_1, (9, 256))
-    torch.testing.assert_close(ops.linear(x, q4_1), ReferenceOps().linear(x, q4_1))  # no kernel for Q4_1
+    if DEVICE == "cpu":  # the reference dequantizer runs on the CPU only
+        torch.testing.assert_close(ops.linear(x, q4_1), ReferenceOps().linear(x, q4_1))  # no kernel for Q4_1
     assert calls == ["matmul"]
 
 
@@ -312,10 +332,9 @@ def test_triton_ops_moe_and_swiglu(monkeypatch):
     experts = make_experts([1, 4], (QType.Q4_K, QType.Q4_K, QType.Q6_K), 256, 256)
     x = activations(3, 256)
     ids, w = routing(3, 2, 5, seed=9)
-    ref = ReferenceOps().moe(x, ids, w, experts)
-    assert rel_max(ops.moe(x, ids, w, experts), ref) <= TOL
-    ex = experts[1]
-    ref = ReferenceOps().swiglu(x, ex.gate, ex.up, ex.down)
+    assert rel_max(ops.moe(x, ids, w, experts), reference_moe(x, ids, w, experts)) <= TOL
+    ex, cpu = experts[1], cpu_experts(experts)[1]
+    ref = ReferenceOps().swiglu(x.cpu().double(), cpu.gate, cpu.up, cpu.down)
     assert rel_max(ops.swiglu(x, ex.gate, ex.up, ex.down), ref) <= TOL
     assert moe_calls == ["moe_ffn"] and swiglu_calls == ["swiglu"]
 
@@ -404,7 +423,9 @@ def test_a3b_layer_on_cuda(t):
     """Qwen3-30B-A3B's expert shape (hidden 2048, FFN 768, 128 experts, top-8) in Q4_K_M, compiled."""
     assert not tq.interpreting() and DEVICE == "cuda"
     ids, w = routing(t, 8, 128, seed=t)
-    experts = make_experts(sorted(set(ids.reshape(-1).tolist())), (QType.Q4_K, QType.Q4_K, QType.Q6_K), 2048, 768)
+    used = sorted(set(ids.reshape(-1).tolist()))
+    experts = make_experts(used, (QType.Q4_K, QType.Q4_K, QType.Q6_K), 2048, 768, random_bytes=True)
     x = activations(t, 2048, seed=t)
-    assert rel_max(tq.moe_ffn(x, ids, w, experts), ReferenceOps().moe(x.double(), ids, w.double(), experts)) <= TOL
-    check_matmul(tq.matmul(x, experts[ids[0, 0].item()].gate), x, experts[ids[0, 0].item()].gate)
+    assert rel_max(tq.moe_ffn(x, ids, w, experts), reference_moe(x, ids, w, experts)) <= TOL
+    gate = experts[used[0]].gate
+    check_matmul(tq.matmul(x, gate), x, gate)
