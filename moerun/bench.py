@@ -18,7 +18,11 @@ token, from `moerun.arch.summary`), and for tg tests `achieved_gbps` (bytes_per_
 measured peak) and `bound_fraction` (t/s ÷ bound_ts). For pp tests these three are null: a prompt chunk
 reads each weight once for many tokens, so bytes per token times t/s is not a memory traffic figure.
 `host_read_gbps`/`host_read_source` say which bandwidth figure was used (measured, cached or default).
-The `expert_cache_*` fields are null until moerun has an expert cache.
+Expert cache sweeps (`--expert-cache-mib 256,512`, moerun's own): each size is a test of its own with an
+ExpertCache of that many MiB over the MoE layers in front of the experts' home tier (the file's map when a
+cache is asked for, as `moerun run` does); `expert_cache_mib`, `expert_cache_hits`, `expert_cache_queries`
+and `expert_cache_hit_rate` count the timed runs of the test's phase (prefill for pp, decode for tg). Tests
+without a cache leave them null.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ FIELDS = [
     "model_n_params", "n_ubatch", "n_threads", "dtype", "n_prompt", "n_gen", "test_time",
     "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "samples_ns", "samples_ts",
     "bytes_per_token", "achieved_gbps", "host_read_gbps", "host_read_source", "bound_ts", "bound_fraction",
-    "expert_cache_hits", "expert_cache_queries", "expert_cache_hit_rate",
+    "expert_cache_mib", "expert_cache_hits", "expert_cache_queries", "expert_cache_hit_rate",
 ]
 LIST_FIELDS = ("samples_ns", "samples_ts")  # in json/jsonl; left out of csv, as llama-bench does
 FORMATS = ("md", "json", "jsonl", "csv")
@@ -82,6 +86,7 @@ class BenchCase:
     n_gen: int
     n_ubatch: int
     n_threads: int
+    cache_mib: float | None = None  # an expert cache of this size, None: every expert read where it lives
 
     @property
     def name(self) -> str:
@@ -93,14 +98,17 @@ class BenchCase:
 
 
 def expand_cases(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[int],
-                 n_ubatch: Sequence[int], n_threads: Sequence[int]) -> list[BenchCase]:
-    """llama-bench's order: model > ubatch > threads > (every pp, then every tg); zero sizes are skipped."""
+                 n_ubatch: Sequence[int], n_threads: Sequence[int],
+                 cache_mib: Sequence[float | None] = (None,)) -> list[BenchCase]:
+    """llama-bench's order: model > (expert cache) > ubatch > threads > (every pp, then every tg); zero sizes
+    are skipped."""
     cases = []
     for m in models:
-        for ub in n_ubatch:
-            for t in n_threads:
-                cases += [BenchCase(m, p, 0, ub, t) for p in n_prompt if p > 0]
-                cases += [BenchCase(m, 0, g, ub, t) for g in n_gen if g > 0]
+        for c in cache_mib:
+            for ub in n_ubatch:
+                for t in n_threads:
+                    cases += [BenchCase(m, p, 0, ub, t, c) for p in n_prompt if p > 0]
+                    cases += [BenchCase(m, 0, g, ub, t, c) for g in n_gen if g > 0]
     return cases
 
 
@@ -181,8 +189,9 @@ def time_gen(model, seq, first_token: int, n_gen: int) -> int:
 
 
 def run_case(model, pool, case: BenchCase, reps: int, vocab: int, warmup: bool = True, seed: int = 0,
-             log: Callable[[str], None] = lambda s: None) -> list[int]:
-    """Samples (ns) of one test: optional warm-up, then `reps` runs, each from an empty KV cache."""
+             log: Callable[[str], None] = lambda s: None, on_timed: Callable[[], None] | None = None) -> list[int]:
+    """Samples (ns) of one test: optional warm-up, then `reps` runs, each from an empty KV cache.
+    on_timed: called between the warm-up and the timed runs (to reset counters)."""
     import torch
 
     from moerun.engine.kv_cache import SeqKV
@@ -198,20 +207,20 @@ def run_case(model, pool, case: BenchCase, reps: int, vocab: int, warmup: bool =
         finally:
             seq.free()
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(case.n_threads)
-    try:
+    from moerun.model.ops import thread_budget
+
+    with thread_budget(case.n_threads):
         if warmup:
             log(f"{case.name}: warm-up")
             once(case.n_prompt, min(case.n_gen, 1))
+        if on_timed is not None:
+            on_timed()
         samples = []
         for i in range(reps):
             samples.append(once(case.n_prompt, case.n_gen))
             ts = (case.n_prompt + case.n_gen) * 1e9 / samples[-1]
             log(f"{case.name}: run {i + 1}/{reps}: {samples[-1] / 1e9:.3f} s, {ts:.2f} t/s")
         return samples
-    finally:
-        torch.set_num_threads(before)
 
 
 # --------------------------------------------------------------------------------------------- records
@@ -235,7 +244,7 @@ def cpu_info() -> str:
 
 
 def bench_record(info: ModelInfo, case: BenchCase, samples_ns: Sequence[int], dtype: str, test_time: str,
-                 host_gbps: float, host_source: str) -> dict:
+                 host_gbps: float, host_source: str, cache=None) -> dict:
     """One result row in llama-bench's JSON shape plus moerun's fields (see the module docstring)."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -260,7 +269,9 @@ def bench_record(info: ModelInfo, case: BenchCase, samples_ns: Sequence[int], dt
         "achieved_gbps": info.bytes_per_token * avg_ts / 1e9 if decode else None,
         "host_read_gbps": host_gbps, "host_read_source": host_source,
         "bound_ts": bound_ts, "bound_fraction": avg_ts / bound_ts if bound_ts else None,
-        "expert_cache_hits": None, "expert_cache_queries": None, "expert_cache_hit_rate": None,
+        "expert_cache_mib": case.cache_mib, "expert_cache_hits": None if cache is None else cache.hits,
+        "expert_cache_queries": None if cache is None else cache.queries,
+        "expert_cache_hit_rate": None if cache is None else cache.hit_rate,
     }
 
 
@@ -269,6 +280,14 @@ def bench_record(info: ModelInfo, case: BenchCase, samples_ns: Sequence[int], dt
 
 def _size(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def _cache_cell(rec: dict) -> str:
+    """Expert cache size and its hit rate over the timed runs ("-" without a cache)."""
+    if rec["expert_cache_mib"] is None:
+        return "-"
+    rate = rec["expert_cache_hit_rate"]
+    return f"{rec['expert_cache_mib']:g} MiB " + ("-" if rate is None else f"{100 * rate:.1f}%")
 
 
 def _params(n: int) -> str:
@@ -298,7 +317,7 @@ class Printer:
     def _width(col: str) -> int:
         """llama-bench's column widths; negative: left-aligned."""
         return {"model": -30, "size": 10, "params": 10, "backend": -10, "threads": 7, "n_ubatch": 8,
-                "dtype": -8, "test": 15, "t/s": 20, "GB/s": 8, "% of bound": 10}[col]
+                "dtype": -8, "cache": 16, "test": 15, "t/s": 20, "GB/s": 8, "% of bound": 10}[col]
 
     def header(self) -> None:
         if self.fmt == "md":
@@ -336,6 +355,7 @@ class Printer:
             "model": rec["model_type"], "size": _size(rec["model_size"]), "params": _params(rec["model_n_params"]),
             "backend": rec["backends"], "threads": str(rec["n_threads"]), "n_ubatch": str(rec["n_ubatch"]),
             "dtype": rec["dtype"], "test": test, "t/s": f"{rec['avg_ts']:.2f} ± {rec['stddev_ts']:.2f}",
+            "cache": _cache_cell(rec),
             "GB/s": "-" if gbps is None else f"{gbps:.2f}",
             "% of bound": "-" if frac is None else f"{100 * frac:.1f}",
         }[col]
@@ -344,10 +364,21 @@ class Printer:
 # --------------------------------------------------------------------------------------------- driver
 
 
+def make_cache(model, mib: float, policy: str):
+    """An ExpertCache of `mib` MiB split evenly over the model's MoE layers (as `moerun run --expert-cache-mib`)."""
+    from moerun.experts.cache import ExpertCache
+
+    store = model.store
+    per_layer = max((store.expert_bytes(layer) for layer in store.layers), default=1)
+    slots = int(mib * 2**20 // (per_layer * max(len(store.layers), 1)))
+    return ExpertCache(store, slots=slots, policy=policy)
+
+
 def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[int], n_threads: Sequence[int],
               n_ubatch: Sequence[int] = (DEFAULT_UBATCH,), reps: int = 5, dtype: str = "float32",
               measure_bw: bool = False, warmup: bool = True, fmt: str = "md", out: TextIO | None = None,
-              log: Callable[[str], None] = lambda s: None) -> list[dict]:
+              log: Callable[[str], None] = lambda s: None, cache_mib: Sequence[float | None] = (None,),
+              cache_policy: str = "lru", mmap: bool | None = None) -> list[dict]:
     """Run every test (see expand_cases) and stream the records to `out` in `fmt`; returns the records."""
     import gc
     import sys
@@ -356,12 +387,13 @@ def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[in
 
     from moerun.engine.kv_cache import KVPool
     from moerun.loading import load_model
+    from moerun.model.moe import CachedExperts
     from moerun.placement.bandwidth import host_read_bandwidth
 
     if reps < 1:
         raise ValueError("repetitions must be at least 1")
     infos = {m: describe_model(m) for m in models}  # every bad path fails here, before any test runs
-    cases = expand_cases(list(models), n_prompt, n_gen, n_ubatch, n_threads)
+    cases = expand_cases(list(models), n_prompt, n_gen, n_ubatch, n_threads, cache_mib)
     bw = {}
     for t in dict.fromkeys(c.n_threads for c in cases):
         if measure_bw:
@@ -370,6 +402,8 @@ def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[in
         hint = "" if bw[t][1] != "default" else " (nothing measured yet; pass --measure-bw)"
         log(f"host read bandwidth, {t} thread(s): {bw[t][0]:.2f} GB/s, {bw[t][1]}{hint}")
     extra = [c for c, on in (("n_ubatch", list(n_ubatch) != [DEFAULT_UBATCH]), ("dtype", dtype != "float32")) if on]
+    if any(c.cache_mib is not None for c in cases):
+        extra.append("cache")
     printer = Printer(fmt, out or sys.stdout, extra)
     printer.header()
     records: list[dict] = []
@@ -379,15 +413,30 @@ def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[in
         if case.model != loaded_path:
             loaded = pool = None
             gc.collect()
-            log(f"loading {case.model}")
-            loaded, loaded_path = load_model(case.model, dtype=getattr(torch, dtype)), case.model
+            cached = any(c.cache_mib is not None for c in cases if c.model == case.model)
+            home = {True: "mmap", False: "ram", None: "mmap" if cached else "ram"}[mmap]
+            log(f"loading {case.model} (routed experts: {home})")
+            loaded, loaded_path = load_model(case.model, dtype=getattr(torch, dtype), home=home), case.model
             ctx = max(c.n_prompt + c.n_gen for c in cases if c.model == case.model)
             pool = KVPool(loaded.arch.spec, ctx, dtype=loaded.model.dtype)
         log(f"test {i}/{len(cases)}: {case.name}, {case.n_threads} thread(s), ubatch {case.n_ubatch}, "
-            f"{reps} run(s)")
+            + ("" if case.cache_mib is None else f"expert cache {case.cache_mib:g} MiB, ") + f"{reps} run(s)")
         test_time = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        samples = run_case(loaded.model, pool, case, reps, info.vocab, warmup=warmup, log=log)
-        rec = bench_record(info, case, samples, dtype, test_time, *bw[case.n_threads])
+        model, resident = loaded.model, loaded.model.experts
+        cache = None if case.cache_mib is None else make_cache(model, case.cache_mib, cache_policy)
+        try:
+            if cache is not None:
+                model.experts = CachedExperts(cache)
+                log(f"expert cache: {sum(cache.slots(layer) for layer in cache.store.layers)} slots, "
+                    f"{cache.nbytes / 2**20:.1f} MiB")
+            samples = run_case(model, pool, case, reps, info.vocab, warmup=warmup, log=log,
+                               on_timed=None if cache is None else cache.stats.reset)
+        finally:
+            model.experts = resident
+            if cache is not None:
+                cache.close()
+        counts = None if cache is None else cache.stats.get(phase="decode" if case.n_gen else "prefill")
+        rec = bench_record(info, case, samples, dtype, test_time, *bw[case.n_threads], cache=counts)
         printer.row(rec)
         records.append(rec)
     printer.footer()

@@ -16,6 +16,23 @@ def _int_lists(ctx, param, values):
         raise click.BadParameter(str(e), ctx=ctx, param=param) from None
 
 
+def _cache_sizes(ctx, param, values):
+    """Comma lists of MiB; "none" (or "-") is a test without an expert cache."""
+    if not values:
+        return None
+    out = []
+    for item in (v for value in values for v in value.split(",")):
+        item = item.strip().lower()
+        try:
+            mib = None if item in ("none", "-") else float(item)
+        except ValueError:
+            raise click.BadParameter(f"{item!r} is not a size in MiB or 'none'", ctx=ctx, param=param) from None
+        if mib is not None and not mib >= 0:
+            raise click.BadParameter(f"{item!r}: sizes must be >= 0", ctx=ctx, param=param)
+        out.append(mib)
+    return out
+
+
 @click.command()
 @click.option("-m", "--model", "models", multiple=True, required=True,
               help="GGUF file or Hugging Face folder (repeat for several models).")
@@ -36,12 +53,20 @@ def _int_lists(ctx, param, values):
 @click.option("--measure-bw", is_flag=True,
               help="Measure host read bandwidth once per thread count (cached in ~/.cache/moerun/hardware.json).")
 @click.option("--no-warmup", is_flag=True, help="Skip the warm-up run before each test.")
-def bench(models, n_prompt, n_gen, threads, ubatch, repetitions, fmt, dtype, measure_bw, no_warmup):
+@click.option("--expert-cache-mib", "cache_mib", multiple=True, callback=_cache_sizes,
+              help="Expert cache sizes to sweep, e.g. 256,512,none (none: no cache).  [default: none]")
+@click.option("--cache-policy", type=click.Choice(["lru", "lfu", "lfru"]), default="lru", show_default=True,
+              help="Expert cache eviction policy.")
+@click.option("--mmap/--no-mmap", default=None,
+              help="Keep routed experts in the file's map (default when a cache is asked for) or copy them to RAM.")
+def bench(models, n_prompt, n_gen, threads, ubatch, repetitions, fmt, dtype, measure_bw, no_warmup, cache_mib,
+          cache_policy, mmap):
     """Measure prompt processing (ppN) and generation (tgN) speed, llama-bench style.
 
     Integer options take comma lists and ranges: -p 128,512  -t 1-2  -p 64-512*2  -n 0-128+32.
     Results go to stdout, progress to stderr. Besides t/s, tg tests report the weight bandwidth they
-    reached (GB/s) and the fraction of the host-RAM bound (bandwidth / weight bytes per token).
+    reached (GB/s) and the fraction of the host-RAM bound (bandwidth / weight bytes per token);
+    --expert-cache-mib sweeps add the cache size and its hit rate over the timed runs.
     """
     import psutil
 
@@ -52,4 +77,5 @@ def bench(models, n_prompt, n_gen, threads, ubatch, repetitions, fmt, dtype, mea
         raise click.BadParameter("thread counts and ubatch sizes must be at least 1")
     run_bench(models, n_prompt if n_prompt is not None else [512], n_gen if n_gen is not None else [128],
               threads, ubatch or [DEFAULT_UBATCH], reps=repetitions, dtype=dtype, measure_bw=measure_bw,
-              warmup=not no_warmup, fmt=fmt, log=lambda s: click.echo(f"bench: {s}", err=True))
+              warmup=not no_warmup, fmt=fmt, log=lambda s: click.echo(f"bench: {s}", err=True),
+              cache_mib=cache_mib or [None], cache_policy=cache_policy, mmap=mmap)

@@ -149,3 +149,43 @@ def test_measure_restores_torch_threads():
     before = torch.get_num_threads()
     bandwidth.measure_host_read_bandwidth(1, nbytes=1 << 16, runs=1)
     assert torch.get_num_threads() == before
+
+
+def test_expert_cache_sweep_counts_the_timed_runs(tiny):
+    """--expert-cache-mib: one test per size, hits and queries of the timed runs' phase; none: no cache."""
+    from moerun.loading import load_model
+
+    store = load_model(tiny).model.store
+    per_expert = store.expert_bytes(store.layers[0]) / 2**20
+    mib = 2 * per_expert * len(store.layers)  # two slots per layer
+    recs = json.loads(bench("-m", tiny, "-p", "8", "-n", "6", "-r", "2", "-t", "1", "-o", "json",
+                            "--expert-cache-mib", f"{mib},none", "--cache-policy", "lfu"))
+    assert [(r["expert_cache_mib"], r["n_prompt"]) for r in recs] == [(mib, 8), (mib, 0), (None, 8), (None, 0)]
+    k = 2  # tiny-qwen3moe routes 2 of its experts per token
+    pp, tg = recs[0], recs[1]
+    assert tg["expert_cache_queries"] == 2 * 6 * len(store.layers) * k  # runs x tokens x layers x k, no warm-up
+    assert 0 <= tg["expert_cache_hits"] <= tg["expert_cache_queries"]
+    assert tg["expert_cache_hit_rate"] == pytest.approx(tg["expert_cache_hits"] / tg["expert_cache_queries"])
+    assert pp["expert_cache_queries"] > 0 and pp["expert_cache_hits"] == 0  # prefill bypasses the cache
+    assert all(r["expert_cache_hits"] is None and r["expert_cache_queries"] is None for r in recs[2:])
+    md = bench("-m", tiny, "-p", "0", "-n", "4", "-r", "1", "-t", "1", "--expert-cache-mib", f"{mib}")
+    assert " cache |" in md.splitlines()[0] and f"{mib:g} MiB" in md
+
+
+def test_bad_cache_size_is_a_usage_error(tiny):
+    r = CliRunner().invoke(main, ["bench", "-m", str(tiny), "--expert-cache-mib", "lots"])
+    assert r.exit_code == 2 and "lots" in r.output
+
+
+def test_thread_budget_sets_and_restores_both_pools():
+    import torch
+
+    from moerun.kernels import cpu
+    from moerun.model.ops import thread_budget
+
+    before = torch.get_num_threads(), cpu.get_threads() if cpu.available() else None
+    with thread_budget(1):
+        assert torch.get_num_threads() == 1
+        if cpu.available():
+            assert cpu.get_threads() == 1
+    assert (torch.get_num_threads(), cpu.get_threads() if cpu.available() else None) == before

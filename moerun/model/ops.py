@@ -98,6 +98,35 @@ class KernelOps(ReferenceOps):
         return super().moe(x, ids, w, experts)
 
 
+def set_threads(n: int) -> None:
+    """One thread budget for the process (DESIGN decision 9): torch's intra-op threads and the CPU kernels'
+    pool (when built)."""
+    torch.set_num_threads(n)
+    try:
+        from moerun.kernels import cpu
+    except ImportError:
+        return
+    if cpu.available():
+        cpu.set_threads(n)
+
+
+@contextmanager
+def thread_budget(n: int):
+    """set_threads(n) for the block, then the previous budget again."""
+    try:
+        from moerun.kernels import cpu
+    except ImportError:
+        cpu = None
+    before = torch.get_num_threads(), (cpu.get_threads() if cpu is not None and cpu.available() else None)
+    set_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before[0])
+        if before[1] is not None:
+            cpu.set_threads(before[1])
+
+
 def make_ops(kernels: bool = True) -> ReferenceOps:
     """KernelOps when asked for and the CPU kernels are built (and not disabled), else the reference."""
     if kernels:
