@@ -28,6 +28,7 @@ from moerun.experts.stats import CacheStats
 from moerun.formats import open_model
 from moerun.loading import load_model
 from moerun.model.moe import CachedExperts, ResidentExperts
+from moerun.model.ops import set_threads
 from moerun.placement.devices import detect
 from moerun.placement.planner import Budgets, Plan, plan
 from moerun.text import Tokenizer
@@ -108,7 +109,7 @@ def make_stage(cfg: RuntimeConfig, device: str, layers: tuple[int, int], store,
 
 def _prepare(cfg: RuntimeConfig) -> tuple[Path, int, Plan, str]:
     """-> (model path, context size, plan, home of the routed experts)."""
-    torch.set_num_threads(cfg.threads or psutil.cpu_count(logical=False) or 1)
+    set_threads(cfg.threads or psutil.cpu_count(logical=False) or 1)  # torch's and the kernels' pools
     path = Path(cfg.model) if cfg.model else default_model_path()
     with open_model(path) as mf:  # metadata and tensor sizes only
         arch = resolve(mf)
