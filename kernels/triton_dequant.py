@@ -5,9 +5,9 @@ that start at byte offsets `row_off` ([BN] int64) as float32 [BN, BK]. The tile 
 [BN, sub-blocks, SUB] (SUB = 32, 16 for Q6_K, the scale granularity): scales and block headers are read
 once per sub-block, quant bits once per element, and the result is reshaped to [BN, BK]. k0 and BK are
 multiples of 32; K need only be a whole number of blocks (sub-blocks past K and rows where rmask is
-False read as zeros, and give 0). The arithmetic follows
-moerun.quant.dequant step by step (f16 scales widened first, the same products in the same order), so
-without fused multiply-adds (the interpreter) the values are bit-exact with the torch reference.
+False are not read, and give 0). The arithmetic follows moerun.quant.dequant step by step (f16 scales
+widened first, the same products in the same order), so without fused multiply-adds (the interpreter)
+the values are bit-exact with the torch reference.
 `kv_ptr` points at the 16-entry float32 code book of IQ4_XS / MXFP4 (unused by the other types).
 
 Importing this module decorates the kernels, and triton reads TRITON_INTERPRET at that moment.

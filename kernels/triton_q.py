@@ -4,16 +4,17 @@
     if triton_q.available() and triton_q.supports(w.qtype):
         y = triton_q.matmul(x, w)                        # x [T, K] float @ w QTensor [N, K]^T -> [T, N]
         y = triton_q.swiglu(x, gate, up, down)           # down(silu(gate x) * up x) -> [T, H]
-        y = triton_q.moe_ffn(x, ids, weights, experts)   # {e: Expert}, experts in ascending id order
+        y = triton_q.moe_ffn(x, ids, weights, experts)   # {e: Expert}: ReferenceOps.moe -> [T, H]
 
 Weights (QTensor.data, uint8) and activations must be on the same device: CUDA, or the CPU when
 TRITON_INTERPRET=1 (triton's interpreter, how the tests run without a GPU). Activations are not
 quantized: every product and sum is float32, so results match x @ w.dequantize().T to float32
 accumulation error. Results come back in x's dtype.
 
-moe_ffn sorts the (token, choice) pairs by expert on the device (no host synchronisation) and runs two
-grouped launches: gate and up together with SiLU(gate) * up fused, then down scaled by the routing
-weight; each pair's row is summed over the k choices at the end.
+moe_ffn sorts the (token, choice) pairs by expert on the device (no count comes back to the host) and
+runs two grouped launches: gate and up together with SiLU(gate) * up fused, then down scaled by the
+routing weight into one row per pair; a token's rows are summed in choice order (ReferenceOps.moe adds
+experts in id order: the results differ by float32 rounding only).
 
 This module imports without triton (available() is then False); triton is imported, and the kernels
 are built, at the first call, reading TRITON_INTERPRET then (and rebuilding if it has changed).
@@ -235,7 +236,14 @@ def _weight_tables(experts: Mapping[int, object], keys: list[int], first, dev: t
                 raise ValueError(f"experts[{e}].{name}.data must be contiguous on {dev}")
             row.append(q.data.data_ptr())
         addrs.append(row)
-    return torch.tensor(addrs, dtype=torch.int64, device=dev)
+    return _to_device(torch.tensor(addrs, dtype=torch.int64), dev)
+
+
+def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A small host tensor on dev; to a GPU through pinned memory, so the copy does not wait for the GPU."""
+    if dev.type == "cuda":
+        return t.pin_memory().to(dev, non_blocking=True)
+    return t.to(dev)
 
 
 def _schedule(ids: torch.Tensor, keys: list[int], rows: int, *tile_sizes: dict):
@@ -251,7 +259,7 @@ def _schedule(ids: torch.Tensor, keys: list[int], rows: int, *tile_sizes: dict):
     lut[keys] = torch.arange(n)
     flat = ids.reshape(-1).to(torch.int64)
     flat = torch.where((flat >= 0) & (flat <= keys[-1]), flat, keys[-1] + 1)
-    slot = lut.to(dev)[flat]  # [T*k], n = no expert
+    slot = _to_device(lut, dev)[flat]  # [T*k], n = no expert
     pair = torch.argsort(slot, stable=True)
     counts = torch.bincount(slot, minlength=n + 1)[:n]  # [slots]
     starts = torch.cumsum(counts, 0) - counts
