@@ -60,7 +60,10 @@ class KernelOps(ReferenceOps):
 
     name = "cpu-kernels"
 
-    DECODE_TOKENS = 4  # steps this small leave torch's ops (norms, attention over a few rows) single-threaded
+    # steps this small leave torch's few remaining ops single-threaded: the fused attention block (up to 16
+    # rows) and the kernels do the work on their own pool (batched decode of 8 sequences on 2 cores: 22 ms
+    # per step with torch's 2 threads spinning against the pool, 5 ms with 1)
+    DECODE_TOKENS = 16
 
     def __init__(self):
         from moerun.kernels import cpu
