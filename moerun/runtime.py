@@ -166,6 +166,11 @@ def _join(cfg: RuntimeConfig, the_plan: Plan, home: str):
 
     link = Link(cfg)
     bounds = link.bounds([d.layers[0] for d in the_plan.devices] + [the_plan.devices[-1].layers[1]])
+    empty = [r for r in range(cfg.pipeline_world_size) if bounds[r] == bounds[r + 1]]
+    if empty:  # every rank sees the same bounds, so every rank stops here with this line
+        link.close()
+        raise MoerunError(f"pipeline rank {', '.join(map(str, empty))} would hold no layers (split "
+                          f"{bounds}); use fewer processes or another --tensor-split")
     layers = (bounds[cfg.pipeline_rank], bounds[cfg.pipeline_rank + 1])
     loaded = stage_weights(Path(cfg.model) if cfg.model else default_model_path(), layers,
                            getattr(torch, cfg.dtype), home)

@@ -158,3 +158,12 @@ def test_worker_exits_when_rank0_dies(model_path):
     chat.communicate()
     rc, _, err = finish(worker, timeout=20)
     assert rc == 1 and "rank 0 is gone" in err and "Traceback" not in err
+
+
+def test_a_rank_without_layers_is_refused_on_every_rank(model_path):
+    port = free_port()
+    run = ["run", "-m", model_path, "-p", "x", "--tensor-split", "0,1"]
+    procs = [start(moerun(*run, *pipeline_args(rank, port))) for rank in (1, 0)]
+    for p in procs:
+        rc, _, err = finish(p)
+        assert rc == 1 and "pipeline rank 0 would hold no layers" in err and "Traceback" not in err
