@@ -22,7 +22,8 @@ Expert cache sweeps (`--expert-cache-mib 256,512`, moerun's own): each size is a
 ExpertCache of that many MiB over the MoE layers in front of the experts' home tier (the file's map when a
 cache is asked for, as `moerun run` does); `expert_cache_mib`, `expert_cache_hits`, `expert_cache_queries`
 and `expert_cache_hit_rate` count the timed runs of the test's phase (prefill for pp, decode for tg). Tests
-without a cache leave them null.
+without a cache leave them null. `--trace-routing FILE` records the routing of every timed run (one request
+per test) for `moerun estimate --trace` and `moerun trace simulate`.
 """
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import TextIO
+
+from moerun.errors import MoerunError
 
 FIELDS = [
     "moerun_version", "cpu_info", "gpu_info", "backends", "model_filename", "model_type", "model_size",
@@ -364,6 +368,14 @@ class Printer:
 # --------------------------------------------------------------------------------------------- driver
 
 
+def _timed_runs_start(model, cache, recorder) -> None:
+    """Between warm-up and timed runs: the cache counters and the routing trace cover the timed runs only."""
+    if cache is not None:
+        cache.stats.reset()
+    if recorder is not None:
+        model.on_route = recorder
+
+
 def make_cache(model, mib: float, policy: str):
     """An ExpertCache of `mib` MiB split evenly over the model's MoE layers (as `moerun run --expert-cache-mib`)."""
     from moerun.experts.cache import ExpertCache
@@ -378,7 +390,8 @@ def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[in
               n_ubatch: Sequence[int] = (DEFAULT_UBATCH,), reps: int = 5, dtype: str = "float32",
               measure_bw: bool = False, warmup: bool = True, fmt: str = "md", out: TextIO | None = None,
               log: Callable[[str], None] = lambda s: None, cache_mib: Sequence[float | None] = (None,),
-              cache_policy: str = "lru", mmap: bool | None = None) -> list[dict]:
+              cache_policy: str = "lru", mmap: bool | None = None, trace_routing: str | Path | None = None
+              ) -> list[dict]:
     """Run every test (see expand_cases) and stream the records to `out` in `fmt`; returns the records."""
     import gc
     import sys
@@ -392,6 +405,8 @@ def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[in
 
     if reps < 1:
         raise ValueError("repetitions must be at least 1")
+    if trace_routing is not None and len(set(models)) > 1:
+        raise MoerunError("--trace-routing records one model's routing: give one -m")
     infos = {m: describe_model(m) for m in models}  # every bad path fails here, before any test runs
     cases = expand_cases(list(models), n_prompt, n_gen, n_ubatch, n_threads, cache_mib)
     bw = {}
@@ -407,7 +422,7 @@ def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[in
     printer = Printer(fmt, out or sys.stdout, extra)
     printer.header()
     records: list[dict] = []
-    loaded_path, loaded, pool = None, None, None
+    loaded_path, loaded, pool, recorder = None, None, None, None
     for i, case in enumerate(cases, 1):
         info = infos[case.model]
         if case.model != loaded_path:
@@ -419,6 +434,10 @@ def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[in
             loaded, loaded_path = load_model(case.model, dtype=getattr(torch, dtype), home=home), case.model
             ctx = max(c.n_prompt + c.n_gen for c in cases if c.model == case.model)
             pool = KVPool(loaded.arch.spec, ctx, dtype=loaded.model.dtype)
+            if trace_routing is not None and recorder is None:
+                from moerun.experts.trace import RouteRecorder
+
+                recorder = RouteRecorder(trace_routing, loaded.arch.spec)
         log(f"test {i}/{len(cases)}: {case.name}, {case.n_threads} thread(s), ubatch {case.n_ubatch}, "
             + ("" if case.cache_mib is None else f"expert cache {case.cache_mib:g} MiB, ") + f"{reps} run(s)")
         test_time = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -430,9 +449,11 @@ def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[in
                 log(f"expert cache: {sum(cache.slots(layer) for layer in cache.store.layers)} slots, "
                     f"{cache.nbytes / 2**20:.1f} MiB")
             samples = run_case(model, pool, case, reps, info.vocab, warmup=warmup, log=log,
-                               on_timed=None if cache is None else cache.stats.reset)
+                               on_timed=partial(_timed_runs_start, model, cache, recorder))
         finally:
-            model.experts = resident
+            model.experts, model.on_route = resident, None
+            if recorder is not None:
+                recorder.request += 1
             if cache is not None:
                 cache.close()
         counts = None if cache is None else cache.stats.get(phase="decode" if case.n_gen else "prefill")
@@ -440,4 +461,6 @@ def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[in
         printer.row(rec)
         records.append(rec)
     printer.footer()
+    if recorder is not None:
+        recorder.writer.close()
     return records

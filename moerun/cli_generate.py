@@ -181,26 +181,12 @@ def _build(cfg, print_plan: bool):
     return rt
 
 
-class _RouteRecorder:
-    """Writes the model's routing decisions to a trace; `request` numbers the requests (chat turns)."""
-
-    def __init__(self, path: Path, spec):
-        from moerun.experts.trace import TraceHeader, TraceWriter
-
-        if path.exists():
-            raise MoerunError(f"{path} already exists; choose another --trace-routing file")
-        self.writer = TraceWriter(path, TraceHeader.from_spec(spec))
-        self.request = 0
-
-    def __call__(self, layer, phase, pos, ids, w):
-        self.writer.write_step(layer=layer, phase=phase, request_ids=[self.request] * len(pos),
-                               positions=pos.tolist(), experts=ids, weights=w)
-
-
 def _trace(eng, path: Path | None):
     if path is None:
         return None
-    rec = _RouteRecorder(path, eng.model.spec)
+    from moerun.experts.trace import RouteRecorder
+
+    rec = RouteRecorder(path, eng.model.spec)
     eng.model.on_route = rec
     return rec
 

@@ -189,3 +189,19 @@ def test_thread_budget_sets_and_restores_both_pools():
         if cpu.available():
             assert cpu.get_threads() == 1
     assert (torch.get_num_threads(), cpu.get_threads() if cpu.available() else None) == before
+
+
+def test_trace_routing_records_the_timed_runs(tiny, tmp_path):
+    from moerun.experts.trace import read_trace
+    from moerun.loading import load_model
+
+    path = tmp_path / "bench.jsonl"
+    bench("-m", tiny, "-p", "8", "-n", "5", "-r", "2", "-t", "1", "-o", "json", "--trace-routing", path)
+    records = read_trace(path).records
+    n_layers = len(load_model(tiny).model.store.layers)
+    decode = [r for r in records if r.phase == "decode"]
+    prefill = [r for r in records if r.phase == "prefill"]
+    assert len(decode) == 2 * 5 * n_layers  # timed runs x tokens x MoE layers; the warm-up is not recorded
+    assert len(prefill) == 2 * n_layers and all(len(r.positions) == 8 for r in prefill)
+    r = CliRunner().invoke(main, ["bench", "-m", str(tiny), "-p", "0", "-n", "2", "-r", "1", "--trace-routing", str(path)])
+    assert r.exit_code == 1 and "already exists" in r.output

@@ -81,6 +81,22 @@ def _list(x) -> list:
     return x.tolist() if hasattr(x, "tolist") else list(x)  # tensors and arrays without importing torch
 
 
+class RouteRecorder:
+    """A model's `on_route` hook writing every routing decision to a new trace file; `request` numbers the
+    requests (chat turns, benchmark runs)."""
+
+    def __init__(self, path: str | Path, spec):
+        path = Path(path)
+        if path.exists():
+            raise MoerunError(f"{path} already exists; choose another --trace-routing file")
+        self.writer = TraceWriter(path, TraceHeader.from_spec(spec))
+        self.request = 0
+
+    def __call__(self, layer, phase, pos, ids, w):
+        self.writer.write_step(layer=layer, phase=phase, request_ids=[self.request] * len(pos),
+                               positions=pos.tolist(), experts=ids, weights=w)
+
+
 class TraceWriter:
     """Write a trace as JSON Lines; flushed every ``flush_every`` records and on close.
 
