@@ -72,6 +72,8 @@ def llama_cpp_command(model: Path, threads: int, ctx: int, the_plan, n_layers: i
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads (default: physical cores).")
 @click.option("--ram-budget", default=None, help="Host RAM moerun may use, e.g. 12GiB (default: available).")
+@click.option("--vram-budget", default=None,
+              help="GPU memory moerun may use per device, e.g. 6GiB or 6GiB,20GiB (default: free memory).")
 @click.option("--expert-cache-mib", type=click.FloatRange(min=0), default=None,
               help="Expert cache size in MiB, split over the MoE layers (experts then stay in the file's map).")
 @click.option("-c", "--ctx-size", type=click.IntRange(min=16), default=None,
@@ -80,6 +82,10 @@ def llama_cpp_command(model: Path, threads: int, ctx: int, the_plan, n_layers: i
               help="Host RAM read bandwidth in GB/s (default: measured/cached, else a default).")
 @click.option("--disk-bw", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Read bandwidth of the model file (home tier 'disk') in GB/s.")
+@click.option("--vram-bw", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="GPU memory bandwidth in GB/s (default: from NVML's bus width and clock).")
+@click.option("--h2d-bw", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Host-to-GPU copy bandwidth in GB/s (default: from NVML's PCIe generation and width).")
 @click.option("--measure", is_flag=True, help="Run the probes now (bandwidth, kernels, overhead; ~15 s) and cache them.")
 @click.option("--trace", "trace_path", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
               help="Routing trace (moerun run --trace-routing) for the expected cache hit rate.")
@@ -90,8 +96,8 @@ def llama_cpp_command(model: Path, threads: int, ctx: int, the_plan, n_layers: i
 @click.option("--device", type=click.Choice(["auto", "cpu"]), default="auto", show_default=True,
               help="auto: the GPUs found, else the CPU.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def estimate(model, threads, ram_budget, expert_cache_mib, ctx_size, ram_bw, disk_bw, measure, trace_path, n_prompt,
-             ubatch, device, as_json):
+def estimate(model, threads, ram_budget, vram_budget, expert_cache_mib, ctx_size, ram_bw, disk_bw, vram_bw, h2d_bw,
+             measure, trace_path, n_prompt, ubatch, device, as_json):
     """Predict decode and prefill speed and memory for MODEL on this machine, without loading weights."""
     from moerun.arch import resolve
     from moerun.arch.summary import summarize
@@ -116,15 +122,23 @@ def estimate(model, threads, ram_budget, expert_cache_mib, ctx_size, ram_bw, dis
     devices = tuple(g.device for g in inv.gpus) if inv.gpus else ("cpu",)
     ctx = ctx_size or min(4096, spec.context_length)
     try:
-        budgets = Budgets(devices=devices, ram=None if ram_budget is None else parse_size(ram_budget), ctx_size=ctx,
-                          kv_dtype_bytes=4, cache_mib=None if expert_cache_mib is None else int(expert_cache_mib))
+        vram = None if vram_budget is None else tuple(parse_size(v) for v in vram_budget.split(","))
+        if vram is not None and devices == ("cpu",):
+            click.echo("warning: --vram-budget has no effect: no GPU found (CPU only)", err=True)
+            vram = None
+        elif vram is not None and len(vram) == 1:
+            vram = vram[0]
+        budgets = Budgets(devices=devices, ram=None if ram_budget is None else parse_size(ram_budget), vram=vram,
+                          ctx_size=ctx, kv_dtype_bytes=4,
+                          cache_mib=None if expert_cache_mib is None else int(expert_cache_mib))
     except ValueError as e:
-        raise MoerunError(str(e)) from None
+        raise MoerunError(f"{e}") from None
     the_plan = plan(arch, inv, budgets)
     if devices == ("cpu",) and expert_cache_mib is not None:
         the_plan = _cpu_cache_plan(the_plan, arch, expert_cache_mib)
     qtypes = sorted({src.records[0].qtype.name for src in arch.sources.values()})
     rates = probes.gather_rates(probes.RateOptions(threads=threads, measure=measure, ram_gbps=ram_bw, disk_gbps=disk_bw,
+                                           h2d_gbps=h2d_bw, vram_gbps=vram_bw,
                                            model_path=str(model), qtypes=qtypes, shape=probes.probe_shape(spec),
                                            gpu=inv.gpus[0] if inv.gpus and devices != ("cpu",) else None))
     hit_rates = hit_source = None

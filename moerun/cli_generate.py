@@ -56,6 +56,8 @@ def model_options(f):
         click.option("--pipeline-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0,
                      show_default=True, help="Seconds to wait for the other ranks to join, or to answer a step."),
         click.option("--ram-budget", default=None, help="Host RAM moerun may use, e.g. 12GiB (default: available)."),
+        click.option("--vram-budget", default=None,
+                     help="GPU memory moerun may use per device, e.g. 6GiB or 6GiB,20GiB (default: free memory)."),
         click.option("--n-cpu-moe", type=click.IntRange(min=0), default=0,
                      help="llama.cpp's flag: routed experts of the first N layers stay on the CPU (with GPUs)."),
         click.option("-ot", "--override-tensor", multiple=True,
@@ -107,7 +109,7 @@ def _sampling(kw: dict):
 
 
 RUNTIME_OPTIONS = ("model", "ctx_size", "ubatch", "threads", "dtype", "expert_cache_mib", "expert_cache_slots",
-                   "cache_policy", "cache_prefill", "prefetch", "use_mmap", "device", "gpus", "ram_budget", "n_cpu_moe",
+                   "cache_policy", "cache_prefill", "prefetch", "use_mmap", "device", "gpus", "ram_budget", "vram_budget", "n_cpu_moe",
                    "override_tensor", "print_plan", "devices", "tensor_split", "pipeline_rank", "pipeline_world_size",
                    "master_addr", "master_port", "pipeline_timeout")
 
@@ -147,6 +149,7 @@ def runtime_config(kw: dict):
             model=None if o["model"] is None else str(o["model"]), device=o["device"], ctx_size=o["ctx_size"],
             ubatch=o["ubatch"], threads=o["threads"], dtype=o["dtype"],
             ram_budget=None if o["ram_budget"] is None else parse_size(o["ram_budget"]),
+            vram_budget=_split_list(o["vram_budget"], parse_size, "--vram-budget"),
             expert_cache_mib=o["expert_cache_mib"], expert_cache_slots=o["expert_cache_slots"],
             cache_policy=o["cache_policy"], cache_prefill=o["cache_prefill"], prefetch=o["prefetch"],
             mmap=o["use_mmap"],

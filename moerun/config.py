@@ -133,6 +133,7 @@ class RuntimeConfig:
     threads: int | None = None  # None: physical cores
     dtype: str = "float32"
     ram_budget: int | None = None  # bytes; None: the available RAM
+    vram_budget: tuple[int, ...] | None = None  # bytes per GPU (one figure for all, or one per GPU); None: free memory
     expert_cache_mib: float | None = None
     expert_cache_slots: int | None = None
     cache_policy: str = "lru"
@@ -173,6 +174,9 @@ class RuntimeConfig:
             problems.append(f"master_port must be in 1..65535, got {self.master_port!r}")
         if not (_is_number(self.pipeline_timeout) and self.pipeline_timeout > 0):
             problems.append(f"pipeline_timeout must be > 0 seconds, got {self.pipeline_timeout!r}")
+        vb = self.vram_budget
+        if vb is not None and not (isinstance(vb, tuple) and vb and all(_is_int(v) and v > 0 for v in vb)):
+            problems.append(f"vram_budget must be a non-empty tuple of positive byte counts, got {vb!r}")
         for name in ("ctx_size", "threads", "ram_budget"):
             v = getattr(self, name)
             if v is not None and not (_is_int(v) and v > 0):

@@ -114,7 +114,11 @@ def _prepare(cfg: RuntimeConfig) -> tuple[Path, int, Plan, str]:
     with open_model(path) as mf:  # metadata and tensor sizes only
         arch = resolve(mf)
     ctx = cfg.ctx_size or min(4096, arch.spec.context_length)
-    budgets = Budgets(devices=cfg.stage_devices, tensor_split=cfg.tensor_split, ram=cfg.ram_budget, ctx_size=ctx,
+    vram = cfg.vram_budget[0] if cfg.vram_budget and len(cfg.vram_budget) == 1 else cfg.vram_budget
+    if all(d == "cpu" for d in cfg.stage_devices):
+        vram = None  # no GPU to budget (build() warns)
+    budgets = Budgets(devices=cfg.stage_devices, tensor_split=cfg.tensor_split, ram=cfg.ram_budget, vram=vram,
+                      ctx_size=ctx,
                       n_cpu_moe=cfg.n_cpu_moe, override_tensor=cfg.override_tensor,
                       kv_dtype_bytes=torch.finfo(getattr(torch, cfg.dtype)).bits // 8,
                       cache_slots=cfg.expert_cache_slots,
@@ -145,6 +149,8 @@ def build(cfg: RuntimeConfig) -> Runtime:
     loaded = load_model(path, dtype=getattr(torch, cfg.dtype), home=home)
     warnings: list[str] = []
     _check_kernels(loaded, warnings)
+    if cfg.vram_budget is not None and all(d == "cpu" for d in cfg.stage_devices):
+        warnings.append("--vram-budget has no effect: no GPU runs this model (CPU only)")
     slots = _cache_slots(cfg, the_plan, loaded.model.store, warnings)
     if slots is None and cfg.prefetch:
         warnings.append("prefetch needs an expert cache (--expert-cache-slots or --expert-cache-mib); ignored")
@@ -176,6 +182,8 @@ def _join(cfg: RuntimeConfig, the_plan: Plan, home: str):
                            getattr(torch, cfg.dtype), home)
     warnings: list[str] = []
     _check_kernels(loaded, warnings)
+    if cfg.vram_budget is not None and all(d == "cpu" for d in cfg.stage_devices):
+        warnings.append("--vram-budget has no effect: no GPU runs this model (CPU only)")
     slots = _cache_slots(cfg, the_plan, loaded.model.store, warnings)
     stage = make_stage(cfg, cfg.device, layers, loaded.model.store, slots)
     loaded.model.experts = stage.experts

@@ -152,9 +152,27 @@ def test_ram_budget_below_the_model_plans_a_disk_home_and_a_cache():
     (("--ram-budget", "1MiB"), "but the RAM budget is 1.00 MiB"),
     (("--gpus", "0,1"), "--device cpu"),
     (("--ram-budget", "lots"), "size"),
+    (("--vram-budget", "6GiB,lots"), "--vram-budget"),
     (("-ot", "exps=NPU"), "NPU"),
 ])
 def test_placement_errors_are_one_line(args, phrase):
     r = subprocess.run([sys.executable, "-m", "moerun", "run", "-p", "x", *args], capture_output=True, text=True,
                        timeout=120, check=False)
     assert r.returncode != 0 and "Traceback" not in r.stderr and phrase in r.stderr, r.stderr
+
+
+def test_vram_budget_without_a_gpu_warns_and_changes_nothing():
+    r = invoke("run", "-p", "import os", "-n", "6", "--temp", "0", "--no-display-prompt", "--vram-budget", "6GiB,20GiB")
+    assert r.exit_code == 0, r.output
+    assert "--vram-budget has no effect" in r.stderr
+    plain = invoke("run", "-p", "import os", "-n", "6", "--temp", "0", "--no-display-prompt")
+    assert r.stdout == plain.stdout
+
+
+def test_runtime_config_checks_vram_budgets():
+    from moerun.config import RuntimeConfig
+
+    assert RuntimeConfig(vram_budget=(6 << 30,)).vram_budget == (6 << 30,)
+    for bad in ((), (0,), (-1,), 6 << 30):
+        with pytest.raises(ValueError, match="vram_budget"):
+            RuntimeConfig(vram_budget=bad)

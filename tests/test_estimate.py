@@ -219,3 +219,21 @@ def test_estimate_and_inspect_read_metadata_without_importing_torch(tiny, tmp_pa
                        timeout=120, env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_gpu_bandwidth_flags_and_vram_budget(tiny, cache):
+    """--h2d-bw / --vram-bw override the NVML-derived defaults for a GPU; --vram-budget without a GPU warns."""
+    from types import SimpleNamespace
+
+    gpu = SimpleNamespace(pcie_gbps=32.0, mem_bandwidth_gbps=1000.0)
+    given = probes.gather_rates(probes.RateOptions(gpu=gpu, h2d_gbps=25.0, vram_gbps=900.0), cache=cache / "hw.json")
+    assert (given.h2d_gbps.value, given.h2d_gbps.source) == (25.0, "given")
+    assert (given.device_gbps.value, given.device_gbps.source) == (900.0, "given")
+    derived = probes.gather_rates(probes.RateOptions(gpu=gpu), cache=cache / "hw.json")
+    assert derived.h2d_gbps.source == derived.device_gbps.source == "default"
+    assert derived.h2d_gbps.value == pytest.approx(32.0 * probes.LINK_EFF)
+    r = CliRunner().invoke(main, ["estimate", str(tiny), "--device", "cpu", "--vram-budget", "6GiB", "--json"])
+    assert r.exit_code == 0 and "--vram-budget has no effect" in r.stderr
+    assert json.loads(r.stdout)["devices"] == ["cpu"]
+    bad = CliRunner().invoke(main, ["estimate", str(tiny), "--vram-budget", "6GiB,x"])
+    assert bad.exit_code == 1 and "cannot read size 'x'" in bad.output

@@ -265,6 +265,8 @@ class RateOptions:
     measure: bool = False
     ram_gbps: float | None = None
     disk_gbps: float | None = None
+    h2d_gbps: float | None = None  # given host-to-device copy bandwidth (GPU runs)
+    vram_gbps: float | None = None  # given GPU memory bandwidth
     model_path: str | None = None
     qtypes: list[str] = field(default_factory=list)
     gpu: object | None = None  # moerun.placement.devices.GPU of the first compute device, if any
@@ -330,4 +332,8 @@ def gather_rates(opt: RateOptions, cache: Path | None = None) -> Rates:
         h2d = Figure(g.pcie_gbps * LINK_EFF, "default") if g.pcie_gbps else Figure(DEFAULT_H2D_GBPS, "default")
         dev = Figure(g.mem_bandwidth_gbps * LINK_EFF, "default") if g.mem_bandwidth_gbps else \
             Figure(DEFAULT_DEVICE_GBPS, "default")
+    if g is not None and opt.h2d_gbps is not None:
+        h2d = Figure(opt.h2d_gbps, "given")
+    if g is not None and opt.vram_gbps is not None:
+        dev = Figure(opt.vram_gbps, "given")
     return replace(rates, h2d_gbps=h2d, device_gbps=dev)
