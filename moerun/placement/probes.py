@@ -7,6 +7,7 @@ The arithmetic lives in costmodel.py; this module only produces its inputs.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -45,14 +46,17 @@ def _moe_sweep(cpu, x, calls, w, experts):
     return sweep
 
 
-def _best_time(runs: int, fn, *args) -> float:
-    """Seconds of the fastest of `runs` calls fn(*args) (the cores are shared: other work only slows a pass)."""
+def _typical_time(runs: int, fn, *args) -> float:
+    """Seconds of the median of `runs` calls fn(*args). Not the fastest: a pass lasts milliseconds, and this
+    kind of machine's memory bandwidth swings by tens of percent from one moment to the next (measured host
+    read 27-47 GB/s on one VM within an hour), so the fastest pass describes a burst, and the estimate
+    predicts runs that last seconds (bench/RESULTS.md, estimate vs bench)."""
     ts = []
     for _ in range(runs):
         t0 = time.perf_counter()
         fn(*args)
         ts.append(time.perf_counter() - t0)
-    return min(ts)
+    return statistics.median(ts)
 
 def _cached(section: str, threads: int, path: Path | None = None):
     entry = bw_mod.load_cache(path).get(section, {}).get(str(threads))
@@ -78,11 +82,10 @@ def _median(xs: list[float]) -> float:
     return xs[len(xs) // 2]
 
 
-def measure_kernels(threads: int, qtypes: list[str], *, runs: int = 5) -> dict:
+def measure_kernels(threads: int, qtypes: list[str], *, runs: int = 9) -> dict:
     """Probe the CPU kernels per qtype: decode GB/s (one token through a ~128 MiB matrix) and prefill
     FLOP/s (the fused MoE kernel, 16 experts of 768 x 2048, 32 tokens per expert), and decode GB/s through the
-    fused MoE kernel. Each figure is the fastest of `runs` passes: on a shared machine other work only ever
-    slows a pass down. Quantized bytes are
+    fused MoE kernel. Each figure is the median of `runs` passes (see _typical_time). Quantized bytes are
     quantized once and tiled (the values do not change the speed). {} when the kernels are not built."""
     import torch
 
@@ -113,7 +116,7 @@ def measure_kernels(threads: int, qtypes: list[str], *, runs: int = 5) -> dict:
             big = QTensor.from_bytes(raw_g.reshape(I, -1).repeat(reps, 1).contiguous(), q, (I * reps, H))
             x1 = torch.randn(1, H, generator=g)
             cpu.matmul(x1, big)
-            gbps = big.data.numel() / _best_time(runs, cpu.matmul, x1, big) / GB
+            gbps = big.data.numel() / _typical_time(runs, cpu.matmul, x1, big) / GB
             del big
             ex = {e: Expert(QTensor.from_bytes(raw_g.clone(), q, (I, H)), QTensor.from_bytes(raw_g.clone(), q, (I, H)),
                             QTensor.from_bytes(raw_d.clone(), q, (H, I))) for e in range(E)}
@@ -122,7 +125,7 @@ def measure_kernels(threads: int, qtypes: list[str], *, runs: int = 5) -> dict:
             ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
             wts = torch.full((T, k), 1.0 / k)
             cpu.moe_ffn_experts(x, ids, wts, ex)
-            flops = T * k * 3 * 2 * I * H / _best_time(runs, cpu.moe_ffn_experts, x, ids, wts, ex)
+            flops = T * k * 3 * 2 * I * H / _typical_time(runs, cpu.moe_ffn_experts, x, ids, wts, ex)
             # decode through the fused MoE kernel: one token, k of 64 distinct experts (> any L3), new ones each call
             many = {e: Expert(*(QTensor.from_bytes(r.clone(), q, s) for r, s in
                                 ((raw_g, (I, H)), (raw_g, (I, H)), (raw_d, (H, I))))) for e in range(64)}
@@ -131,7 +134,7 @@ def measure_kernels(threads: int, qtypes: list[str], *, runs: int = 5) -> dict:
             w1 = torch.full((1, k), 1.0 / k)
             cpu.moe_ffn_experts(x1, calls[0], w1, many)
             sweep = _moe_sweep(cpu, x1, calls[1:], w1, many)
-            moe_gbps = (len(calls) - 1) * k * many[0].nbytes / _best_time(runs, sweep) / GB
+            moe_gbps = (len(calls) - 1) * k * many[0].nbytes / _typical_time(runs, sweep) / GB
             del many
             out[name] = {"decode_gbps": gbps, "moe_decode_gbps": moe_gbps, "prefill_flops": flops}
     finally:
@@ -149,10 +152,10 @@ def measure_float_flops(threads: int, runs: int = 5) -> float:
     try:
         a, b = torch.randn(32, 512, 128), torch.randn(32, 128, 512)
         torch.bmm(a, b)
-        best = _best_time(runs, torch.bmm, a, b)
+        typical = _typical_time(runs, torch.bmm, a, b)
     finally:
         torch.set_num_threads(before)
-    return 2 * 32 * 512 * 128 * 512 / best
+    return 2 * 32 * 512 * 128 * 512 / typical
 
 
 def probe_shape(spec) -> dict:
