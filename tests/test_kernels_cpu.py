@@ -15,9 +15,10 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from qblocks import random_blocks
 
 from moerun.experts.store import Expert
-from moerun.quant.qtypes import QTensor, QType, block_size, row_bytes
+from moerun.quant.qtypes import QTensor, QType, block_size
 from moerun.quant.quantize import quantize
 
 cpu = pytest.importorskip("moerun.kernels.cpu")
@@ -43,30 +44,6 @@ def shapes(qtype: QType) -> list[tuple[int, int]]:
 
 
 # ------------------------------------------------------------------------------------------ weights
-
-
-def random_blocks(qtype: QType, rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
-    """Random bytes for `rows` rows of `cols` weights, scale fields set to sane values."""
-    elems, nbytes = block_size(qtype)
-    nb = rows * cols // elems
-    raw = torch.randint(0, 256, (nb, nbytes), dtype=torch.uint8, generator=gen)
-
-    def f16(offset: int, lo: float, hi: float) -> None:
-        v = torch.empty(nb, 1).uniform_(lo, hi, generator=gen)
-        raw[:, offset:offset + 2] = v.to(torch.float16).view(torch.uint8)
-
-    if qtype in (QType.Q4_K, QType.Q5_K):
-        f16(0, 1e-3, 4e-3)  # d
-        f16(2, 1e-3, 4e-3)  # dmin
-    elif qtype == QType.Q6_K:
-        f16(208, 1e-4, 4e-4)
-    elif qtype in (QType.Q8_0, QType.Q4_0):
-        f16(0, -0.02, 0.02)
-    elif qtype == QType.IQ4_XS:  # sub-block scales up to 31, code book up to 127
-        f16(0, -2e-4, 2e-4)
-    elif qtype == QType.MXFP4:
-        raw[:, 0] = torch.randint(118, 124, (nb,), dtype=torch.uint8, generator=gen)  # 2^-10 .. 2^-5
-    return raw.reshape(rows, row_bytes(qtype, cols))
 
 
 @functools.cache

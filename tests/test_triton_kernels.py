@@ -24,6 +24,7 @@ import sys
 
 import numpy as np
 import pytest
+import qblocks
 import torch
 
 pytest.importorskip("triton")
@@ -34,7 +35,7 @@ from moerun.experts.store import Expert
 from moerun.kernels import triton_q as tq
 from moerun.model.gpu_ops import TritonOps
 from moerun.model.ops import ReferenceOps
-from moerun.quant.qtypes import QTensor, QType, block_size, row_bytes
+from moerun.quant.qtypes import QTensor, QType, block_size
 from moerun.quant.quantize import quantize
 
 TOL = 1e-5
@@ -63,27 +64,8 @@ def _interpreter():
 
 
 def random_blocks(qtype: QType, rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
-    """Random bytes for rows x cols weights with scale fields set so weights stay below ~1."""
-    elems, nbytes = block_size(qtype)
-    nb = rows * cols // elems
-    raw = torch.randint(0, 256, (nb, nbytes), dtype=torch.uint8, generator=gen)
-
-    def f16(offset: int, lo: float, hi: float) -> None:
-        v = torch.empty(nb, 1).uniform_(lo, hi, generator=gen)
-        raw[:, offset:offset + 2] = v.to(torch.float16).view(torch.uint8)
-
-    if qtype in (QType.Q4_K, QType.Q5_K, QType.Q4_1):
-        f16(0, 1e-4, 4e-4)  # d
-        f16(2, 1e-4, 4e-4)  # dmin
-    elif qtype == QType.Q6_K:
-        f16(208, 1e-4, 4e-4)
-    elif qtype in (QType.Q8_0, QType.Q4_0):
-        f16(0, -0.02, 0.02)
-    elif qtype == QType.IQ4_XS:
-        f16(0, -2e-4, 2e-4)
-    elif qtype == QType.MXFP4:
-        raw[:, 0] = torch.randint(118, 124, (nb,), dtype=torch.uint8, generator=gen)  # 2^-10 .. 2^-5
-    return raw.reshape(rows, row_bytes(qtype, cols))
+    """Weights stay below ~1 (smaller K-quant scales than the CPU kernel tests use)."""
+    return qblocks.random_blocks(qtype, rows, cols, gen, kq_scale=1e-4)
 
 
 @functools.cache

@@ -1,0 +1,32 @@
+"""Random GGUF weight blocks for kernel tests: random bytes with the float scale fields set to sane values."""
+
+from __future__ import annotations
+
+import torch
+
+from moerun.quant.qtypes import QType, block_size, row_bytes
+
+
+def random_blocks(qtype: QType, rows: int, cols: int, gen: torch.Generator, kq_scale: float = 1e-3) -> torch.Tensor:
+    """uint8 [rows, row bytes] for rows x cols weights. kq_scale: the low end of Q4_K/Q5_K/Q4_1's d and dmin
+    (drawn in [kq_scale, 4 kq_scale])."""
+    elems, nbytes = block_size(qtype)
+    nb = rows * cols // elems
+    raw = torch.randint(0, 256, (nb, nbytes), dtype=torch.uint8, generator=gen)
+
+    def f16(offset: int, lo: float, hi: float) -> None:
+        v = torch.empty(nb, 1).uniform_(lo, hi, generator=gen)
+        raw[:, offset:offset + 2] = v.to(torch.float16).view(torch.uint8)
+
+    if qtype in (QType.Q4_K, QType.Q5_K, QType.Q4_1):
+        f16(0, kq_scale, 4 * kq_scale)  # d
+        f16(2, kq_scale, 4 * kq_scale)  # dmin
+    elif qtype == QType.Q6_K:
+        f16(208, 1e-4, 4e-4)
+    elif qtype in (QType.Q8_0, QType.Q4_0):
+        f16(0, -0.02, 0.02)
+    elif qtype == QType.IQ4_XS:  # sub-block scales up to 31, code book up to 127
+        f16(0, -2e-4, 2e-4)
+    elif qtype == QType.MXFP4:
+        raw[:, 0] = torch.randint(118, 124, (nb,), dtype=torch.uint8, generator=gen)  # 2^-10 .. 2^-5
+    return raw.reshape(rows, row_bytes(qtype, cols))
