@@ -23,6 +23,27 @@ def _serve_sampling_options(f):
     return f
 
 
+def check_slots_fit(plan, parallel: int) -> None:
+    """The planner sizes the KV cache for one context; serve holds `parallel` of them. Under an explicit
+    --ram-budget that they overflow, say what fits instead of overrunning the budget."""
+    from moerun.placement.devices import format_size
+
+    one = plan.ctx_size * plan.kv_bytes_per_token
+    rest = plan.ram_bytes - one  # dense weights, expert cache, experts in RAM
+    need = rest + parallel * one
+    if need <= plan.ram_budget:
+        return
+    room = plan.ram_budget - rest
+    fits = [f"-np {room // one} with -c {plan.ctx_size}"] if room >= one else []
+    per_slot = room // (parallel * plan.kv_bytes_per_token) if room > 0 else 0
+    if per_slot >= 16:
+        fits.append(f"-np {parallel} with -c {per_slot}")
+    fit = "; it fits " + " or ".join(fits) if fits else "; no context fits: give a larger --ram-budget"
+    raise MoerunError(f"-np {parallel} slots of {plan.ctx_size} tokens need {format_size(parallel * one)} of KV cache, "
+                      f"{format_size(need)} in all with the weights and expert cache, but --ram-budget is "
+                      f"{format_size(plan.ram_budget)}{fit}")
+
+
 def _sampling_defaults(kw: dict):
     from moerun.config import SamplingParams
 
@@ -87,6 +108,8 @@ def serve(host, port, api_key, parallel, max_queue, alias, max_body_size, cache_
         from moerun.runtime import build
 
         rt = build(rcfg)
+        if rcfg.ram_budget is not None:
+            check_slots_fit(rt.plan, parallel)
         if print_plan:
             log.info("placement plan:\n%s", rt.plan.table())
         return rt

@@ -323,6 +323,10 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
     ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "image_url"),
     ({**CHAT, "model": "gpt-4"}, 404, "gpt-4"),
     ({"model": MODEL, "prompt": [], "max_tokens": 2}, 400, "empty"),
+    ({**CHAT, "max_tokens": CTX + 1}, 400, f"more than the context size {CTX}"),
+    ({**CHAT, "max_completion_tokens": CTX + 1}, 400, "max_completion_tokens"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 10**12}, 400, "max_tokens"),
+    ({**CHAT, "lora": [{"id": 0, "scale": 1.0}]}, 400, "LoRA"),
 ])
 def test_bad_requests_get_openai_shaped_errors(server, body, status, phrase):
     path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
@@ -403,6 +407,24 @@ def test_a_non_streaming_client_that_goes_away_is_cancelled(server):
     after = server.metrics()
     assert after.get(reason, 0) == before.get(reason, 0) + 1
     assert after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"] < CTX - 2
+
+
+def test_slot_erase_frees_an_idle_slots_kv_and_refuses_a_busy_one(server, client):
+    client.completions.create(model=MODEL, prompt="def erase(x):", max_tokens=8, temperature=0)
+    slot = max(server.http("GET", "/slots").json(), key=lambda s: s["n_tokens"])
+    assert slot["n_blocks"] > 0 and not slot["is_processing"]
+    r = server.http("POST", f"/slots/{slot['id']}?action=erase")
+    assert r.status_code == 200 and r.json() == {"id_slot": slot["id"], "n_erased": slot["n_tokens"]}
+    now = next(s for s in server.http("GET", "/slots").json() if s["id"] == slot["id"])
+    assert now["n_blocks"] == 0 and now["n_tokens"] == 0
+    assert server.http("POST", f"/slots/{PARALLEL}?action=erase").status_code == 404
+    assert server.http("POST", "/slots/0?action=restore&filename=x.bin").status_code == 400
+    with server.http_stream("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": CTX - 2, "stream": True,
+                                                "temperature": 0, "ignore_eos": True}) as lines:
+        rid = json.loads(next(line for line in lines if line.startswith("data: "))[len("data: "):])["id"]
+        busy = next(s for s in server.http("GET", "/slots").json() if s["id_task"] == rid.removeprefix("cmpl-"))
+        r = server.http("POST", f"/slots/{busy['id']}?action=erase")
+        assert r.status_code == 409 and "is processing" in r.json()["error"]["message"]
 
 
 def test_sigterm_ends_the_streams_in_flight_and_exits(server):  # last: it stops the module's server

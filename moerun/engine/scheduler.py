@@ -23,6 +23,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -32,7 +33,7 @@ from moerun.engine.engine import Engine, Sequence, common_prefix
 from moerun.engine.kv_cache import ContextOverflowError, SeqKV
 from moerun.engine.sampler import Sampler, StopChecker
 from moerun.engine.timings import Timings
-from moerun.errors import MoerunError
+from moerun.errors import ModelFormatError, MoerunError
 from moerun.experts.stats import PHASES, CacheStats, Counters
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,14 @@ log = logging.getLogger(__name__)
 
 class QueueFullError(MoerunError):
     """Every slot is busy and the waiting queue is full."""
+
+
+class ModelUnavailableError(MoerunError):
+    """The model file could not be read during a step (truncated or changed while in use): no new requests."""
+
+
+class SlotBusyError(MoerunError):
+    """A slot that is running a request cannot be erased."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +162,8 @@ class Scheduler:
         self.prompt_tokens = self.generated_tokens = 0
         self._cache_copy: CacheStats | None = None
         self._copied_at = 0.0
+        self._erase: deque[tuple[int, Future]] = deque()
+        self.fault: str | None = None  # why the model file cannot be read any more; set once, by the engine thread
 
     # -- any thread ----------------------------------------------------------------------------------
 
@@ -162,6 +173,8 @@ class Scheduler:
         if len(req.prompt) >= self.engine.ctx_size:
             raise ContextOverflowError(f"the prompt has {len(req.prompt)} tokens but the context size is "
                                        f"{self.engine.ctx_size}")
+        if self.fault is not None:
+            raise ModelUnavailableError(f"the model cannot be used any more: {self.fault}; restart the server")
         with self._cond:
             if len(self._waiting) + self._active >= len(self.slots) + self.max_queue:
                 raise QueueFullError(f"server busy: {self._active} requests running and {len(self._waiting)} "
@@ -171,7 +184,18 @@ class Scheduler:
             self._cond.notify()
 
     def has_work(self) -> bool:
-        return bool(self._waiting) or any(s.req is not None for s in self.slots)
+        return bool(self._waiting) or bool(self._erase) or any(s.req is not None for s in self.slots)
+
+    def erase(self, index: int) -> Future:
+        """Free an idle slot's KV cache at the next step (llama-server's `action=erase`) -> a Future of the
+        number of positions it held; SlotBusyError if the slot is running a request."""
+        if not 0 <= index < len(self.slots):
+            raise IndexError(f"no slot {index} (there are {len(self.slots)})")
+        done: Future = Future()
+        with self._cond:
+            self._erase.append((index, done))
+            self._cond.notify()
+        return done
 
     def wait_for_work(self, timeout: float, or_until: Callable[[], bool] = lambda: False) -> bool:
         """Sleep until there is work (-> True), `or_until()` holds after a wake(), or timeout."""
@@ -196,6 +220,7 @@ class Scheduler:
         for slot in self.slots:
             if slot.req is not None and slot.req.cancelled:
                 self._finish(slot, "cancelled")
+        self._erase_slots()
         self._admit()
         self._decode()
         self._prefill()
@@ -208,8 +233,25 @@ class Scheduler:
                 self._finish(slot, "error", message)
         with self._cond:
             waiting, self._waiting = list(self._waiting), deque()
+            erasing, self._erase = list(self._erase), deque()
         for req in waiting:
             self._drop(req, "error", message)
+        for _, done in erasing:
+            done.set_exception(ModelUnavailableError(message))
+
+    def _erase_slots(self) -> None:
+        while True:
+            with self._cond:
+                if not self._erase:
+                    return
+                index, done = self._erase.popleft()
+            slot = self.slots[index]
+            if slot.req is not None:
+                done.set_exception(SlotBusyError(f"slot {index} is processing request {slot.req.id}"))
+                continue
+            held = slot.kv.length
+            slot.seq.free()
+            done.set_result(held)
 
     def _drop(self, req: Request, reason: str, error: str | None = None) -> None:
         """End a request that never reached a slot."""
@@ -252,7 +294,11 @@ class Scheduler:
         try:
             logits = forward(*args)
         except Exception as e:  # one request's failure must not stop the others
-            log.exception("engine step failed (%s) for requests %s", phase, [s.req.id for s in slots])
+            if isinstance(e, ModelFormatError):  # the file changed under us: every later miss would fail too
+                self.fault = self.fault or str(e)
+                log.error("reading the model failed (%s) for requests %s: %s", phase, [s.req.id for s in slots], e)
+            else:
+                log.exception("engine step failed (%s) for requests %s", phase, [s.req.id for s in slots])
             for slot in slots:
                 self._finish(slot, "error", f"{type(e).__name__}: {e}")
             return None

@@ -155,8 +155,13 @@ class ExpertCache:
             return out
         with self._lock:
             plan = table.request(experts, bypass_misses=phase == "prefill" and self.prefill == "bypass")
-        paged = sum(self._load(layer, load.expert, load.slot) for load in plan.loads)
-        home = self._home(layer, list(plan.bypassed))
+        try:
+            paged = sum(self._load(layer, load.expert, load.slot) for load in plan.loads)
+            home = self._home(layer, list(plan.bypassed))
+        except BaseException:
+            with self._lock:  # a slot may hold a partial read: forget the layer's residents, then report
+                table.reset()
+            raise
         read = plan.loads or (plan.bypassed and self.store.reader is not None)
         stalled = time.perf_counter() - t0 if read else waited
         self.stats.record_step(layer, phase, hits=len(plan.hits), misses=plan.misses,

@@ -61,6 +61,11 @@ class FileSpan:
     expert_nbytes: int
 
 
+def _stamp(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_size, st.st_mtime_ns
+
+
 def _close_fds(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
@@ -77,9 +82,11 @@ class ExpertReader:
         self.spans = spans
         paths = sorted({s.path for parts in spans.values() for s in parts})
         self._fds: dict[str, int] = {}
+        self._stamps: dict[str, tuple[int, int]] = {}  # (size, mtime) when opened: a change fails the reads
         try:
             for p in paths:
                 self._fds[p] = os.open(p, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                self._stamps[p] = _stamp(self._fds[p])
         except OSError as e:
             _close_fds(list(self._fds.values()))
             raise ModelFormatError(e.filename, f"cannot open for reading experts: {e.strerror or e}") from None
@@ -90,7 +97,8 @@ class ExpertReader:
 
     def read_into(self, layer: int, e: int, buf: torch.Tensor) -> int:
         """Expert e of `layer` into `buf` (a contiguous CPU uint8 tensor, gate | up | down) -> bytes read.
-        A file that ends early (truncated while in use) or fails to read raises ModelFormatError."""
+        A file that ends early (truncated while in use), fails to read or was modified since it was opened
+        raises ModelFormatError."""
         if not buf.is_cpu or not buf.is_contiguous() or buf.dtype != torch.uint8:
             raise ValueError("read_into needs a contiguous CPU uint8 buffer")
         view, off = memoryview(buf.numpy()).cast("B"), 0
@@ -98,7 +106,17 @@ class ExpertReader:
             n = span.expert_nbytes
             self._pread(span, view[off:off + n], span.offset + e * n, f"expert {e} of layer {layer} ({part})")
             off += n
+        for path in {span.path for span in self.spans[layer]}:
+            self._check_unchanged(path)
         return off
+
+    def _check_unchanged(self, path: str) -> None:
+        """The bytes just read are the model's only if the file is as it was when opened (same size and mtime);
+        a file written over in place would otherwise give wrong weights silently."""
+        (size, mtime), now = self._stamps[path], _stamp(self._fds[path])
+        if now != (size, mtime):
+            raise ModelFormatError(path, f"changed while in use (it had {size} bytes when opened, now {now[0]}, "
+                                         "modified since): restart with the new file")
 
     def _pread(self, span: FileSpan, view: memoryview, pos: int, what: str) -> None:
         fd, done = self._fds[span.path], 0

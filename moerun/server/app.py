@@ -155,7 +155,7 @@ class Server:
     async def generate(self, http: HTTPRequest, body: ChatRequest | CompletionRequest, prompt: list[int],
                        kind: str):
         from moerun.engine.kv_cache import ContextOverflowError
-        from moerun.engine.scheduler import QueueFullError
+        from moerun.engine.scheduler import ModelUnavailableError, QueueFullError
         from moerun.engine.scheduler import Request as EngineRequest
 
         ready, model = self.require(), self.check_model(body.model)
@@ -170,15 +170,14 @@ class Server:
                            n_ctx=n_ctx)
         if any(not 0 <= t < eng.model.spec.vocab for t in prompt):
             raise APIError(400, f"prompt token ids must be in [0, {eng.model.spec.vocab})", param="prompt")
-        requested = next((n for n in (getattr(body, "max_completion_tokens", None), body.max_tokens, self.cfg.n_predict)
-                          if n is not None), n_ctx - len(prompt))
+        requested = _max_tokens(body, self.cfg.n_predict, n_ctx, len(prompt))
         params = sampling_params(body, self.cfg.defaults, requested)
         events = _Events(asyncio.get_running_loop())
         cache_prompt = self.cfg.cache_prompt if body.cache_prompt is None else body.cache_prompt
         req = EngineRequest(prompt, params, emit=events.emit, cache_prompt=cache_prompt)
         try:
             ready.scheduler.submit(req)
-        except QueueFullError as e:
+        except (QueueFullError, ModelUnavailableError) as e:
             raise APIError(503, str(e), "unavailable_error") from None
         except ContextOverflowError as e:
             raise APIError(400, str(e), "exceed_context_size_error") from None
@@ -246,6 +245,20 @@ class Server:
                     self.ready.scheduler.wake()
 
 
+def _max_tokens(body: ChatRequest | CompletionRequest, n_predict: int | None, n_ctx: int, n_prompt: int) -> int:
+    """The request's max_tokens (or max_completion_tokens), else the server's -n, else the rest of the context.
+    More than the context is refused: it can never be generated (a prompt plus max_tokens past the context
+    ends with finish_reason "length" when the context is full)."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        n = getattr(body, name, None)
+        if n is not None:
+            if n > n_ctx:
+                raise APIError(400, f"{name}={n} is more than the context size {n_ctx}: at most {n_ctx - n_prompt} "
+                                    f"tokens can follow this prompt of {n_prompt}", param=name)
+            return n
+    return min(n_predict, n_ctx) if n_predict is not None else n_ctx - n_prompt
+
+
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -280,7 +293,10 @@ def _routes(app: FastAPI, server: Server) -> None:
     async def health():
         if server.load_error is not None:
             return APIError(500, f"loading the model failed: {server.load_error}").response()
-        server.require()
+        fault = server.require().scheduler.fault
+        if fault is not None:
+            return APIError(503, f"the model cannot be used any more: {fault}; restart the server",
+                            "unavailable_error").response()
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -360,3 +376,22 @@ def _routes(app: FastAPI, server: Server) -> None:
         return [{"id": s.index, "is_processing": s.req is not None, "n_ctx": n_ctx, "n_tokens": s.kv.length,
                  "n_blocks": len(s.kv.blocks), "id_task": None if s.req is None else s.req.id}
                 for s in ready.scheduler.slots]
+
+    @app.post("/slots/{index}")
+    async def slot_action(index: int, action: str):
+        """llama-server's slot actions; only `erase` (free an idle slot's KV cache). save and restore, which
+        name files, are not offered."""
+        from moerun.engine.scheduler import ModelUnavailableError, SlotBusyError
+
+        ready = server.require()
+        if action != "erase":
+            raise APIError(400, f"action {action!r} is not supported (only 'erase')", param="action")
+        try:
+            n_erased = await asyncio.wait_for(asyncio.wrap_future(ready.scheduler.erase(index)), timeout=60)
+        except IndexError as e:
+            raise APIError(404, str(e)) from None
+        except SlotBusyError as e:
+            raise APIError(409, str(e)) from None
+        except ModelUnavailableError as e:
+            raise APIError(503, str(e), "unavailable_error") from None
+        return {"id_slot": index, "n_erased": n_erased}

@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 log = logging.getLogger("moerun.server")
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-         405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 501: "not_supported_error",
+         405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 501: "not_supported_error",
          503: "unavailable_error"}
 
 

@@ -41,12 +41,15 @@ class _Sampling(BaseModel):
     n: int | None = None
     cache_prompt: bool | None = None  # llama-server's: reuse a slot's KV cache for a shared prefix
     logit_bias: dict[str, float] | None = None
+    lora: Any = None  # llama-server's adapters: none can be loaded, and none by a request
 
     def refuse_unsupported(self) -> None:
         if self.n not in (None, 1):
             raise APIError(400, f"n={self.n}: only one choice per request (n=1) is supported", param="n")
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if self.lora:
+            raise APIError(400, "LoRA adapters are not supported", param="lora")
 
 
 class ChatRequest(_Sampling):
