@@ -8,13 +8,14 @@ over the memory-mapped file), then:
 1. reference: each of `--cases` greedy requests (completions of random token-id prompts of random lengths up
    to the context, and a few chats) is sent alone, one after the other; its text is the expected answer;
 2. warm-up: the concurrent mix below for `--warmup` seconds; then the server's RSS is read (start);
-3. soak: `--clients` threads send the mix for `--seconds`: greedy requests from the reference set (streamed
-   or not; the answer must equal the reference), sampled requests (temperature 0.8, random seed and
-   length), clients that disconnect mid-stream or before a non-streamed answer, and invalid requests (each
-   must get its 4xx);
-4. end: wait until no request runs, read RSS (end), check /slots and /metrics (no slot processing, the KV
-   blocks in use are exactly those the idle slots keep for prompt caching), erase every slot
-   (`POST /slots/N?action=erase`) and check that every KV block is free.
+3. soak: `--clients` threads send the mix for `--seconds` of running time (time this process was stopped
+   or starved for over a second, e.g. by SIGSTOP, is reported as `paused_s` and added to the end): greedy
+   requests from the reference set (streamed or not; the answer must equal the reference), sampled requests
+   (temperature 0.8, random seed and length), clients that disconnect mid-stream or before a non-streamed
+   answer, and invalid requests (each must get its 4xx);
+4. end: wait until no request runs, read RSS (end), check /slots and /metrics (no slot processing; KV blocks
+   in use only if idle slots keep prompts for prompt caching), erase every slot (`POST /slots/N?action=erase`)
+   and check that every KV block is free (a block no slot owns would stay in use).
 
 TTFT is send -> first SSE event with text; inter-token latency is the gap between SSE events with text
 (one token each, except where a UTF-8 character or a stop-string prefix is held back). Pass: no 5xx, every
@@ -263,9 +264,9 @@ class Client:
         self.n_ctx, self.vocab = n_ctx, vocab
         self.invalid = invalid_requests(n_ctx)
 
-    def run(self, deadline: float) -> None:
+    def run(self, clock: Clock) -> None:
         actions = [(0.40, self.greedy), (0.25, self.sampled), (0.20, self.cancel), (0.15, self.bad)]
-        while time.time() < deadline:
+        while not clock.expired():
             x = self.rng.random()
             for weight, action in actions:
                 if x < weight:
@@ -339,16 +340,44 @@ class Client:
         self.tally.add("invalid", r.status, failure=failure)
 
 
+class Clock:
+    """`seconds` of running time: a watcher thread that finds itself woken over a second late (this process
+    was stopped or starved: SIGSTOP, a loaded machine) counts the lost time as paused and extends the end."""
+
+    def __init__(self, seconds: float, tick: float = 0.1):
+        self.end, self.paused, self.tick = time.monotonic() + seconds, 0.0, tick
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        last = time.monotonic()
+        while not self._done.wait(self.tick):
+            now = time.monotonic()
+            if now - last > 1.0:
+                self.paused += now - last - self.tick
+                self.end += now - last - self.tick
+            last = now
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self.end
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
 def run_clients(server: ServerProcess, cases: list[Case], n: int, seconds: float, seed: int, n_ctx: int,
-                vocab: int) -> Tally:
-    tally, deadline = Tally(), time.time() + seconds
+                vocab: int) -> tuple[Tally, Clock]:
+    tally, clock = Tally(), Clock(seconds)
     threads = [threading.Thread(target=Client(server, cases, tally, random.Random(seed * 1000 + i), n_ctx,
-                                              vocab).run, args=(deadline,)) for i in range(n)]
+                                              vocab).run, args=(clock,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return tally
+    clock.stop()
+    return tally, clock
 
 
 # -- the end state ------------------------------------------------------------------------------------------
@@ -401,11 +430,11 @@ def soak(model: str | None, seconds: float, clients: int, n_ctx: int, parallel: 
         vocab = server.request("GET", "/v1/models").json()["data"][0]["meta"]["n_vocab"]
         rng = random.Random(seed)
         cases = reference(server, make_cases(rng, n_cases, vocab, n_ctx))
-        warm = run_clients(server, cases, clients, warmup, seed + 1, n_ctx, vocab)
+        warm, _ = run_clients(server, cases, clients, warmup, seed + 1, n_ctx, vocab)
         wait_idle(server)
         rss_start = server.rss()
         t0 = time.time()
-        tally = run_clients(server, cases, clients, seconds, seed + 2, n_ctx, vocab)
+        tally, clock = run_clients(server, cases, clients, seconds, seed + 2, n_ctx, vocab)
         wall = time.time() - t0
         slots = wait_idle(server)
         rss_end = server.rss()
@@ -414,7 +443,7 @@ def soak(model: str | None, seconds: float, clients: int, n_ctx: int, parallel: 
         rc = server.stop()
     growth = (rss_end - rss_start) / rss_start
     failures = verdict([warm, tally], growth) + kv_failures
-    return {"seconds": round(wall, 1), "clients": clients, "n_ctx": n_ctx, "parallel": parallel, "threads": threads,
+    return {"seconds": round(wall, 1), "paused_s": round(clock.paused, 1), "clients": clients, "n_ctx": n_ctx, "parallel": parallel, "threads": threads,
             "cases": n_cases, "requests": sum(tally.kinds.values()), "served": tally.served,
             "by_kind": dict(tally.kinds), "by_status": {str(k): v for k, v in sorted(tally.statuses.items(), key=str)},
             "ttft_p50_ms": _ms(percentile(tally.ttft, 50)), "ttft_p99_ms": _ms(percentile(tally.ttft, 99)),
