@@ -115,6 +115,24 @@ def test_a_model_file_replaced_by_a_new_one_keeps_serving_the_one_loaded(tmp_pat
         server.stop()
 
 
+def test_a_failed_page_in_leaves_no_slot_claiming_the_expert(tmp_path):
+    """A slot the failed read was writing into must not be a hit afterwards (it holds part of the bytes)."""
+    from moerun.errors import ModelFormatError
+    from moerun.experts.cache import ExpertCache
+    from moerun.loading import load_model
+
+    path = model_copy(tmp_path)
+    store = load_model(path, home="mmap").model.store
+    cache = ExpertCache(store, slots=2, prefill="cache")
+    layer = store.layers[0]
+    cache.fetch(layer, [0], "decode")
+    assert cache.tables[layer].resident == {0: 0}
+    os.truncate(path, 4096)
+    with pytest.raises(ModelFormatError, match="truncated: expert 1 of layer"):
+        cache.fetch(layer, [1], "decode")
+    assert cache.tables[layer].resident == {}
+
+
 def serve_exits(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "moerun", "serve", "--port", str(free_port()), *args],
                           capture_output=True, text=True, timeout=180, check=False)
