@@ -95,11 +95,13 @@ def sampling_options(f):
     return f
 
 
-def _sampling(kw: dict):
+def sampling_params(kw: dict, with_max_tokens: bool = True):
+    """Pops the sampling options out of kw -> SamplingParams (serve takes max_tokens per request)."""
     from moerun.config import SamplingParams
 
-    names = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n",
-             "presence_penalty", "frequency_penalty", "ignore_eos")
+    names = ("max_tokens",) * with_max_tokens + (
+        "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+        "frequency_penalty", "ignore_eos")
     seed = kw.pop("seed")
     try:
         return SamplingParams(**{n: kw.pop(n) for n in names}, stop=tuple(kw.pop("stop")),
@@ -235,7 +237,7 @@ def _cache_json(rt) -> dict:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and timings.")
 def run(prompt, prompt_file, no_display_prompt, as_json, trace_routing, verbose, **kw):
     """Complete a prompt, streaming the text to stdout; timings go to stderr."""
-    params = _sampling(kw)
+    params = sampling_params(kw)
     cfg, print_plan = runtime_config(kw)  # a pipeline rank other than 0 serves its stage here, and exits
     if prompt_file is not None:
         prompt = prompt_file.read()
@@ -276,7 +278,7 @@ def chat(system, trace_routing, verbose, **kw):
     """Interactive chat with the model's chat template. Ctrl-C stops a reply, Ctrl-D exits."""
     from moerun.text import ChatTemplate
 
-    params = _sampling(kw)
+    params = sampling_params(kw)
     rt = _runtime(kw)
     eng = rt.engine
     tracer = _trace(eng, trace_routing)

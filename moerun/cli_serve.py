@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from moerun.cli_generate import model_options, runtime_config, sampling_options
+from moerun.cli_generate import model_options, runtime_config, sampling_options, sampling_params
 from moerun.errors import MoerunError
 
 
@@ -44,19 +44,6 @@ def check_slots_fit(plan, parallel: int) -> None:
                       f"{format_size(plan.ram_budget)}{fit}")
 
 
-def _sampling_defaults(kw: dict):
-    from moerun.config import SamplingParams
-
-    names = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
-             "frequency_penalty", "ignore_eos")
-    seed = kw.pop("seed")
-    try:
-        return SamplingParams(**{n: kw.pop(n) for n in names}, stop=tuple(kw.pop("stop")),
-                              seed=None if seed < 0 else seed)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
-
-
 @click.command()
 @model_options
 @_serve_sampling_options
@@ -88,7 +75,7 @@ def serve(host, port, api_key, parallel, max_queue, alias, max_body_size, cache_
     if trace_routing is not None:
         raise click.UsageError("--trace-routing is not supported by serve yet (use run or chat)")
     max_tokens = kw.pop("max_tokens")
-    defaults = _sampling_defaults(kw)
+    defaults = sampling_params(kw, with_max_tokens=False)
     rcfg, print_plan = runtime_config(kw)
     names = tuple(alias) or (Path(rcfg.model).name if rcfg.model else DEFAULT_MODEL,)
     try:
