@@ -72,6 +72,9 @@ def llama_cpp_command(model: Path, threads: int, ctx: int, the_plan, n_layers: i
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads (default: physical cores).")
 @click.option("--ram-budget", default=None, help="Host RAM moerun may use, e.g. 12GiB (default: available).")
+@click.option("--gpus", default=None, help="CUDA devices to plan for, e.g. 0,1 (default: every GPU found).")
+@click.option("-b", "--batch", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Sequences decoded together (serve's continuous batching): aggregate decode tok/s.")
 @click.option("--vram-budget", default=None,
               help="GPU memory moerun may use per device, e.g. 6GiB or 6GiB,20GiB (default: free memory).")
 @click.option("--expert-cache-mib", type=click.FloatRange(min=0), default=None,
@@ -96,7 +99,7 @@ def llama_cpp_command(model: Path, threads: int, ctx: int, the_plan, n_layers: i
 @click.option("--device", type=click.Choice(["auto", "cpu"]), default="auto", show_default=True,
               help="auto: the GPUs found, else the CPU.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def estimate(model, threads, ram_budget, vram_budget, expert_cache_mib, ctx_size, ram_bw, disk_bw, vram_bw, h2d_bw,
+def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_mib, ctx_size, ram_bw, disk_bw, vram_bw, h2d_bw,
              measure, trace_path, n_prompt, ubatch, device, as_json):
     """Predict decode and prefill speed and memory for MODEL on this machine, without loading weights."""
     from moerun.arch import resolve
@@ -119,6 +122,16 @@ def estimate(model, threads, ram_budget, vram_budget, expert_cache_mib, ctx_size
     summary = summarize(arch)
     inv = detect(gpus=device == "auto")
     threads = threads or inv.physical_cores or 1
+    if gpus is not None:
+        try:
+            wanted = {int(i) for i in gpus.split(",")}
+        except ValueError:
+            raise MoerunError(f"--gpus {gpus}: give CUDA device numbers, e.g. 0,1") from None
+        found = {g.index for g in inv.gpus}
+        if not wanted <= found:
+            raise MoerunError(f"--gpus {gpus}: no CUDA device {sorted(wanted - found)} here (found: "
+                              f"{sorted(found) or 'none'}); estimate for the CPU with --device cpu")
+        inv = dataclasses.replace(inv, gpus=tuple(g for g in inv.gpus if g.index in wanted))
     devices = tuple(g.device for g in inv.gpus) if inv.gpus else ("cpu",)
     ctx = ctx_size or min(4096, spec.context_length)
     try:
@@ -152,8 +165,8 @@ def estimate(model, threads, ram_budget, vram_budget, expert_cache_mib, ctx_size
         except (OSError, ValueError) as e:
             raise MoerunError(f"cannot use trace {trace_path}: {e}") from None
     w = cm.workload(arch, the_plan, hit_rates, hit_source)
-    bound = cm.decode_time(w, rates, bound=True)
-    expect = cm.decode_time(w, rates)
+    bound = cm.decode_time(w, rates, bound=True, batch=batch)
+    expect = cm.decode_time(w, rates, batch=batch)
     pre = cm.prefill_time(w, rates, n_prompt, ubatch)
     cached_layers = [h for h, c in zip(w.hit_rate, slots) if h < 1 or c]
     hit = (sum(cached_layers) / len(cached_layers)) if cached_layers else None
@@ -164,7 +177,7 @@ def estimate(model, threads, ram_budget, vram_budget, expert_cache_mib, ctx_size
     info = {
         "model": str(model), "threads": threads, "ctx_size": ctx, "devices": list(devices), "home": the_plan.home,
         "total_params": summary.total_params, "active_params": summary.active_params,
-        "total_bytes": summary.total_bytes, "bytes_per_token": sum(dict(expect.bytes_by_class).values()),
+        "total_bytes": summary.total_bytes, "bytes_per_token": sum(dict(expect.bytes_by_class).values()) / batch, "batch": batch,
         "bytes_per_token_by_class": dict(expect.bytes_by_class), "bytes_per_token_by_tier": dict(expect.bytes_by_tier),
         "hit_rate": hit, "hit_source": w.hit_source,
         "decode": {"bound_tok_s": bound.tok_s, "expected_tok_s": expect.tok_s, "bound": bound.to_dict(),
@@ -192,15 +205,17 @@ def estimate(model, threads, ram_budget, vram_budget, expert_cache_mib, ctx_size
     e("")
     e(the_plan.table())
     e("")
-    e(f"weights read per token: {_gb(info['bytes_per_token'])}")
+    step = "token" if batch == 1 else f"step of {batch} sequences"
+    e(f"weights read per {step}: {_gb(info['bytes_per_token'] * batch)}")
     for c, b in expect.bytes_by_class:
         e(f"  {c:<16} {_gb(b):>12}")
     e("  by tier:       " + ", ".join(f"{t} {_gb(b)}" for t, b in expect.bytes_by_tier))
     if hit is not None:
         e(f"expert cache hit rate (decode): {hit:.1%} ({w.hit_source})")
     e("")
-    e(f"decode bound     {bound.tok_s:8.1f} tok/s   (bandwidth only: {bound.total * 1e3:.2f} ms/token)")
-    e(f"decode expected  {expect.tok_s:8.1f} tok/s   ({expect.total * 1e3:.2f} ms/token = dense "
+    per = "token" if batch == 1 else f"step of {batch}"
+    e(f"decode bound     {bound.tok_s:8.1f} tok/s   (bandwidth only: {bound.total * 1e3:.2f} ms/{per})")
+    e(f"decode expected  {expect.tok_s:8.1f} tok/s   ({expect.total * 1e3:.2f} ms/{per} = dense "
       f"{expect.dense * 1e3:.2f} + experts hit {expect.experts_hit * 1e3:.2f} + miss {expect.experts_miss * 1e3:.2f}"
       f" + overhead {expect.overhead * 1e3:.2f} + head {expect.head * 1e3:.2f})")
     e(f"prefill pp{n_prompt:<6} {pre.tok_s:8.1f} tok/s   TTFT {pre.seconds:.2f} s (compute {pre.compute:.2f} s, "

@@ -237,3 +237,24 @@ def test_gpu_bandwidth_flags_and_vram_budget(tiny, cache):
     assert json.loads(r.stdout)["devices"] == ["cpu"]
     bad = CliRunner().invoke(main, ["estimate", str(tiny), "--vram-budget", "6GiB,x"])
     assert bad.exit_code == 1 and "cannot read size 'x'" in bad.output
+
+
+def test_batch_reads_the_union_of_the_tokens_experts(tiny, counts):
+    """-b B: one step reads the dense tensors once, B embedding rows and 1 - (1 - k/E)^B of each layer's experts."""
+    one = estimate_json(tiny, "-t", "1", "--ram-bw", "10", "--device", "cpu")
+    b8 = estimate_json(tiny, "-t", "1", "--ram-bw", "10", "--device", "cpu", "-b", "8")
+    E, k = counts["E"], counts["k"]
+    share = 1 - (1 - k / E) ** 8
+    step = counts["dense"] + counts["experts"] * share + 8 * counts["embd_row"]
+    assert b8["batch"] == 8 and b8["decode"]["bound"]["batch"] == 8
+    assert b8["bytes_per_token_by_class"]["routed_experts"] == pytest.approx(counts["experts"] * share, abs=2)
+    assert b8["bytes_per_token"] * 8 == pytest.approx(step, abs=16)
+    assert b8["decode"]["bound_tok_s"] == pytest.approx(8 * 10 * GB / step, rel=1e-4)
+    assert b8["decode"]["expected_tok_s"] > one["decode"]["expected_tok_s"]  # a step serves 8 tokens
+    assert one["decode"]["bound"]["batch"] == 1
+
+
+def test_gpus_without_a_gpu_is_one_line(tiny):
+    r = estimate(tiny, "--gpus", "0,1")
+    assert r.exit_code == 1 and "no CUDA device" in r.output and "--device cpu" in r.output
+    assert "Traceback" not in r.output

@@ -43,6 +43,10 @@ Decode (one token)
     head         = (output norm + LM head + one embedding row) / rate
     tok/s        = 1 / (dense + experts hit + experts miss + overhead + head)
 
+A decode step of B sequences together (`batch`, the server's continuous batching) reads every dense tensor
+once and, per MoE layer, the union of the B tokens' experts: under independent routing a share
+1 - (1 - k/E)^B of the layer's experts instead of k/E; tok/s = B / (the step's sum).
+
 h(layer) is the cache hit rate: 1 when the experts are resident (home = RAM, CPU compute: nothing is
 paged), slots/E under uniform routing, or the decode hit rate of a routing trace replayed against the
 cache (`moerun.experts.trace.simulate`). The *bound* is the same sum with every rate at its raw tier
@@ -213,8 +217,9 @@ class DecodeTerms:
     experts_miss: float
     overhead: float
     head: float
-    bytes_by_class: tuple[tuple[str, int], ...] = ()
+    bytes_by_class: tuple[tuple[str, int], ...] = ()  # per step
     bytes_by_tier: tuple[tuple[str, int], ...] = ()
+    batch: int = 1  # tokens per step
 
     @property
     def total(self) -> float:
@@ -222,12 +227,13 @@ class DecodeTerms:
 
     @property
     def tok_s(self) -> float:
-        return 1.0 / self.total if self.total > 0 else math.inf
+        return self.batch / self.total if self.total > 0 else math.inf
 
     def to_dict(self) -> dict:
         return {"dense_s": self.dense, "experts_hit_s": self.experts_hit, "experts_miss_s": self.experts_miss,
                 "overhead_s": self.overhead, "head_s": self.head, "total_s": self.total, "tok_s": self.tok_s,
-                "bytes_by_class": dict(self.bytes_by_class), "bytes_by_tier": dict(self.bytes_by_tier)}
+                "batch": self.batch, "bytes_by_class": dict(self.bytes_by_class),
+                "bytes_by_tier": dict(self.bytes_by_tier)}
 
 
 @dataclass(frozen=True)
@@ -287,13 +293,22 @@ def _miss_seconds(nbytes: float, part: Part, w: Workload, rates: Rates, bound: b
     return k * min(t.values())
 
 
-def decode_time(w: Workload, rates: Rates, bound: bool = False) -> DecodeTerms:
-    """The decode terms of one token (module docstring). bound=True: raw bandwidths, no overhead."""
+def expert_share(frac: float, batch: int) -> float:
+    """Expected share of a layer's experts that `batch` independently routed tokens use, k/E each."""
+    return 1.0 - (1.0 - frac) ** batch
+
+
+def decode_time(w: Workload, rates: Rates, bound: bool = False, batch: int = 1) -> DecodeTerms:
+    """The decode terms of one step of `batch` tokens (module docstring). bound=True: raw bandwidths, no
+    overhead."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    share = expert_share(w.frac, batch)
     dense = hit = miss = head = 0.0
     by_class: dict[str, int] = {}
     by_tier: dict[str, int] = {}
     for p in w.parts:
-        nbytes = p.nbytes * w.frac if p.cls == "routed_experts" else p.nbytes
+        nbytes = p.nbytes * {"routed_experts": share, "embeddings": batch}.get(p.cls, 1)  # one embedding row a token
         by_class[p.cls] = by_class.get(p.cls, 0) + round(nbytes)
         if p.cls == "routed_experts":
             h = w.hit_rate[p.layer] if p.layer is not None else 1.0
@@ -314,7 +329,7 @@ def decode_time(w: Workload, rates: Rates, bound: bool = False) -> DecodeTerms:
             dense += t
     overhead = 0.0 if bound else w.n_layers * rates.layer_overhead_s.value + rates.token_overhead_s.value
     return DecodeTerms(dense, hit, miss, overhead, head, tuple(sorted(by_class.items())),
-                       tuple(sorted(by_tier.items())))
+                       tuple(sorted(by_tier.items())), batch)
 
 
 def prefill_time(w: Workload, rates: Rates, n_tokens: int, ubatch: int = DEFAULT_UBATCH) -> PrefillTerms:
