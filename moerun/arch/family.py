@@ -38,10 +38,47 @@ def _need(d: dict, key: str, where: str) -> Any:
     return d[key]
 
 
+MAX_LAYERS = 1 << 16  # more than any model has; a header claiming more is corrupt (and would be allocated for)
+
+
 def _int(v: Any, key: str) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ConfigError(f"'{key}' must be an integer, got {v!r}")
+        raise ConfigError(f"'{key}' must be an integer, got {_short(v)}")
     return v
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
+def _in_range(v: Any, key: str, lo: int, hi: int) -> int:
+    v = _int(v, key)
+    if not lo <= v <= hi:
+        raise ConfigError(f"'{key}' must be in {lo}..{hi}, got {v}")
+    return v
+
+
+def _float(v: Any, key: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"'{key}' must be a number, got {_short(v)}")
+    return float(v)
+
+
+def _dict(v: Any, key: str) -> dict:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ConfigError(f"'{key}' must be an object, got {_short(v)}")
+    return v
+
+
+def _dense_layers(v: Any) -> set[int]:
+    if v is None:
+        return set()
+    if not isinstance(v, list):
+        raise ConfigError(f"'mlp_only_layers' must be a list of layer indices, got {_short(v)}")
+    return {_int(i, "mlp_only_layers") for i in v}
 
 
 def spec_from_gguf(fam: Family, meta: dict[str, Any], moe_layers: tuple[bool, ...], vocab: int) -> ModelSpec:
@@ -54,14 +91,14 @@ def spec_from_gguf(fam: Family, meta: dict[str, Any], moe_layers: tuple[bool, ..
         return _need(meta, f"{a}.{key}", "GGUF")
 
     hidden = _int(need("embedding_length"), "embedding_length")
-    n_heads = _int(need("attention.head_count"), "attention.head_count")
+    n_heads = _in_range(need("attention.head_count"), "attention.head_count", 1, 2**31)
     n_kv = get("attention.head_count_kv", n_heads)
     if isinstance(n_kv, list):
         raise ConfigError("per-layer attention.head_count_kv is not supported")
     expert_ffn = get("expert_feed_forward_length") or get("feed_forward_length", 0)
     return ModelSpec(
         family=fam.name,
-        n_layers=_int(need("block_count"), "block_count"),
+        n_layers=_in_range(need("block_count"), "block_count", 1, MAX_LAYERS),
         hidden=hidden,
         n_heads=n_heads,
         n_kv_heads=_int(n_kv, "attention.head_count_kv"),
@@ -75,8 +112,9 @@ def spec_from_gguf(fam: Family, meta: dict[str, Any], moe_layers: tuple[bool, ..
         shared_ffn=_int(get("expert_shared_feed_forward_length", 0), "expert_shared_feed_forward_length"),
         shared_gate=fam.shared_gate,
         norm_topk=fam.norm_topk if fam.norm_topk_fixed else bool(get("expert_weights_norm", fam.norm_topk)),
-        rms_eps=float(f"{need('attention.layer_norm_rms_epsilon'):.7g}"),  # stored as f32: 1e-6 reads 9.99999997e-07
-        rope_theta=float(get("rope.freq_base", 10000.0)),
+        # stored as f32: 1e-6 reads 9.99999997e-07
+        rms_eps=float(f"{_float(need('attention.layer_norm_rms_epsilon'), 'attention.layer_norm_rms_epsilon'):.7g}"),
+        rope_theta=_float(get("rope.freq_base", 10000.0), "rope.freq_base"),
         rope_style=fam.rope_style,
         qk_norm=fam.qk_norm,
         qkv_bias=fam.qkv_bias,
@@ -87,25 +125,25 @@ def spec_from_gguf(fam: Family, meta: dict[str, Any], moe_layers: tuple[bool, ..
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
-    rp = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
+    rp = _dict(cfg.get("rope_parameters"), "rope_parameters")
+    scaling = _dict(cfg.get("rope_scaling"), "rope_scaling")
     kind = rp.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if kind != "default":
-        raise ConfigError(f"RoPE scaling '{kind}' is not supported yet")
-    return float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        raise ConfigError(f"RoPE scaling {_short(kind)} is not supported yet")
+    return _float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)), "rope_theta")
 
 
 def spec_from_hf(fam: Family, cfg: dict[str, Any]) -> ModelSpec:
     if cfg.get("use_sliding_window"):
         raise ConfigError("sliding-window attention is not supported yet")
-    n_layers = _int(_need(cfg, "num_hidden_layers", "config.json"), "num_hidden_layers")
+    n_layers = _in_range(_need(cfg, "num_hidden_layers", "config.json"), "num_hidden_layers", 1, MAX_LAYERS)
     hidden = _int(_need(cfg, "hidden_size", "config.json"), "hidden_size")
-    n_heads = _int(_need(cfg, "num_attention_heads", "config.json"), "num_attention_heads")
+    n_heads = _in_range(_need(cfg, "num_attention_heads", "config.json"), "num_attention_heads", 1, 2**31)
     n_experts = next((cfg[k] for k in fam.hf_experts_key if cfg.get(k)), None)
     if n_experts is None:
         raise ConfigError(f"missing config.json key '{fam.hf_experts_key[0]}'")
-    step = cfg.get("decoder_sparse_step", 1) or 1
-    dense = set(cfg.get("mlp_only_layers") or [])
+    step = _in_range(cfg.get("decoder_sparse_step") or 1, "decoder_sparse_step", 1, MAX_LAYERS)
+    dense = _dense_layers(cfg.get("mlp_only_layers"))
     moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers))
     norm_topk = fam.norm_topk if fam.norm_topk_fixed else bool(cfg.get("norm_topk_prob", fam.norm_topk))
     return ModelSpec(
@@ -124,7 +162,7 @@ def spec_from_hf(fam: Family, cfg: dict[str, Any]) -> ModelSpec:
         shared_ffn=_int(cfg.get("shared_expert_intermediate_size", 0) or 0, "shared_expert_intermediate_size"),
         shared_gate=fam.shared_gate,
         norm_topk=norm_topk,
-        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_eps=_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
         rope_theta=_rope_theta(cfg),
         rope_style=fam.rope_style,
         qk_norm=fam.qk_norm,

@@ -49,17 +49,28 @@ def canonical_sources(mf: ModelFile) -> dict[CName, Source]:
         if cn in out:
             raise TensorError(f"{cn.gguf} is stored both fused and per expert")
         if sorted(by_e) != list(range(len(by_e))):
-            missing = sorted(set(range(max(by_e) + 1)) - set(by_e))
-            raise TensorError(f"{cn.gguf}: experts {missing} are missing")
+            raise TensorError(f"{cn.gguf}: experts {_first_missing(by_e)} are missing")
         out[cn] = Source(tuple(by_e[e] for e in range(len(by_e))), stacked=True)
     return out
+
+
+def _first_missing(present: dict[int, TensorRecord], limit: int = 8) -> str:
+    """The first few expert numbers absent from `present`: at most len(present) + limit steps, even when a
+    stored name claims expert 10**11."""
+    missing = []
+    for e in range(max(present)):
+        if e not in present:
+            missing.append(e)
+            if len(missing) == limit:
+                return f"{missing} and more"
+    return str(missing)
 
 
 def source_shape(src: Source) -> tuple[int, ...]:
     shape = src.records[0].shape
     if src.stacked:
         shape = (len(src.records), *shape)
-    if src.chunk is not None:
+    if src.chunk is not None and len(shape) >= 2:
         shape = (*shape[:-2], shape[-2] // 2, shape[-1])
     return tuple(shape)
 
@@ -103,7 +114,21 @@ def _same(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     return a == b or (len(b) == 2 and b[0] == 1 and a == b[1:])
 
 
+def _check_stacked(cn: CName, src: Source) -> None:
+    first = src.records[0]
+    for e, rec in enumerate(src.records):
+        if (rec.shape, rec.qtype) != (first.shape, first.qtype):
+            raise TensorError(f"{cn.gguf}: expert {e} is {rec.qtype.name} {list(rec.shape)}, expert 0 is "
+                              f"{first.qtype.name} {list(first.shape)}")
+
+
 def check_sources(spec: ModelSpec, sources: dict[CName, Source]) -> None:
+    for i in range(spec.n_layers):  # a header claiming more layers than stored stops here, before expected_shapes
+        if CName("attn_norm.weight", i) not in sources:
+            raise TensorError(f"missing tensor '{CName('attn_norm.weight', i).gguf}'")
+    for cn, src in sources.items():
+        if src.stacked:
+            _check_stacked(cn, src)
     for cn, shape in expected_shapes(spec).items():
         if cn not in sources:
             raise TensorError(f"missing tensor '{cn.gguf}'")
