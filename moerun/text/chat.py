@@ -26,6 +26,15 @@ from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from moerun.errors import MoerunError
+from moerun.text.template_limits import (
+    LimitError,
+    Limits,
+    checked_join,
+    guard_filters,
+    guarded_render,
+    size_checked_binop,
+    size_checked_call,
+)
 
 __all__ = ["CHATML_TEMPLATE", "ChatTemplate", "ChatTemplateError", "select_template"]
 
@@ -50,9 +59,26 @@ class _Raised(TemplateError):
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+    def __init__(self, limits: Limits, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.limits = limits
+
     def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
         # Jinja would return an Undefined that only fails when used; stop at the first attempt instead.
         raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is not allowed")
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        size_checked_binop(operator, left, right, self.limits)
+        return super().call_binop(context, operator, left, right)
+
+    def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+        args = size_checked_call(obj, args, kwargs, self.limits)
+        return super().call(context, obj, *args, **kwargs)
+
+    def concat(self, parts: Any) -> str:  # output and macro/filter-block buffers
+        return checked_join(parts, self.limits)
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -112,9 +138,11 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+def _environment(limits: Limits) -> ImmutableSandboxedEnvironment:
+    env = _Sandbox(limits, trim_blocks=True, lstrip_blocks=True,
+                   extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
+    env.filters = guard_filters(env.filters, limits)
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_Dict(),
                        namespace=_Namespace)
     return env
@@ -175,18 +203,22 @@ def select_template(templates: Mapping[str, str], name: str | None = None, tools
 
 
 class ChatTemplate:
-    """One compiled chat template. `source=None` means the model has none: ChatML is used (`is_fallback`)."""
+    """One compiled chat template. `source=None` means the model has none: ChatML is used (`is_fallback`).
+    `limits` bounds the steps, time and sizes of one render (see moerun.text.template_limits)."""
 
-    def __init__(self, source: str | None = None, special_tokens: Mapping[str, str] | None = None):
+    def __init__(self, source: str | None = None, special_tokens: Mapping[str, str] | None = None,
+                 limits: Limits | None = None):
         self.is_fallback = source is None
         self.source = CHATML_TEMPLATE if source is None else source
         self.special_tokens = dict(special_tokens or {})  # bos_token, eos_token, ... visible to the template
+        self.limits = limits or Limits()
         try:
-            self._template = _environment().from_string(self.source)
+            self._template = _environment(self.limits).from_string(self.source)
         except TemplateSyntaxError as e:
             raise ChatTemplateError(f"the chat template does not compile (line {e.lineno}): {e.message}") from None
-        except TemplateError as e:
-            raise ChatTemplateError(f"the chat template does not compile: {e}") from None
+        except (TemplateError, RecursionError, MemoryError) as e:
+            raise ChatTemplateError(f"the chat template does not compile: {type(e).__name__}: {e}") from None
+        self._template.root_render_func.__globals__["str_join"] = lambda parts: checked_join(parts, self.limits)
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, name: str | None = None, tools: Any = None) -> ChatTemplate:
@@ -219,9 +251,16 @@ class ChatTemplate:
 
     def _render(self, **variables: Any) -> str:
         try:
-            return self._template.render(**variables)
+            return guarded_render(lambda: self._template.render(**variables), self.limits)
         except _Raised as e:
             raise ChatTemplateError(f"the chat template rejected the messages: {e.message}") from None
+        except LimitError as e:
+            raise ChatTemplateError(f"the chat template went past a resource limit: {e}") from None
+        except RecursionError:
+            raise ChatTemplateError("the chat template recursed too deeply") from None
+        except (MemoryError, OverflowError) as e:
+            raise ChatTemplateError(f"the chat template went past a resource limit: {type(e).__name__}: "
+                                    f"{e}") from None
         except SecurityError as e:
             raise ChatTemplateError(f"the chat template tried an operation the sandbox forbids: {e}") from None
         except TemplateError as e:
