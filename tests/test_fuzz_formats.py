@@ -120,6 +120,7 @@ HF_REGRESSIONS = [
     ("F", [("rename", "model.layers.1.block_sparse_moe.experts.4.w3.weight",
             "model.layers.0.mlp.experts.99999999999.gate_proj.weight")], "are missing"),
     ("F", [("config", "rope_parameters", [None])], "'rope_parameters' must be an object"),
+    ("F", [("tensor", "model.norm.weight", "dtype", ["F32"])], "has an invalid dtype"),
     ("R", [("config", "num_hidden_layers", 10**12)], "'num_hidden_layers' must be in 1..65536"),
     ("R", [("config", "head_dim", DELETE), ("config", "num_attention_heads", 0)], "'num_attention_heads' must be"),
     ("R", [("config", "rms_norm_eps", [1])], "'rms_norm_eps' must be a number"),

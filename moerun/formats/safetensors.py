@@ -62,6 +62,8 @@ def _is_int(x: Any) -> bool:
 def _qtype(name: str, dtype: Any) -> QType:
     if dtype is None:
         raise _Bad(f"tensor {_q(name)} has no dtype")
+    if not isinstance(dtype, str):
+        raise _Bad(f"tensor {_q(name)} has an invalid dtype {_q(repr(dtype))}")
     if dtype in _DTYPES:
         return _DTYPES[dtype]
     if dtype in _OTHER_DTYPES:
