@@ -27,8 +27,8 @@ import torch
 
 from moerun.quant.qtypes import QTensor, QType
 
-__all__ = ["AttnLayer", "AttnRows", "attn_block", "available", "dequant_rows", "features", "get_threads", "matmul", "moe_ffn", "moe_ffn_experts",
-           "set_threads", "supports"]
+__all__ = ["AttnLayer", "AttnRows", "attn_block", "available", "can_interleave", "deinterleave", "dequant_rows",
+           "features", "get_threads", "interleave", "matmul", "moe_ffn", "moe_ffn_experts", "set_threads", "supports"]
 
 MODE = os.environ.get("MOERUN_KERNELS", "").strip().lower()  # "" / "auto", "scalar", "off"
 
@@ -45,6 +45,7 @@ else:
         _import_error = f"moerun.kernels._cpu is not built: {e}"
 
 ISA_IDS = {"scalar": 0, "avx2": 1, "avx512vnni": 2}
+QK_R8 = 1000  # qk.h: an interleaved layout's type id is the ggml type's + QK_R8
 
 
 def _physical_cores() -> int:
@@ -115,6 +116,47 @@ def get_threads() -> int:
     return _cpu.get_threads()
 
 
+# ------------------------------------------------------------------------------- interleaved rows
+
+
+def can_interleave(w: QTensor) -> bool:
+    """Whether `interleave` takes w: a CPU Q4_K matrix (or stack of them) in GGUF's layout, rows a multiple of 8."""
+    return (_cpu is not None and isinstance(w, QTensor) and w.qtype == QType.Q4_K and w.interleave == 1
+            and len(w.shape) in (2, 3) and w.shape[-2] % 8 == 0 and w.data.is_cpu)
+
+
+def interleave(w: QTensor) -> QTensor:
+    """w's rows in groups of 8 in the kernels' interleaved layout (kernels/csrc/qk.h: one 32-byte load holds
+    4 weights of each of 8 rows): a new tensor of the same size, about twice as fast to multiply (GEMV in
+    cache; bench/RESULTS.md). Only these kernels read it; `deinterleave` (and QTensor.dequantize) undo it."""
+    _need()
+    if not can_interleave(w):
+        raise ValueError(f"cannot interleave {w.qtype.name}{tuple(w.shape)} (want a CPU Q4_K matrix, rows a "
+                         "multiple of 8, in GGUF's layout)")
+    return _relayout(_cpu.repack, w, 8)
+
+
+def deinterleave(w: QTensor) -> QTensor:
+    """The GGUF-layout copy of an interleaved tensor (byte for byte what it was made from)."""
+    _need()
+    if not isinstance(w, QTensor) or w.interleave == 1:
+        raise ValueError("not an interleaved QTensor")
+    return _relayout(_cpu.unpack, w, 1)
+
+
+def _relayout(fn, w: QTensor, interleave: int) -> QTensor:
+    src = w.data.contiguous()
+    dst = torch.empty_like(src)
+    rows = w.numel // w.shape[-1]  # groups of 8 never straddle two matrices of a stack (rows % 8 == 0)
+    fn(int(w.qtype) + QK_R8, src.data_ptr(), dst.data_ptr(), rows, w.shape[-1])
+    return QTensor(dst, w.qtype, w.shape, interleave)
+
+
+def _type(w: QTensor) -> int:
+    """The type id the C kernels take for w."""
+    return int(w.qtype) + (QK_R8 if w.interleave != 1 else 0)
+
+
 # ------------------------------------------------------------------------------------------ calls
 
 
@@ -129,7 +171,7 @@ def matmul(x: torch.Tensor, w: QTensor, *, isa: str | None = None) -> torch.Tens
         raise ValueError(f"x has {K} columns but w {w.qtype.name}{tuple(w.shape)} expects {w.shape[1]}")
     out = torch.empty((T, N), dtype=torch.float32)
     if T:
-        _cpu.matmul(isa_id, int(w.qtype), w.data.data_ptr(), N, K, x.data_ptr(), T, out.data_ptr())
+        _cpu.matmul(isa_id, _type(w), w.data.data_ptr(), N, K, x.data_ptr(), T, out.data_ptr())
     return out
 
 
@@ -138,6 +180,8 @@ def dequant_rows(w: QTensor, rows: torch.Tensor) -> torch.Tensor:
     embedding lookup without dequantizing the table)."""
     _need()
     _check_q(w, "w", 2)
+    if w.interleave != 1:
+        raise ValueError("dequant_rows reads GGUF's layout; this matrix is interleaved")
     if not isinstance(rows, torch.Tensor) or rows.dtype != torch.int64 or rows.dim() != 1:
         raise ValueError("rows must be a 1-D int64 tensor")
     rows = rows.contiguous()
@@ -163,7 +207,7 @@ def moe_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: QTe
     if up.shape != (E, I, H) or down.shape != (E, H, I):
         raise ValueError(f"expert shapes gate {gate.shape}, up {up.shape}, down {down.shape}: want gate = up = "
                          f"(E, I, H) and down = (E, H, I)")
-    mats = [(q.data.data_ptr(), q.nbytes // E, int(q.qtype)) for q in (gate, up, down)]
+    mats = [(q.data.data_ptr(), q.nbytes // E, _type(q)) for q in (gate, up, down)]
     return _moe(isa_id, x, ids, weights, mats, E, I, H)
 
 
@@ -187,21 +231,22 @@ def moe_ffn_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, e
     if items[0][0] < 0:
         raise ValueError(f"negative expert id {items[0][0]}")
     table = array("Q", bytes(24 * E))  # gate | up | down addresses, 0 where not given
-    like = [(q.qtype, q.shape) for q in (first.gate, first.up, first.down)]
+    like = [(q.qtype, q.shape, q.interleave) for q in (first.gate, first.up, first.down)]
     names = ("gate", "up", "down")
     try:  # on the decode path for every layer: plain attribute checks only
         for e, ex in items:
-            for m, (qtype, shape) in enumerate(like):
+            for m, (qtype, shape, il) in enumerate(like):
                 q = getattr(ex, names[m])
                 data = q.data
-                if q.qtype is not qtype or q.shape != shape or not data.is_cpu or not data.is_contiguous():
+                if (q.qtype is not qtype or q.shape != shape or q.interleave != il or not data.is_cpu
+                        or not data.is_contiguous()):
                     raise TypeError
                 table[m * E + e] = data.data_ptr()
     except (AttributeError, TypeError):
         raise ValueError(f"experts[{e}].{names[m]} is not a contiguous CPU {like[m][0].name}{like[m][1]} QTensor "
-                         f"like experts[{items[0][0]}]") from None
+                         f"laid out like experts[{items[0][0]}]") from None
     base = table.buffer_info()[0]
-    mats = [(base + 8 * m * E, 0, int(q.qtype)) for m, q in enumerate((first.gate, first.up, first.down))]
+    mats = [(base + 8 * m * E, 0, _type(q)) for m, q in enumerate((first.gate, first.up, first.down))]
     return _moe(isa_id, x, ids, weights, mats, E, I, H)
 
 
@@ -280,7 +325,7 @@ class AttnLayer:
     def _matrix(self, name: str, w, shape) -> tuple[int, int]:
         if isinstance(w, QTensor):
             _check_q(w, name, 2)
-            ok, data, ggml = tuple(w.shape) == shape, w.data, int(w.qtype)
+            ok, data, ggml = tuple(w.shape) == shape, w.data, _type(w)
         else:
             ok = (isinstance(w, torch.Tensor) and w.dtype in FLOAT_TYPES and w.is_cpu and w.is_contiguous()
                   and tuple(w.shape) == shape)

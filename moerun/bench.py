@@ -390,8 +390,8 @@ def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[in
               n_ubatch: Sequence[int] = (DEFAULT_UBATCH,), reps: int = 5, dtype: str = "float32",
               measure_bw: bool = False, warmup: bool = True, fmt: str = "md", out: TextIO | None = None,
               log: Callable[[str], None] = lambda s: None, cache_mib: Sequence[float | None] = (None,),
-              cache_policy: str = "lru", mmap: bool | None = None, trace_routing: str | Path | None = None
-              ) -> list[dict]:
+              cache_policy: str = "lru", mmap: bool | None = None, trace_routing: str | Path | None = None,
+              repack: bool = True) -> list[dict]:
     """Run every test (see expand_cases) and stream the records to `out` in `fmt`; returns the records."""
     import gc
     import sys
@@ -431,7 +431,8 @@ def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[in
             cached = any(c.cache_mib is not None for c in cases if c.model == case.model)
             home = {True: "mmap", False: "ram", None: "mmap" if cached else "ram"}[mmap]
             log(f"loading {case.model} (routed experts: {home})")
-            loaded, loaded_path = load_model(case.model, dtype=getattr(torch, dtype), home=home), case.model
+            loaded = load_model(case.model, dtype=getattr(torch, dtype), home=home, interleave=repack)
+            loaded_path = case.model
             ctx = max(c.n_prompt + c.n_gen for c in cases if c.model == case.model)
             pool = KVPool(loaded.arch.spec, ctx, dtype=loaded.model.dtype)
             if trace_routing is not None and recorder is None:

@@ -61,10 +61,12 @@ def _cache_sizes(ctx, param, values):
               help="Expert cache eviction policy.")
 @click.option("--mmap/--no-mmap", default=None,
               help="Keep routed experts in the file's map (default when a cache is asked for) or copy them to RAM.")
+@click.option("--repack/--no-repack", default=True, show_default=True,
+              help="Interleave Q4_K weights held in RAM for the CPU kernels at load (llama.cpp's repack).")
 @click.option("--trace-routing", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Record the routing of the timed runs (JSON Lines) for `moerun estimate --trace`.")
 def bench(models, n_prompt, n_gen, threads, ubatch, repetitions, fmt, dtype, measure_bw, no_warmup, cache_mib,
-          cache_policy, mmap, trace_routing):
+          cache_policy, mmap, repack, trace_routing):
     """Measure prompt processing (ppN) and generation (tgN) speed, llama-bench style.
 
     Integer options take comma lists and ranges: -p 128,512  -t 1-2  -p 64-512*2  -n 0-128+32.
@@ -82,4 +84,5 @@ def bench(models, n_prompt, n_gen, threads, ubatch, repetitions, fmt, dtype, mea
     run_bench(models, n_prompt if n_prompt is not None else [512], n_gen if n_gen is not None else [128],
               threads, ubatch or [DEFAULT_UBATCH], reps=repetitions, dtype=dtype, measure_bw=measure_bw,
               warmup=not no_warmup, fmt=fmt, log=lambda s: click.echo(f"bench: {s}", err=True),
-              cache_mib=cache_mib or [None], cache_policy=cache_policy, mmap=mmap, trace_routing=trace_routing)
+              cache_mib=cache_mib or [None], cache_policy=cache_policy, mmap=mmap, repack=repack,
+              trace_routing=trace_routing)

@@ -39,6 +39,9 @@ def model_options(f):
                      help="Routed experts stay in the file's memory map (--mmap) or are copied to RAM "
                           "(--no-mmap). Default: RAM when the model takes under 70% of the available memory "
                           "and no expert cache is asked for."),
+        click.option("--repack/--no-repack", "repack", default=True, show_default=True,
+                     help="Rewrite Q4_K weights held in RAM into the CPU kernels' interleaved layout at load "
+                          "(faster; llama.cpp's repack). Experts in the file's map are read as stored."),
         click.option("--device", default="cpu", show_default=True, help="Compute device (only cpu runs today)."),
         click.option("--gpus", default=None, help="CUDA devices, e.g. 0,1 (llama.cpp's meaning)."),
         click.option("--devices", default=None,
@@ -111,7 +114,7 @@ def sampling_params(kw: dict, with_max_tokens: bool = True):
 
 
 RUNTIME_OPTIONS = ("model", "ctx_size", "ubatch", "threads", "dtype", "expert_cache_mib", "expert_cache_slots",
-                   "cache_policy", "cache_prefill", "prefetch", "use_mmap", "device", "gpus", "ram_budget", "vram_budget", "n_cpu_moe",
+                   "cache_policy", "cache_prefill", "prefetch", "use_mmap", "repack", "device", "gpus", "ram_budget", "vram_budget", "n_cpu_moe",
                    "override_tensor", "print_plan", "devices", "tensor_split", "pipeline_rank", "pipeline_world_size",
                    "master_addr", "master_port", "pipeline_timeout")
 
@@ -154,7 +157,7 @@ def runtime_config(kw: dict):
             vram_budget=_split_list(o["vram_budget"], parse_size, "--vram-budget"),
             expert_cache_mib=o["expert_cache_mib"], expert_cache_slots=o["expert_cache_slots"],
             cache_policy=o["cache_policy"], cache_prefill=o["cache_prefill"], prefetch=o["prefetch"],
-            mmap=o["use_mmap"],
+            mmap=o["use_mmap"], repack=o["repack"],
             n_cpu_moe=o["n_cpu_moe"], override_tensor=overrides,
             devices=_split_list(o["devices"], parse_device, "--devices") or (),
             tensor_split=_split_list(o["tensor_split"], float, "--tensor-split"),

@@ -38,7 +38,7 @@ from moerun.experts.stats import CacheStats
 from moerun.formats import open_model
 from moerun.loading import Loaded, expert_reader, weights_home
 from moerun.model.model import MoEModel
-from moerun.weights.loader import load_weights
+from moerun.weights.loader import interleave_for_kernels, load_weights
 
 OP_STOP, OP_STEP, OP_STATS = 0, 1, 2
 HEADER = 8
@@ -149,7 +149,7 @@ def _first_line(e: Exception) -> str:
 
 
 def stage_weights(path: str | Path, layers: tuple[int, int], dtype: torch.dtype, home: str,
-                  kernels: bool = True) -> Loaded:
+                  kernels: bool = True, interleave: bool = True) -> Loaded:
     """load_model for one stage: only layers [a, b), the embeddings on the first and the head on the last."""
     mf = open_model(path)
     arch = resolve(mf)
@@ -165,6 +165,8 @@ def stage_weights(path: str | Path, layers: tuple[int, int], dtype: torch.dtype,
     mine = Arch(arch.family, spec, {cn: src for cn, src in arch.sources.items() if keep(cn)})
     in_ram = weights_home(mf, home) == "ram"
     weights = load_weights(mf, mine, copy_experts=in_ram)
+    if kernels and interleave:
+        interleave_for_kernels(weights, experts=in_ram)
     reader = None if in_ram else expert_reader(arch)
     return Loaded(mf, arch, MoEModel(spec, weights, dtype=dtype, kernels=kernels, expert_reader=reader,
                                      layers=layers))

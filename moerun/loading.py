@@ -15,7 +15,7 @@ from moerun.formats import open_model
 from moerun.formats.names import CName
 from moerun.formats.records import ModelFile
 from moerun.model.model import MoEModel
-from moerun.weights.loader import load_weights
+from moerun.weights.loader import interleave_for_kernels, load_weights
 
 
 @dataclass
@@ -62,13 +62,17 @@ def expert_reader(arch: Arch) -> ExpertReader | None:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, kernels: bool = True,
-               home: str = "auto") -> Loaded:
+               home: str = "auto", interleave: bool = True) -> Loaded:
     """kernels=False runs quantized weights through the torch reference (dequantize per use).
-    home: "auto", "ram" (llama.cpp's --no-mmap) or "mmap" (see weights_home)."""
+    home: "auto", "ram" (llama.cpp's --no-mmap) or "mmap" (see weights_home).
+    interleave: with the CPU kernels, rewrite the Q4_K matrices moerun owns into their faster interleaved
+    layout (experts too when home is RAM; see interleave_for_kernels)."""
     mf = open_model(path)
     arch = resolve(mf)
     in_ram = weights_home(mf, home) == "ram"
     weights = load_weights(mf, arch, copy_experts=in_ram)
+    if kernels and interleave:
+        interleave_for_kernels(weights, experts=in_ram)
     reader = None if in_ram else expert_reader(arch)
     loaded = Loaded(mf, arch, MoEModel(arch.spec, weights, dtype=dtype, kernels=kernels, expert_reader=reader))
     gc.freeze()  # the model's thousands of objects live as long as it: keep them out of every full collection

@@ -146,7 +146,7 @@ def build(cfg: RuntimeConfig) -> Runtime:
     path, ctx, the_plan, home = _prepare(cfg)
     if cfg.pipeline_world_size > 1:
         return _build_rank0(cfg, ctx, the_plan, home)
-    loaded = load_model(path, dtype=getattr(torch, cfg.dtype), home=home)
+    loaded = load_model(path, dtype=getattr(torch, cfg.dtype), home=home, interleave=cfg.repack)
     warnings: list[str] = []
     _check_kernels(loaded, warnings)
     if cfg.vram_budget is not None and all(d == "cpu" for d in cfg.stage_devices):
@@ -179,7 +179,7 @@ def _join(cfg: RuntimeConfig, the_plan: Plan, home: str):
                           f"{bounds}); use fewer processes or another --tensor-split")
     layers = (bounds[cfg.pipeline_rank], bounds[cfg.pipeline_rank + 1])
     loaded = stage_weights(Path(cfg.model) if cfg.model else default_model_path(), layers,
-                           getattr(torch, cfg.dtype), home)
+                           getattr(torch, cfg.dtype), home, interleave=cfg.repack)
     warnings: list[str] = []
     _check_kernels(loaded, warnings)
     if cfg.vram_budget is not None and all(d == "cpu" for d in cfg.stage_devices):

@@ -75,7 +75,7 @@ static const deq_fn DEQ[QT_COUNT] = {
 
 int qk_dequant_rows(int ggml, const uint8_t *w, int64_t N, int64_t K, const int64_t *rows, int64_t n, float *out) {
     const int qt = qk_qtype_index(ggml);
-    if (qt < 0) return QK_ETYPE;
+    if (qt < 0 || !DEQ[qt]) return QK_ETYPE; /* GGUF layouts only: interleaved rows are not looked up */
     const qtype_info *ti = &QK_TYPES[qt];
     if (K < 1 || K % ti->blk_elems) return QK_ESHAPE;
     const int64_t nb = K / ti->blk_elems, row_bytes = nb * ti->blk_bytes;

@@ -103,7 +103,8 @@ static int quantize_rows(quant_fn quant, const float *x, int64_t rows, int64_t K
 typedef struct {
     dot_fn dot;
     const uint8_t *w;
-    int64_t N, nb, row_bytes;
+    int64_t N, nb, row_bytes; /* row_bytes: per dot call (a group of `rows` rows) */
+    int rows;
     int act;               /* activation format, or -1: float weights read the float rows of x */
     const uint8_t *xq;     /* activation rows in that format */
     int64_t xq_row;
@@ -118,18 +119,21 @@ typedef struct {
     workq q;
 } mm_ctx;
 
-/* Rows [r0, r1) of one matrix against all T tokens, four tokens per pass over the rows. */
+/* Rows [r0, r1) of one matrix against all T tokens, four tokens per pass over the rows (r0 and r1 are
+ * multiples of the matrix's rows per dot call). */
 static void mm_rows(const mm_mat *m, int64_t T, int64_t r0, int64_t r1) {
     const dot_fn dot = m->dot;
     const int64_t nb = m->nb, rb = m->row_bytes, N = m->N;
+    const int rows = m->rows;
     for (int64_t t = 0; t < T; t += DOT_MAX_NT) {
         const int nt = (int)min64(DOT_MAX_NT, T - t);
         const void *xs[DOT_MAX_NT];
         for (int j = 0; j < nt; j++) xs[j] = m->xq + (t + j) * m->xq_row;
-        for (int64_t r = r0; r < r1; r++) {
-            float o[DOT_MAX_NT];
-            dot(nb, m->w + r * rb, xs, nt, o);
-            for (int j = 0; j < nt; j++) m->out[(t + j) * N + r] = o[j];
+        for (int64_t r = r0; r < r1; r += rows) {
+            float o[DOT_MAX_NT * DOT_MAX_ROWS];
+            dot(nb, m->w + r / rows * rb, xs, nt, o);
+            for (int j = 0; j < nt; j++)
+                for (int q = 0; q < rows; q++) m->out[(t + j) * N + r + q] = o[j * rows + q];
         }
     }
 }
@@ -151,7 +155,7 @@ int qk_matmuls(int isa, int n, const qk_wmat *w, int64_t K, const float *x, int6
     if (!ks) return QK_EISA;
     if (n < 1 || n > QK_MM_MAX || T < 1 || K < 1) return QK_ESHAPE;
     mm_ctx c = {.n = n, .T = T};
-    int need[ACT_COUNT] = {0};
+    int need[ACT_COUNT] = {0}, group = 1; /* group: work items hold whole groups of interleaved rows */
     int64_t rows = 0;
     for (int j = 0; j < n; j++) {
         mm_mat *m = &c.m[j];
@@ -160,17 +164,19 @@ int qk_matmuls(int isa, int n, const qk_wmat *w, int64_t K, const float *x, int6
         rows += m->N;
         const dot_fn fd = qk_fdot(isa, w[j].ggml);
         if (fd) {
-            *m = (mm_mat){fd, w[j].w, w[j].N, K, K * (w[j].ggml == GGML_F32 ? 4 : 2), -1,
+            *m = (mm_mat){fd, w[j].w, w[j].N, K, K * (w[j].ggml == GGML_F32 ? 4 : 2), 1, -1,
                           (const uint8_t *)x, K * (int64_t)sizeof(float), out[j], 0};
             continue;
         }
         const int qt = qk_qtype_index(w[j].ggml);
         if (qt < 0) return QK_ETYPE;
         const qtype_info *ti = &QK_TYPES[qt];
-        if (K % ti->blk_elems) return QK_ESHAPE;
+        if (K % ti->blk_elems || m->N % ti->rows) return QK_ESHAPE;
         m->dot = ks->dot[qt];
         m->nb = K / ti->blk_elems;
         m->row_bytes = m->nb * ti->blk_bytes;
+        m->rows = ti->rows;
+        if (ti->rows > group) group = ti->rows;
         m->act = ti->act;
         need[ti->act] = 1;
     }
@@ -188,7 +194,7 @@ int qk_matmuls(int isa, int n, const qk_wmat *w, int64_t K, const float *x, int6
         quantize_rows(ks->quant[a], x, T, K, xq[a], xrow[a]);
     }
     const int nth = qk_pool_threads();
-    c.rows_per = rows_per_item(rows, nth);
+    c.rows_per = (rows_per_item(rows, nth) + group - 1) / group * group;
     int64_t items = 0;
     for (int j = 0; j < n; j++) {
         mm_mat *m = &c.m[j];
@@ -223,6 +229,7 @@ typedef struct {
     dot_fn dot_g, dot_u;
     const uint8_t **gate, **up, *xg, *xu; /* per active expert */
     int64_t nb_g, nb_u, rowb_g, rowb_u, xrow_g, xrow_u, I;
+    int rows_g, rows_u, step_a; /* rows per dot call; gate and up rows are taken step_a at a time */
     /* h = silu(gate x) * up x per pair (sorted order), quantized per expert when complete */
     float *h;
     quant_fn quant_h;
@@ -234,6 +241,7 @@ typedef struct {
     dot_fn dot_d;
     const uint8_t **down;
     int64_t nb_d, rowb_d, H, rows_b, items_b;
+    int rows_d;
     const float *wts;
     float *out, *scratch;     /* scratch: rows_b floats per pair, for each of nscratch threads */
     int64_t nscratch, T;
@@ -241,6 +249,18 @@ typedef struct {
 } moe_ctx;
 
 static float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+/* Rows [r, r + n) of a matrix of `rows` rows per dot call (n a multiple of it; each call reads rowb bytes)
+ * against nt activation rows: o[t * n + j] = row r + j . x[t]. */
+static void dot_span(dot_fn dot, int rows, int64_t nb, const uint8_t *w, int64_t rowb, int64_t r, int n,
+                     const void *const *xs, int nt, float *o) {
+    float tmp[DOT_MAX_NT * DOT_MAX_ROWS];
+    for (int j = 0; j < n; j += rows) {
+        dot(nb, w + (r + j) / rows * rowb, xs, nt, tmp);
+        for (int t = 0; t < nt; t++)
+            for (int q = 0; q < rows; q++) o[t * n + j + q] = tmp[t * rows + q];
+    }
+}
 
 static void moe_gate_up_task(void *p, int tid, int nth) {
     moe_ctx *c = p;
@@ -258,11 +278,13 @@ static void moe_gate_up_task(void *p, int tid, int nth) {
                 xg[j] = c->xg + tok * c->xrow_g;
                 xu[j] = c->xu + tok * c->xrow_u;
             }
-            for (int64_t r = r0; r < r1; r++) {
-                float g[DOT_MAX_NT], u[DOT_MAX_NT];
-                c->dot_g(c->nb_g, gw + r * c->rowb_g, xg, nt, g);
-                c->dot_u(c->nb_u, uw + r * c->rowb_u, xu, nt, u);
-                for (int j = 0; j < nt; j++) c->h[(s + j) * c->I + r] = silu_mul(g[j], u[j]);
+            const int n = c->step_a;
+            for (int64_t r = r0; r < r1; r += n) {
+                float g[DOT_MAX_NT * DOT_MAX_ROWS], u[DOT_MAX_NT * DOT_MAX_ROWS];
+                dot_span(c->dot_g, c->rows_g, c->nb_g, gw, c->rowb_g, r, n, xg, nt, g);
+                dot_span(c->dot_u, c->rows_u, c->nb_u, uw, c->rowb_u, r, n, xu, nt, u);
+                for (int j = 0; j < nt; j++)
+                    for (int q = 0; q < n; q++) c->h[(s + j) * c->I + r + q] = silu_mul(g[j * n + q], u[j * n + q]);
             }
         }
         /* The last item of an expert quantizes its h rows (acq_rel: sees the others' writes). */
@@ -287,10 +309,12 @@ static void moe_down_task(void *p, int tid, int nth) {
                 const int nt = (int)min64(DOT_MAX_NT, c->first[a + 1] - s);
                 const void *xs[DOT_MAX_NT];
                 for (int j = 0; j < nt; j++) xs[j] = c->hq + (s + j) * c->hrow;
-                for (int64_t r = r0; r < r1; r++) {
-                    float o[DOT_MAX_NT];
-                    c->dot_d(c->nb_d, dw + r * c->rowb_d, xs, nt, o);
-                    for (int j = 0; j < nt; j++) y[(s + j) * c->rows_b + (r - r0)] = o[j];
+                const int n = c->rows_d;
+                for (int64_t r = r0; r < r1; r += n) {
+                    float o[DOT_MAX_NT * DOT_MAX_ROWS];
+                    c->dot_d(c->nb_d, dw + r / n * c->rowb_d, xs, nt, o);
+                    for (int j = 0; j < nt; j++)
+                        for (int q = 0; q < n; q++) y[(s + j) * c->rows_b + (r - r0) + q] = o[j * n + q];
                 }
             }
         }
@@ -320,8 +344,9 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
     if (!ks) return QK_EISA;
     if (qg < 0 || qu < 0 || qd < 0) return QK_ETYPE;
     const qtype_info *tg = &QK_TYPES[qg], *tu = &QK_TYPES[qu], *td = &QK_TYPES[qd];
+    const int step_a = tg->rows > tu->rows ? tg->rows : tu->rows; /* 1 or 8 */
     if (T < 1 || k < 1 || E < 1 || I < 1 || H < 1 || H % tg->blk_elems || H % tu->blk_elems ||
-        I % td->blk_elems)
+        I % td->blk_elems || I % step_a || H % td->rows)
         return QK_ESHAPE;
     for (int64_t p = 0; p < T * k; p++)
         if (ids[p] < 0 || ids[p] >= E) return QK_EIDS;
@@ -334,6 +359,7 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
     const int64_t hrow = I / qk_act_elems(ad) * qk_act_bytes(ad);
     int64_t rows_b = rows_per_item(H, nth);
     while (rows_b > 4 && P * rows_b * (int64_t)sizeof(float) > SCRATCH_BYTES) rows_b /= 2;
+    rows_b = (rows_b + td->rows - 1) / td->rows * td->rows; /* whole groups of interleaved rows */
 
     /* One allocation for all scratch: first (E + 1), cursor (E), order and pos (P each) as int64;
      * done (E counters); gate, up and down addresses (3 E); act_e (E int32); h (P * I floats); down
@@ -388,12 +414,14 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
         .dot_g = ks->dot[qg], .dot_u = ks->dot[qu], .gate = pg, .up = pu, .xg = xg, .xu = xu,
         .nb_g = H / tg->blk_elems, .nb_u = H / tu->blk_elems, .rowb_g = H / tg->blk_elems * tg->blk_bytes,
         .rowb_u = H / tu->blk_elems * tu->blk_bytes, .xrow_g = xrow_g, .xrow_u = xrow_u, .I = I,
+        .rows_g = tg->rows, .rows_u = tu->rows, .step_a = step_a, .rows_d = td->rows,
         .h = h, .quant_h = ks->quant[ad], .hq = hq, .hrow = hrow, .done = done,
         .dot_d = ks->dot[qd], .down = pd, .nb_d = I / td->blk_elems,
         .rowb_d = I / td->blk_elems * td->blk_bytes, .H = H, .rows_b = rows_b,
         .wts = wts, .out = out, .scratch = scratch, .nscratch = nth, .T = T,
     };
     c.rows_a = rows_per_item(nact * I, nth);
+    c.rows_a = (c.rows_a + step_a - 1) / step_a * step_a;
     if (c.rows_a > I) c.rows_a = I;
     c.items_per_expert = (I + c.rows_a - 1) / c.rows_a;
     c.items_b = (H + rows_b - 1) / rows_b;

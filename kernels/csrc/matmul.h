@@ -34,6 +34,11 @@ typedef struct {
 int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts, int k,
                qk_expert_mats gate, qk_expert_mats up, qk_expert_mats down, int64_t E, int64_t I, float *out);
 
+/* W[N, K] of GGUF type Q4_K into the interleaved layout `to` (GGML_Q4_K_R8; N a multiple of 8), and back
+ * (qk_unpack, `from` the interleaved type). src and dst must not overlap; same byte count both ways (r8.c). */
+int qk_repack(int to, const uint8_t *src, uint8_t *dst, int64_t N, int64_t K);
+int qk_unpack(int from, const uint8_t *src, uint8_t *dst, int64_t N, int64_t K);
+
 /* out[n, K] = rows[i] of W[N, K] (ggml type `ggml`) as floats, the values gguf.quants gives. */
 int qk_dequant_rows(int ggml, const uint8_t *w, int64_t N, int64_t K, const int64_t *rows, int64_t n, float *out);
 

@@ -46,9 +46,12 @@ static PyObject *py_features(PyObject *self, PyObject *args) {
 
 static PyObject *py_qtypes(PyObject *self, PyObject *args) {
     (void)self, (void)args;
-    PyObject *t = PyTuple_New(QT_COUNT);
+    Py_ssize_t n = 0;
+    for (int i = 0; i < QT_COUNT; i++) n += QK_TYPES[i].ggml < QK_R8;
+    PyObject *t = PyTuple_New(n);
     if (!t) return NULL;
-    for (int i = 0; i < QT_COUNT; i++) PyTuple_SET_ITEM(t, i, PyLong_FromLong(QK_TYPES[i].ggml));
+    for (int i = 0, j = 0; i < QT_COUNT; i++)
+        if (QK_TYPES[i].ggml < QK_R8) PyTuple_SET_ITEM(t, j++, PyLong_FromLong(QK_TYPES[i].ggml));
     return t;
 }
 
@@ -149,6 +152,26 @@ static PyObject *py_dequant_rows(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS return raise_code(rc);
 }
 
+static PyObject *repack_call(PyObject *args, int (*fn)(int, const uint8_t *, uint8_t *, int64_t, int64_t)) {
+    int type;
+    unsigned long long src, dst;
+    long long N, K;
+    if (!PyArg_ParseTuple(args, "iKKLL", &type, &src, &dst, &N, &K)) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = fn(type, (const uint8_t *)(uintptr_t)src, (uint8_t *)(uintptr_t)dst, N, K);
+    Py_END_ALLOW_THREADS return raise_code(rc);
+}
+
+static PyObject *py_repack(PyObject *self, PyObject *args) {
+    (void)self;
+    return repack_call(args, qk_repack);
+}
+
+static PyObject *py_unpack(PyObject *self, PyObject *args) {
+    (void)self;
+    return repack_call(args, qk_unpack);
+}
+
 /* attn_fields(): the names of qk_attn_desc's int64 fields, in order. */
 static PyObject *py_attn_fields(PyObject *self, PyObject *args) {
     (void)self, (void)args;
@@ -191,7 +214,9 @@ static PyObject *py_attn_block(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"features", py_features, METH_NOARGS, "Kernel sets this CPU runs, the best one, thread pool settings."},
-    {"qtypes", py_qtypes, METH_NOARGS, "ggml type ids with kernels."},
+    {"qtypes", py_qtypes, METH_NOARGS, "ggml type ids (GGUF layouts) with kernels."},
+    {"repack", py_repack, METH_VARARGS, "repack(to, src, dst, N, K): Q4_K rows into an interleaved layout."},
+    {"unpack", py_unpack, METH_VARARGS, "unpack(from, src, dst, N, K): an interleaved layout back to Q4_K."},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n, spin_us=-1): size the thread pool."},
     {"get_threads", py_get_threads, METH_NOARGS, "Threads of the pool (caller included)."},
     {"act_row_bytes", py_act_row_bytes, METH_VARARGS, "act_row_bytes(ggml, K)"},

@@ -27,6 +27,20 @@
  *          | ((scales_h >> 2i) & 3) << 4) - 32. qs[16i + j] low nibble -> el 32i + j, high -> 32i+16+j.
  *          value = d * scale * KV_IQ4NL[q].
  *
+ * Interleaved layout (ours, internal; made at load time by qk_repack, repack.c, for weights in memory moerun
+ * owns; never in a file). Its type id is the source type's + QK_R8 (Q4_K_R8 = 1012). Rows go in groups of
+ * 8; block i of a group (the 8 rows' block i) is one 1152-byte "R8 block", the bytes of the 8 source
+ * blocks rearranged so that one 32-byte load holds 4 consecutive weights of each of the 8 rows, one
+ * int32 lane per row (vpdpbusd against 4 activation bytes broadcast), and the scales unpack with a few
+ * vector ops for all 8 rows at once:
+ *   Q4_K_R8 @0 d[8] f16 | @16 dmin[8] f16 | @32 lo[64] | @96 hi[32] | @128 qs[1024].
+ *          Four 32-value scale vectors V0..V3 (6-bit values): V0[8s + r] = sc of row r, sub-block s < 4;
+ *          V1[8(s - 4) + r] = sc, s >= 4; V2[16p + 2r + h] = m of row r, sub-block 2p + h (p < 2);
+ *          V3 the same for p = 2, 3. lo[j] = V0[j] & 15 | (V1[j] & 15) << 4, lo[32 + j] the same of V2,
+ *          V3; hi[j] = the four values' top 2 bits, V0's in bits 0-1 .. V3's in bits 6-7.
+ *          qs[256g + 32c + 4r + i] = source row r's qs[32g + 4c + i] (g < 4, c < 8, i < 4): low nibble
+ *          = el 64g + 4c + i, high nibble = el 64g + 32 + 4c + i.
+ *
  * Activation formats (ours, internal; f32 scales, values in [-127, 127], never -128):
  *   act_q8k  per 256: f32 d | int8 qs[256] | int16 bsums[16] (sums of each 16 qs), 292 B.
  *   act_q8_0 per 32:  f32 d | int8 qs[32], 36 B.
@@ -48,13 +62,15 @@
 /* ggml type ids (gguf.GGMLQuantizationType) of the weight types we read. */
 enum { GGML_Q4_0 = 2, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14,
        GGML_IQ4_XS = 23, GGML_MXFP4 = 39 };
+/* Our interleaved layouts (see above): type id = source ggml id + QK_R8. */
+enum { QK_R8 = 1000, GGML_Q4_K_R8 = QK_R8 + GGML_Q4_K };
 
 /* Float weight types, read by the fused decode path's matmuls (fdot.c). */
 enum { GGML_F32 = 0, GGML_F16 = 1 };
 enum { FT_F32, FT_F16, FT_COUNT };
 
 /* Our dense indices for those types. */
-enum { QT_Q4_0, QT_Q8_0, QT_MXFP4, QT_Q4_K, QT_Q5_K, QT_Q6_K, QT_IQ4_XS, QT_COUNT };
+enum { QT_Q4_0, QT_Q8_0, QT_MXFP4, QT_Q4_K, QT_Q5_K, QT_Q6_K, QT_IQ4_XS, QT_Q4_K_R8, QT_COUNT };
 
 /* Activation formats. */
 enum { ACT_Q8K, ACT_Q8_0, ACT_COUNT };
@@ -70,8 +86,10 @@ typedef struct { float d; int8_t qs[32]; } act_q8_0;
 typedef void (*quant_fn)(const float *x, void *out, int64_t k);
 
 /* out[t] = dot(weight row w of nb blocks, activation row x[t]) for t < nt, 1 <= nt <= 4.
- * Each x[t] points to the first activation block of the row (act_q8k or act_q8_0). */
+ * Each x[t] points to the first activation block of the row (act_q8k or act_q8_0).
+ * Interleaved types (rows = 8): w is a group of 8 rows, out[8t + r] = dot(row r, x[t]). */
 #define DOT_MAX_NT 4
+#define DOT_MAX_ROWS 8
 typedef void (*dot_fn)(int64_t nb, const uint8_t *w, const void *const *x, int nt, float *out);
 
 typedef struct {
@@ -80,6 +98,7 @@ typedef struct {
     int blk_elems;  /* elements per weight block */
     int blk_bytes;  /* bytes per weight block */
     int act;        /* ACT_Q8K or ACT_Q8_0 */
+    int rows;       /* rows per block (and per dot call): 1, or 8 for the interleaved layouts */
 } qtype_info;
 
 typedef struct {
@@ -115,6 +134,7 @@ void qk_dot_scalar_q4_k(int64_t, const uint8_t *, const void *const *, int, floa
 void qk_dot_scalar_q5_k(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_q6_k(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_iq4_xs(int64_t, const uint8_t *, const void *const *, int, float *);
+void qk_dot_scalar_q4_k_r8(int64_t, const uint8_t *, const void *const *, int, float *);
 #if QK_X86
 void qk_quant_q8k_avx2(const float *x, void *out, int64_t k);
 void qk_quant_q8_0_avx2(const float *x, void *out, int64_t k);
@@ -125,7 +145,8 @@ void qk_quant_q8_0_avx2(const float *x, void *out, int64_t k);
     void qk_dot_iq4_xs##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *); \
     void qk_dot_q4_k##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
     void qk_dot_q5_k##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
-    void qk_dot_q6_k##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);
+    void qk_dot_q6_k##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
+    void qk_dot_q4_k_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);
 QK_DECLARE_X86_DOTS(_avx2)
 QK_DECLARE_X86_DOTS(_vnni)
 #endif

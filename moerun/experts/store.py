@@ -40,7 +40,7 @@ class Expert:
         """Views of one contiguous uint8 buffer laid out gate | up | down, shaped like `like`."""
         parts, off = [], 0
         for t in (like.gate, like.up, like.down):
-            parts.append(QTensor.from_bytes(buf[off:off + t.nbytes], t.qtype, t.shape))
+            parts.append(QTensor.from_bytes(buf[off:off + t.nbytes], t.qtype, t.shape, t.interleave))
             off += t.nbytes
         return Expert(*parts)
 

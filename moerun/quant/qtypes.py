@@ -12,6 +12,7 @@ __all__ = ["FLOAT_QTYPES", "SUPPORTED", "QTensor", "QType", "bits_per_weight", "
            "tensor_bytes"]
 
 FLOAT_QTYPES = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
+INTERLEAVABLE = {QType.Q4_K: (8,)}  # qtype -> row-group sizes of the CPU kernels' interleaved layouts
 
 
 @dataclass(frozen=True)
@@ -20,11 +21,16 @@ class QTensor:
 
     `shape` is the logical torch shape (last dimension contiguous). Float types are QTensors too,
     so every weight has one representation; `dequantize()` is the torch reference.
+
+    interleave: 1 for the bytes as GGUF stores them; 8 for the CPU kernels' interleaved layout (rows in
+    groups of 8, same bytes per group; made at load time by moerun.kernels.cpu.interleave, Q4_K only).
+    An interleaved matrix's rows cannot be sliced out; its experts (outer dimensions) can.
     """
 
     data: torch.Tensor
     qtype: QType
     shape: tuple[int, ...]
+    interleave: int = 1
 
     def __post_init__(self):
         if self.data.dtype != torch.uint8:
@@ -32,11 +38,14 @@ class QTensor:
         want = (*self.shape[:-1], row_bytes(self.qtype, self.shape[-1]))
         if tuple(self.data.shape) != want:
             raise ValueError(f"QTensor data shape {tuple(self.data.shape)} != {want} for {self.qtype.name}{self.shape}")
+        if self.interleave != 1 and not (self.interleave in INTERLEAVABLE.get(self.qtype, ()) and
+                                         len(self.shape) >= 2 and self.shape[-2] % self.interleave == 0):
+            raise ValueError(f"{self.qtype.name}{self.shape} cannot be interleaved by {self.interleave}")
 
     @classmethod
-    def from_bytes(cls, raw: torch.Tensor, qtype: QType, shape: tuple[int, ...]) -> QTensor:
+    def from_bytes(cls, raw: torch.Tensor, qtype: QType, shape: tuple[int, ...], interleave: int = 1) -> QTensor:
         shape = tuple(int(s) for s in shape)
-        return cls(raw.reshape(*shape[:-1], row_bytes(qtype, shape[-1])), qtype, shape)
+        return cls(raw.reshape(*shape[:-1], row_bytes(qtype, shape[-1])), qtype, shape, interleave)
 
     @classmethod
     def from_float(cls, t: torch.Tensor) -> QTensor:
@@ -58,9 +67,16 @@ class QTensor:
 
     def __getitem__(self, i: int) -> QTensor:
         """Slice along the outermost dimension (expert e of a stacked [E, rows, cols] tensor): a view."""
-        return QTensor(self.data[i], self.qtype, self.shape[1:])
+        if self.interleave != 1 and len(self.shape) < 3:
+            raise ValueError("the rows of an interleaved matrix cannot be sliced out")
+        return QTensor(self.data[i], self.qtype, self.shape[1:], self.interleave)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         from moerun.quant.dequant import dequantize
 
-        return dequantize(self.data, self.qtype, self.shape).to(dtype)
+        data = self.data
+        if self.interleave != 1:  # only made where the CPU kernels exist
+            from moerun.kernels import cpu
+
+            data = cpu.deinterleave(self).data
+        return dequantize(data, self.qtype, self.shape).to(dtype)

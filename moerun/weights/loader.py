@@ -56,3 +56,29 @@ def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False) -> dict[
         else:
             out[cn] = materialize(mf, src)
     return out
+
+
+def interleave_for_kernels(weights: dict[CName, QTensor], experts: bool) -> int:
+    """Rewrite, in `weights`, every matrix the CPU kernels multiply and can read faster interleaved (Q4_K,
+    rows a multiple of 8) into that layout -> bytes rewritten. One tensor at a time, each original dropped as
+    its copy replaces it, so memory grows by one tensor at most. Never the token embeddings (looked up by
+    row); routed experts only with `experts` (when they are memory moerun owns, not views of a file map: a
+    copy would read the whole file into RAM)."""
+    try:
+        from moerun.kernels import cpu
+    except ImportError:  # a tree without the kernels module
+        return 0
+    if not cpu.available():
+        return 0
+    done = 0
+    for cn in list(weights):
+        t = weights[cn]
+        if cn.kind == "token_embd.weight" or not cpu.can_interleave(t):
+            continue
+        if tensor_class(cn.kind) == "routed_experts" and not experts:
+            continue
+        weights[cn] = None  # drop the dict's reference first: t is the last one
+        weights[cn] = cpu.interleave(t)
+        done += t.nbytes
+        del t
+    return done

@@ -1,0 +1,220 @@
+"""The CPU kernels' interleaved Q4_K layout (Q4_K_R8, kernels/csrc/r8.c and dot_x86_r8.inc).
+
+The layout only reorders bytes, so it is checked three ways: the round trip gives the file's bytes back for
+any bytes; a matmul over it equals x @ W^T with W dequantized by gguf.quants from the original bytes (the
+independent reference), to the activations' 8-bit rounding; and a model loaded with it gives the logits of
+the same model loaded without it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import quants
+from qblocks import random_blocks
+
+from moerun.experts.store import Expert
+from moerun.quant.qtypes import QTensor, QType
+from moerun.quant.quantize import quantize
+
+cpu = pytest.importorskip("moerun.kernels.cpu")
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="moerun.kernels._cpu not built or disabled")
+
+ISAS = cpu.features()["isas"]
+Q4K = QType.Q4_K
+
+
+def q4k(rows: int, cols: int, seed: int = 0, random_bytes: bool = False, lead: tuple[int, ...] = ()) -> QTensor:
+    gen = torch.Generator().manual_seed(seed)
+    n = int(np.prod(lead, dtype=np.int64)) * rows
+    data = random_blocks(Q4K, n, cols, gen) if random_bytes else quantize(torch.randn(n, cols, generator=gen) * 0.05, Q4K)
+    return QTensor.from_bytes(data, Q4K, (*lead, rows, cols))
+
+
+def gguf_dequant(w: QTensor) -> torch.Tensor:
+    """gguf.quants' float weights of a GGUF-layout tensor: the reference, independent of moerun."""
+    rows = w.data.reshape(-1, w.data.shape[-1]).numpy()
+    return torch.from_numpy(quants.dequantize(rows, Q4K)).reshape(w.shape).double()
+
+
+def emulate_act(x: torch.Tensor) -> torch.Tensor:
+    """x after the kernels' Q8_K rounding (d = absmax / 127 per 256 values, round half to even)."""
+    xb = x.reshape(-1, 256)
+    amax = xb.abs().amax(-1, keepdim=True)
+    q = torch.round(xb * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)))
+    return (q.double() * (amax / 127.0).double()).reshape(x.shape)
+
+
+def rel_err(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+# ------------------------------------------------------------------------------------------- layout
+
+
+@pytest.mark.parametrize("random_bytes", [False, True])
+@pytest.mark.parametrize("shape", [(8, 256), (24, 768), (64, 2048)])
+def test_round_trip_gives_the_file_bytes_back(shape, random_bytes):
+    w = q4k(*shape, seed=shape[0], random_bytes=random_bytes)
+    il = cpu.interleave(w)
+    assert il.interleave == 8 and il.shape == w.shape and il.data.shape == w.data.shape
+    assert not torch.equal(il.data, w.data)  # really rearranged
+    assert torch.equal(cpu.deinterleave(il).data, w.data)
+    assert torch.equal(il.dequantize().double(), gguf_dequant(w))
+
+
+def test_any_bytes_round_trip():
+    """Every scale/min bit pattern (12 packed bytes -> 6-bit values and back is one to one)."""
+    raw = torch.randint(0, 256, (16, 144 * 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    w = QTensor.from_bytes(raw, Q4K, (16, 512))
+    assert torch.equal(cpu.deinterleave(cpu.interleave(w)).data, raw)
+
+
+def test_stacked_experts_interleave_per_expert():
+    w = q4k(16, 512, seed=3, lead=(5,))
+    il = cpu.interleave(w)
+    for e in range(5):  # each expert's slice is that expert's matrix interleaved on its own
+        assert il[e].interleave == 8
+        assert torch.equal(il[e].data, cpu.interleave(w[e]).data)
+        assert torch.equal(il[e].dequantize().double(), gguf_dequant(w[e]))
+
+
+def test_what_cannot_be_interleaved():
+    assert not cpu.can_interleave(q4k(12, 256))  # rows not a multiple of 8
+    q6 = QTensor.from_bytes(quantize(torch.randn(8, 256), QType.Q6_K), QType.Q6_K, (8, 256))
+    assert not cpu.can_interleave(q6)
+    assert not cpu.can_interleave(cpu.interleave(q4k(8, 256)))  # already
+    for bad in (q4k(12, 256), q6):
+        with pytest.raises(ValueError):
+            cpu.interleave(bad)
+    with pytest.raises(ValueError):
+        cpu.deinterleave(q4k(8, 256))
+    with pytest.raises(ValueError):  # the layout is validated with the tensor
+        QTensor(q6.data, QType.Q6_K, (8, 256), interleave=8)
+    with pytest.raises(ValueError):
+        QTensor(q4k(8, 256).data, Q4K, (8, 256), interleave=4)
+    il = cpu.interleave(q4k(16, 256))
+    with pytest.raises(ValueError):  # a row of an interleaved matrix is spread over its group
+        il[0]
+    with pytest.raises(ValueError):  # embedding lookups read GGUF's layout
+        cpu.dequant_rows(il, torch.tensor([0]))
+
+
+# ------------------------------------------------------------------------------------------- matmul
+
+
+@pytest.mark.parametrize("shape", [(8, 256), (16, 768), (64, 2048), (264, 512)])
+def test_matmul_matches_gguf_reference(shape):
+    N, K = shape
+    w = q4k(N, K, seed=N + K)
+    il, ref_w = cpu.interleave(w), gguf_dequant(w)
+    gen = torch.Generator().manual_seed(K)
+    for T in (1, 2, 3, 4, 5, 8, 17, 64):
+        x = torch.randn(T, K, generator=gen)
+        outs = {isa: cpu.matmul(x, il, isa=isa) for isa in ISAS}
+        for isa, y in outs.items():
+            assert y.shape == (T, N)
+            assert rel_err(y, x.double() @ ref_w.T) < 0.02, (isa, T)
+            assert rel_err(y, emulate_act(x) @ ref_w.T) < 2e-5, (isa, T)
+            # the GGUF-layout kernel computes the same integer sums: only float order differs
+            assert rel_err(y, cpu.matmul(x, w, isa=isa)) < 2e-6, (isa, T)
+        if "avx2" in outs and "avx512vnni" in outs:
+            assert torch.equal(outs["avx2"], outs["avx512vnni"])
+
+
+def test_matmul_random_bytes_every_scale_pattern():
+    w = q4k(32, 1024, seed=7, random_bytes=True)
+    x = torch.randn(5, 1024)
+    ref = emulate_act(x) @ gguf_dequant(w).T
+    for isa in ISAS:
+        assert rel_err(cpu.matmul(x, cpu.interleave(w), isa=isa), ref) < 2e-5
+
+
+# ------------------------------------------------------------------------------------------ moe_ffn
+
+
+def reference_moe(x, ids, wts, gate, up, down) -> torch.Tensor:
+    """float64 MoE over gguf.quants-dequantized experts."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for e in torch.unique(ids).tolist():
+        tok, slot = torch.where(ids == e)
+        xe = x[tok].double()
+        h = F.silu(xe @ gguf_dequant(gate[e]).T) * (xe @ gguf_dequant(up[e]).T)
+        out.index_add_(0, tok, (h @ gguf_dequant(down[e]).T) * wts[tok, slot, None].double())
+    return out
+
+
+@pytest.mark.parametrize("T", [1, 3, 33])
+def test_moe_ffn_over_interleaved_experts(T):
+    E, H, I, k = 6, 512, 256, 3
+    gate, up = q4k(I, H, seed=1, lead=(E,)), q4k(I, H, seed=2, lead=(E,))
+    down = q4k(H, I, seed=3, lead=(E,))
+    gen = torch.Generator().manual_seed(T)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    wts = torch.softmax(torch.randn(T, k, generator=gen), -1)
+    x = torch.randn(T, H, generator=gen)
+    ref = reference_moe(x, ids, wts, gate, up, down)
+    plain = cpu.moe_ffn(x, ids, wts, gate, up, down)
+    ig, iu, idn = cpu.interleave(gate), cpu.interleave(up), cpu.interleave(down)
+    for mats in ((ig, iu, idn), (ig, up, down), (gate, iu, idn)):  # all, or some kinds interleaved
+        for isa in ISAS:
+            y = cpu.moe_ffn(x, ids, wts, *mats, isa=isa)
+            assert rel_err(y, ref) < 0.03, isa
+            assert rel_err(y, plain) < 1e-3, isa  # float order can flip one rounding of h
+    # per-expert buffers (an expert cache's slots) laid out the same way
+    routed = {e: Expert(ig[e], iu[e], idn[e]) for e in torch.unique(ids).tolist()}
+    assert torch.equal(cpu.moe_ffn_experts(x, ids, wts, routed), cpu.moe_ffn(x, ids, wts, ig, iu, idn))
+    mixed = dict(routed)
+    e0 = next(iter(mixed))
+    mixed[e0] = Expert(gate[e0], iu[e0], idn[e0])
+    if len(mixed) > 1:
+        with pytest.raises(ValueError, match="laid out like"):
+            cpu.moe_ffn_experts(x, ids, wts, {e: mixed[e] for e in sorted(mixed, reverse=True)})
+
+
+# -------------------------------------------------------------------------------------------- model
+
+
+def test_loaded_model_interleaves_owned_q4_k_and_keeps_its_logits(wide_q4k_gguf, tokens32):
+    from moerun.loading import load_model
+
+    plain = load_model(wide_q4k_gguf, interleave=False).model
+    fast = load_model(wide_q4k_gguf).model
+    lw = fast.layers[0]
+    assert lw.wq.interleave == 8 and plain.layers[0].wq.interleave == 1
+    assert fast.embd.interleave == 1  # looked up by row
+    ex = fast.store.get(0, 0)
+    assert ex.gate.interleave == 8  # a small model's experts are copied to RAM, so they are interleaved too
+    a, b = plain.forward(tokens32), fast.forward(tokens32)
+    assert rel_err(b, a) < 1e-4  # same integer sums, other float order
+    mapped = load_model(wide_q4k_gguf, home="mmap").model
+    assert mapped.store.get(0, 0).gate.interleave == 1  # experts in the file's map are read as stored
+    assert mapped.layers[0].wq.interleave == 8
+    assert rel_err(mapped.forward(tokens32), a) < 1e-4
+
+
+def test_expert_cache_over_interleaved_home_equals_resident(wide_q4k_gguf, tokens32):
+    """Cache slots copy an owned expert's bytes as they are: a one-slot cache gives the resident logits."""
+    from moerun.experts.cache import ExpertCache
+    from moerun.loading import load_model
+    from moerun.model.moe import CachedExperts
+
+    model = load_model(wide_q4k_gguf, home="ram").model
+    resident = model.forward(tokens32)
+    model.experts = CachedExperts(ExpertCache(model.store, slots=1))
+    assert torch.equal(model.forward(tokens32), resident)
+
+
+@pytest.fixture(scope="module")
+def wide_q4k_gguf(tmp_path_factory):
+    """A Q4_K qwen3moe whose matrices have rows that are multiples of 8 (hidden 256, expert FFN 256)."""
+    from hf_models import build, hf_config, save
+
+    from moerun.tools.convert import convert_hf_to_gguf
+
+    cfg = hf_config("qwen3moe")
+    cfg.hidden_size, cfg.moe_intermediate_size, cfg.head_dim = 256, 256, 64
+    folder = save(build("qwen3moe", config=cfg), tmp_path_factory.mktemp("wide"))
+    return convert_hf_to_gguf(folder, tmp_path_factory.mktemp("gguf") / "m.gguf", ftype="Q4_K", progress=False)
