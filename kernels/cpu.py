@@ -145,8 +145,10 @@ def deinterleave(w: QTensor) -> QTensor:
 
 
 def _relayout(fn, w: QTensor, interleave: int) -> QTensor:
+    from moerun.weights.memory import host_empty
+
     src = w.data.contiguous()
-    dst = torch.empty_like(src)
+    dst = host_empty(src.numel()).view(src.shape)
     rows = w.numel // w.shape[-1]  # groups of 8 never straddle two matrices of a stack (rows % 8 == 0)
     fn(int(w.qtype) + QK_R8, src.data_ptr(), dst.data_ptr(), rows, w.shape[-1])
     return QTensor(dst, w.qtype, w.shape, interleave)

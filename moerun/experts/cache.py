@@ -31,6 +31,7 @@ from moerun.experts.policy import SlotTable
 from moerun.experts.prefetch import Prefetcher
 from moerun.experts.stats import CacheStats
 from moerun.experts.store import Expert, ExpertStore
+from moerun.weights.memory import host_empty
 
 PREFILL_MODES = ("bypass", "cache")
 
@@ -50,8 +51,9 @@ class ExpertCache:
             n = min(per_layer.get(layer, 0), store.n_experts(layer))
             if n > 0:
                 self.tables[layer] = SlotTable(n, policy)
-                self.buffers[layer] = torch.empty((n, store.expert_bytes(layer)), dtype=torch.uint8,
-                                                  device=self.device)
+                nbytes = store.expert_bytes(layer)
+                self.buffers[layer] = (host_empty(n * nbytes).view(n, nbytes) if self.device.type == "cpu" else
+                                       torch.empty((n, nbytes), dtype=torch.uint8, device=self.device))
         self._slots = {layer: [Expert.from_buffer(buf[i], store.get(layer, 0)) for i in range(len(buf))]
                        for layer, buf in self.buffers.items()}  # each slot's views, built once
         self._scratch: list[torch.Tensor] = []  # CPU buffers for bypassed experts read from the file

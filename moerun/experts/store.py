@@ -23,6 +23,7 @@ import torch
 
 from moerun.errors import ModelFormatError
 from moerun.quant.qtypes import QTensor
+from moerun.weights.memory import host_empty
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,8 @@ class ExpertStore:
         if owned:
             for layer in self._stacks:
                 E, nbytes = self.n_experts(layer), self.expert_bytes(layer)
-                buf = torch.empty((E, nbytes), dtype=torch.uint8, pin_memory=pin)
+                buf = (torch.empty((E, nbytes), dtype=torch.uint8, pin_memory=True) if pin
+                       else host_empty(E * nbytes).view(E, nbytes))
                 for e in range(E):
                     self._view(layer, e).copy_into(buf[e])
                 self._owned[layer] = buf

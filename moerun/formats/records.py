@@ -57,11 +57,12 @@ class ModelFile:
     def read(self, rec: TensorRecord | str) -> torch.Tensor:
         """A copy of the record's bytes in memory moerun owns, read with positioned reads (the map's pages
         are not touched, so they never count in the process's resident set)."""
-        import torch
 
         if isinstance(rec, str):
             rec = self.records[rec]
-        out = torch.empty(rec.nbytes, dtype=torch.uint8)
+        from moerun.weights.memory import host_empty
+
+        out = host_empty(rec.nbytes)
         view, done = memoryview(out.numpy()), 0
         try:
             with open(rec.file, "rb", buffering=0) as f:

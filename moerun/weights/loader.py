@@ -8,6 +8,7 @@ from moerun.arch import Arch, Source
 from moerun.formats.names import CName, tensor_class
 from moerun.formats.records import ModelFile
 from moerun.quant.qtypes import QTensor, row_bytes
+from moerun.weights.memory import host_empty
 
 
 def _permute_rows(raw: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -28,7 +29,8 @@ def materialize(mf: ModelFile, src: Source) -> QTensor:
     shape = rec0.shape
     raws = [mf.raw(r).reshape(*shape[:-1], row_bytes(qtype, shape[-1])) for r in src.records]
     if src.stacked:
-        raw = torch.stack(raws)  # [E, rows, row_bytes]: one contiguous buffer per expert
+        raw = torch.stack(raws, out=host_empty(sum(r.numel() for r in raws)).view(len(raws), *raws[0].shape))
+        # [E, rows, row_bytes]: one contiguous buffer per expert
         shape = (len(raws), *shape)
     else:
         raw = raws[0]

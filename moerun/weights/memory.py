@@ -1,0 +1,36 @@
+"""Host memory for weights: large buffers on transparent huge pages.
+
+A decode step streams hundreds of megabytes of weights through the kernels once each. On 4 KiB pages every
+page is a TLB miss and a place where the hardware prefetchers stop; on 2 MiB pages neither happens. Measured
+on this project's 2-core Zen 4 VM (bench/RESULTS.md): an interleaved Q4_K GEMV from DRAM went from 38 to
+52 GB/s with 2 threads and from 17 to 27 GB/s with 1. Linux gives huge pages to anonymous private memory
+that is advised so (`transparent_hugepage/enabled` = madvise, the common default) or always; elsewhere the
+advice is a no-op and the buffer an ordinary one.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+HUGE_PAGE = 2 << 20
+
+
+def host_empty(nbytes: int) -> torch.Tensor:
+    """An uninitialised 1-D uint8 CPU tensor of `nbytes`, for weights the kernels stream.
+
+    From 2 MiB up it is a private anonymous mapping of its own, advised MADV_HUGEPAGE and used from a 2 MiB
+    boundary; pages are only faulted in when written, so the alignment slack costs address space, not
+    memory. The mapping is unmapped when the last tensor viewing it is freed.
+    """
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE") or not hasattr(mmap, "MAP_PRIVATE"):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # THP compiled out or refused: ordinary pages
+        pass
+    whole = torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping alive as long as any view of it
+    start = -whole.data_ptr() % HUGE_PAGE
+    return whole[start:start + nbytes]
