@@ -27,8 +27,9 @@ import torch
 
 from moerun.quant.qtypes import QTensor, QType
 
-__all__ = ["AttnLayer", "AttnRows", "attn_block", "available", "can_interleave", "deinterleave", "dequant_rows",
-           "features", "get_threads", "interleave", "matmul", "moe_ffn", "moe_ffn_experts", "set_threads", "supports"]
+__all__ = ["AttnLayer", "AttnRows", "LayerStack", "attn_block", "available", "can_interleave", "decode_layers",
+           "deinterleave", "dequant_rows", "features", "get_threads", "interleave", "matmul", "moe_ffn",
+           "moe_ffn_experts", "set_threads", "supports"]
 
 MODE = os.environ.get("MOERUN_KERNELS", "").strip().lower()  # "" / "auto", "scalar", "off"
 
@@ -287,11 +288,13 @@ class AttnLayer:
 
     Weights are QTensors of a supported type or contiguous float32 tensors; norms and biases float32
     vectors. The object keeps references to everything it points to. router=None: a dense layer.
+    experts: the routed experts' stacked (gate [E, I, H], up [E, I, H], down [E, H, I]) QTensors, for calls
+    that finish the whole layer (attn_block(..., moe=True), decode_layers).
     """
 
     def __init__(self, *, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: str | None,
                  rope_style: str, attn_norm, ffn_norm, wq, wk, wv, wo, q_norm=None, k_norm=None, bq=None,
-                 bk=None, bv=None, router=None, n_used: int = 0, norm_topk: bool = False):
+                 bk=None, bv=None, router=None, n_used: int = 0, norm_topk: bool = False, experts=None):
         _need()
         q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
         if n_heads % n_kv_heads or head_dim % 2:
@@ -312,8 +315,29 @@ class AttnLayer:
         if router is not None and not 1 <= n_used <= n_experts:
             raise ValueError(f"n_used {n_used} out of 1..{n_experts}")
         f.update(n_experts=n_experts, n_used=n_used, norm_topk=int(norm_topk))
+        f.update(self._experts(experts, n_experts, hidden))
         self.desc = torch.tensor([f[name] for name in _cpu.attn_fields()], dtype=torch.int64)
         self.hidden, self.kv_dim, self.n_used, self.routed = hidden, kv_dim, n_used, router is not None
+        self.whole = experts is not None  # the call can run the routed experts too
+
+    def _experts(self, experts, E: int, H: int) -> dict[str, int]:
+        if experts is None:
+            return dict.fromkeys(("gate", "gate_stride", "gate_type", "up", "up_stride", "up_type", "down",
+                                  "down_stride", "down_type", "n_ff"), 0)
+        if E == 0:
+            raise ValueError("experts given to a dense layer")
+        gate, up, down = experts
+        for name, q in (("gate", gate), ("up", up), ("down", down)):
+            _check_q(q, name, 3)
+        I = gate.shape[1]
+        if gate.shape != (E, I, H) or up.shape != (E, I, H) or down.shape != (E, H, I):
+            raise ValueError(f"expert shapes gate {gate.shape}, up {up.shape}, down {down.shape}: want gate = up = "
+                             f"({E}, I, {H}) and down = ({E}, {H}, I)")
+        f = {"n_ff": I}
+        for name, q in (("gate", gate), ("up", up), ("down", down)):
+            self._keep.append(q.data)
+            f.update({name: q.data.data_ptr(), name + "_stride": q.nbytes // E, name + "_type": _type(q)})
+        return f
 
     def _vector(self, name: str, t, n: int | None) -> int:
         if t is None:
@@ -367,28 +391,75 @@ class AttnRows:
 
 
 def attn_block(layer: AttnLayer, x: torch.Tensor, rows: AttnRows, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               eps: float, clip: float | None = None, *, isa: str | None = None):
+               eps: float, clip: float | None = None, *, moe: bool = False, isa: str | None = None):
     """The attention half of a layer for rows.B rows (see kernels/csrc/attn.h), x [B, hidden] updated in
     place. k_cache / v_cache: this layer's [slots, kv_heads, head_dim] float32, holding every slot the
     rows' tables name. Returns (xn [B, hidden]: ffn_norm of the new x, ids [B, k] int64, weights [B, k]
-    float32), the last two None for a dense layer."""
+    float32), the last two None for a dense layer. moe=True (a layer built with its experts): x also gets
+    the routed experts' output, so the whole layer is done."""
     isa_id = _isa(isa)
-    _check_x(x, "x")
+    _check_step(layer.hidden, x, rows, k_cache, v_cache)
+    _check_cache(layer.kv_dim, rows, k_cache, v_cache)
+    if moe and not layer.whole:
+        raise ValueError("moe=True needs a layer built with its experts")
     B = rows.B
-    if x.shape != (B, layer.hidden):
-        raise ValueError(f"x {tuple(x.shape)} must be [{B}, {layer.hidden}]")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if (t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or t[0].numel() != layer.kv_dim
-                or t.shape[0] <= rows.max_slot):
-            raise ValueError(f"{name} must be a contiguous float32 CPU tensor of {layer.kv_dim} values for each "
-                             f"of > {rows.max_slot} slots")
     xn = torch.empty_like(x)
     k = layer.n_used if layer.routed else 1
     ids, w = torch.empty((B, k), dtype=torch.int64), torch.empty((B, k), dtype=torch.float32)
     _cpu.attn_block(isa_id, layer.desc.data_ptr(), x.data_ptr(), B, rows.slots.data_ptr(), rows.pos.data_ptr(),
                     k_cache.data_ptr(), v_cache.data_ptr(), rows.cos.data_ptr(), rows.sin.data_ptr(), eps,
-                    clip or 0.0, xn.data_ptr(), ids.data_ptr(), w.data_ptr())
+                    clip or 0.0, xn.data_ptr(), ids.data_ptr(), w.data_ptr(), int(moe))
     return (xn, ids, w) if layer.routed else (xn, None, None)
+
+
+class LayerStack:
+    """Consecutive whole layers (AttnLayers built with their experts) for decode_layers, checked once."""
+
+    def __init__(self, layers: list[AttnLayer]):
+        if not layers or not all(isinstance(la, AttnLayer) and la.whole for la in layers):
+            raise ValueError("a LayerStack takes AttnLayers built with their experts")
+        first = layers[0]
+        if any((la.hidden, la.kv_dim, la.n_used) != (first.hidden, first.kv_dim, first.n_used) for la in layers):
+            raise ValueError("the layers of a stack must share hidden size, KV width and experts per token")
+        self.layers, self.hidden, self.kv_dim, self.n_used = layers, first.hidden, first.kv_dim, first.n_used
+        self.addrs = torch.tensor([la.desc.data_ptr() for la in layers], dtype=torch.int64)
+
+
+def decode_layers(stack: LayerStack, x: torch.Tensor, rows: AttnRows, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  eps: float, clip: float | None = None, *, isa: str | None = None) -> torch.Tensor:
+    """Every layer of the stack, whole (attention and routed experts), on rows.B rows: x [B, hidden] updated in
+    place and returned. k_cache / v_cache: [len(stack), slots, kv_heads, head_dim] float32, layer l's at [l]."""
+    isa_id = _isa(isa)
+    n = len(stack.layers)
+    if k_cache.dim() < 2 or k_cache.shape[0] != n or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache and v_cache must hold the stack's {n} layers")
+    _check_step(stack.hidden, x, rows, k_cache, v_cache)
+    _check_cache(stack.kv_dim, rows, k_cache[0], v_cache[0])
+    B = rows.B
+    xn, w = torch.empty_like(x), torch.empty((B, stack.n_used), dtype=torch.float32)
+    ids = torch.empty((B, stack.n_used), dtype=torch.int64)
+    _cpu.decode_layers(isa_id, n, stack.addrs.data_ptr(), x.data_ptr(), B, rows.slots.data_ptr(),
+                       rows.pos.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache[0].numel(),
+                       rows.cos.data_ptr(), rows.sin.data_ptr(), eps, clip or 0.0, xn.data_ptr(), ids.data_ptr(),
+                       w.data_ptr())
+    return x
+
+
+def _check_step(hidden: int, x, rows: AttnRows, k_cache, v_cache) -> None:
+    _check_x(x, "x")
+    if x.shape != (rows.B, hidden):
+        raise ValueError(f"x {tuple(x.shape)} must be [{rows.B}, {hidden}]")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
+
+
+def _check_cache(kv_dim: int, rows: AttnRows, k_cache, v_cache) -> None:
+    """One layer's caches: kv_dim values for each of more than rows.max_slot slots."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() < 1 or t[0].numel() != kv_dim or t.shape[0] <= rows.max_slot:
+            raise ValueError(f"{name} must be a contiguous float32 CPU tensor of {kv_dim} values for each "
+                             f"of > {rows.max_slot} slots")
 
 
 # ------------------------------------------------------------------------------------------ checks

@@ -252,7 +252,7 @@ static void route(const float *logits, int64_t E, int64_t k, int norm, float *p,
 
 int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_t *const *slots,
                   const int64_t *pos, float *kc, float *vc, const float *rope_cos, const float *rope_sin,
-                  float eps, float clip, float *xn_out, int64_t *ids_out, float *w_out) {
+                  float eps, float clip, float *xn_out, int64_t *ids_out, float *w_out, int moe) {
     const int64_t H = d->hidden, nh = d->n_heads, nkv = d->n_kv_heads, D = d->head_dim;
     const int64_t qd = nh * D, kd = nkv * D, E = d->router ? d->n_experts : 0;
     if (!qk_kernels(isa)) return QK_EISA;
@@ -264,11 +264,14 @@ int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int
         if (pos[r] < 0) return QK_ESHAPE;
         maxkeys = pos[r] + 1 > maxkeys ? pos[r] + 1 : maxkeys;
     }
-    const int64_t nfloat = B * (2 * H + 2 * qd + 2 * kd + 2 * E + nh * maxkeys);
+    moe = moe && E && d->gate && d->up && d->down;
+    const int64_t nfloat = B * (2 * H + 2 * qd + 2 * kd + 2 * E + nh * maxkeys + (moe ? H + d->n_used : 0));
     float *mem = malloc((size_t)nfloat * sizeof(float));
     if (!mem) return QK_ENOMEM;
     float *xn = mem, *q = xn + B * H, *k = q + B * qd, *v = k + B * kd, *att = v + B * kd, *o = att + B * qd;
     float *probs = o + B * H, *logits = probs + B * E, *scores = logits + B * E;
+    float *moe_out = scores + B * nh * maxkeys; /* with moe: B * H floats, then B * n_used int32 ids */
+    int32_t *ids32 = (int32_t *)(moe_out + B * H);
 
     for (int64_t r = 0; r < B; r++) rms_norm(x + r * H, fptr(d->attn_norm), H, eps, xn + r * H);
     const qk_wmat wqkv[3] = {{(const uint8_t *)(uintptr_t)d->wq, (int)d->wq_type, qd},
@@ -303,6 +306,28 @@ int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int
             route(logits + r * E, E, d->n_used, (int)d->norm_topk, probs + r * E, ids_out + r * d->n_used,
                   w_out + r * d->n_used);
     }
+    if (!rc && moe) {
+        for (int64_t p = 0; p < B * d->n_used; p++) ids32[p] = (int32_t)ids_out[p];
+        const qk_expert_mats g = {(const uint8_t *)(uintptr_t)d->gate, d->gate_stride, (int)d->gate_type};
+        const qk_expert_mats u = {(const uint8_t *)(uintptr_t)d->up, d->up_stride, (int)d->up_type};
+        const qk_expert_mats dn = {(const uint8_t *)(uintptr_t)d->down, d->down_stride, (int)d->down_type};
+        rc = qk_moe_ffn(isa, xn_out, B, H, ids32, w_out, (int)d->n_used, g, u, dn, E, d->n_ff, moe_out);
+        for (int64_t i = 0; !rc && i < B * H; i++) x[i] += moe_out[i];
+    }
     free(mem);
     return rc;
+}
+
+int qk_decode_layers(int isa, int64_t n, const qk_attn_desc *const *descs, float *x, int64_t B,
+                     const int64_t *const *slots, const int64_t *pos, float *kc, float *vc, int64_t kv_stride,
+                     const float *rope_cos, const float *rope_sin, float eps, float clip, float *xn_out,
+                     int64_t *ids_out, float *w_out) {
+    for (int64_t l = 0; l < n; l++) {
+        const qk_attn_desc *d = descs[l];
+        if (!d->router || !d->gate || !d->up || !d->down) return QK_EMISSING;
+        const int rc = qk_attn_block(isa, d, x, B, slots, pos, kc + l * kv_stride, vc + l * kv_stride, rope_cos,
+                                     rope_sin, eps, clip, xn_out, ids_out, w_out, 1);
+        if (rc) return rc;
+    }
+    return QK_OK;
 }

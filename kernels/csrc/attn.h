@@ -8,12 +8,16 @@
  * X-macro, so the binding can hand the names over and the two sides cannot drift apart). Addresses are
  * of float32 vectors (0: absent) or of weight matrices of ggml type *_type (quantized, F32 or F16).
  * qk_norm: 0 none, 1 over the whole q / k vector, 2 per head. rope: 0 interleaved pairs, 1 neox halves.
- * router == 0: a dense layer (no routing outputs). */
+ * router == 0: a dense layer (no routing outputs). gate/up/down (0: not given): the routed experts as
+ * qk_expert_mats (base, stride, type), n_ff their intermediate size; with them the call can finish the
+ * whole layer (see `moe` below). */
 #define QK_ATTN_FIELDS(X)                                                                          \
     X(hidden) X(n_heads) X(n_kv_heads) X(head_dim) X(qk_norm) X(neox)                               \
     X(attn_norm) X(ffn_norm) X(q_norm) X(k_norm) X(bq) X(bk) X(bv)                                  \
     X(wq) X(wq_type) X(wk) X(wk_type) X(wv) X(wv_type) X(wo) X(wo_type)                             \
-    X(router) X(router_type) X(n_experts) X(n_used) X(norm_topk)
+    X(router) X(router_type) X(n_experts) X(n_used) X(norm_topk)                                    \
+    X(gate) X(gate_stride) X(gate_type) X(up) X(up_stride) X(up_type) X(down) X(down_stride)         \
+    X(down_type) X(n_ff)
 
 #define QK_ATTN_MEMBER(name) int64_t name;
 typedef struct {
@@ -27,9 +31,18 @@ typedef struct {
  *   ([slots, n_kv_heads * head_dim] of this layer); o = softmax(q k^T / sqrt(head_dim)) v over positions
  *   0..pos[r]; x += o Wo (in place); xn_out = ffn_norm(x); for MoE layers ids_out / w_out [B, n_used] =
  *   the top experts of softmax(xn_out Wr) (renormalised when norm_topk), best first.
- * Rows of one sequence see each other's keys (the causal mask within the step). Returns 0 or QK_E*. */
+ * Rows of one sequence see each other's keys (the causal mask within the step). With moe != 0 and the
+ * experts given, the routed experts' output (qk_moe_ffn of xn_out) is added to x too: the whole layer.
+ * Returns 0 or QK_E*. */
 int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_t *const *slots,
                   const int64_t *pos, float *kc, float *vc, const float *rope_cos, const float *rope_sin,
-                  float eps, float clip, float *xn_out, int64_t *ids_out, float *w_out);
+                  float eps, float clip, float *xn_out, int64_t *ids_out, float *w_out, int moe);
+
+/* n whole layers (descs[l], each with its experts) one after the other on the same rows: layer l's caches
+ * at kc + l * kv_stride and vc + l * kv_stride (floats). xn_out, ids_out, w_out: the last layer's. */
+int qk_decode_layers(int isa, int64_t n, const qk_attn_desc *const *descs, float *x, int64_t B,
+                     const int64_t *const *slots, const int64_t *pos, float *kc, float *vc, int64_t kv_stride,
+                     const float *rope_cos, const float *rope_sin, float eps, float clip, float *xn_out,
+                     int64_t *ids_out, float *w_out);
 
 #endif

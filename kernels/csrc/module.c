@@ -192,22 +192,42 @@ static PyObject *py_attn_fields(PyObject *self, PyObject *args) {
     return t;
 }
 
-/* attn_block(isa, desc, x, B, slots, pos, kc, vc, cos, sin, eps, clip, xn_out, ids_out, w_out): see
+/* attn_block(isa, desc, x, B, slots, pos, kc, vc, cos, sin, eps, clip, xn_out, ids_out, w_out, moe=0): see
  * qk_attn_block; desc is the address of a qk_attn_desc, slots of B addresses of int64 slot tables. */
 static PyObject *py_attn_block(PyObject *self, PyObject *args) {
     (void)self;
-    int isa;
+    int isa, moe = 0;
     unsigned long long desc, x, slots, pos, kc, vc, cs, sn, xn, ids, w;
     long long B;
     float eps, clip;
-    if (!PyArg_ParseTuple(args, "iKKLKKKKKKffKKK", &isa, &desc, &x, &B, &slots, &pos, &kc, &vc, &cs, &sn, &eps,
-                          &clip, &xn, &ids, &w))
+    if (!PyArg_ParseTuple(args, "iKKLKKKKKKffKKK|i", &isa, &desc, &x, &B, &slots, &pos, &kc, &vc, &cs, &sn, &eps,
+                          &clip, &xn, &ids, &w, &moe))
         return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = qk_attn_block(
         isa, (const qk_attn_desc *)(uintptr_t)desc, (float *)(uintptr_t)x, B,
         (const int64_t *const *)(uintptr_t)slots, (const int64_t *)(uintptr_t)pos, (float *)(uintptr_t)kc,
         (float *)(uintptr_t)vc, (const float *)(uintptr_t)cs, (const float *)(uintptr_t)sn, eps, clip,
+        (float *)(uintptr_t)xn, (int64_t *)(uintptr_t)ids, (float *)(uintptr_t)w, moe);
+    Py_END_ALLOW_THREADS return raise_code(rc);
+}
+
+/* decode_layers(isa, n, descs, x, B, slots, pos, kc, vc, kv_stride, cos, sin, eps, clip, xn_out, ids_out, w_out):
+ * see qk_decode_layers; descs is the address of n qk_attn_desc addresses. */
+static PyObject *py_decode_layers(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa;
+    unsigned long long descs, x, slots, pos, kc, vc, cs, sn, xn, ids, w;
+    long long n, B, stride;
+    float eps, clip;
+    if (!PyArg_ParseTuple(args, "iLKKLKKKKLKKffKKK", &isa, &n, &descs, &x, &B, &slots, &pos, &kc, &vc, &stride, &cs,
+                          &sn, &eps, &clip, &xn, &ids, &w))
+        return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = qk_decode_layers(
+        isa, n, (const qk_attn_desc *const *)(uintptr_t)descs, (float *)(uintptr_t)x, B,
+        (const int64_t *const *)(uintptr_t)slots, (const int64_t *)(uintptr_t)pos, (float *)(uintptr_t)kc,
+        (float *)(uintptr_t)vc, stride, (const float *)(uintptr_t)cs, (const float *)(uintptr_t)sn, eps, clip,
         (float *)(uintptr_t)xn, (int64_t *)(uintptr_t)ids, (float *)(uintptr_t)w);
     Py_END_ALLOW_THREADS return raise_code(rc);
 }
@@ -228,7 +248,9 @@ static PyMethodDef methods[] = {
     {"dequant_rows", py_dequant_rows, METH_VARARGS, "dequant_rows(ggml, w, N, K, rows, n, out)"},
     {"attn_fields", py_attn_fields, METH_NOARGS, "Field names of the attention block's layer descriptor."},
     {"attn_block", py_attn_block, METH_VARARGS,
-     "attn_block(isa, desc, x, B, slots, pos, kc, vc, cos, sin, eps, clip, xn_out, ids_out, w_out)"},
+     "attn_block(isa, desc, x, B, slots, pos, kc, vc, cos, sin, eps, clip, xn_out, ids_out, w_out, moe=0)"},
+    {"decode_layers", py_decode_layers, METH_VARARGS,
+     "decode_layers(isa, n, descs, x, B, slots, pos, kc, vc, kv_stride, cos, sin, eps, clip, xn_out, ids_out, w_out)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -172,6 +172,11 @@ class ExpertStore:
             return Expert.from_buffer(self._owned[layer][e], self._view(layer, e))
         return self._view(layer, e)
 
+    def stacks(self, layer: int) -> tuple[QTensor, QTensor, QTensor] | None:
+        """All experts of `layer` as the stacked (gate, up, down) tensors they are read from, or None for an
+        owned store (which holds them in buffers of its own)."""
+        return None if layer in self._owned else self._stacks[layer]
+
     def get(self, layer: int, e: int) -> Expert:
         """Expert e where it lives (views of the map or of owned RAM)."""
         return self._experts[layer][e]

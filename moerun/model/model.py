@@ -165,11 +165,19 @@ class MoEModel:
                       layers: range) -> torch.Tensor:
         """`layers` on rows x [B, H], row r at position pos[r] of kvs[r] (room reserved)."""
         rows, pool = self.fused.rows([kv.slot_table for kv in kvs], pos), kvs[0].pool
+        # experts read where they are stored, nobody watching the routing: whole layers run in C
+        direct = (self.on_route is None and isinstance(self.experts, ResidentExperts)
+                  and self.experts.store is self.store)
+        a, b = layers.start - self.first, layers.stop - self.first
+        if direct and all(self.fused.whole(j) for j in range(a, b)):
+            return self.fused.decode_layers(a, b, x, rows, pool.k[a:b], pool.v[a:b])  # x updated in place
         for i in layers:
             j = i - self.first
             lw = self.layers[j]
-            xn, ids, w = self.fused(j, x, rows, pool.k[j], pool.v[j])  # x += attention, in place
-            x += self.ops.swiglu(xn, *lw.ffn) if lw.ffn is not None else self.moe(i, xn, w, ids, phase, pos, x)
+            whole = direct and self.fused.whole(j)
+            xn, ids, w = self.fused(j, x, rows, pool.k[j], pool.v[j], moe=whole)  # x += attention (+ experts)
+            if not whole:
+                x += self.ops.swiglu(xn, *lw.ffn) if lw.ffn is not None else self.moe(i, xn, w, ids, phase, pos, x)
         return x
 
     def _fused_ok(self, n_rows: int, kvs: list[SeqKV]) -> bool:

@@ -1,0 +1,109 @@
+"""Whole decode layers in C (attention, routing and the routed experts in one call per layer, a run of them in
+one call: kernels/csrc/attn.c qk_decode_layers, moerun/model/fused.py) against the per-layer path, where
+Python runs the experts between kernel calls (itself tied to the torch reference in test_fused_decode.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moerun.engine.kv_cache import KVPool, SeqKV
+from moerun.experts.cache import ExpertCache
+from moerun.loading import load_model
+from moerun.model.moe import CachedExperts, ResidentExperts
+from moerun.tools.convert import convert_hf_to_gguf
+
+cpu = pytest.importorskip("moerun.kernels.cpu")
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU kernels not built")
+
+
+@pytest.fixture(scope="module")
+def q8_model(hf_model, tmp_path_factory):
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            _, folder = hf_model(family)
+            path = convert_hf_to_gguf(folder, tmp_path_factory.mktemp(family) / "m.gguf", ftype="Q8_0", progress=False)
+            cache[family] = load_model(path).model
+        return cache[family]
+
+    return get
+
+
+def prefill(model, tokens) -> SeqKV:
+    kv = SeqKV(KVPool(model.spec, 64), 64)
+    model.forward(tokens[:10], kv)
+    return kv
+
+
+def steps(model, kv, tokens, n=6):
+    """n one-token steps after the prefill -> their logits [n, V]."""
+    return torch.cat([model.forward(t.view(1), kv) for t in tokens[10:10 + n]])
+
+
+def decode_steps(model, tokens, n=6):
+    return steps(model, prefill(model, tokens), tokens, n)
+
+
+class Forbidden:
+    def __init__(self, what):
+        self.what = what
+
+    def __call__(self, *a, **k):
+        raise AssertionError(f"{self.what} ran in Python: the whole-layer path was not taken")
+
+
+@pytest.mark.parametrize("family", ["qwen3moe", "mixtral", "olmoe"])
+def test_whole_layers_equal_the_per_layer_path(q8_model, tokens32, family, monkeypatch):
+    model = q8_model(family)
+    assert all(model.fused.whole(j) for j in range(len(model.layers)))
+    routes = []
+    model.on_route = lambda layer, phase, pos, ids, w: routes.append((layer, phase))  # forces per-layer steps
+    per_layer = decode_steps(model, tokens32)
+    assert ("decode" in {p for _, p in routes}) and len({la for la, _ in routes}) == len(model.layers)
+    model.on_route = None
+    kv = prefill(model, tokens32)  # a 10-token step: the torch path
+    with monkeypatch.context() as m:
+        m.setattr(model, "moe", Forbidden("the MoE block"))
+        whole = steps(model, kv, tokens32)
+    err = (whole - per_layer).abs().max().item()
+    assert err < 1e-5, f"{family}: whole vs per-layer max abs {err:.2e}"
+
+
+def test_shared_experts_keep_the_per_layer_path(q8_model):
+    model = q8_model("qwen2moe")  # a shared expert per MoE layer: Python adds it
+    assert model.layers[0].shexp is not None
+    assert not any(model.fused.whole(j) for j in range(len(model.layers)))
+
+
+def test_an_expert_cache_sees_every_decode_step(q8_model, tokens32):
+    model = q8_model("qwen3moe")
+    resident = decode_steps(model, tokens32)
+    cache = ExpertCache(model.store, slots=2)
+    model.experts = CachedExperts(cache)
+    try:
+        cached = decode_steps(model, tokens32)
+    finally:
+        model.experts = ResidentExperts(model.store)
+    assert cache.stats.get(phase="decode").queries == 6 * len(model.layers) * model.spec.n_experts_used
+    assert (cached - resident).abs().max().item() < 1e-5
+
+
+def test_layer_stacks_and_caches_are_checked(q8_model, tokens32):
+    model = q8_model("qwen3moe")
+    f = model.fused
+    with pytest.raises(ValueError, match="experts"):
+        cpu.LayerStack([])
+    plain = q8_model("qwen2moe").fused.layers[0]
+    with pytest.raises(ValueError, match="experts"):
+        cpu.LayerStack([plain])
+    kv = SeqKV(KVPool(model.spec, 64), 64)
+    kv.reserve(1)
+    rows = f.rows([kv.slot_table], torch.tensor([0]))
+    x = torch.zeros(1, model.spec.hidden)
+    pool = kv.pool
+    with pytest.raises(ValueError, match="layers"):  # one layer's caches for two layers
+        f.decode_layers(0, 2, x, rows, pool.k[:1], pool.v[:1])
+    with pytest.raises(ValueError):
+        f.decode_layers(0, 1, torch.zeros(2, model.spec.hidden), rows, pool.k[:1], pool.v[:1])
