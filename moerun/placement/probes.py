@@ -82,6 +82,18 @@ def _median(xs: list[float]) -> float:
     return xs[len(xs) // 2]
 
 
+def _as_loaded(cpu, t):
+    """A copy of t as load_model holds weights in RAM: on huge pages, interleaved where the kernels take it."""
+    from moerun.quant.qtypes import QTensor
+    from moerun.weights.memory import host_empty
+
+    if cpu.can_interleave(t):
+        return cpu.interleave(t)
+    data = host_empty(t.nbytes).view(t.data.shape)
+    data.copy_(t.data)
+    return QTensor(data, t.qtype, t.shape)
+
+
 def measure_kernels(threads: int, qtypes: list[str], *, runs: int = 9) -> dict:
     """Probe the CPU kernels per qtype: decode GB/s (one token through a ~128 MiB matrix) and prefill
     FLOP/s (the fused MoE kernel, 16 experts of 768 x 2048, 32 tokens per expert), and decode GB/s through the
@@ -113,13 +125,13 @@ def measure_kernels(threads: int, qtypes: list[str], *, runs: int = 9) -> dict:
             raw_g = quantize(torch.randn(I, H, generator=g), q)
             raw_d = quantize(torch.randn(H, I, generator=g), q)
             reps = max(1, (128 << 20) // raw_g.numel())
-            big = QTensor.from_bytes(raw_g.reshape(I, -1).repeat(reps, 1).contiguous(), q, (I * reps, H))
+            big = _as_loaded(cpu, QTensor.from_bytes(raw_g.reshape(I, -1).repeat(reps, 1), q, (I * reps, H)))
             x1 = torch.randn(1, H, generator=g)
             cpu.matmul(x1, big)
             gbps = big.data.numel() / _typical_time(runs, cpu.matmul, x1, big) / GB
             del big
-            ex = {e: Expert(QTensor.from_bytes(raw_g.clone(), q, (I, H)), QTensor.from_bytes(raw_g.clone(), q, (I, H)),
-                            QTensor.from_bytes(raw_d.clone(), q, (H, I))) for e in range(E)}
+            ex = {e: Expert(*(_as_loaded(cpu, QTensor.from_bytes(r, q, s)) for r, s in
+                              ((raw_g, (I, H)), (raw_g, (I, H)), (raw_d, (H, I))))) for e in range(E)}
             T = 32 * E // k
             x = torch.randn(T, H, generator=g)
             ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
@@ -127,7 +139,7 @@ def measure_kernels(threads: int, qtypes: list[str], *, runs: int = 9) -> dict:
             cpu.moe_ffn_experts(x, ids, wts, ex)
             flops = T * k * 3 * 2 * I * H / _typical_time(runs, cpu.moe_ffn_experts, x, ids, wts, ex)
             # decode through the fused MoE kernel: one token, k of 64 distinct experts (> any L3), new ones each call
-            many = {e: Expert(*(QTensor.from_bytes(r.clone(), q, s) for r, s in
+            many = {e: Expert(*(_as_loaded(cpu, QTensor.from_bytes(r, q, s)) for r, s in
                                 ((raw_g, (I, H)), (raw_g, (I, H)), (raw_d, (H, I))))) for e in range(64)}
             x1 = torch.randn(1, H, generator=g)
             calls = [torch.randperm(64, generator=g)[:k].reshape(1, k) for _ in range(32)]
