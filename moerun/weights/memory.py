@@ -2,10 +2,11 @@
 
 A decode step streams hundreds of megabytes of weights through the kernels once each. On 4 KiB pages every
 page is a TLB miss and a place where the hardware prefetchers stop; on 2 MiB pages neither happens. Measured
-on this project's 2-core Zen 4 VM (bench/RESULTS.md): an interleaved Q4_K GEMV from DRAM went from 38 to
-52 GB/s with 2 threads and from 17 to 27 GB/s with 1. Linux gives huge pages to anonymous private memory
-that is advised so (`transparent_hugepage/enabled` = madvise, the common default) or always; elsewhere the
-advice is a no-op and the buffer an ordinary one.
+on this project's 2-core Zen 4 VM (bench/RESULTS.md): an interleaved Q4_K GEMV over a 75 MB matrix went
+from 38 to 52 GB/s with 2 threads (partly from L3), over 604 MB from 32-34 to 37 GB/s in one window and
+not at all in another; a3b-L12 Q4_K_M decode is 2-3% faster (median of 8 alternating pairs). Small, but
+free: Linux gives huge pages to anonymous private memory that is advised so (`transparent_hugepage/enabled`
+= madvise, the common default) or always; elsewhere the advice is a no-op and the buffer an ordinary one.
 """
 
 from __future__ import annotations

@@ -1,0 +1,75 @@
+"""One-token GEMV (and a few-token GEMM) over Q4_K weights: GGUF's layout vs the kernels' interleaved one
+(Q4_K_R8), on 4 KiB pages vs transparent huge pages, from L2 and from DRAM.
+
+    python bench/gemv_layouts.py [--threads 1,2] [--reps 7]
+
+Prints GB/s of weight bytes (median of --reps passes) per case, and the ratios within each row, so a noisy
+machine is compared with itself. Run it with nothing else busy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from moerun.kernels import _cpu, cpu
+from moerun.quant.qtypes import QTensor, QType
+from moerun.quant.quantize import quantize
+from moerun.weights.memory import host_empty
+
+
+def weights(rows: int, K: int, layout: str, pages: str) -> QTensor:
+    """rows x K Q4_K (1024 distinct rows tiled) in `layout` ("gguf" | "r8") on `pages` ("4k" | "huge")."""
+    base = quantize(torch.randn(min(rows, 1024), K) * 0.05, QType.Q4_K)
+    raw = base.repeat(rows // base.shape[0], 1)
+    t = QTensor.from_bytes(raw, QType.Q4_K, (rows, K))
+    if layout == "r8":
+        t = cpu.interleave(t)  # on huge pages (host_empty)
+    if pages == "4k" or layout == "gguf":
+        data = torch.empty(t.data.shape, dtype=torch.uint8) if pages == "4k" else host_empty(t.nbytes).view(t.data.shape)
+        data.copy_(t.data)
+        t = QTensor(data, t.qtype, t.shape, t.interleave)
+    return t
+
+
+def gbps(w: QTensor, T: int, reps: int) -> float:
+    x = torch.randn(T, w.shape[1])
+    calls = max(1, (256 << 20) // w.nbytes)  # ~256 MB per timed pass
+    cpu.matmul(x, w)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            cpu.matmul(x, w)
+        ts.append((time.perf_counter() - t0) / calls)
+    return w.nbytes / statistics.median(ts) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--reps", type=int, default=7)
+    a = ap.parse_args()
+    K = 2048
+    cases = [("L2 (288 KB)", 256, 1), ("DRAM (604 MB)", 524288, 1), ("DRAM (604 MB)", 524288, 4)]
+    combos = [("gguf", "4k"), ("gguf", "huge"), ("r8", "4k"), ("r8", "huge")]
+    print(f"isa {cpu.features()['isa']}; GB/s of Q4_K weight bytes; K = {K}")
+    print("| threads | weights | tokens | " + " | ".join(f"{lay} {pg}" for lay, pg in combos) + " | r8 huge / gguf 4k |")
+    print("| ---: | --- | ---: | " + " | ".join("---:" for _ in combos) + " | ---: |")
+    for th in (int(t) for t in a.threads.split(",")):
+        _cpu.set_threads(th, -1)
+        for name, rows, T in cases:
+            r = []
+            for lay, pg in combos:
+                w = weights(rows, K, lay, pg)
+                r.append(gbps(w, T, a.reps))
+                del w
+            print(f"| {th} | {name} | {T} | " + " | ".join(f"{v:.1f}" for v in r) + f" | {r[3] / r[0]:.2f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
