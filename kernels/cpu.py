@@ -45,7 +45,7 @@ else:
     except ImportError as e:  # not built (e.g. a source tree without `pip install -e .`)
         _import_error = f"moerun.kernels._cpu is not built: {e}"
 
-ISA_IDS = {"scalar": 0, "avx2": 1, "avx512vnni": 2}
+ISA_IDS = {"scalar": 0, "avx2": 1, "avx512vnni": 2, "neon": 3}
 QK_R8 = 1000  # qk.h: an interleaved layout's type id is the ggml type's + QK_R8
 
 

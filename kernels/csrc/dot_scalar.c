@@ -7,6 +7,12 @@
 
 #include "qk.h"
 
+#if QK_NEON && defined(__linux__)
+#include <sys/auxv.h>
+#elif QK_NEON && defined(__APPLE__)
+#include <sys/sysctl.h>
+#endif
+
 const qtype_info QK_TYPES[QT_COUNT] = {
     [QT_Q4_0] = {GGML_Q4_0, "Q4_0", 32, 18, ACT_Q8_0, 1},
     [QT_Q8_0] = {GGML_Q8_0, "Q8_0", 32, 34, ACT_Q8_0, 1},
@@ -240,11 +246,37 @@ static int cpu_has(int isa) {
 }
 #endif
 
+#if QK_NEON
+/* NEON dots where dot_neon.c has them, the portable ones for the rest. */
+static const kernel_set NEON = {
+    "neon",
+    {[ACT_Q8K] = qk_quant_q8k_scalar, [ACT_Q8_0] = qk_quant_q8_0_scalar},
+    {[QT_Q4_0] = qk_dot_q4_0_neon, [QT_Q8_0] = qk_dot_q8_0_neon, [QT_MXFP4] = qk_dot_scalar_mxfp4,
+     [QT_Q4_K] = qk_dot_q4_k_neon, [QT_Q5_K] = qk_dot_scalar_q5_k, [QT_Q6_K] = qk_dot_q6_k_neon,
+     [QT_IQ4_XS] = qk_dot_scalar_iq4_xs, [QT_Q4_K_R8] = qk_dot_q4_k_r8_neon},
+};
+
+static int neon_dotprod(void) {
+#if defined(__linux__)
+    return (getauxval(AT_HWCAP) & (1UL << 20)) != 0; /* HWCAP_ASIMDDP */
+#elif defined(__APPLE__)
+    int v = 0;
+    size_t n = sizeof v;
+    return sysctlbyname("hw.optional.arm.FEAT_DotProd", &v, &n, NULL, 0) == 0 && v;
+#else
+    return 0;
+#endif
+}
+#endif
+
 const kernel_set *qk_kernels(int isa) {
     if (isa == ISA_SCALAR) return &SCALAR;
 #if QK_X86
     if (isa == ISA_AVX2 && cpu_has(ISA_AVX2)) return &AVX2;
     if (isa == ISA_VNNI && cpu_has(ISA_VNNI)) return &VNNI;
+#endif
+#if QK_NEON
+    if (isa == ISA_NEON && neon_dotprod()) return &NEON;
 #endif
     return NULL;
 }
@@ -256,6 +288,6 @@ int qk_best_isa(void) {
 }
 
 const char *qk_isa_name(int isa) {
-    static const char *const names[ISA_COUNT] = {"scalar", "avx2", "avx512vnni"};
+    static const char *const names[ISA_COUNT] = {"scalar", "avx2", "avx512vnni", "neon"};
     return isa >= 0 && isa < ISA_COUNT ? names[isa] : "?";
 }

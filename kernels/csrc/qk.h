@@ -58,6 +58,11 @@
 #else
 #define QK_X86 0
 #endif
+#if defined(__aarch64__) && defined(__GNUC__)
+#define QK_NEON 1
+#else
+#define QK_NEON 0
+#endif
 
 /* ggml type ids (gguf.GGMLQuantizationType) of the weight types we read. */
 enum { GGML_Q4_0 = 2, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14,
@@ -76,8 +81,9 @@ enum { QT_Q4_0, QT_Q8_0, QT_MXFP4, QT_Q4_K, QT_Q5_K, QT_Q6_K, QT_IQ4_XS, QT_Q4_K
 enum { ACT_Q8K, ACT_Q8_0, ACT_COUNT };
 
 /* Kernel sets, selectable per call: portable C; AVX2 + FMA + F16C; the same plus AVX-512 VNNI
- * (vpdpbusd / vpdpwssd on 256-bit vectors). All three compute the same integer sums. */
-enum { ISA_SCALAR, ISA_AVX2, ISA_VNNI, ISA_COUNT };
+ * (vpdpbusd / vpdpwssd on 256-bit vectors); AArch64 NEON with the dot-product extension (dot_neon.c).
+ * All compute the same integer sums. */
+enum { ISA_SCALAR, ISA_AVX2, ISA_VNNI, ISA_NEON, ISA_COUNT };
 
 typedef struct { float d; int8_t qs[256]; int16_t bsums[16]; } act_q8k;
 typedef struct { float d; int8_t qs[32]; } act_q8_0;
@@ -149,6 +155,13 @@ void qk_quant_q8_0_avx2(const float *x, void *out, int64_t k);
     void qk_dot_q4_k_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);
 QK_DECLARE_X86_DOTS(_avx2)
 QK_DECLARE_X86_DOTS(_vnni)
+#endif
+#if QK_NEON
+void qk_dot_q8_0_neon(int64_t, const uint8_t *, const void *const *, int, float *);
+void qk_dot_q4_0_neon(int64_t, const uint8_t *, const void *const *, int, float *);
+void qk_dot_q4_k_neon(int64_t, const uint8_t *, const void *const *, int, float *);
+void qk_dot_q6_k_neon(int64_t, const uint8_t *, const void *const *, int, float *);
+void qk_dot_q4_k_r8_neon(int64_t, const uint8_t *, const void *const *, int, float *);
 #endif
 
 /* ------------------------------------------------------------------------------ small helpers */
