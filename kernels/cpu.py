@@ -27,8 +27,8 @@ import torch
 
 from moerun.quant.qtypes import QTensor, QType
 
-__all__ = ["AttnLayer", "AttnRows", "LayerStack", "attn_block", "available", "can_interleave", "decode_layers",
-           "deinterleave", "dequant_rows", "features", "get_threads", "interleave", "matmul", "moe_ffn",
+__all__ = ["AttnLayer", "AttnRows", "Head", "LayerStack", "attn_block", "available", "can_interleave", "decode_layers",
+           "deinterleave", "dequant_rows", "features", "get_threads", "head_logits", "interleave", "matmul", "moe_ffn",
            "moe_ffn_experts", "set_threads", "supports"]
 
 MODE = os.environ.get("MOERUN_KERNELS", "").strip().lower()  # "" / "auto", "scalar", "off"
@@ -349,17 +349,35 @@ class AttnLayer:
         return t.data_ptr()
 
     def _matrix(self, name: str, w, shape) -> tuple[int, int]:
-        if isinstance(w, QTensor):
-            _check_q(w, name, 2)
-            ok, data, ggml = tuple(w.shape) == shape, w.data, _type(w)
-        else:
-            ok = (isinstance(w, torch.Tensor) and w.dtype in FLOAT_TYPES and w.is_cpu and w.is_contiguous()
-                  and tuple(w.shape) == shape)
-            data, ggml = w, FLOAT_TYPES.get(getattr(w, "dtype", None), -1)
-        if not ok:
-            raise ValueError(f"{name} must be a supported QTensor or a contiguous float32 CPU tensor of shape {shape}")
+        data, ggml = _matrix_data(name, w, shape)
         self._keep.append(data)
         return data.data_ptr(), ggml
+
+
+def _matrix_data(name: str, w, shape) -> tuple[torch.Tensor, int]:
+    """(the bytes the kernels read, their type id) of a matrix: a supported QTensor or float32 CPU tensor."""
+    if isinstance(w, QTensor):
+        _check_q(w, name, 2)
+        ok, data, ggml = tuple(w.shape) == shape, w.data, _type(w)
+    else:
+        ok = (isinstance(w, torch.Tensor) and w.dtype in FLOAT_TYPES and w.is_cpu and w.is_contiguous()
+              and tuple(w.shape) == shape)
+        data, ggml = w, FLOAT_TYPES.get(getattr(w, "dtype", None), -1)
+    if not ok:
+        raise ValueError(f"{name} must be a supported QTensor or a contiguous float32 CPU tensor of shape {shape}")
+    return data, ggml
+
+
+class Head:
+    """The output norm and projection for decode_layers: logits = rms_norm(x, norm) @ weight^T, checked once."""
+
+    def __init__(self, norm: torch.Tensor, weight, hidden: int):
+        if not (isinstance(norm, torch.Tensor) and norm.dtype == torch.float32 and norm.is_cpu
+                and norm.is_contiguous() and norm.numel() == hidden):
+            raise ValueError(f"the output norm must be a contiguous float32 CPU vector of {hidden} values")
+        rows = getattr(weight, "shape", (0,))[0]
+        self.data, self.type = _matrix_data("head", weight, (rows, hidden))
+        self.norm, self.rows, self.hidden = norm, rows, hidden
 
 
 class AttnRows:
@@ -426,9 +444,11 @@ class LayerStack:
 
 
 def decode_layers(stack: LayerStack, x: torch.Tensor, rows: AttnRows, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  eps: float, clip: float | None = None, *, isa: str | None = None) -> torch.Tensor:
+                  eps: float, clip: float | None = None, head: Head | None = None, *,
+                  isa: str | None = None) -> torch.Tensor:
     """Every layer of the stack, whole (attention and routed experts), on rows.B rows: x [B, hidden] updated in
-    place and returned. k_cache / v_cache: [len(stack), slots, kv_heads, head_dim] float32, layer l's at [l]."""
+    place and returned, or with `head` the logits [B, head.rows] float32 of the result.
+    k_cache / v_cache: [len(stack), slots, kv_heads, head_dim] float32, layer l's at [l]."""
     isa_id = _isa(isa)
     n = len(stack.layers)
     if k_cache.dim() < 2 or k_cache.shape[0] != n or v_cache.shape != k_cache.shape:
@@ -438,11 +458,32 @@ def decode_layers(stack: LayerStack, x: torch.Tensor, rows: AttnRows, k_cache: t
     B = rows.B
     xn, w = torch.empty_like(x), torch.empty((B, stack.n_used), dtype=torch.float32)
     ids = torch.empty((B, stack.n_used), dtype=torch.int64)
+    tail = ()
+    if head is not None:
+        if head.hidden != stack.hidden:
+            raise ValueError(f"the head takes {head.hidden} features, the layers give {stack.hidden}")
+        logits = torch.empty((B, head.rows), dtype=torch.float32)
+        tail = (head.norm.data_ptr(), head.data.data_ptr(), head.type, head.rows, logits.data_ptr())
     _cpu.decode_layers(isa_id, n, stack.addrs.data_ptr(), x.data_ptr(), B, rows.slots.data_ptr(),
                        rows.pos.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache[0].numel(),
                        rows.cos.data_ptr(), rows.sin.data_ptr(), eps, clip or 0.0, xn.data_ptr(), ids.data_ptr(),
-                       w.data_ptr())
-    return x
+                       w.data_ptr(), *tail)
+    return x if head is None else logits
+
+
+def head_logits(head: Head, x: torch.Tensor, eps: float, *, isa: str | None = None) -> torch.Tensor:
+    """rms_norm(x [T, hidden], head.norm) @ head.weight^T -> logits [T, head.rows] float32 (the computation
+    decode_layers ends with, for steps that do not run whole)."""
+    isa_id = _isa(isa)
+    _check_x(x, "x")
+    if x.shape[1] != head.hidden:
+        raise ValueError(f"x has {x.shape[1]} features, the head takes {head.hidden}")
+    T = x.shape[0]
+    xn, logits = torch.empty_like(x), torch.empty((T, head.rows), dtype=torch.float32)
+    if T:
+        _cpu.head(isa_id, x.data_ptr(), T, head.hidden, head.norm.data_ptr(), eps, head.data.data_ptr(), head.type,
+                  head.rows, xn.data_ptr(), logits.data_ptr())
+    return logits
 
 
 def _check_step(hidden: int, x, rows: AttnRows, k_cache, v_cache) -> None:

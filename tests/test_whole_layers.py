@@ -66,6 +66,7 @@ def test_whole_layers_equal_the_per_layer_path(q8_model, tokens32, family, monke
     kv = prefill(model, tokens32)  # a 10-token step: the torch path
     with monkeypatch.context() as m:
         m.setattr(model, "moe", Forbidden("the MoE block"))
+        m.setattr(model, "_head", Forbidden("the head"))  # embeddings to logits in one call
         whole = steps(model, kv, tokens32)
     err = (whole - per_layer).abs().max().item()
     assert err < 1e-5, f"{family}: whole vs per-layer max abs {err:.2e}"
@@ -107,3 +108,19 @@ def test_layer_stacks_and_caches_are_checked(q8_model, tokens32):
         f.decode_layers(0, 2, x, rows, pool.k[:1], pool.v[:1])
     with pytest.raises(ValueError):
         f.decode_layers(0, 1, torch.zeros(2, model.spec.hidden), rows, pool.k[:1], pool.v[:1])
+
+
+def test_head_logits_match_the_reference(q8_model, tokens32):
+    """The C head (rms_norm, then the head matmul) against torch's rms_norm and the dequantized head."""
+    from moerun.model.layers import rms_norm
+
+    model = q8_model("qwen3moe")
+    x = torch.randn(5, model.spec.hidden, generator=torch.Generator().manual_seed(0))
+    got = model.fused.head_logits(x)
+    xn = rms_norm(x, model.out_norm, model.spec.rms_eps)
+    w = model.head.dequantize() if hasattr(model.head, "dequantize") else model.head
+    ref = (xn.double() @ w.double().T)
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    assert ((got.double() - ref).norm() / ref.norm()).item() < 0.02  # the activations' 8-bit rounding
+    same_kernel = model.ops.linear(xn, model.head).float()
+    assert (got - same_kernel).abs().max().item() < 1e-4 * same_kernel.abs().max().item()

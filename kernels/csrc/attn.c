@@ -321,7 +321,7 @@ int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int
 int qk_decode_layers(int isa, int64_t n, const qk_attn_desc *const *descs, float *x, int64_t B,
                      const int64_t *const *slots, const int64_t *pos, float *kc, float *vc, int64_t kv_stride,
                      const float *rope_cos, const float *rope_sin, float eps, float clip, float *xn_out,
-                     int64_t *ids_out, float *w_out) {
+                     int64_t *ids_out, float *w_out, const float *out_norm, const qk_wmat *head, float *logits) {
     for (int64_t l = 0; l < n; l++) {
         const qk_attn_desc *d = descs[l];
         if (!d->router || !d->gate || !d->up || !d->down) return QK_EMISSING;
@@ -329,5 +329,11 @@ int qk_decode_layers(int isa, int64_t n, const qk_attn_desc *const *descs, float
                                      rope_sin, eps, clip, xn_out, ids_out, w_out, 1);
         if (rc) return rc;
     }
-    return QK_OK;
+    return head ? qk_head(isa, x, B, descs[n - 1]->hidden, out_norm, eps, head, xn_out, logits) : QK_OK;
+}
+
+int qk_head(int isa, const float *x, int64_t B, int64_t H, const float *out_norm, float eps, const qk_wmat *head,
+            float *xn, float *logits) {
+    for (int64_t r = 0; r < B; r++) rms_norm(x + r * H, out_norm, H, eps, xn + r * H);
+    return qk_matmuls(isa, 1, head, H, xn, B, &logits);
 }

@@ -4,6 +4,8 @@
 
 #include <stdint.h>
 
+#include "matmul.h"
+
 /* A layer's constant part, built once per layer by the Python side from the field names below (an
  * X-macro, so the binding can hand the names over and the two sides cannot drift apart). Addresses are
  * of float32 vectors (0: absent) or of weight matrices of ggml type *_type (quantized, F32 or F16).
@@ -39,10 +41,17 @@ int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int
                   float eps, float clip, float *xn_out, int64_t *ids_out, float *w_out, int moe);
 
 /* n whole layers (descs[l], each with its experts) one after the other on the same rows: layer l's caches
- * at kc + l * kv_stride and vc + l * kv_stride (floats). xn_out, ids_out, w_out: the last layer's. */
+ * at kc + l * kv_stride and vc + l * kv_stride (floats). xn_out, ids_out, w_out: the last layer's.
+ * head (or NULL): then logits [B, head->N] = rms_norm(x, out_norm) head^T as well, so a decode step is one
+ * call from the embeddings to the logits (no torch operation between kernel calls: after a step has
+ * streamed the weights through the caches, the first torch operation alone took ~0.1 ms, cold code). */
 int qk_decode_layers(int isa, int64_t n, const qk_attn_desc *const *descs, float *x, int64_t B,
                      const int64_t *const *slots, const int64_t *pos, float *kc, float *vc, int64_t kv_stride,
                      const float *rope_cos, const float *rope_sin, float eps, float clip, float *xn_out,
-                     int64_t *ids_out, float *w_out);
+                     int64_t *ids_out, float *w_out, const float *out_norm, const qk_wmat *head, float *logits);
+
+/* logits [B, head->N] = rms_norm(x [B, H], out_norm) head^T (xn: B * H floats of scratch). */
+int qk_head(int isa, const float *x, int64_t B, int64_t H, const float *out_norm, float eps, const qk_wmat *head,
+            float *xn, float *logits);
 
 #endif

@@ -212,23 +212,42 @@ static PyObject *py_attn_block(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS return raise_code(rc);
 }
 
-/* decode_layers(isa, n, descs, x, B, slots, pos, kc, vc, kv_stride, cos, sin, eps, clip, xn_out, ids_out, w_out):
- * see qk_decode_layers; descs is the address of n qk_attn_desc addresses. */
+/* decode_layers(isa, n, descs, x, B, slots, pos, kc, vc, kv_stride, cos, sin, eps, clip, xn_out, ids_out, w_out,
+ *               out_norm=0, head=0, head_type=0, head_rows=0, logits=0):
+ * see qk_decode_layers; descs is the address of n qk_attn_desc addresses; head 0: no logits. */
 static PyObject *py_decode_layers(PyObject *self, PyObject *args) {
     (void)self;
-    int isa;
-    unsigned long long descs, x, slots, pos, kc, vc, cs, sn, xn, ids, w;
-    long long n, B, stride;
+    int isa, head_type = 0;
+    unsigned long long descs, x, slots, pos, kc, vc, cs, sn, xn, ids, w, norm = 0, head = 0, logits = 0;
+    long long n, B, stride, head_rows = 0;
     float eps, clip;
-    if (!PyArg_ParseTuple(args, "iLKKLKKKKLKKffKKK", &isa, &n, &descs, &x, &B, &slots, &pos, &kc, &vc, &stride, &cs,
-                          &sn, &eps, &clip, &xn, &ids, &w))
+    if (!PyArg_ParseTuple(args, "iLKKLKKKKLKKffKKK|KKiLK", &isa, &n, &descs, &x, &B, &slots, &pos, &kc, &vc, &stride,
+                          &cs, &sn, &eps, &clip, &xn, &ids, &w, &norm, &head, &head_type, &head_rows, &logits))
         return NULL;
+    const qk_wmat hw = {(const uint8_t *)(uintptr_t)head, head_type, head_rows};
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = qk_decode_layers(
         isa, n, (const qk_attn_desc *const *)(uintptr_t)descs, (float *)(uintptr_t)x, B,
         (const int64_t *const *)(uintptr_t)slots, (const int64_t *)(uintptr_t)pos, (float *)(uintptr_t)kc,
         (float *)(uintptr_t)vc, stride, (const float *)(uintptr_t)cs, (const float *)(uintptr_t)sn, eps, clip,
-        (float *)(uintptr_t)xn, (int64_t *)(uintptr_t)ids, (float *)(uintptr_t)w);
+        (float *)(uintptr_t)xn, (int64_t *)(uintptr_t)ids, (float *)(uintptr_t)w, (const float *)(uintptr_t)norm,
+        head ? &hw : NULL, (float *)(uintptr_t)logits);
+    Py_END_ALLOW_THREADS return raise_code(rc);
+}
+
+/* head(isa, x, B, H, norm, eps, head, head_type, head_rows, xn, logits): see qk_head. */
+static PyObject *py_head(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa, head_type;
+    unsigned long long x, norm, head, xn, logits;
+    long long B, H, rows;
+    float eps;
+    if (!PyArg_ParseTuple(args, "iKLLKfKiLKK", &isa, &x, &B, &H, &norm, &eps, &head, &head_type, &rows, &xn, &logits))
+        return NULL;
+    const qk_wmat hw = {(const uint8_t *)(uintptr_t)head, head_type, rows};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = qk_head(isa, (const float *)(uintptr_t)x, B, H, (const float *)(uintptr_t)norm, eps, &hw,
+                                        (float *)(uintptr_t)xn, (float *)(uintptr_t)logits);
     Py_END_ALLOW_THREADS return raise_code(rc);
 }
 
@@ -249,6 +268,7 @@ static PyMethodDef methods[] = {
     {"attn_fields", py_attn_fields, METH_NOARGS, "Field names of the attention block's layer descriptor."},
     {"attn_block", py_attn_block, METH_VARARGS,
      "attn_block(isa, desc, x, B, slots, pos, kc, vc, cos, sin, eps, clip, xn_out, ids_out, w_out, moe=0)"},
+    {"head", py_head, METH_VARARGS, "head(isa, x, B, H, norm, eps, head, head_type, head_rows, xn, logits)"},
     {"decode_layers", py_decode_layers, METH_VARARGS,
      "decode_layers(isa, n, descs, x, B, slots, pos, kc, vc, kv_stride, cos, sin, eps, clip, xn_out, ids_out, w_out)"},
     {NULL, NULL, 0, NULL},

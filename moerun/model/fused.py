@@ -47,6 +47,12 @@ class FusedAttention:
             return make()
 
         self.layers = [layer(i, lw) for i, lw in zip(range(model.first, model.stop), model.layers)]
+        self.head = None  # the output norm and projection, when this model holds them and the kernels take them
+        if model.stop == s.n_layers and model.head is not None:
+            try:
+                self.head = cpu.Head(model.out_norm, model.head, s.hidden)
+            except ValueError:
+                pass
         self._stacks: dict[tuple[int, int], object] = {}  # (first, stop) -> cpu.LayerStack
         self._cos = self._sin = torch.empty((0, s.head_dim // 2))
 
@@ -86,11 +92,16 @@ class FusedAttention:
         return self.cpu.attn_block(self.layers[i], x, rows, k_cache, v_cache, self.spec.rms_eps, self.spec.clip_qkv,
                                    moe=moe)
 
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """rms_norm(x) @ head^T -> [T, V] float32, as decode_layers(..., logits=True) ends."""
+        return self.cpu.head_logits(self.head, x.contiguous(), self.spec.rms_eps)
+
     def decode_layers(self, a: int, b: int, x: torch.Tensor, rows, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor) -> torch.Tensor:
+                      v_cache: torch.Tensor, logits: bool = False) -> torch.Tensor:
         """Layers [a, b) (indices into the model's layers, all whole) on x in place, in one call; k_cache /
-        v_cache: their [b - a, slots, ...] caches."""
+        v_cache: their [b - a, slots, ...] caches. -> x, or with `logits` (needs self.head) the logits [B, V]."""
         stack = self._stacks.get((a, b))
         if stack is None:
             stack = self._stacks[a, b] = self.cpu.LayerStack(self.layers[a:b])
-        return self.cpu.decode_layers(stack, x, rows, k_cache, v_cache, self.spec.rms_eps, self.spec.clip_qkv)
+        return self.cpu.decode_layers(stack, x, rows, k_cache, v_cache, self.spec.rms_eps, self.spec.clip_qkv,
+                                      self.head if logits else None)

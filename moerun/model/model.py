@@ -165,9 +165,7 @@ class MoEModel:
                       layers: range) -> torch.Tensor:
         """`layers` on rows x [B, H], row r at position pos[r] of kvs[r] (room reserved)."""
         rows, pool = self.fused.rows([kv.slot_table for kv in kvs], pos), kvs[0].pool
-        # experts read where they are stored, nobody watching the routing: whole layers run in C
-        direct = (self.on_route is None and isinstance(self.experts, ResidentExperts)
-                  and self.experts.store is self.store)
+        direct = self._direct()
         a, b = layers.start - self.first, layers.stop - self.first
         if direct and all(self.fused.whole(j) for j in range(a, b)):
             return self.fused.decode_layers(a, b, x, rows, pool.k[a:b], pool.v[a:b])  # x updated in place
@@ -180,12 +178,29 @@ class MoEModel:
                 x += self.ops.swiglu(xn, *lw.ffn) if lw.ffn is not None else self.moe(i, xn, w, ids, phase, pos, x)
         return x
 
+    def _direct(self) -> bool:
+        """Experts read where they are stored and nobody watching the routing: whole layers may run in C."""
+        return (self.on_route is None and isinstance(self.experts, ResidentExperts)
+                and self.experts.store is self.store)
+
+    def _whole_logits(self, x: torch.Tensor, kvs: list[SeqKV], pos: torch.Tensor) -> torch.Tensor | None:
+        """A small step from its embeddings x [B, H] to its logits [B, V] in one C call (every layer whole, this
+        model holding them all and the head), or None where that does not apply."""
+        f, n = self.fused, self.stop - self.first
+        if (f is None or f.head is None or self.first != 0 or not self._fused_ok(len(pos), kvs) or not self._direct()
+                or not all(f.whole(j) for j in range(n))):
+            return None
+        pool = kvs[0].pool
+        return f.decode_layers(0, n, x, f.rows([kv.slot_table for kv in kvs], pos), pool.k, pool.v, logits=True)
+
     def _fused_ok(self, n_rows: int, kvs: list[SeqKV]) -> bool:
         pool = kvs[0].pool
         return (self.fused is not None and self.fused.usable(n_rows, pool.k.device)
                 and pool.k.dtype == torch.float32 and all(kv.pool is pool for kv in kvs))
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and self.fused.head is not None and x.dtype == torch.float32 and x.is_cpu:
+            return self.fused.head_logits(x)  # what a whole decode step ends with, so both paths agree exactly
         return self.ops.linear(rms_norm(x, self.out_norm, self.spec.rms_eps), self.head).float()
 
     def run_layers(self, x: torch.Tensor, pos: torch.Tensor, kv: SeqKV | list[SeqKV] | None, phase: str,
@@ -224,9 +239,14 @@ class MoEModel:
             kv.reserve(len(tokens))
         pos = torch.arange(start, start + len(tokens))
         with self.ops.step(len(tokens)):
-            x = self.run_layers(self.embed(tokens), pos, kv, phase)
+            x = self.embed(tokens)
+            logits = None if kv is None else self._whole_logits(x, [kv] * len(tokens), pos)
+            if logits is None:
+                x = self.run_layers(x, pos, kv, phase)
             if kv is not None:
                 kv.length = start + len(tokens)
+            if logits is not None:
+                return logits[-1:] if last_only else logits
             return self._head(x[-1:] if last_only else x)
 
     @torch.inference_mode()
@@ -242,7 +262,10 @@ class MoEModel:
             kv.reserve(1)
         pos = torch.tensor([kv.length for kv in kvs], dtype=torch.int64)
         with self.ops.step(B):
-            x = self.run_layers(self.embed(tokens), pos, list(kvs), phase)
+            x = self.embed(tokens)
+            logits = self._whole_logits(x, list(kvs), pos)
+            if logits is None:
+                logits = self._head(self.run_layers(x, pos, list(kvs), phase))
             for kv in kvs:
                 kv.length += 1
-            return self._head(x)
+            return logits
