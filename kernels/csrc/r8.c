@@ -2,9 +2,11 @@
  *
  * qk_repack and qk_unpack are exact inverses on any bytes (the 12-byte packed scales map one to one onto
  * the 6-bit values), so a repacked tensor holds the file's weights, only in another order. */
+#include <stdatomic.h>
 #include <string.h>
 
 #include "matmul.h"
+#include "pool.h"
 #include "qk.h"
 
 #define Q4K_BYTES 144
@@ -72,30 +74,52 @@ static int r8_shape(int to, int64_t N, int64_t K) {
     return QK_OK;
 }
 
-int qk_repack(int to, const uint8_t *src, uint8_t *dst, int64_t N, int64_t K) {
-    const int rc = r8_shape(to, N, K);
+/* Groups of 8 rows are independent: the pool's threads take runs of them (a model's worth of Q4_K is
+ * gigabytes, rewritten once at load). */
+#define GROUPS_PER_ITEM 64
+
+typedef struct {
+    const uint8_t *src;
+    uint8_t *dst;
+    int64_t groups, nb;
+    int pack;
+    atomic_long next;
+} relayout_ctx;
+
+static void relayout_task(void *p, int tid, int nth) {
+    relayout_ctx *c = p;
+    (void)tid, (void)nth;
+    const int64_t rowb = c->nb * Q4K_BYTES;
+    for (;;) {
+        const int64_t g0 = atomic_fetch_add(&c->next, GROUPS_PER_ITEM);
+        if (g0 >= c->groups) break;
+        for (int64_t g = g0; g < g0 + GROUPS_PER_ITEM && g < c->groups; g++)
+            for (int64_t i = 0; i < c->nb; i++) {
+                uint8_t *rows[8];
+                for (int r = 0; r < 8; r++)
+                    rows[r] = (uint8_t *)(c->pack ? c->src : c->dst) + (8 * g + r) * rowb + i * Q4K_BYTES;
+                if (c->pack)
+                    r8_pack_block((const uint8_t *const *)rows, c->dst + (g * c->nb + i) * R8_BYTES);
+                else
+                    r8_unpack_block(c->src + (g * c->nb + i) * R8_BYTES, rows);
+            }
+    }
+}
+
+static int relayout(int type, const uint8_t *src, uint8_t *dst, int64_t N, int64_t K, int pack) {
+    const int rc = r8_shape(type, N, K);
     if (rc) return rc;
-    const int64_t nb = K / 256, rowb = nb * Q4K_BYTES;
-    for (int64_t g = 0; g < N / 8; g++)
-        for (int64_t i = 0; i < nb; i++) {
-            const uint8_t *s[8];
-            for (int r = 0; r < 8; r++) s[r] = src + (8 * g + r) * rowb + i * Q4K_BYTES;
-            r8_pack_block(s, dst + (g * nb + i) * R8_BYTES);
-        }
+    relayout_ctx c = {src, dst, N / 8, K / 256, pack, 0};
+    qk_pool_run(relayout_task, &c); /* without workers it ran on this thread: done either way */
     return QK_OK;
 }
 
+int qk_repack(int to, const uint8_t *src, uint8_t *dst, int64_t N, int64_t K) {
+    return relayout(to, src, dst, N, K, 1);
+}
+
 int qk_unpack(int from, const uint8_t *src, uint8_t *dst, int64_t N, int64_t K) {
-    const int rc = r8_shape(from, N, K);
-    if (rc) return rc;
-    const int64_t nb = K / 256, rowb = nb * Q4K_BYTES;
-    for (int64_t g = 0; g < N / 8; g++)
-        for (int64_t i = 0; i < nb; i++) {
-            uint8_t *d[8];
-            for (int r = 0; r < 8; r++) d[r] = dst + (8 * g + r) * rowb + i * Q4K_BYTES;
-            r8_unpack_block(src + (g * nb + i) * R8_BYTES, d);
-        }
-    return QK_OK;
+    return relayout(from, src, dst, N, K, 0);
 }
 
 /* Portable dot of 8 interleaved rows: out[8t + r] = sum_i y.d * (d_r * sum_s sc * (q . y)_s - dmin_r *
