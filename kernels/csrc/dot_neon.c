@@ -112,13 +112,7 @@ void qk_dot_q4_k_r8_neon(int64_t nb, const uint8_t *w, const void *const *xv, in
         for (int64_t i = 0; i < nb; i++) {
             const uint8_t *b = w + i * 1152;
             uint8_t v[4][32]; /* the scale vectors V0..V3 (qk.h) */
-            for (int j = 0; j < 32; j++) {
-                const uint8_t hi = b[96 + j];
-                v[0][j] = (uint8_t)((b[32 + j] & 15) | (hi & 3) << 4);
-                v[1][j] = (uint8_t)((b[32 + j] >> 4) | (hi >> 2 & 3) << 4);
-                v[2][j] = (uint8_t)((b[64 + j] & 15) | (hi >> 4 & 3) << 4);
-                v[3][j] = (uint8_t)((b[64 + j] >> 4) | (hi >> 6) << 4);
-            }
+            qk_r8_vectors(b, v);
             int32x4_t isum[2] = {vdupq_n_s32(0), vdupq_n_s32(0)};
             for (int g = 0; g < 4; g++) {
                 int32x4_t lo[2] = {vdupq_n_s32(0), vdupq_n_s32(0)}, hi[2] = {vdupq_n_s32(0), vdupq_n_s32(0)};

@@ -141,6 +141,8 @@ void qk_dot_scalar_q5_k(int64_t, const uint8_t *, const void *const *, int, floa
 void qk_dot_scalar_q6_k(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_iq4_xs(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_q4_k_r8(int64_t, const uint8_t *, const void *const *, int, float *);
+/* The four 32-value scale vectors V0..V3 of a Q4_K_R8 block (r8.c). */
+void qk_r8_vectors(const uint8_t *b, uint8_t v[4][32]);
 #if QK_X86
 void qk_quant_q8k_avx2(const float *x, void *out, int64_t k);
 void qk_quant_q8_0_avx2(const float *x, void *out, int64_t k);

@@ -13,7 +13,7 @@
 #define R8_BYTES (8 * Q4K_BYTES)
 
 /* The four 32-value scale vectors of an R8 block (layout: qk.h). */
-static void r8_vectors(const uint8_t *b, uint8_t v[4][32]) {
+void qk_r8_vectors(const uint8_t *b, uint8_t v[4][32]) {
     for (int j = 0; j < 32; j++) {
         const uint8_t hi = b[96 + j];
         v[0][j] = (uint8_t)((b[32 + j] & 15) | (hi & 3) << 4);
@@ -52,7 +52,7 @@ static void r8_pack_block(const uint8_t *const src[8], uint8_t *b) {
 /* The 8 Q4_K blocks (dst[r]) of an R8 block. */
 static void r8_unpack_block(const uint8_t *b, uint8_t *const dst[8]) {
     uint8_t v[4][32];
-    r8_vectors(b, v);
+    qk_r8_vectors(b, v);
     for (int r = 0; r < 8; r++) {
         uint8_t *o = dst[r];
         memcpy(o, b + 2 * r, 2);
@@ -131,7 +131,7 @@ void qk_dot_scalar_q4_k_r8(int64_t nb, const uint8_t *w, const void *const *xv, 
         for (int64_t i = 0; i < nb; i++) {
             const uint8_t *b = w + i * R8_BYTES;
             uint8_t v[4][32];
-            r8_vectors(b, v);
+            qk_r8_vectors(b, v);
             for (int r = 0; r < 8; r++) {
                 int32_t isum = 0, msum = 0;
                 for (int s = 0; s < 8; s++) {
