@@ -78,6 +78,33 @@ def test_file_reads_equal_resident(slots, prefill):
         assert cache.stats.get(phase="decode").bytes_paged_in > 0
 
 
+def test_file_reads_with_experts_of_different_sizes(hf_model, tmp_path):
+    """Q4_K_M keeps some layers' down projections in Q6_K, so experts differ in size from layer to layer: the
+    bypass scratch buffers, reused across layers, must fit each (a soak on a3b-L4 Q4_K_M found them short)."""
+    from hf_models import build, hf_config, save
+
+    from moerun.tools.convert import convert_hf_to_gguf
+
+    cfg = hf_config("qwen3moe")
+    cfg.hidden_size, cfg.moe_intermediate_size, cfg.head_dim, cfg.num_hidden_layers = 256, 256, 64, 8
+    path = convert_hf_to_gguf(save(build("qwen3moe", config=cfg), tmp_path / "hf"), tmp_path / "m.gguf",
+                              ftype="Q4_K_M", progress=False)
+    model = mapped_model(path)
+    store = model.store
+    by_size = sorted(store.layers, key=store.expert_bytes)
+    small, big = by_size[0], by_size[-1]
+    assert store.expert_bytes(small) < store.expert_bytes(big), "the test needs experts of different sizes"
+    cache = ExpertCache(store, slots=1, prefill="bypass")
+    for layer, n in ((big, 2), (small, 4), (big, 4)):  # few big buffers, then more small ones, then more big
+        for e, ex in cache._home(layer, list(range(n))).items():
+            want = store.get(layer, e)
+            for a, b in ((ex.gate, want.gate), (ex.up, want.up), (ex.down, want.down)):
+                assert torch.equal(a.data, b.data)
+    ref = run_steps(model)
+    model.experts = CachedExperts(cache)
+    assert torch.equal(run_steps(model), ref)
+
+
 def test_file_reads_never_use_the_map():
     """Misses and bypasses come from the file, not the map: scribbling over the (copy-on-write, private) map
     after loading leaves the cached logits unchanged, and no fetched expert views the map."""

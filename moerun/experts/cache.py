@@ -83,11 +83,13 @@ class ExpertCache:
         return self._slots[layer][slot]
 
     def _scratch_buffers(self, n: int, nbytes: int) -> list[torch.Tensor]:
-        """n CPU buffers of at least nbytes each, reused step after step."""
+        """n CPU buffers of at least nbytes each, reused step after step. All have one size, the largest asked
+        for so far (layers' experts differ in size when their types do, as in Q4_K_M's Q6_K down layers)."""
         if self._scratch and self._scratch[0].numel() < nbytes:
             self._scratch.clear()
+        size = self._scratch[0].numel() if self._scratch else nbytes
         while len(self._scratch) < n:
-            self._scratch.append(torch.empty(nbytes, dtype=torch.uint8))
+            self._scratch.append(torch.empty(size, dtype=torch.uint8))
         return [b[:nbytes] for b in self._scratch[:n]]
 
     def _home(self, layer: int, experts: list[int]) -> dict[int, Expert]:
