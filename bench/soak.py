@@ -422,9 +422,11 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def soak(model: str | None, seconds: float, clients: int, n_ctx: int, parallel: int, threads: int, n_cases: int,
-         warmup: float, seed: int, log_path: Path) -> dict:
+         warmup: float, seed: int, log_path: Path, cache_slots: int = 4) -> dict:
+    """cache_slots 0: no expert cache, experts in RAM (decode steps then run whole layers in C)."""
+    cache = ["--mmap", "--expert-cache-slots", str(cache_slots)] if cache_slots else ["--no-mmap"]
     args = ["-c", str(n_ctx), "-np", str(parallel), "-t", str(threads), "--max-body-size", str(MAX_BODY),
-            "--mmap", "--expert-cache-slots", "4", "--log-interval", "0"] + (["-m", model] if model else [])
+            *cache, "--log-interval", "0"] + (["-m", model] if model else [])
     server = ServerProcess(args, log_path, key=KEY)
     try:
         vocab = server.request("GET", "/v1/models").json()["data"][0]["meta"]["n_vocab"]
@@ -490,11 +492,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", type=int, default=24, help="greedy requests with a reference answer")
     ap.add_argument("--warmup", type=float, default=15.0, help="seconds of load before RSS is read")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--expert-cache-slots", type=int, default=4,
+                    help="expert cache slots per layer over the file's map; 0: experts in RAM, no cache")
     ap.add_argument("-o", "--output", choices=("md", "json"), default="md")
     ap.add_argument("--log", type=Path, default=None, help="server log (default: a temporary file)")
     a = ap.parse_args(argv)
     log = a.log or Path(tempfile.mkdtemp(prefix="moerun-soak-")) / "serve.log"
-    r = soak(a.model, a.seconds, a.clients, a.ctx_size, a.parallel, a.threads, a.cases, a.warmup, a.seed, log)
+    r = soak(a.model, a.seconds, a.clients, a.ctx_size, a.parallel, a.threads, a.cases, a.warmup, a.seed, log,
+             a.expert_cache_slots)
     print(json.dumps(r, indent=1) if a.output == "json" else markdown(r))
     print(f"server log: {log}", file=sys.stderr)
     return 0 if r["passed"] else 1
