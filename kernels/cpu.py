@@ -25,7 +25,7 @@ from collections.abc import Mapping
 
 import torch
 
-from moerun.quant.qtypes import QTensor, QType
+from moerun.quant.qtypes import INTERLEAVABLE, QTensor, QType
 
 __all__ = ["AttnLayer", "AttnRows", "Head", "LayerStack", "attn_block", "available", "can_interleave", "decode_layers",
            "deinterleave", "dequant_rows", "features", "get_threads", "head_logits", "interleave", "matmul", "moe_ffn",
@@ -121,19 +121,20 @@ def get_threads() -> int:
 
 
 def can_interleave(w: QTensor) -> bool:
-    """Whether `interleave` takes w: a CPU Q4_K matrix (or stack of them) in GGUF's layout, rows a multiple of 8."""
-    return (_cpu is not None and isinstance(w, QTensor) and w.qtype == QType.Q4_K and w.interleave == 1
-            and len(w.shape) in (2, 3) and w.shape[-2] % 8 == 0 and w.data.is_cpu)
+    """Whether `interleave` takes w: a CPU Q4_K or Q8_0 matrix (or stack of them) in GGUF's layout, rows a
+    multiple of 8."""
+    return (_cpu is not None and isinstance(w, QTensor) and 8 in INTERLEAVABLE.get(w.qtype, ())
+            and w.interleave == 1 and len(w.shape) in (2, 3) and w.shape[-2] % 8 == 0 and w.data.is_cpu)
 
 
 def interleave(w: QTensor) -> QTensor:
     """w's rows in groups of 8 in the kernels' interleaved layout (kernels/csrc/qk.h: one 32-byte load holds
-    4 weights of each of 8 rows): a new tensor of the same size, about twice as fast to multiply (GEMV in
-    cache; bench/RESULTS.md). Only these kernels read it; `deinterleave` (and QTensor.dequantize) undo it."""
+    4 weights of each of 8 rows): a new tensor of the same size, 1.4-2x as fast to multiply where compute
+    bounds it (bench/RESULTS.md). Only these kernels read it; `deinterleave` (and QTensor.dequantize) undo it."""
     _need()
     if not can_interleave(w):
-        raise ValueError(f"cannot interleave {w.qtype.name}{tuple(w.shape)} (want a CPU Q4_K matrix, rows a "
-                         "multiple of 8, in GGUF's layout)")
+        raise ValueError(f"cannot interleave {w.qtype.name}{tuple(w.shape)} (want a CPU Q4_K or Q8_0 matrix, "
+                         "rows a multiple of 8, in GGUF's layout)")
     return _relayout(_cpu.repack, w, 8)
 
 

@@ -71,7 +71,9 @@ def test_chat_ctrl_c_stops_the_reply_and_the_session_goes_on(hf_model):
     import time
 
     _, folder = hf_model("qwen3moe")
-    cmd = [sys.executable, "-m", "moerun", "chat", "-m", str(folder), "-n", "100000", "--ignore-eos", "-c", "256"]
+    # -c 4096: the interrupted reply runs for ~0.5 s, a few hundred tokens on a fast minute; with a small
+    # context it could fill it and leave no room for the next turn (seen with -c 256)
+    cmd = [sys.executable, "-m", "moerun", "chat", "-m", str(folder), "-n", "100000", "--ignore-eos", "-c", "4096"]
     p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         p.stdin.write(b"tell me a long story\n")

@@ -185,8 +185,18 @@ def test_fused_steps_equal_the_torch_path(gguf_models, tokens32, family, ftype):
         ref = run_steps(model, tokens32)
     finally:
         model.fused = saved
-    err = (fused - ref).abs().max().item()
-    assert err < 2e-5, f"{family} {ftype}: fused vs torch max abs {err:.2e} (measured <= 3.1e-6)"
+    per_row = (fused - ref).abs().amax(-1)  # one row per step's token
+    if ftype == "F32":
+        err = per_row.max().item()
+        assert err < 2e-5, f"{family} {ftype}: fused vs torch max abs {err:.2e} (measured <= 3.1e-6)"
+    else:
+        # Quantized weights: activations are rounded to 8 bits before each product, so a float-order difference
+        # of 1e-7 between the two attention paths can move one value of h across a rounding boundary, and that
+        # step's logits then differ by ~1e-2 (seen once: the tiny qwen3moe in Q8_0, interleaved, one step of
+        # eleven). Most steps must agree to float noise and none may differ by more than such a flip.
+        med, worst = per_row.median().item(), ((fused - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+        assert med < 2e-5, f"{family} {ftype}: fused vs torch median max abs {med:.2e} per step"
+        assert worst < 0.05, f"{family} {ftype}: fused vs torch relative {worst:.3f} in one step"
 
 
 @pytest.mark.parametrize("fused", [True, False])

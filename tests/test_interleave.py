@@ -1,4 +1,4 @@
-"""The CPU kernels' interleaved Q4_K layout (Q4_K_R8, kernels/csrc/r8.c and dot_x86_r8.inc).
+"""The CPU kernels' interleaved layouts (Q4_K_R8 and Q8_0_R8: kernels/csrc/r8.c, dot_x86_r8.inc).
 
 The layout only reorders bytes, so it is checked three ways: the round trip gives the file's bytes back for
 any bytes; a matmul over it equals x @ W^T with W dequantized by gguf.quants from the original bytes (the
@@ -24,26 +24,29 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="moerun.kernels._cpu
 
 ISAS = cpu.features()["isas"]
 Q4K = QType.Q4_K
+QTYPES = pytest.mark.parametrize("qt", [QType.Q4_K, QType.Q8_0], ids=lambda q: q.name)
 
 
-def q4k(rows: int, cols: int, seed: int = 0, random_bytes: bool = False, lead: tuple[int, ...] = ()) -> QTensor:
+def q4k(rows: int, cols: int, seed: int = 0, random_bytes: bool = False, lead: tuple[int, ...] = (),
+        qt: QType = Q4K) -> QTensor:
     gen = torch.Generator().manual_seed(seed)
     n = int(np.prod(lead, dtype=np.int64)) * rows
-    data = random_blocks(Q4K, n, cols, gen) if random_bytes else quantize(torch.randn(n, cols, generator=gen) * 0.05, Q4K)
-    return QTensor.from_bytes(data, Q4K, (*lead, rows, cols))
+    data = random_blocks(qt, n, cols, gen) if random_bytes else quantize(torch.randn(n, cols, generator=gen) * 0.05, qt)
+    return QTensor.from_bytes(data, qt, (*lead, rows, cols))
 
 
 def gguf_dequant(w: QTensor) -> torch.Tensor:
     """gguf.quants' float weights of a GGUF-layout tensor: the reference, independent of moerun."""
     rows = w.data.reshape(-1, w.data.shape[-1]).numpy()
-    return torch.from_numpy(quants.dequantize(rows, Q4K)).reshape(w.shape).double()
+    return torch.from_numpy(quants.dequantize(rows, w.qtype)).reshape(w.shape).double()
 
 
-def emulate_act(x: torch.Tensor) -> torch.Tensor:
-    """x after the kernels' Q8_K rounding (d = absmax / 127 per 256 values, round half to even)."""
-    xb = x.reshape(-1, 256)
+def emulate_act(x: torch.Tensor, qt: QType = Q4K) -> torch.Tensor:
+    """x after the kernels' activation rounding (d = absmax / 127 per 256 values for K-quants, per 32 for
+    Q8_0; round half to even)."""
+    xb = x.reshape(-1, 256 if qt == Q4K else 32)
     amax = xb.abs().amax(-1, keepdim=True)
-    q = torch.round(xb * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)))
+    q = torch.round(xb * torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax)))
     return (q.double() * (amax / 127.0).double()).reshape(x.shape)
 
 
@@ -54,10 +57,11 @@ def rel_err(a, b) -> float:
 # ------------------------------------------------------------------------------------------- layout
 
 
+@QTYPES
 @pytest.mark.parametrize("random_bytes", [False, True])
 @pytest.mark.parametrize("shape", [(8, 256), (24, 768), (64, 2048)])
-def test_round_trip_gives_the_file_bytes_back(shape, random_bytes):
-    w = q4k(*shape, seed=shape[0], random_bytes=random_bytes)
+def test_round_trip_gives_the_file_bytes_back(shape, random_bytes, qt):
+    w = q4k(*shape, seed=shape[0], random_bytes=random_bytes, qt=qt)
     il = cpu.interleave(w)
     assert il.interleave == 8 and il.shape == w.shape and il.data.shape == w.data.shape
     assert not torch.equal(il.data, w.data)  # really rearranged
@@ -72,8 +76,9 @@ def test_any_bytes_round_trip():
     assert torch.equal(cpu.deinterleave(cpu.interleave(w)).data, raw)
 
 
-def test_stacked_experts_interleave_per_expert():
-    w = q4k(16, 512, seed=3, lead=(5,))
+@QTYPES
+def test_stacked_experts_interleave_per_expert(qt):
+    w = q4k(16, 512, seed=3, lead=(5,), qt=qt)
     il = cpu.interleave(w)
     for e in range(5):  # each expert's slice is that expert's matrix interleaved on its own
         assert il[e].interleave == 8
@@ -84,6 +89,7 @@ def test_stacked_experts_interleave_per_expert():
 def test_what_cannot_be_interleaved():
     assert not cpu.can_interleave(q4k(12, 256))  # rows not a multiple of 8
     q6 = QTensor.from_bytes(quantize(torch.randn(8, 256), QType.Q6_K), QType.Q6_K, (8, 256))
+    assert not cpu.can_interleave(q4k(12, 64, qt=QType.Q8_0))
     assert not cpu.can_interleave(q6)
     assert not cpu.can_interleave(cpu.interleave(q4k(8, 256)))  # already
     for bad in (q4k(12, 256), q6):
@@ -105,10 +111,11 @@ def test_what_cannot_be_interleaved():
 # ------------------------------------------------------------------------------------------- matmul
 
 
+@QTYPES
 @pytest.mark.parametrize("shape", [(8, 256), (16, 768), (64, 2048), (264, 512)])
-def test_matmul_matches_gguf_reference(shape):
+def test_matmul_matches_gguf_reference(shape, qt):
     N, K = shape
-    w = q4k(N, K, seed=N + K)
+    w = q4k(N, K, seed=N + K, qt=qt)
     il, ref_w = cpu.interleave(w), gguf_dequant(w)
     gen = torch.Generator().manual_seed(K)
     for T in (1, 2, 3, 4, 5, 8, 17, 64):
@@ -117,17 +124,18 @@ def test_matmul_matches_gguf_reference(shape):
         for isa, y in outs.items():
             assert y.shape == (T, N)
             assert rel_err(y, x.double() @ ref_w.T) < 0.02, (isa, T)
-            assert rel_err(y, emulate_act(x) @ ref_w.T) < 2e-5, (isa, T)
+            assert rel_err(y, emulate_act(x, qt) @ ref_w.T) < 2e-5, (isa, T)
             # the GGUF-layout kernel computes the same integer sums: only float order differs
             assert rel_err(y, cpu.matmul(x, w, isa=isa)) < 2e-6, (isa, T)
         if "avx2" in outs and "avx512vnni" in outs:
             assert torch.equal(outs["avx2"], outs["avx512vnni"])
 
 
-def test_matmul_random_bytes_every_scale_pattern():
-    w = q4k(32, 1024, seed=7, random_bytes=True)
+@QTYPES
+def test_matmul_random_bytes_every_scale_pattern(qt):
+    w = q4k(32, 1024, seed=7, random_bytes=True, qt=qt)
     x = torch.randn(5, 1024)
-    ref = emulate_act(x) @ gguf_dequant(w).T
+    ref = emulate_act(x, qt) @ gguf_dequant(w).T
     for isa in ISAS:
         assert rel_err(cpu.matmul(x, cpu.interleave(w), isa=isa), ref) < 2e-5
 
@@ -146,11 +154,12 @@ def reference_moe(x, ids, wts, gate, up, down) -> torch.Tensor:
     return out
 
 
+@QTYPES
 @pytest.mark.parametrize("T", [1, 3, 33])
-def test_moe_ffn_over_interleaved_experts(T):
+def test_moe_ffn_over_interleaved_experts(T, qt):
     E, H, I, k = 6, 512, 256, 3
-    gate, up = q4k(I, H, seed=1, lead=(E,)), q4k(I, H, seed=2, lead=(E,))
-    down = q4k(H, I, seed=3, lead=(E,))
+    gate, up = q4k(I, H, seed=1, lead=(E,), qt=qt), q4k(I, H, seed=2, lead=(E,), qt=qt)
+    down = q4k(H, I, seed=3, lead=(E,), qt=qt)
     gen = torch.Generator().manual_seed(T)
     ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
     wts = torch.softmax(torch.randn(T, k, generator=gen), -1)

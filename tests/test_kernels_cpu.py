@@ -66,7 +66,9 @@ def emulate_act(x: torch.Tensor, qtype: QType) -> torch.Tensor:
     n = 256 if qtype in K_QUANTS else 32
     xb = x.reshape(-1, n)
     amax = xb.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # 127 / amax as one true division, as the C code (a Python scalar over a tensor is a reciprocal times 127
+    # in torch, 1 ulp off at times, which flips the rounding of a value at x.5)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(xb * inv)  # float32 product, half to even: as the C code
     return (q.double() * (amax / 127.0).double()).reshape(x.shape)
 

@@ -1,5 +1,5 @@
 /* The Arm NEON kernel set (AArch64 with the dot-product extension, ARMv8.2 "asimddp": Apple M1 and later,
- * Graviton 2 and later, Cortex-A76 and later): qk_dot_*_neon for Q8_0, Q4_0, Q4_K, Q6_K and Q4_K_R8, the
+ * Graviton 2 and later, Cortex-A76 and later): qk_dot_*_neon for Q8_0, Q4_0, Q4_K, Q6_K, Q4_K_R8 and Q8_0_R8, the
  * layouts and integer sums of the scalar kernels (qk.h, dot_scalar.c, r8.c) with SDOT doing four int8
  * products per int32 lane. The set's other types (MXFP4, Q5_K, IQ4_XS) and the activation quantizers are the
  * portable ones. The functions are compiled for +dotprod through a pragma and only run after qk_kernels()
@@ -151,6 +151,32 @@ void qk_dot_q4_k_r8_neon(int64_t nb, const uint8_t *w, const void *const *xv, in
                 const float32x4_t part = vmlsq_f32(vmulq_f32(vld1q_f32(d), vcvtq_f32_s32(isum[half])), vld1q_f32(dm),
                                                    vld1q_f32(ms));
                 acc[half] = vmlaq_f32(acc[half], yd, part);
+            }
+        }
+        vst1q_f32(out + 8 * t, acc[0]);
+        vst1q_f32(out + 8 * t + 4, acc[1]);
+    }
+}
+
+/* Q8_0_R8: each 32-byte chunk is 4 weights of 8 rows; SDOT of signed weights and 4 broadcast activations. */
+void qk_dot_q8_0_r8_neon(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {
+    for (int t = 0; t < nt; t++) {
+        const act_q8_0 *x = xv[t];
+        float32x4_t acc[2] = {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)};
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *b = w + i * 272;
+            int32x4_t s[2] = {vdupq_n_s32(0), vdupq_n_s32(0)};
+            for (int c = 0; c < 8; c++) {
+                int32_t y4;
+                memcpy(&y4, x[i].qs + 4 * c, 4);
+                const int8x16_t y = vreinterpretq_s8_s32(vdupq_n_s32(y4));
+                for (int half = 0; half < 2; half++)
+                    s[half] = vdotq_s32(s[half], vld1q_s8((const int8_t *)b + 16 + 32 * c + 16 * half), y);
+            }
+            for (int half = 0; half < 2; half++) {
+                float d[4];
+                for (int r = 0; r < 4; r++) d[r] = qk_f16_at(b + 2 * (4 * half + r)) * x[i].d;
+                acc[half] = vmlaq_f32(acc[half], vld1q_f32(d), vcvtq_f32_s32(s[half]));
             }
         }
         vst1q_f32(out + 8 * t, acc[0]);

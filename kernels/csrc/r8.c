@@ -1,4 +1,5 @@
-/* The interleaved Q4_K_R8 layout (qk.h): repacking from and back to GGUF's Q4_K, and the portable dot.
+/* The interleaved layouts Q4_K_R8 and Q8_0_R8 (qk.h): repacking from and back to GGUF's blocks, and the
+ * portable dots.
  *
  * qk_repack and qk_unpack are exact inverses on any bytes (the 12-byte packed scales map one to one onto
  * the 6-bit values), so a repacked tensor holds the file's weights, only in another order. */
@@ -11,6 +12,7 @@
 
 #define Q4K_BYTES 144
 #define R8_BYTES (8 * Q4K_BYTES)
+#define Q80_BYTES 34
 
 /* The four 32-value scale vectors of an R8 block (layout: qk.h). */
 void qk_r8_vectors(const uint8_t *b, uint8_t v[4][32]) {
@@ -68,10 +70,36 @@ static void r8_unpack_block(const uint8_t *b, uint8_t *const dst[8]) {
     }
 }
 
-static int r8_shape(int to, int64_t N, int64_t K) {
-    if (to != GGML_Q4_K_R8) return QK_ETYPE;
-    if (N < 8 || N % 8 || K < 256 || K % 256) return QK_ESHAPE;
-    return QK_OK;
+/* One Q8_0_R8 block from 8 Q8_0 blocks, and back: d of row r at 2r, then 4-byte chunks c of the 8 rows. */
+static void q8_pack_block(const uint8_t *const src[8], uint8_t *b) {
+    for (int r = 0; r < 8; r++) {
+        memcpy(b + 2 * r, src[r], 2);
+        for (int c = 0; c < 8; c++) memcpy(b + 16 + 32 * c + 4 * r, src[r] + 2 + 4 * c, 4);
+    }
+}
+
+static void q8_unpack_block(const uint8_t *b, uint8_t *const dst[8]) {
+    for (int r = 0; r < 8; r++) {
+        memcpy(dst[r], b + 2 * r, 2);
+        for (int c = 0; c < 8; c++) memcpy(dst[r] + 2 + 4 * c, b + 16 + 32 * c + 4 * r, 4);
+    }
+}
+
+typedef struct {
+    int type, src_type, blk_elems, blk_bytes; /* the interleaved type, its GGUF source and that's block */
+    void (*pack)(const uint8_t *const src[8], uint8_t *b);
+    void (*unpack)(const uint8_t *b, uint8_t *const dst[8]);
+} relayout_kind;
+
+static const relayout_kind KINDS[] = {
+    {GGML_Q4_K_R8, GGML_Q4_K, 256, Q4K_BYTES, r8_pack_block, r8_unpack_block},
+    {GGML_Q8_0_R8, GGML_Q8_0, 32, Q80_BYTES, q8_pack_block, q8_unpack_block},
+};
+
+static const relayout_kind *kind_of(int type) {
+    for (size_t i = 0; i < sizeof KINDS / sizeof KINDS[0]; i++)
+        if (KINDS[i].type == type) return &KINDS[i];
+    return NULL;
 }
 
 /* Groups of 8 rows are independent: the pool's threads take runs of them (a model's worth of Q4_K is
@@ -79,6 +107,7 @@ static int r8_shape(int to, int64_t N, int64_t K) {
 #define GROUPS_PER_ITEM 64
 
 typedef struct {
+    const relayout_kind *k;
     const uint8_t *src;
     uint8_t *dst;
     int64_t groups, nb;
@@ -89,7 +118,7 @@ typedef struct {
 static void relayout_task(void *p, int tid, int nth) {
     relayout_ctx *c = p;
     (void)tid, (void)nth;
-    const int64_t rowb = c->nb * Q4K_BYTES;
+    const int64_t bb = c->k->blk_bytes, rowb = c->nb * bb;
     for (;;) {
         const int64_t g0 = atomic_fetch_add(&c->next, GROUPS_PER_ITEM);
         if (g0 >= c->groups) break;
@@ -97,19 +126,20 @@ static void relayout_task(void *p, int tid, int nth) {
             for (int64_t i = 0; i < c->nb; i++) {
                 uint8_t *rows[8];
                 for (int r = 0; r < 8; r++)
-                    rows[r] = (uint8_t *)(c->pack ? c->src : c->dst) + (8 * g + r) * rowb + i * Q4K_BYTES;
+                    rows[r] = (uint8_t *)(c->pack ? c->src : c->dst) + (8 * g + r) * rowb + i * bb;
                 if (c->pack)
-                    r8_pack_block((const uint8_t *const *)rows, c->dst + (g * c->nb + i) * R8_BYTES);
+                    c->k->pack((const uint8_t *const *)rows, c->dst + (g * c->nb + i) * 8 * bb);
                 else
-                    r8_unpack_block(c->src + (g * c->nb + i) * R8_BYTES, rows);
+                    c->k->unpack(c->src + (g * c->nb + i) * 8 * bb, rows);
             }
     }
 }
 
 static int relayout(int type, const uint8_t *src, uint8_t *dst, int64_t N, int64_t K, int pack) {
-    const int rc = r8_shape(type, N, K);
-    if (rc) return rc;
-    relayout_ctx c = {src, dst, N / 8, K / 256, pack, 0};
+    const relayout_kind *k = kind_of(type);
+    if (!k) return QK_ETYPE;
+    if (N < 8 || N % 8 || K < k->blk_elems || K % k->blk_elems) return QK_ESHAPE;
+    relayout_ctx c = {k, src, dst, N / 8, K / k->blk_elems, pack, 0};
     qk_pool_run(relayout_task, &c); /* without workers it ran on this thread: done either way */
     return QK_OK;
 }
@@ -145,6 +175,23 @@ void qk_dot_scalar_q4_k_r8(int64_t nb, const uint8_t *w, const void *const *xv, 
                     msum += r8_m(v, r, s) * (x[i].bsums[2 * s] + x[i].bsums[2 * s + 1]);
                 }
                 acc[r] += x[i].d * (qk_f16_at(b + 2 * r) * (float)isum - qk_f16_at(b + 16 + 2 * r) * (float)msum);
+            }
+        }
+        for (int r = 0; r < 8; r++) out[8 * t + r] = acc[r];
+    }
+}
+
+/* Portable Q8_0_R8 dot: out[8t + r] = sum_i d_r * x.d * (q_r . x.qs), the integer sums as the x86 kernels. */
+void qk_dot_scalar_q8_0_r8(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {
+    for (int t = 0; t < nt; t++) {
+        const act_q8_0 *x = xv[t];
+        float acc[8] = {0};
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *b = w + i * 8 * Q80_BYTES;
+            for (int r = 0; r < 8; r++) {
+                int32_t s = 0;
+                for (int e = 0; e < 32; e++) s += (int8_t)b[16 + 32 * (e / 4) + 4 * r + e % 4] * x[i].qs[e];
+                acc[r] += qk_f16_at(b + 2 * r) * x[i].d * (float)s;
             }
         }
         for (int r = 0; r < 8; r++) out[8 * t + r] = acc[r];
