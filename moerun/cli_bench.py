@@ -62,7 +62,7 @@ def _cache_sizes(ctx, param, values):
 @click.option("--mmap/--no-mmap", default=None,
               help="Keep routed experts in the file's map (default when a cache is asked for) or copy them to RAM.")
 @click.option("--repack/--no-repack", default=True, show_default=True,
-              help="Interleave Q4_K weights held in RAM for the CPU kernels at load (llama.cpp's repack).")
+              help="Interleave Q4_K and Q8_0 weights held in RAM for the CPU kernels at load (llama.cpp's repack).")
 @click.option("--trace-routing", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Record the routing of the timed runs (JSON Lines) for `moerun estimate --trace`.")
 def bench(models, n_prompt, n_gen, threads, ubatch, repetitions, fmt, dtype, measure_bw, no_warmup, cache_mib,

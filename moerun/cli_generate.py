@@ -40,7 +40,7 @@ def model_options(f):
                           "(--no-mmap). Default: RAM when the model takes under 70% of the available memory "
                           "and no expert cache is asked for."),
         click.option("--repack/--no-repack", "repack", default=True, show_default=True,
-                     help="Rewrite Q4_K weights held in RAM into the CPU kernels' interleaved layout at load "
+                     help="Rewrite Q4_K and Q8_0 weights held in RAM into the CPU kernels' interleaved layout at load "
                           "(faster; llama.cpp's repack). Experts in the file's map are read as stored."),
         click.option("--device", default="cpu", show_default=True, help="Compute device (only cpu runs today)."),
         click.option("--gpus", default=None, help="CUDA devices, e.g. 0,1 (llama.cpp's meaning)."),
