@@ -9,6 +9,10 @@ class MoerunError(Exception):
     """Base class for errors moerun reports to the user as a single line."""
 
 
+class HostMemoryError(MoerunError, MemoryError):
+    """The host could not give moerun the memory a model's weights need."""
+
+
 class ModelFormatError(MoerunError):
     """A model file is unreadable: truncated, corrupt, or of a kind moerun does not support."""
 

@@ -51,3 +51,21 @@ def test_views_keep_the_mapping_alive():
     t = host_empty(2 * HUGE_PAGE)[HUGE_PAGE:]
     t.fill_(3)  # the tensor it was sliced from is gone; its mapping is not
     assert int(t[0]) == 3
+
+
+def test_a_refused_mapping_is_a_one_line_error(monkeypatch):
+    import mmap
+
+    from moerun.errors import HostMemoryError, MoerunError
+
+    def refuse(*a, **k):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    try:
+        host_empty(4 * HUGE_PAGE)
+    except HostMemoryError as e:
+        assert isinstance(e, MoerunError) and isinstance(e, MemoryError)
+        assert "Cannot allocate memory" in str(e) and "8.0 MiB" in str(e)
+    else:
+        raise AssertionError("no error")

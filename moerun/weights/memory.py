@@ -15,6 +15,8 @@ import mmap
 
 import torch
 
+from moerun.errors import HostMemoryError
+
 HUGE_PAGE = 2 << 20
 
 
@@ -27,7 +29,11 @@ def host_empty(nbytes: int) -> torch.Tensor:
     """
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE") or not hasattr(mmap, "MAP_PRIVATE"):
         return torch.empty(nbytes, dtype=torch.uint8)
-    m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as e:
+        raise HostMemoryError(f"cannot map {nbytes / 2**20:.1f} MiB of host memory for weights ({e.strerror or e}): "
+                              "keep the experts in the file's map (--mmap), add an expert cache, or free memory") from None
     try:
         m.madvise(mmap.MADV_HUGEPAGE)
     except OSError:  # THP compiled out or refused: ordinary pages
