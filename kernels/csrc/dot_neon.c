@@ -8,16 +8,30 @@
 #include "qk.h"
 
 #if QK_NEON
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("dotprod"))), apply_to = function)
-#else
+#if !defined(__clang__)
 #pragma GCC target("arch=armv8.2-a+dotprod")
 #endif
 #include <arm_neon.h>
 
+/* SDOT: acc + four int8 products per int32 lane. GCC gets the intrinsic from the pragma above; clang's
+ * arm_neon.h (14 and earlier) only declares it when the whole file is built for +dotprod, and its assembler
+ * then refuses the mnemonic, so clang emits the instruction's encoding, "sdot v0.4s, v1.16b, v2.16b", with
+ * the operands pinned to those registers. */
+static inline int32x4_t sdot(int32x4_t acc, int8x16_t a, int8x16_t b) {
+#if defined(__clang__)
+    register int32x4_t d __asm__("v0") = acc;
+    register int8x16_t n __asm__("v1") = a;
+    register int8x16_t m __asm__("v2") = b;
+    __asm__(".inst 0x4e829420" : "+w"(d) : "w"(n), "w"(m));
+    return d;
+#else
+    return vdotq_s32(acc, a, b);
+#endif
+}
+
 static inline int32_t dot32(int8x16_t a0, int8x16_t a1, const int8_t *y) {
-    int32x4_t s = vdotq_s32(vdupq_n_s32(0), a0, vld1q_s8(y));
-    s = vdotq_s32(s, a1, vld1q_s8(y + 16));
+    int32x4_t s = sdot(vdupq_n_s32(0), a0, vld1q_s8(y));
+    s = sdot(s, a1, vld1q_s8(y + 16));
     return vaddvq_s32(s);
 }
 
@@ -94,7 +108,7 @@ void qk_dot_q6_k_neon(int64_t nb, const uint8_t *w, const void *const *xv, int n
                         vorrq_u8(vshrq_n_u8(l1, 4), vshlq_n_u8(vshrq_n_u8(hb, 6), 4))};
                     for (int k = 0; k < 4; k++) { /* elements 128h + 32k + o .. + 15: scale index 8h + 2k + half */
                         const int8x16_t v = vsubq_s8(vreinterpretq_s8_u8(q[k]), vdupq_n_s8(32));
-                        const int32x4_t s = vdotq_s32(vdupq_n_s32(0), v, vld1q_s8(x[i].qs + 128 * h + 32 * k + o));
+                        const int32x4_t s = sdot(vdupq_n_s32(0), v, vld1q_s8(x[i].qs + 128 * h + 32 * k + o));
                         isum += sc[8 * h + 2 * k + half] * vaddvq_s32(s);
                     }
                 }
@@ -124,8 +138,8 @@ void qk_dot_q4_k_r8_neon(int64_t nb, const uint8_t *w, const void *const *xv, in
                     const int8x16_t yl = vreinterpretq_s8_s32(vdupq_n_s32(y4l)), yh = vreinterpretq_s8_s32(vdupq_n_s32(y4h));
                     for (int half = 0; half < 2; half++) { /* rows 4 half .. 4 half + 3 */
                         const uint8x16_t qv = vld1q_u8(q + 16 * half);
-                        lo[half] = vdotq_s32(lo[half], vreinterpretq_s8_u8(vandq_u8(qv, vdupq_n_u8(15))), yl);
-                        hi[half] = vdotq_s32(hi[half], vreinterpretq_s8_u8(vshrq_n_u8(qv, 4)), yh);
+                        lo[half] = sdot(lo[half], vreinterpretq_s8_u8(vandq_u8(qv, vdupq_n_u8(15))), yl);
+                        hi[half] = sdot(hi[half], vreinterpretq_s8_u8(vshrq_n_u8(qv, 4)), yh);
                     }
                 }
                 for (int half = 0; half < 2; half++) { /* scales of sub-blocks 2g and 2g + 1 for these rows */
@@ -171,7 +185,7 @@ void qk_dot_q8_0_r8_neon(int64_t nb, const uint8_t *w, const void *const *xv, in
                 memcpy(&y4, x[i].qs + 4 * c, 4);
                 const int8x16_t y = vreinterpretq_s8_s32(vdupq_n_s32(y4));
                 for (int half = 0; half < 2; half++)
-                    s[half] = vdotq_s32(s[half], vld1q_s8((const int8_t *)b + 16 + 32 * c + 16 * half), y);
+                    s[half] = sdot(s[half], vld1q_s8((const int8_t *)b + 16 + 32 * c + 16 * half), y);
             }
             for (int half = 0; half < 2; half++) {
                 float d[4];
@@ -184,7 +198,4 @@ void qk_dot_q8_0_r8_neon(int64_t nb, const uint8_t *w, const void *const *xv, in
     }
 }
 
-#if defined(__clang__)
-#pragma clang attribute pop
-#endif
 #endif
