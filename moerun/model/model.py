@@ -187,8 +187,8 @@ class MoEModel:
         """A small step from its embeddings x [B, H] to its logits [B, V] in one C call (every layer whole, this
         model holding them all and the head), or None where that does not apply."""
         f, n = self.fused, self.stop - self.first
-        if (f is None or f.head is None or self.first != 0 or not self._fused_ok(len(pos), kvs) or not self._direct()
-                or not all(f.whole(j) for j in range(n))):
+        if (f is None or f.head is None or self.first != 0 or n == 0 or not self._fused_ok(len(pos), kvs)
+                or not self._direct() or not all(f.whole(j) for j in range(n))):
             return None
         pool = kvs[0].pool
         return f.decode_layers(0, n, x, f.rows([kv.slot_table for kv in kvs], pos), pool.k, pool.v, logits=True)
