@@ -15,10 +15,10 @@ import time
 
 import torch
 
+from moerun.hostmem import host_empty
 from moerun.kernels import _cpu, cpu
 from moerun.quant.qtypes import QTensor, QType
 from moerun.quant.quantize import quantize
-from moerun.weights.memory import host_empty
 
 
 def weights(rows: int, K: int, layout: str, pages: str) -> QTensor:

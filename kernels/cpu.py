@@ -147,7 +147,7 @@ def deinterleave(w: QTensor) -> QTensor:
 
 
 def _relayout(fn, w: QTensor, interleave: int) -> QTensor:
-    from moerun.weights.memory import host_empty
+    from moerun.hostmem import host_empty
 
     src = w.data.contiguous()
     dst = host_empty(src.numel()).view(src.shape)

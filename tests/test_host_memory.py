@@ -1,4 +1,4 @@
-"""moerun.weights.memory.host_empty: weight buffers on transparent huge pages where Linux offers them."""
+"""moerun.hostmem.host_empty: weight buffers on transparent huge pages where Linux offers them."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from moerun.weights.memory import HUGE_PAGE, host_empty
+from moerun.hostmem import HUGE_PAGE, host_empty
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

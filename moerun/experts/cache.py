@@ -31,7 +31,7 @@ from moerun.experts.policy import SlotTable
 from moerun.experts.prefetch import Prefetcher
 from moerun.experts.stats import CacheStats
 from moerun.experts.store import Expert, ExpertStore
-from moerun.weights.memory import host_empty
+from moerun.hostmem import host_empty
 
 PREFILL_MODES = ("bypass", "cache")
 

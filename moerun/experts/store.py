@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from moerun.errors import ModelFormatError
+from moerun.hostmem import host_empty
 from moerun.quant.qtypes import QTensor
-from moerun.weights.memory import host_empty
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ class ModelFile:
 
         if isinstance(rec, str):
             rec = self.records[rec]
-        from moerun.weights.memory import host_empty
+        from moerun.hostmem import host_empty
 
         out = host_empty(rec.nbytes)
         view, done = memoryview(out.numpy()), 0

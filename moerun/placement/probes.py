@@ -84,8 +84,8 @@ def _median(xs: list[float]) -> float:
 
 def _as_loaded(cpu, t):
     """A copy of t as load_model holds weights in RAM: on huge pages, interleaved where the kernels take it."""
+    from moerun.hostmem import host_empty
     from moerun.quant.qtypes import QTensor
-    from moerun.weights.memory import host_empty
 
     if cpu.can_interleave(t):
         return cpu.interleave(t)

@@ -7,8 +7,8 @@ import torch
 from moerun.arch import Arch, Source
 from moerun.formats.names import CName, tensor_class
 from moerun.formats.records import ModelFile
+from moerun.hostmem import host_empty
 from moerun.quant.qtypes import QTensor, row_bytes
-from moerun.weights.memory import host_empty
 
 
 def _permute_rows(raw: torch.Tensor, n_heads: int) -> torch.Tensor:

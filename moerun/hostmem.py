@@ -1,4 +1,5 @@
-"""Host memory for weights: large buffers on transparent huge pages.
+"""Host memory for weights: large buffers on transparent huge pages. A leaf module (torch and moerun.errors
+only), so the file readers, the weight loader, the expert store and cache and the kernels can all use it.
 
 A decode step streams hundreds of megabytes of weights through the kernels once each. On 4 KiB pages every
 page is a TLB miss and a place where the hardware prefetchers stop; on 2 MiB pages neither happens. Measured
