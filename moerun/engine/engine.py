@@ -53,6 +53,11 @@ class Engine:
         self.ctx_size, self.ubatch = ctx_size, ubatch
         self.pool = KVPool(model.spec, ctx_size, dtype=model.dtype)
 
+    @property
+    def device_label(self) -> str:
+        """The kind of device holding the KV cache (of the first layers): cpu, cuda."""
+        return self.pool.segments[0][2].device.type
+
     def new_sequence(self) -> Sequence:
         return Sequence(SeqKV(self.pool, self.ctx_size))
 

@@ -119,8 +119,8 @@ class MoEModel:
         k_pos = pos
         if kv is not None:  # append to the cache, attend over everything cached so far
             start, end = int(pos[0]), int(pos[-1]) + 1
-            kv.write(i - self.first, start, k, v)
-            k, v = kv.read(i - self.first, end)  # [end, kv_heads, D]
+            kv.write(i, start, k, v)
+            k, v = kv.read(i, end)  # [end, kv_heads, D]
             k_pos = torch.arange(end)
         return mm(attend(q, k, v, pos, k_pos), lw.wo)  # [T, H]
 
@@ -168,12 +168,12 @@ class MoEModel:
         direct = self._direct()
         a, b = layers.start - self.first, layers.stop - self.first
         if direct and all(self.fused.whole(j) for j in range(a, b)):
-            return self.fused.decode_layers(a, b, x, rows, pool.k[a:b], pool.v[a:b])  # x updated in place
+            return self.fused.decode_layers(a, b, x, rows, *pool.range(layers.start, layers.stop))  # x in place
         for i in layers:
             j = i - self.first
             lw = self.layers[j]
             whole = direct and self.fused.whole(j)
-            xn, ids, w = self.fused(j, x, rows, pool.k[j], pool.v[j], moe=whole)  # x += attention (+ experts)
+            xn, ids, w = self.fused(j, x, rows, *pool.layer(i), moe=whole)  # x += attention (+ experts)
             if not whole:
                 x += self.ops.swiglu(xn, *lw.ffn) if lw.ffn is not None else self.moe(i, xn, w, ids, phase, pos, x)
         return x
@@ -191,12 +191,13 @@ class MoEModel:
                 or not self._direct() or not all(f.whole(j) for j in range(n))):
             return None
         pool = kvs[0].pool
-        return f.decode_layers(0, n, x, f.rows([kv.slot_table for kv in kvs], pos), pool.k, pool.v, logits=True)
+        return f.decode_layers(0, n, x, f.rows([kv.slot_table for kv in kvs], pos), *pool.range(self.first, self.stop),
+                               logits=True)
 
     def _fused_ok(self, n_rows: int, kvs: list[SeqKV]) -> bool:
         pool = kvs[0].pool
-        return (self.fused is not None and self.fused.usable(n_rows, pool.k.device)
-                and pool.k.dtype == torch.float32 and all(kv.pool is pool for kv in kvs))
+        return (self.fused is not None and self.first < self.stop and self.fused.usable(n_rows, pool.device(self.first))
+                and pool.dtype == torch.float32 and all(kv.pool is pool for kv in kvs))
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None and self.fused.head is not None and x.dtype == torch.float32 and x.is_cpu:
