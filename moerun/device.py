@@ -195,11 +195,11 @@ def synchronize(dev: Device) -> None:
         torch.cuda.synchronize(dev.index)
 
 
-def empty_cache(dev: Device) -> None:
-    """Give cached, unused device memory back (after an out-of-memory step)."""
-    import torch
+def release_memory() -> None:
+    """Give the GPUs' cached, unused memory back (after an out-of-memory step)."""
+    if cuda_available():
+        import torch
 
-    if dev.kind == "cuda":
         torch.cuda.empty_cache()
 
 
@@ -349,6 +349,16 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, stream: Stream | None = None) ->
         dst.copy_(src)
 
 
+def upload(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """A host tensor on the torch device `dev`, copied without waiting for the device: through pinned memory
+    (`t` itself when it is pinned), asynchronously on the current stream. The tensor itself off CUDA."""
+    if dev.type != "cuda":
+        return t.to(dev)
+    if not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(dev, non_blocking=True)
+
+
 def to_host(tensors: list[torch.Tensor], out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Device tensors back to the host with one synchronisation (pinned destinations, async copies, one wait);
     CPU tensors come back as they are."""
@@ -366,3 +376,24 @@ def to_host(tensors: list[torch.Tensor], out: list[torch.Tensor] | None = None) 
         res.append(buf)
     torch.cuda.current_stream(next(t.device for t in tensors if t.is_cuda)).synchronize()
     return res
+
+
+def measure_h2d_gbps(dev: Device, nbytes: int = 64 << 20, reps: int = 5) -> float | None:
+    """Host-to-device copy bandwidth from pinned memory (the median of `reps` timed copies), GB/s; None off
+    CUDA (the stand-in's copies are memcpy, no link to measure)."""
+    import torch
+
+    if dev.kind != "cuda":
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dev.torch)
+    times = []
+    for _ in range(reps + 1):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    times = sorted(times[1:])  # the first copy warms the path up
+    return nbytes / times[len(times) // 2] / 1e9

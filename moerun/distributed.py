@@ -195,9 +195,13 @@ class StageEngine(Engine):
 class PipelineModel(StagedModel):
     """Rank 0's model: its own stage here, the others' on ranks 1.. (see the module docstring)."""
 
-    def __init__(self, model: MoEModel, stage: Stage, link: Link):
-        super().__init__(model, [stage])
+    def __init__(self, stage: Stage, link: Link):
+        super().__init__([stage])
         self.link, self.stopped = link, False
+
+    @property
+    def logits_device(self) -> torch.device:
+        return torch.device("cpu")  # the last rank sends them here
 
     @torch.inference_mode()
     def _run(self, tokens, pos, kv, phase, last_only):

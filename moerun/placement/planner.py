@@ -335,16 +335,14 @@ def _overflow(d: str, mine: list[DevicePlan], used: int, free: int, budgets: Bud
     n_layers = sum(st.layers[1] - st.layers[0] for st in mine)
     per_slot = sum(sum(slot_b[st.layers[0]:st.layers[1]]) for st in mine)  # one more slot in every layer
     slots = max((s for st in mine for s in st.expert_slots), default=0)
-    fits = []
-    room = free - dense - kv - work
-    if cache and per_slot and room >= 0:
-        fits.append(f"--expert-cache-slots {room // per_slot}")
-    room_kv = free - dense - work - cache
-    if room_kv > 0 and n_layers:
-        ctx = room_kv // (kv_tok_layer * n_layers)
-        if 16 <= ctx < budgets.ctx_size:
-            fits.append(f"-c {ctx}")
-    fits.append(f"--vram-budget {format_size(free)} or less")
+    base = dense + kv + work  # what the plan needs without a single slot
+    if base <= free:
+        fits = [f"--expert-cache-slots {(free - base) // per_slot}"] if per_slot else []
+        fits.append(f"--vram-budget {format_size(free)} (the slots sized to it)")
+    else:
+        ctx = (free - dense - work) // (kv_tok_layer * n_layers) if n_layers else 0
+        fits = [f"-c {ctx} and no expert slots"] if 16 <= ctx < budgets.ctx_size else []
+        fits.append("fewer layers here (--tensor-split, more --gpus) or a smaller -ub")
     return (f"the plan needs {format_size(used)} on {d} (dense {format_size(dense)}, KV {format_size(kv)} for -c "
             f"{budgets.ctx_size}, {slots} expert slots per layer {format_size(cache)}, workspace {format_size(work)}) "
             f"but only {format_size(free)} is free there; it fits with " + ", or ".join(fits))
