@@ -84,7 +84,6 @@ class ExpertCache:
         self._slots = {layer: [Expert.from_buffer(buf[i], store.get(layer, 0)) for i in range(len(buf))]
                        for layer, buf in self.buffers.items()}  # each slot's views, built once
         self._scratch: list[torch.Tensor] = []  # CPU buffers for bypassed experts read from the file
-        self._staging: list[torch.Tensor] = []  # the prefetch worker's own (device slots only)
         self._lock = threading.Lock()  # the slot tables, shared with the prefetch worker
         self.prefetcher = Prefetcher(self._prefetch_layer) if prefetch else None
 
@@ -130,19 +129,9 @@ class ExpertCache:
             out[e] = Expert.from_buffer(buf, like)
         return out
 
-    def _load(self, layer: int, e: int, slot: int, staging: list[torch.Tensor] | None = None) -> int:
-        dst = self.buffers[layer][slot]
-        if dst.is_cpu or self.store.reader is None:
-            return self.store.read_into(layer, e, dst)
-        if staging is None:  # a device slot: file -> host scratch -> device
-            staging = self._scratch_buffers(1, dst.numel())[0]
-        else:  # the prefetch worker's own buffer, never the forward pass's scratch
-            if not staging or staging[0].numel() < dst.numel():
-                staging[:] = [torch.empty(dst.numel(), dtype=torch.uint8)]
-            staging = staging[0][:dst.numel()]
-        n = self.store.read_into(layer, e, staging)
-        dst.copy_(staging)
-        return n
+    def _load(self, layer: int, e: int, slot: int) -> int:
+        """Expert e into a host slot: read from the file, or copied from where it lives."""
+        return self.store.read_into(layer, e, self.buffers[layer][slot])
 
     def prefetch(self, layer: int, guessed: Sequence[int]) -> None:
         """Page in a guess of ``layer``'s next step (most likely first) in the background; no-op when
@@ -162,7 +151,7 @@ class ExpertCache:
                 if load is None:
                     continue
                 evictions += load.evicted is not None
-                paged += self._load(layer, e, load.slot, staging=self._staging)
+                paged += self._load(layer, e, load.slot)
         except BaseException:
             with self._lock:  # a slot may hold a partial read: forget the layer's residents, then report
                 table.reset()
@@ -171,7 +160,9 @@ class ExpertCache:
 
     def fetch(self, layer: int, experts: list[int], phase: str) -> dict[int, Expert]:
         """expert id -> its weights for this step: a slot's views for hits and loads; for bypasses, scratch
-        views (store with a reader) or views of where they live."""
+        views (store with a reader) or views of where they live. (A device stage's cache uses `place`.)"""
+        if self.transfers is not None:
+            raise RuntimeError("fetch() is for caches whose slots are in host RAM; a device stage uses place()")
         table = self.tables.get(layer)
         t0 = time.perf_counter()
         done = None if self.prefetcher is None else self.prefetcher.wait(layer)  # never compute on a slot being written
