@@ -24,6 +24,13 @@ cache is asked for, as `moerun run` does); `expert_cache_mib`, `expert_cache_hit
 and `expert_cache_hit_rate` count the timed runs of the test's phase (prefill for pp, decode for tg). Tests
 without a cache leave them null. `--trace-routing FILE` records the routing of every timed run (one request
 per test) for `moerun estimate --trace` and `moerun trace simulate`.
+
+Placements (`--gpus`, `--devices`, `--n-cpu-moe`, `--vram-budget`, `--miss-path`; moerun's own): each test
+then builds the runtime as `moerun run` would (one build per test: an expert cache size is a VRAM
+placement), and its record adds `devices`, `expert_cache_home_share` (misses computed by the CPU),
+`expert_cache_h2d_gbps` (host-to-device copies), `expert_cache_stall_s`, `expert_cache_stages` (per stage:
+hits, misses paged in, streamed and computed at home, GB/s, stall) and `estimate_ts`, what `moerun
+estimate` predicts for that placement (uniform routing), so the two can be compared row by row.
 """
 
 from __future__ import annotations
@@ -50,8 +57,10 @@ FIELDS = [
     "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "samples_ns", "samples_ts",
     "bytes_per_token", "achieved_gbps", "host_read_gbps", "host_read_source", "bound_ts", "bound_fraction",
     "expert_cache_mib", "expert_cache_hits", "expert_cache_queries", "expert_cache_hit_rate",
+    "devices", "expert_cache_home_share", "expert_cache_h2d_gbps", "expert_cache_stall_s", "expert_cache_stages",
+    "estimate_ts",
 ]
-LIST_FIELDS = ("samples_ns", "samples_ts")  # in json/jsonl; left out of csv, as llama-bench does
+LIST_FIELDS = ("samples_ns", "samples_ts", "expert_cache_stages")  # in json/jsonl; left out of csv
 FORMATS = ("md", "json", "jsonl", "csv")
 DEFAULT_UBATCH = 512
 
@@ -248,7 +257,7 @@ def cpu_info() -> str:
 
 
 def bench_record(info: ModelInfo, case: BenchCase, samples_ns: Sequence[int], dtype: str, test_time: str,
-                 host_gbps: float, host_source: str, cache=None) -> dict:
+                 host_gbps: float, host_source: str, cache=None, placed: dict | None = None) -> dict:
     """One result row in llama-bench's JSON shape plus moerun's fields (see the module docstring)."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -276,6 +285,10 @@ def bench_record(info: ModelInfo, case: BenchCase, samples_ns: Sequence[int], dt
         "expert_cache_mib": case.cache_mib, "expert_cache_hits": None if cache is None else cache.hits,
         "expert_cache_queries": None if cache is None else cache.queries,
         "expert_cache_hit_rate": None if cache is None else cache.hit_rate,
+        "devices": None, "expert_cache_home_share": None if cache is None else cache.home_share,
+        "expert_cache_h2d_gbps": None if cache is None else cache.h2d_gbps,
+        "expert_cache_stall_s": None if cache is None else cache.seconds_stalled,
+        "expert_cache_stages": None, "estimate_ts": None, **(placed or {}),
     }
 
 
@@ -294,6 +307,10 @@ def _cache_cell(rec: dict) -> str:
     return f"{rec['expert_cache_mib']:g} MiB " + ("-" if rate is None else f"{100 * rate:.1f}%")
 
 
+def _pct_cell(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
 def _params(n: int) -> str:
     return f"{n / 1e6:.2f} M" if n < 1e9 else f"{n / 1e9:.2f} B"
 
@@ -307,6 +324,8 @@ class Printer:
         self.fmt, self.out, self.n = fmt, out, 0
         self.md_columns = ["model", "size", "params", "backend", "threads", *extra_md_columns,
                            "test", "t/s", "GB/s", "% of bound"]
+        if "devices" in extra_md_columns:  # placements: what the miss path did, and the estimate beside t/s
+            self.md_columns += ["home", "h2d GB/s", "est t/s"]
         self.csv_fields = [f for f in FIELDS if f not in LIST_FIELDS]
 
     def _emit(self, text: str) -> None:
@@ -321,7 +340,8 @@ class Printer:
     def _width(col: str) -> int:
         """llama-bench's column widths; negative: left-aligned."""
         return {"model": -30, "size": 10, "params": 10, "backend": -10, "threads": 7, "n_ubatch": 8,
-                "dtype": -8, "cache": 16, "test": 15, "t/s": 20, "GB/s": 8, "% of bound": 10}[col]
+                "dtype": -8, "cache": 16, "test": 15, "t/s": 20, "GB/s": 8, "% of bound": 10, "devices": -16,
+                "home": 6, "h2d GB/s": 8, "est t/s": 9}[col]
 
     def header(self) -> None:
         if self.fmt == "md":
@@ -362,6 +382,10 @@ class Printer:
             "cache": _cache_cell(rec),
             "GB/s": "-" if gbps is None else f"{gbps:.2f}",
             "% of bound": "-" if frac is None else f"{100 * frac:.1f}",
+            "devices": rec["devices"] or "-",
+            "home": _pct_cell(rec["expert_cache_home_share"]),
+            "h2d GB/s": "-" if rec["expert_cache_h2d_gbps"] is None else f"{rec['expert_cache_h2d_gbps']:.1f}",
+            "est t/s": "-" if rec["estimate_ts"] is None else f"{rec['estimate_ts']:.1f}",
         }[col]
 
 
@@ -386,25 +410,82 @@ def make_cache(model, mib: float, policy: str):
     return ExpertCache(store, slots=slots, policy=policy)
 
 
+def _placed_runtime(case: BenchCase, placement: dict, dtype: str, cache_policy: str, mmap: bool | None,
+                    repack: bool):
+    """The runtime `moerun run` would build for this test's placement (an expert cache size per test)."""
+    from moerun.config import RuntimeConfig
+    from moerun.runtime import build
+
+    return build(RuntimeConfig(model=case.model, threads=case.n_threads, ubatch=case.n_ubatch, dtype=dtype,
+                               ctx_size=max(case.n_prompt + case.n_gen + 16, 64), expert_cache_mib=case.cache_mib,
+                               cache_policy=cache_policy, mmap=mmap, repack=repack, **placement))
+
+
+def _placed_fields(rt, case: BenchCase, placement: dict) -> dict:
+    """A placed test's per-stage cache counters (its phase) and the cost model's t/s for its placement."""
+    from moerun.arch import resolve
+    from moerun.formats import open_model
+    from moerun.placement import costmodel as cm
+
+    phase = "decode" if case.n_gen else "prefill"
+    stages = []
+    for label, stats in rt.stage_stats():
+        c = stats.get(phase=phase)
+        stages.append({"stage": label, "hits": c.hits, "misses": c.misses, "misses_paged": c.misses -
+                       c.misses_home - c.misses_streamed, "misses_streamed": c.misses_streamed,
+                       "misses_home": c.misses_home, "h2d_gbps": c.h2d_gbps, "stall_s": c.seconds_stalled})
+    with open_model(case.model) as mf:
+        arch = resolve(mf)
+    w, rates = cm.workload(arch, rt.plan), _placement_rates(rt, arch, case.n_threads, placement)
+    est = cm.decode_time(w, rates).tok_s if case.n_gen else cm.prefill_time(w, rates, case.n_prompt,
+                                                                              case.n_ubatch).tok_s
+    from moerun import device
+
+    dev = device.parse(rt.plan.devices[0].device)
+    return {"devices": ",".join(d.device for d in rt.plan.devices), "expert_cache_stages": stages or None,
+            "estimate_ts": est, "backends": {"cuda": "CUDA", "standin": "stand-in"}.get(dev.kind, "CPU"),
+            "gpu_info": device.describe(dev)}
+
+
+def _placement_rates(rt, arch, threads: int, placement: dict):
+    """The rates the runtime's miss path uses (moerun.runtime_device), for the estimate of a placed test."""
+    from moerun import device
+    from moerun.config import RuntimeConfig
+    from moerun.placement import probes
+    from moerun.runtime_device import stage_rates
+
+    dev = device.parse(rt.plan.devices[0].device)
+    if dev.accelerator:
+        given = {k: placement[k] for k in ("h2d_gbps", "vram_gbps") if placement.get(k)}
+        return stage_rates(RuntimeConfig(threads=threads, **given), dev, arch, threads)
+    qtypes = sorted({src.records[0].qtype.name for src in arch.sources.values()})
+    return probes.gather_rates(probes.RateOptions(threads=threads, qtypes=qtypes, shape=probes.probe_shape(arch.spec)))
+
+
 def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[int], n_threads: Sequence[int],
               n_ubatch: Sequence[int] = (DEFAULT_UBATCH,), reps: int = 5, dtype: str = "float32",
               measure_bw: bool = False, warmup: bool = True, fmt: str = "md", out: TextIO | None = None,
               log: Callable[[str], None] = lambda s: None, cache_mib: Sequence[float | None] = (None,),
               cache_policy: str = "lru", mmap: bool | None = None, trace_routing: str | Path | None = None,
-              repack: bool = True) -> list[dict]:
-    """Run every test (see expand_cases) and stream the records to `out` in `fmt`; returns the records."""
+              repack: bool = True, placement: dict | None = None) -> list[dict]:
+    """Run every test (see expand_cases) and stream the records to `out` in `fmt`; returns the records.
+    placement: RuntimeConfig fields (devices, n_cpu_moe, vram_budget, miss_path, ...) to build each test as
+    `moerun run` would (module docstring)."""
     import gc
     import sys
 
     import torch
 
     from moerun.engine.kv_cache import KVPool
+    from moerun.experts.stats import CacheStats
     from moerun.loading import load_model
     from moerun.model.moe import CachedExperts
     from moerun.placement.bandwidth import host_read_bandwidth
 
     if reps < 1:
         raise ValueError("repetitions must be at least 1")
+    if trace_routing is not None and placement:
+        raise MoerunError("--trace-routing records a CPU run's routing: leave out the placement flags")
     if trace_routing is not None and len(set(models)) > 1:
         raise MoerunError("--trace-routing records one model's routing: give one -m")
     infos = {m: describe_model(m) for m in models}  # every bad path fails here, before any test runs
@@ -417,6 +498,8 @@ def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[in
         hint = "" if bw[t][1] != "default" else " (nothing measured yet; pass --measure-bw)"
         log(f"host read bandwidth, {t} thread(s): {bw[t][0]:.2f} GB/s, {bw[t][1]}{hint}")
     extra = [c for c, on in (("n_ubatch", list(n_ubatch) != [DEFAULT_UBATCH]), ("dtype", dtype != "float32")) if on]
+    if placement:
+        extra.append("devices")
     if any(c.cache_mib is not None for c in cases):
         extra.append("cache")
     printer = Printer(fmt, out or sys.stdout, extra)
@@ -425,6 +508,25 @@ def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[in
     loaded_path, loaded, pool, recorder = None, None, None, None
     for i, case in enumerate(cases, 1):
         info = infos[case.model]
+        if placement:
+            log(f"test {i}/{len(cases)}: {case.name}, {case.n_threads} thread(s), ubatch {case.n_ubatch}, "
+                + ("" if case.cache_mib is None else f"expert cache {case.cache_mib:g} MiB, ") + f"{reps} run(s)")
+            loaded = pool = None
+            gc.collect()
+            rt = _placed_runtime(case, placement, dtype, cache_policy, mmap, repack)
+            test_time = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+            try:
+                samples = run_case(rt.engine.model, rt.engine.pool, case, reps, info.vocab, warmup=warmup, log=log,
+                                   on_timed=lambda rt=rt: rt.stage_stats(reset=True))
+                stats = sum((s for _, s in rt.stage_stats()), CacheStats()) if rt.cache is not None else None
+                counts = None if stats is None else stats.get(phase="decode" if case.n_gen else "prefill")
+                rec = bench_record(info, case, samples, dtype, test_time, *bw[case.n_threads], cache=counts,
+                                   placed=_placed_fields(rt, case, placement))
+            finally:
+                rt.close()
+            printer.row(rec)
+            records.append(rec)
+            continue
         if case.model != loaded_path:
             loaded = pool = None
             gc.collect()

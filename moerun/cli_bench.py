@@ -65,18 +65,54 @@ def _cache_sizes(ctx, param, values):
               help="Interleave Q4_K and Q8_0 weights held in RAM for the CPU kernels at load (llama.cpp's repack).")
 @click.option("--trace-routing", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Record the routing of the timed runs (JSON Lines) for `moerun estimate --trace`.")
+@click.option("--gpus", default=None, help="Placement: CUDA devices in PCI order, one stage each, e.g. 0,1.")
+@click.option("--devices", default=None, help="Placement: one stage per device, e.g. cuda:0,cuda:1 or standin:0.")
+@click.option("--tensor-split", default=None, help="Placement: share of the layers per stage, e.g. 3,1.")
+@click.option("--vram-budget", default=None, help="Placement: GPU memory per device, e.g. 6GiB or 6GiB,20GiB.")
+@click.option("--n-cpu-moe", type=click.IntRange(min=0), default=0,
+              help="Placement: the routed experts of the first N layers are computed on the CPU.")
+@click.option("--miss-path", type=click.Choice(["auto", "fetch", "home"]), default="auto", show_default=True,
+              help="Placement: expert-cache misses paged in, computed at home, or as the cost model says.")
+@click.option("--h2d-bw", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Placement: host-to-GPU GB/s for the cost model (default: measured).")
+@click.option("--vram-bw", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Placement: GPU memory GB/s for the cost model (default: NVML's).")
 def bench(models, n_prompt, n_gen, threads, ubatch, repetitions, fmt, dtype, measure_bw, no_warmup, cache_mib,
-          cache_policy, mmap, repack, trace_routing):
+          cache_policy, mmap, repack, trace_routing, gpus, devices, tensor_split, vram_budget, n_cpu_moe, miss_path,
+          h2d_bw, vram_bw):
     """Measure prompt processing (ppN) and generation (tgN) speed, llama-bench style.
 
     Integer options take comma lists and ranges: -p 128,512  -t 1-2  -p 64-512*2  -n 0-128+32.
     Results go to stdout, progress to stderr. Besides t/s, tg tests report the weight bandwidth they
     reached (GB/s) and the fraction of the host-RAM bound (bandwidth / weight bytes per token);
-    --expert-cache-mib sweeps add the cache size and its hit rate over the timed runs.
+    --expert-cache-mib sweeps add the cache size and its hit rate over the timed runs. With a placement
+    (--gpus, --devices, ...) each test runs as `moerun run` places it and also reports the share of misses
+    computed on the CPU, host-to-GPU GB/s, each stage's counters and the estimate for that placement.
     """
     import psutil
 
     from moerun.bench import DEFAULT_UBATCH, run_bench
+    from moerun.cli_generate import gpu_devices
+    from moerun.placement.devices import parse_size
+    from moerun.placement.planner import parse_device
+
+    placement = {}
+    try:
+        if gpus and devices:
+            raise click.UsageError("give --gpus or --devices, not both")
+        if gpus or devices:
+            placement["devices"] = gpu_devices(gpus) if gpus else tuple(parse_device(d) for d in devices.split(","))
+        if tensor_split:
+            placement["tensor_split"] = tuple(float(x) for x in tensor_split.split(","))
+        if vram_budget:
+            placement["vram_budget"] = tuple(parse_size(v) for v in vram_budget.split(","))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    if n_cpu_moe or miss_path != "auto" or h2d_bw or vram_bw or tensor_split or vram_budget:
+        if "devices" not in placement:
+            raise click.UsageError("--tensor-split, --vram-budget, --n-cpu-moe, --miss-path, --h2d-bw and --vram-bw "
+                                   "place the model on devices: give --gpus or --devices too")
+        placement.update(n_cpu_moe=n_cpu_moe, miss_path=miss_path, h2d_gbps=h2d_bw, vram_gbps=vram_bw)
 
     threads = threads or [psutil.cpu_count(logical=False) or 1]
     if any(t < 1 for t in threads) or any(u < 1 for u in (ubatch or [])):
@@ -85,4 +121,4 @@ def bench(models, n_prompt, n_gen, threads, ubatch, repetitions, fmt, dtype, mea
               threads, ubatch or [DEFAULT_UBATCH], reps=repetitions, dtype=dtype, measure_bw=measure_bw,
               warmup=not no_warmup, fmt=fmt, log=lambda s: click.echo(f"bench: {s}", err=True),
               cache_mib=cache_mib or [None], cache_policy=cache_policy, mmap=mmap, repack=repack,
-              trace_routing=trace_routing)
+              trace_routing=trace_routing, placement=placement or None)

@@ -45,7 +45,7 @@ def _cpu_cache_plan(the_plan, arch, cache_mib: float):
     return dataclasses.replace(the_plan, devices=(dev,), home="disk", tensors=tensors, ram_bytes=ram)
 
 
-def llama_cpp_command(model: Path, threads: int, ctx: int, the_plan, n_layers: int) -> str:
+def llama_cpp_command(model: Path, threads: int, ctx: int, the_plan, n_layers: int, n_experts: int = 0) -> str:
     """The llama.cpp command line that places the model the same way."""
     cmd = ["llama-cli", "-m", str(model), "-t", str(threads), "-c", str(ctx)]
     gpu = any(d.device != "cpu" for d in the_plan.devices)
@@ -53,7 +53,9 @@ def llama_cpp_command(model: Path, threads: int, ctx: int, the_plan, n_layers: i
         cmd += ["-ngl", "999"]
         cpu_layers = sorted({int(n.split(".")[1]) for n, t in the_plan.tensors.items()
                              if "_exps" in n and n.startswith("blk.") and t.device == "cpu"})
-        cached = any(t.cached for t in the_plan.tensors.values())
+        all_fit = all(s >= n_experts or s == 0 for d in the_plan.devices for s in d.expert_slots) and any(
+            s for d in the_plan.devices for s in d.expert_slots)
+        cached = any(t.cached for t in the_plan.tensors.values()) and not all_fit
         if cached:  # llama.cpp has no expert cache: experts stay on the CPU
             cmd += ["-ot", "exps=CPU"]
         elif cpu_layers and cpu_layers == list(range(len(cpu_layers))):
@@ -98,9 +100,12 @@ def llama_cpp_command(model: Path, threads: int, ctx: int, the_plan, n_layers: i
               help="Prefill chunk size in tokens.")
 @click.option("--device", type=click.Choice(["auto", "cpu"]), default="auto", show_default=True,
               help="auto: the GPUs found, else the CPU.")
+@click.option("--assume-gpus", default=None,
+              help="Plan for GPUs of these memory sizes instead of the ones found, e.g. 24GiB or 24GiB,12GiB "
+                   "(size a machine you do not have; give their links with --h2d-bw and --vram-bw).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_mib, ctx_size, ram_bw, disk_bw, vram_bw, h2d_bw,
-             measure, trace_path, n_prompt, ubatch, device, as_json):
+             measure, trace_path, n_prompt, ubatch, device, assume_gpus, as_json):
     """Predict decode and prefill speed and memory for MODEL on this machine, without loading weights."""
     from moerun.arch import resolve
     from moerun.arch.summary import summarize
@@ -120,7 +125,16 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
         raise MoerunError(f"cannot read {model}: {e}") from None
     spec = arch.spec
     summary = summarize(arch)
-    inv = detect(gpus=device == "auto")
+    inv = detect(gpus=device == "auto" and assume_gpus is None)
+    if assume_gpus is not None:
+        from moerun.placement.devices import GPU
+
+        try:
+            sizes = [parse_size(x) for x in assume_gpus.split(",")]
+        except ValueError as e:
+            raise MoerunError(f"--assume-gpus {assume_gpus}: {e}") from None
+        inv = dataclasses.replace(inv, gpus=tuple(GPU(i, f"assumed {_gb(n)}", n, n, source="assumed")
+                                                  for i, n in enumerate(sizes)))
     threads = threads or inv.physical_cores or 1
     if gpus is not None:
         try:
@@ -142,7 +156,7 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
         elif vram is not None and len(vram) == 1:
             vram = vram[0]
         budgets = Budgets(devices=devices, ram=None if ram_budget is None else parse_size(ram_budget), vram=vram,
-                          ctx_size=ctx, kv_dtype_bytes=4,
+                          ctx_size=ctx, kv_dtype_bytes=4, ubatch=ubatch,
                           cache_mib=None if expert_cache_mib is None else int(expert_cache_mib))
     except ValueError as e:
         raise MoerunError(f"{e}") from None
@@ -170,9 +184,10 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
     pre = cm.prefill_time(w, rates, n_prompt, ubatch)
     cached_layers = [h for h, c in zip(w.hit_rate, slots) if h < 1 or c]
     hit = (sum(cached_layers) / len(cached_layers)) if cached_layers else None
-    cmd = llama_cpp_command(model, threads, ctx, the_plan, spec.n_layers)
+    cmd = llama_cpp_command(model, threads, ctx, the_plan, spec.n_layers, spec.n_experts)
     mem = [{"device": d.device, "dense_bytes": d.dense_bytes, "kv_bytes": d.kv_bytes, "cache_bytes": d.cache_bytes,
-            "used_bytes": d.used_bytes, "budget_bytes": d.budget} for d in the_plan.devices]
+            "workspace_bytes": d.workspace_bytes, "used_bytes": d.used_bytes, "budget_bytes": d.budget}
+           for d in the_plan.devices]
     home_bytes = sum(t.nbytes for t in the_plan.tensors.values() if t.tier == the_plan.home and t.tier != "vram")
     info = {
         "model": str(model), "threads": threads, "ctx_size": ctx, "devices": list(devices), "home": the_plan.home,
@@ -223,8 +238,9 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
     e("")
     e("memory:")
     for m in mem:
+        work = f", workspace {_gb(m['workspace_bytes'])}" if m["workspace_bytes"] else ""
         e(f"  {m['device']:<8} {_gb(m['used_bytes']):>12} (dense {_gb(m['dense_bytes'])}, KV {_gb(m['kv_bytes'])}, "
-          f"cache {_gb(m['cache_bytes'])}) of {_gb(m['budget_bytes'])}")
+          f"cache {_gb(m['cache_bytes'])}{work}) of {_gb(m['budget_bytes'])}")
     e(f"  home     {_gb(home_bytes):>12} ({'host RAM' if the_plan.home == 'ram' else 'memory-mapped file'})")
     e("")
     e(f"llama.cpp:  {cmd}")

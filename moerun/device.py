@@ -147,6 +147,15 @@ def cuda_devices() -> list[CudaInfo]:
     return out
 
 
+def describe(dev: Device) -> str:
+    """The device's model name ("NVIDIA H200"), "CPU stand-in", or "" for the CPU."""
+    if dev.kind == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(dev.index)
+    return "CPU stand-in" if dev.kind == "standin" else ""
+
+
 def check(dev: Device) -> None:
     """That `dev` can be used here; DeviceError (one line) if not."""
     if dev.kind != "cuda":

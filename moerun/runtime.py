@@ -138,7 +138,7 @@ def _prepare(cfg: RuntimeConfig) -> tuple[Path, int, Plan, str]:
                       n_cpu_moe=cfg.n_cpu_moe, override_tensor=cfg.override_tensor,
                       kv_dtype_bytes=torch.finfo(getattr(torch, cfg.dtype)).bits // 8,
                       cache_slots=cfg.expert_cache_slots,
-                      cache_mib=None if cfg.expert_cache_mib is None else int(cfg.expert_cache_mib))
+                      cache_mib=cfg.expert_cache_mib)
     inventory = detect(gpus=any(d.is_cuda for d in accel))
     if accel:
         inventory = with_devices(inventory, cfg.stage_devices)

@@ -50,7 +50,7 @@ def _stacked(store: ExpertStore, layer: int) -> tuple[QTensor, QTensor, QTensor]
     return tuple(out)
 
 
-def _rates(cfg: RuntimeConfig, dev: device.Device, arch, threads: int) -> cm.Rates:
+def stage_rates(cfg: RuntimeConfig, dev: device.Device, arch, threads: int) -> cm.Rates:
     """The cost model's figures for this machine and device: given, cached probes, NVML's, measured, defaults."""
     from moerun.placement import probes
     from moerun.placement.devices import detect, standin_gpu
@@ -89,10 +89,11 @@ def device_stage(cfg: RuntimeConfig, model, dp: DevicePlan, the_plan: Plan, arch
     if paged:
         cache = ExpertCache(store, slots={layer: slots.get(layer, 0) for layer in paged}, policy=cfg.cache_policy,
                             device=dev, prefill=cfg.cache_prefill, pinned_layers=pinned_layers)
-    rates = _rates(cfg, dev, arch, cfg.threads or psutil.cpu_count(logical=False) or 1)
+    rates = stage_rates(cfg, dev, arch, cfg.threads or psutil.cpu_count(logical=False) or 1)
     tier = "disk" if store.reader is not None else "ram"
     spec = arch.spec
-    costs = {layer: cm.miss_costs(rates, store.get(layer, 0).gate.qtype.name, tier, spec.hidden) for layer in paged}
+    costs = {layer: cm.miss_costs(rates, store.get(layer, 0).gate.qtype.name, tier, spec.hidden, spec.n_experts_used)
+             for layer in paged}
     params_e = 3 * spec.hidden * spec.expert_ffn
 
     @functools.lru_cache(maxsize=4096)

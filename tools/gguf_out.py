@@ -99,13 +99,14 @@ class TensorOut:
     """One tensor to write: name in the file, type, torch shape, and a producer of its bytes.
 
     `produce()` yields uint8 tensors (or numpy arrays) whose concatenation is the tensor's raw data,
-    in order (e.g. one per expert of a stacked tensor).
+    in order (e.g. one per expert of a stacked tensor). produce=None leaves the bytes unwritten: a hole of
+    zeros in a sparse file, for files that only need their shapes and sizes (`make-model --shape-only`).
     """
 
     name: str
     qtype: QType
     shape: tuple[int, ...]
-    produce: Callable[[], Iterable[torch.Tensor | np.ndarray]]
+    produce: Callable[[], Iterable[torch.Tensor | np.ndarray]] | None
 
     @property
     def nbytes(self) -> int:
@@ -180,7 +181,10 @@ def write_gguf(path: str | Path, metadata: dict[str, Any], tensors: Sequence[Ten
             with progress_bar(sum(t.nbytes for t in tensors), path.name, progress) as bar:
                 for t in tensors:
                     written = 0
-                    for chunk in t.produce():
+                    if t.produce is None:
+                        f.seek(t.nbytes, os.SEEK_CUR)
+                        written = t.nbytes
+                    for chunk in t.produce() if t.produce is not None else ():
                         data = _as_bytes(chunk)
                         data.tofile(f)
                         written += data.nbytes
@@ -188,6 +192,7 @@ def write_gguf(path: str | Path, metadata: dict[str, Any], tensors: Sequence[Ten
                     if written != t.nbytes:
                         raise RuntimeError(f"tensor '{t.name}': produced {written} bytes, expected {t.nbytes}")
                     _pad(f, written, align)
+            f.truncate()  # a hole at the end still counts in the file's size
             f.flush()
             os.fsync(f.fileno())
         finally:

@@ -101,6 +101,9 @@ DEFAULT_TOKEN_OVERHEAD_S = 0.0
 # activation quantization, routing and scatter/gather): the overhead probe's figure on Zen 4, 2 threads, a3b shape.
 DEFAULT_PREFILL_OVERHEAD_S = 0.15e-3
 DEFAULT_LAUNCH_S = 20e-6  # one kernel launch + sync on a GPU when a miss is computed at home
+# Fixed cost per layer per step on a GPU stage: ~20 kernel launches from Python and, where experts are not
+# all on the GPU, the one wait for the router's choices. Not measured yet (no GPU run): a guess to check.
+DEFAULT_DEVICE_LAYER_OVERHEAD_S = 0.15e-3
 DEFAULT_UBATCH = 512
 F32_NAMES = ("F32", "F16", "BF16")
 
@@ -137,6 +140,10 @@ class Rates:
     device_flops: Figure | None = None
     launch_s: Figure = Figure(DEFAULT_LAUNCH_S, "default")
     prefill_overhead_s: Figure = Figure(0.0, "default")  # per layer per prompt token (DEFAULT_... in gather)
+    device_layer_overhead_s: Figure = Figure(DEFAULT_DEVICE_LAYER_OVERHEAD_S, "default")  # a GPU stage's layer
+
+    def device_flops_value(self) -> float:
+        return (self.device_flops or Figure(DEFAULT_DEVICE_FLOPS, "default")).value
 
     def kernel(self, qtype: str, moe: bool = False) -> float:
         """GB/s the CPU streams a tensor of `qtype` at in decode (float tensors go through torch: raw bw);
@@ -300,15 +307,16 @@ class MissCosts:
     link_gbps: float
     device_gbps: float
     device_flops: float
-    launch_s: float
+    launch_s: float  # one home computation per layer and step (a C call, the rows' upload)
+    n_used: int = 1  # experts per token: the launch is shared by a step's home misses
 
     def choose(self, bytes_e: int, params_e: int, n_tokens: int) -> str:
         return miss_choice(bytes_e, n_tokens, self.hidden, home_gbps=self.home_gbps, link_gbps=self.link_gbps,
-                           compute_gbps=self.device_gbps, launch_s=self.launch_s, params_e=params_e,
-                           home_flops=self.home_flops, device_flops=self.device_flops)
+                           compute_gbps=self.device_gbps, launch_s=self.launch_s / max(self.n_used, 1),
+                           params_e=params_e, home_flops=self.home_flops, device_flops=self.device_flops)
 
 
-def miss_costs(rates: Rates, qtype: str, home_tier: str, hidden: int) -> MissCosts:
+def miss_costs(rates: Rates, qtype: str, home_tier: str, hidden: int, n_used: int = 1) -> MissCosts:
     """MissCosts from the machine's rates for experts of `qtype` whose home is "ram" or "disk" (the file: both
     ways then read it first)."""
     disk = rates.disk_gbps.value if home_tier == "disk" else math.inf
@@ -317,7 +325,7 @@ def miss_costs(rates: Rates, qtype: str, home_tier: str, hidden: int) -> MissCos
                      home_flops=rates.flops(qtype), link_gbps=min(link, disk),
                      device_gbps=(rates.device_gbps or Figure(DEFAULT_DEVICE_GBPS, "default")).value,
                      device_flops=(rates.device_flops or Figure(DEFAULT_DEVICE_FLOPS, "default")).value,
-                     launch_s=rates.launch_s.value)
+                     launch_s=rates.launch_s.value, n_used=n_used)
 
 
 def _miss_seconds(nbytes: float, part: Part, w: Workload, rates: Rates, bound: bool) -> float:
@@ -327,9 +335,11 @@ def _miss_seconds(nbytes: float, part: Part, w: Workload, rates: Rates, bound: b
         return nbytes / (home * GB) + nbytes / (read_rate(part, rates, bound) * GB)
     k = max(w.n_experts_used, 1)
     home_rate = home if bound or part.tier == "disk" else rates.kernel(part.qtype, moe=True)  # the CPU computes it
+    # one of an expert's three tensors: a third of the launch a layer's home misses share (MissCosts.choose)
+    launch = 0.0 if bound else rates.launch_s.value / (3 * k)
     t = miss_time(nbytes / k, 1, w.hidden, home_gbps=home_rate,
                   link_gbps=(rates.h2d_gbps or Figure(DEFAULT_H2D_GBPS, "default")).value,
-                  compute_gbps=read_rate(part, rates, bound), launch_s=0.0 if bound else rates.launch_s.value)
+                  compute_gbps=read_rate(part, rates, bound), launch_s=launch)
     return k * min(t.values())
 
 
@@ -367,9 +377,21 @@ def decode_time(w: Workload, rates: Rates, bound: bool = False, batch: int = 1) 
             head += t
         else:
             dense += t
-    overhead = 0.0 if bound else w.n_layers * rates.layer_overhead_s.value + rates.token_overhead_s.value
+    overhead = 0.0 if bound else sum(_layer_overhead(w, rates, i) for i in range(w.n_layers)) + \
+        rates.token_overhead_s.value
     return DecodeTerms(dense, hit, miss, overhead, head, tuple(sorted(by_class.items())),
                        tuple(sorted(by_tier.items())), batch)
+
+
+def _layer_overhead(w: Workload, rates: Rates, layer: int) -> float:
+    """Fixed seconds per step of one layer: a GPU stage's (launches, the ids' wait) or the CPU's."""
+    on_device = any(p.layer == layer and p.compute != "cpu" and p.cls != "routed_experts" for p in w.parts)
+    return (rates.device_layer_overhead_s if on_device else rates.layer_overhead_s).value
+
+
+def _flops(p: Part, rates: Rates) -> float:
+    """FLOP/s at which `p` is multiplied where it is computed."""
+    return rates.device_flops_value() if p.compute != "cpu" else rates.flops(p.qtype)
 
 
 def prefill_time(w: Workload, rates: Rates, n_tokens: int, ubatch: int = DEFAULT_UBATCH) -> PrefillTerms:
@@ -387,20 +409,27 @@ def prefill_time(w: Workload, rates: Rates, n_tokens: int, ubatch: int = DEFAULT
         m = min(ubatch, n_tokens - done)
         touched = min(1.0, m * k / E) if E else 1.0  # share of a layer's experts the ubatch touches
         for layer in range(w.n_layers):
-            comp = 4 * w.n_heads * w.head_dim * m * (done + (m + 1) / 2) / rates.float_flops.value
-            mem = 0.0
-            for p in by_layer.get(layer, ()):
-                if p.cls == "routed_experts":
+            parts = by_layer.get(layer, ())
+            dense_dev = any(p.compute != "cpu" and p.cls != "routed_experts" for p in parts)
+            comp = 4 * w.n_heads * w.head_dim * m * (done + (m + 1) / 2) / (
+                rates.device_flops_value() if dense_dev else rates.float_flops.value)
+            mem = offloaded = 0.0
+            for p in parts:
+                if p.cls == "routed_experts" and p.compute != "cpu":  # a device stage's cache: hits and misses
+                    offloaded += _offloaded_prefill(p, w, rates, m)
+                elif p.cls == "routed_experts":
                     comp += 2 * p.params * m * w.frac / rates.flops(p.qtype)
                     rate = read_rate(p, rates, False) if p.tier != "disk" else rates.disk_gbps.value
                     mem += p.nbytes * touched / (rate * GB)
                 else:
-                    comp += 2 * p.params * m / rates.flops(p.qtype)
+                    comp += 2 * p.params * m / _flops(p, rates)
                     mem += p.nbytes / (read_rate(p, rates, False) * GB)
             compute_total += comp
             memory_total += mem
-            seconds += max(comp, mem) + m * rates.prefill_overhead_s.value
-            overhead_total += m * rates.prefill_overhead_s.value
+            per_token = 0.0 if dense_dev else rates.prefill_overhead_s.value
+            seconds += max(comp, mem) + offloaded + m * per_token + (rates.device_layer_overhead_s.value
+                                                                     if dense_dev else 0.0)
+            overhead_total += m * per_token
         done += m
     # the head runs on the last token only (last_only=True); the embedding rows are negligible
     for p in w.parts:
@@ -408,6 +437,23 @@ def prefill_time(w: Workload, rates: Rates, n_tokens: int, ubatch: int = DEFAULT
             seconds += p.nbytes / (read_rate(p, rates, False) * GB)
     seconds += rates.token_overhead_s.value
     return PrefillTerms(n_tokens, compute_total, memory_total, overhead_total, seconds)
+
+
+def _offloaded_prefill(p: Part, w: Workload, rates: Rates, m: int) -> float:
+    """Seconds a device stage spends on one routed-expert tensor's share for a chunk of m tokens: the experts
+    the chunk touches (expected distinct: E (1 - (1 - k/E)^m)), each with m k / E tokens; hits from the
+    slots, misses as the miss path serves them (`miss_time`: streamed over the link or computed at home)."""
+    E, h = w.n_experts, w.hit_rate[p.layer]
+    touched = E * expert_share(w.frac, m)
+    n = max(1.0, m * w.n_experts_used / max(touched, 1.0))
+    b, params = p.nbytes / E, p.params / E
+    hit = max(b / (read_rate(p, rates, False) * GB), 2 * params * n / rates.device_flops_value())
+    home = rates.disk_gbps.value if p.tier == "disk" else rates.kernel(p.qtype, moe=True)
+    t = miss_time(b, round(n), w.hidden, home_gbps=home,
+                  link_gbps=(rates.h2d_gbps or Figure(DEFAULT_H2D_GBPS, "default")).value,
+                  compute_gbps=read_rate(p, rates, False), launch_s=rates.launch_s.value, params_e=params,
+                  home_flops=rates.flops(p.qtype), device_flops=rates.device_flops_value())
+    return touched * (h * hit + (1 - h) * min(t.values()))
 
 
 def prefill_tps(w: Workload, rates: Rates, n_tokens: int, ubatch: int = DEFAULT_UBATCH) -> float:

@@ -67,7 +67,7 @@ class Budgets:
     devices: tuple[str, ...] = ("cpu",)
     vram: int | tuple[int, ...] | None = None
     ram: int | None = None
-    cache_mib: int | None = None
+    cache_mib: float | None = None
     cache_slots: int | None = None
     ctx_size: int = 4096
     kv_dtype_bytes: int = 2
@@ -268,7 +268,7 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
         if budgets.cache_slots is not None:
             slots = min(slots, budgets.cache_slots)
         if budgets.cache_mib is not None and per:
-            slots = min(slots, budgets.cache_mib * MiB // per)
+            slots = min(slots, int(budgets.cache_mib * MiB // per))
         return dense, kv, work, slots
 
     ranges = _split_layers(L, list(budgets.tensor_split or [budget[d] for d in devs]))
@@ -368,7 +368,7 @@ def _plan_cpu(spec, info, budgets: Budgets, ram_budget: int, kv_tok_layer: int, 
         if budgets.cache_slots is not None:
             slots = min(E, budgets.cache_slots)
         elif budgets.cache_mib is not None:
-            slots = min(E, budgets.cache_mib * MiB // per) if per else 0
+            slots = min(E, int(budgets.cache_mib * MiB // per)) if per else 0
         else:
             slots = min(E, left // per) if per else 0
         if slots * per > left:
