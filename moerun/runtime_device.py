@@ -63,6 +63,12 @@ def stage_rates(cfg: RuntimeConfig, dev: device.Device, arch, threads: int) -> c
     measured = None if cfg.h2d_gbps else device.measure_h2d_gbps(dev)
     if measured:
         rates = replace(rates, h2d_gbps=cm.Figure(measured, "measured"))
+    if dev.kind == "standin":  # its "device" is this host: the CPU's figures, a copy through RAM for its link
+        ram, src = rates.ram_gbps.value, "stand-in"
+        rates = replace(rates, h2d_gbps=rates.h2d_gbps if cfg.h2d_gbps else cm.Figure(ram / 2, src),
+                        device_gbps=rates.device_gbps if cfg.vram_gbps else cm.Figure(ram * rates.kernel_eff.value, src),
+                        device_flops=cm.Figure(rates.default_qflops.value, src),
+                        device_layer_overhead_s=rates.layer_overhead_s)
     return rates
 
 
