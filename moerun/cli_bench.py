@@ -37,7 +37,7 @@ def _cache_sizes(ctx, param, values):
 
 @click.command()
 @click.option("-m", "--model", "models", multiple=True, required=True,
-              help="GGUF file or Hugging Face folder (repeat for several models).")
+              help="GGUF file or Hugging Face folder (repeat for several models; `default`: the built-in model).")
 @click.option("-p", "--n-prompt", multiple=True, callback=_int_lists,
               help="Prompt sizes for ppN tests; 0 skips them.  [default: 512]")
 @click.option("-n", "--n-gen", multiple=True, callback=_int_lists,
@@ -77,7 +77,9 @@ def bench(models, n_prompt, n_gen, threads, ubatch, repetitions, fmt, dtype, mea
     import psutil
 
     from moerun.bench import DEFAULT_UBATCH, run_bench
+    from moerun.builtin import model_path
 
+    models = [str(model_path(m)) for m in models]
     threads = threads or [psutil.cpu_count(logical=False) or 1]
     if any(t < 1 for t in threads) or any(u < 1 for u in (ubatch or [])):
         raise click.BadParameter("thread counts and ubatch sizes must be at least 1")

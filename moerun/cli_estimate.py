@@ -101,9 +101,11 @@ def llama_cpp_command(model: Path, threads: int, ctx: int, the_plan, n_layers: i
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_mib, ctx_size, ram_bw, disk_bw, vram_bw, h2d_bw,
              measure, trace_path, n_prompt, ubatch, device, as_json):
-    """Predict decode and prefill speed and memory for MODEL on this machine, without loading weights."""
+    """Predict decode and prefill speed and memory for MODEL on this machine, without loading weights
+    (`default`: the built-in model)."""
     from moerun.arch import resolve
     from moerun.arch.summary import summarize
+    from moerun.builtin import model_path
     from moerun.formats import open_model
     from moerun.placement import costmodel as cm
     from moerun.placement import probes
@@ -111,6 +113,7 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
     from moerun.placement.planner import Budgets, plan
 
     t0 = time.perf_counter()
+    model = model_path(model)
     try:
         with open_model(model) as mf:
             arch = resolve(mf)
