@@ -21,6 +21,8 @@ CTX = 384
 PARALLEL, QUEUE = 8, 4
 MAX_BODY = 32 * 1024
 MODEL = "default-qwen3moe.gguf"
+ALIAS = "org/another-name"  # a second -a name, with a slash as Hugging Face ids have
+SLOTS = 4  # --expert-cache-slots
 PROMPTS = ["def fib(n):", "import os\n", "class Foo:\n    def", "    return self.", "for i in range(",
            "x = [", "while True:\n", "# compute the"]
 
@@ -42,7 +44,7 @@ class Response:
 
 
 class Server:
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, *extra):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp_path / "serve.log"
@@ -50,7 +52,8 @@ class Server:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "moerun", "serve", "--port", str(self.port), "--api-key", KEY, "-c", str(CTX),
                  "-np", str(PARALLEL), "--max-queue", str(QUEUE), "--max-body-size", str(MAX_BODY), "-t", "1",
-                 "--expert-cache-slots", "4", "--log-interval", "0.5"], stdout=log, stderr=subprocess.STDOUT)
+                 "--expert-cache-slots", str(SLOTS), "--log-interval", "0.5", "-a", MODEL, "-a", ALIAS, *extra],
+                stdout=log, stderr=subprocess.STDOUT)
         self.health = []  # (status, body) of every /health answer until the model was ready
         deadline = time.time() + 120
         while time.time() < deadline and self.proc.poll() is None:
@@ -157,6 +160,18 @@ def test_models_and_api_key(server, client):
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
+def test_models_retrieve(server, client):
+    for name in (MODEL, ALIAS):
+        m = client.models.retrieve(name)
+        assert (m.id, m.object, m.owned_by) == (name, "model", "moerun")
+        assert m.model_extra["meta"]["n_ctx"] == CTX
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert e.value.body["param"] == "model" and "gpt-4" in e.value.body["message"]
+    r = server.http("GET", "/v1/models/gpt-4")
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404 and r.json()["error"]["type"]
 
 
 # -- generation ---------------------------------------------------------------------------------------------
@@ -335,6 +350,38 @@ def test_bad_requests_get_openai_shaped_errors(server, body, status, phrase):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["code"] == status and phrase in err["message"] and err["type"]
+
+
+OUT_OF_RANGE = [("temperature", -0.1), ("temperature", 2.1), ("top_p", 0), ("top_p", 1.5), ("top_p", -1),
+                ("presence_penalty", -2.5), ("presence_penalty", 2.1), ("frequency_penalty", -2.1),
+                ("frequency_penalty", 3)]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_sampling_values_outside_openais_ranges_are_400_naming_the_field(server, path):
+    base = CHAT if "chat" in path else {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    for name, value in OUT_OF_RANGE:
+        r = server.http("POST", path, {**base, name: value})
+        assert r.status_code == 400, (name, value, r.text)
+        err = r.json()["error"]
+        assert err["param"] == name and name in err["message"] and err["type"] == "invalid_request_error"
+    edges = {"temperature": (0, 2), "top_p": (1e-3, 1), "presence_penalty": (-2, 2), "frequency_penalty": (-2, 2)}
+    for name, values in edges.items():  # the ends of each range are accepted
+        for value in values:
+            r = server.http("POST", path, {**base, name: value})
+            assert r.status_code == 200, (name, value, r.text)
+
+
+def test_an_unknown_role_is_400_naming_the_message(server, client):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "narrator", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+    assert e.value.body["param"] == "messages[1].role" and "'narrator'" in e.value.body["message"]
+    r = server.http("POST", "/tokenize", {"messages": msgs})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].role"
+    for role in ("system", "developer", "user", "assistant", "tool"):  # OpenAI's roles all pass
+        r = server.http("POST", "/v1/chat/completions", {**CHAT, "messages": [{"role": role, "content": "hi"}]})
+        assert r.status_code == 200, (role, r.text)
 
 
 def test_prompt_longer_than_the_context(server, client):

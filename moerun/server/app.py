@@ -299,15 +299,24 @@ def _routes(app: FastAPI, server: Server) -> None:
                             "unavailable_error").response()
         return {"status": "ok"}
 
+    def model_object(name: str) -> dict:
+        """OpenAI's model object, with llama-server's `meta`."""
+        eng = server.require().runtime.engine
+        meta = {"n_ctx": eng.ctx_size, "n_vocab": eng.model.spec.vocab, "n_parallel": server.cfg.parallel,
+                "family": eng.model.spec.family, "n_experts": eng.model.spec.n_experts}
+        return {"id": name, "object": "model", "created": 0, "owned_by": "moerun", "meta": meta}
+
     @app.get("/v1/models")
     @app.get("/models")
     async def models():
-        ready = server.require()
-        eng = ready.runtime.engine
-        meta = {"n_ctx": eng.ctx_size, "n_vocab": eng.model.spec.vocab, "n_parallel": server.cfg.parallel,
-                "family": eng.model.spec.family, "n_experts": eng.model.spec.n_experts}
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "moerun",
-                                            "meta": meta} for name in server.cfg.model_names[:1]]}
+        return {"object": "list", "data": [model_object(name) for name in server.cfg.model_names[:1]]}
+
+    @app.get("/v1/models/{model:path}")
+    @app.get("/models/{model:path}")
+    async def model(model: str):
+        """Any name a request may give (the aliases too); another is 404 with param "model", as OpenAI answers."""
+        server.check_model(model)
+        return model_object(model)
 
     def chat_prompt(ready: Ready, messages: list[dict], kwargs: dict | None) -> list[int]:
         """The chat template applied, then tokenized (the template writes BOS itself when the model wants it)."""
