@@ -123,6 +123,12 @@ def _prepare(cfg: RuntimeConfig) -> tuple[Path, int, Plan, str]:
     return path, ctx, the_plan, home
 
 
+def plan_for(cfg: RuntimeConfig) -> Plan:
+    """The placement plan `build(cfg)` follows, from the model's metadata alone (no weights read): serve checks
+    it, so a model that cannot be read or placed is one error line before the server starts."""
+    return _prepare(cfg)[2]
+
+
 def _check_kernels(loaded, warnings: list[str]) -> None:
     if loaded.model.ops.name == "reference" and any(
             src.records[0].qtype.name not in ("F32", "F16", "BF16") for src in loaded.arch.sources.values()):

@@ -116,7 +116,7 @@ class Server:
             kv = eng.pool.k.nbytes + eng.pool.v.nbytes
             log.info("model loaded in %.2f s: %s, context %d tokens x %d slots (KV cache %.1f MiB), %s",
                      time.perf_counter() - t0, self.cfg.model_names[0], eng.ctx_size, cfg.parallel, kv / 2**20,
-                     "expert cache on" if eng.expert_cache is not None else "no expert cache")
+                     cache_summary(rt))
         except BaseException as e:  # reported; then the server stops
             self.load_error = e
             log.error("loading the model failed: %s", e, exc_info=not isinstance(e, MoerunError))
@@ -243,6 +243,18 @@ class Server:
                 req.cancel()
                 if self.ready is not None:
                     self.ready.scheduler.wake()
+
+
+def cache_summary(rt: Runtime) -> str:
+    """The expert cache in the "model loaded" line: its size and slots per MoE layer."""
+    stages = [st for st in rt.stages if st.cache is not None]
+    if not stages:
+        return "no expert cache"
+    slots = sorted({st.cache.slots(layer) for st in stages for layer in st.cache.store.layers
+                    if st.layers[0] <= layer < st.layers[1]})
+    per_layer = str(slots[0]) if len(slots) == 1 else f"{slots[0]}-{slots[-1]}"
+    mib = sum(st.cache.nbytes for st in stages) / 2**20
+    return f"expert cache {mib:.1f} MiB ({per_layer} slots per layer)"
 
 
 def _max_tokens(body: ChatRequest | CompletionRequest, n_predict: int | None, n_ctx: int, n_prompt: int) -> int:
