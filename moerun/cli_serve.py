@@ -6,7 +6,6 @@ import errno
 import logging
 import socket
 import sys
-from pathlib import Path
 
 import click
 
@@ -114,8 +113,6 @@ def serve(host, port, api_key, parallel, max_queue, alias, max_body_size, cache_
     from moerun.placement.devices import parse_size
     from moerun.server.app import create_app
 
-    if trace_routing is not None:
-        raise click.UsageError("--trace-routing is not supported by serve yet (use run or chat)")
     max_tokens = kw.pop("max_tokens")
     defaults = sampling_params(kw, with_max_tokens=False)
     rcfg, print_plan = runtime_config(kw)
@@ -128,6 +125,8 @@ def serve(host, port, api_key, parallel, max_queue, alias, max_body_size, cache_
                            cache_prompt=cache_prompt, log_interval=log_interval)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    if trace_routing is not None and trace_routing.exists():
+        raise MoerunError(f"{trace_routing} already exists; choose another --trace-routing file")
     socks = listen(host, port)
     try:
         preflight(rcfg, parallel)
@@ -157,7 +156,7 @@ def serve(host, port, api_key, parallel, max_queue, alias, max_body_size, cache_
     def stop_on_error(e: BaseException) -> None:
         uv.should_exit = True
 
-    app = create_app(cfg, load, on_load_error=stop_on_error)
+    app = create_app(cfg, load, on_load_error=stop_on_error, trace_routing=trace_routing)
     uv = Uvicorn(uvicorn.Config(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5,
                                 timeout_keep_alive=30))
     log.info("moerun serve: http://%s:%d (OpenAI API under /v1), loading %s", host, port, model)

@@ -467,6 +467,57 @@ def test_a_port_in_use_is_one_line_and_status_1():
     assert f"cannot listen on 127.0.0.1:{port}" in line and "in use" in line and "--port" in line
 
 
+def test_trace_routing_that_exists_is_one_line(tmp_path):
+    path = tmp_path / "routes.jsonl"
+    path.write_text("mine")
+    assert "already exists" in serve_fails("--trace-routing", path, "--port", free_port())
+    assert path.read_text() == "mine"
+
+
+def test_trace_routing_numbers_the_requests_and_batches_steps(tmp_path):
+    """One trace for the server: each record carries its request's number; a decode step that ran two
+    requests together is one step of both; the trace replays."""
+    from click.testing import CliRunner
+
+    from moerun.cli import main
+    from moerun.experts.trace import read_trace
+
+    path = tmp_path / "routes.jsonl"
+    s = Server(tmp_path, "--trace-routing", path)
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        kw = {"model": MODEL, "temperature": 0, "extra_body": {"ignore_eos": True, "cache_prompt": False}}
+        stream = client.completions.create(prompt="def long_one(x):", max_tokens=200, stream=True, **kw)
+        chunks = iter(stream)
+        next(chunks)  # the long request is decoding
+        short = client.completions.create(prompt="import os, sys, re\n", max_tokens=12, **kw)
+        rest = list(chunks)
+    finally:
+        s.stop()
+    long_usage = rest[-1].usage
+    trace = read_trace(path)
+    moe = sorted({r.layer for r in trace.records})
+    assert moe
+    by_req = {}
+    for rec in trace.records:
+        by_req.setdefault(rec.request_id, []).append(rec)
+    assert sorted(by_req) == [0, 1]  # numbered in the order they ran: the long one first
+    for n, use in ((0, long_usage), (1, short.usage)):
+        recs = by_req[n]
+        for layer in moe:
+            pre = [r.position for r in recs if r.layer == layer and r.phase == "prefill"]
+            dec = [r.position for r in recs if r.layer == layer and r.phase == "decode"]
+            assert pre == list(range(use.prompt_tokens))
+            assert dec == list(range(use.prompt_tokens, use.prompt_tokens + use.completion_tokens - 1))
+    steps = {}
+    for rec in trace.records:
+        if rec.phase == "decode" and rec.layer == 0:
+            steps.setdefault(rec.step, set()).add(rec.request_id)
+    assert {0, 1} in steps.values()  # a decode step of both
+    sim = CliRunner().invoke(main, ["trace", "simulate", str(path), "--slots", "2", "--group", "batch"])
+    assert sim.exit_code == 0, sim.output
+
+
 def test_a_non_streaming_client_that_goes_away_is_cancelled(server):
     before = server.metrics()
     reason = ("moerun:requests_finished_total", (("finish_reason", "cancelled"),))

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -45,6 +46,7 @@ from moerun.server.protocol import (
 if TYPE_CHECKING:  # torch and the model load on the loader thread, after the port answers
     from moerun.engine.scheduler import EngineLoop, Event, Request, Scheduler
     from moerun.runtime import Runtime
+    from moerun.server.trace import ServeRouteRecorder
     from moerun.text import ChatTemplate
 
 log = logging.getLogger("moerun.server")
@@ -76,8 +78,10 @@ class Server:
     """What the routes share: the configuration, then the loaded model and its engine loop."""
 
     def __init__(self, cfg: ServerConfig, load: Callable[[], Runtime],
-                 on_load_error: Callable[[BaseException], None] | None = None):
+                 on_load_error: Callable[[BaseException], None] | None = None, trace_routing: Path | None = None):
         self.cfg, self._load_fn, self.on_load_error = cfg, load, on_load_error
+        self.trace_routing = trace_routing
+        self.tracer: ServeRouteRecorder | None = None
         self.ready: Ready | None = None
         self.load_error: BaseException | None = None
         self.telemetry = Telemetry(self.snapshot, device=lambda: self.ready.runtime.engine.pool.k.device.type
@@ -108,15 +112,20 @@ class Server:
             except ChatTemplateError as e:
                 error = str(e)
                 log.warning("chat completions are off: %s", e)
+            if self.trace_routing is not None:
+                from moerun.server.trace import ServeRouteRecorder
+
+                self.tracer = ServeRouteRecorder(self.trace_routing, eng.model.spec, sched)
+                eng.model.on_route = self.tracer
             loop = EngineLoop(sched, after_step=self.throughput.tick)
             if self._stopping:
                 return
             loop.start()
             self.ready = Ready(rt, sched, loop, template, error)
             kv = eng.pool.k.nbytes + eng.pool.v.nbytes
-            log.info("model loaded in %.2f s: %s, context %d tokens x %d slots (KV cache %.1f MiB), %s",
+            log.info("model loaded in %.2f s: %s, context %d tokens x %d slots (KV cache %.1f MiB), %s%s",
                      time.perf_counter() - t0, self.cfg.model_names[0], eng.ctx_size, cfg.parallel, kv / 2**20,
-                     cache_summary(rt))
+                     cache_summary(rt), "" if self.tracer is None else f", routing trace to {self.trace_routing}")
         except BaseException as e:  # reported; then the server stops
             self.load_error = e
             log.error("loading the model failed: %s", e, exc_info=not isinstance(e, MoerunError))
@@ -137,6 +146,8 @@ class Server:
             cache = self.ready.runtime.cache
             if cache is not None:
                 cache.close()
+        if self.tracer is not None:
+            self.tracer.writer.close()
 
     def require(self) -> Ready:
         if self.ready is None:
@@ -281,8 +292,10 @@ async def _disconnected(http: HTTPRequest) -> None:
 
 
 def create_app(cfg: ServerConfig, load: Callable[[], Runtime],
-               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
-    server = Server(cfg, load, on_load_error)
+               on_load_error: Callable[[BaseException], None] | None = None,
+               trace_routing: Path | None = None) -> FastAPI:
+    """trace_routing: a new file to record every routing decision in (moerun.server.trace)."""
+    server = Server(cfg, load, on_load_error, trace_routing)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
