@@ -67,6 +67,20 @@ def llama_cpp_command(model: Path, threads: int, ctx: int, the_plan, n_layers: i
     return " ".join(cmd)
 
 
+def default_figures(rates, qtypes: list[str], reads_file: bool) -> list[str]:
+    """The rates lines this estimate used a built-in default for, where `--measure` would measure them (the
+    GPU figures come from NVML, not from a probe)."""
+    from moerun.placement.costmodel import F32_NAMES
+
+    out = [name for name, fig in (("host RAM read", rates.ram_gbps), ("disk (file)", rates.disk_gbps))
+           if fig.source == "default" and (reads_file or name != "disk (file)")]
+    measured = {q for q, _ in rates.kernel_gbps} & {q for q, _ in rates.qflops}
+    out += [f"kernel {q}" for q in qtypes if q not in F32_NAMES and q not in measured]
+    out += [name for name, fig in (("torch float32", rates.float_flops), ("overhead", rates.layer_overhead_s))
+            if fig.source == "default"]
+    return out
+
+
 @click.command()
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None,
@@ -250,5 +264,7 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
     if rates.h2d_gbps:
         e(f"  host-to-device  {rates.h2d_gbps.value:8.2f} GB/s   {rates.h2d_gbps.source}")
         e(f"  device memory   {rates.device_gbps.value:8.2f} GB/s   {rates.device_gbps.source}")
-    if "default" in rates.sources().values():
-        e("  (default figures: run `moerun estimate --measure` once to measure this machine)")
+    defaults = default_figures(rates, qtypes, reads_file=the_plan.home == "disk")
+    if defaults:
+        e(f"  (default figures for {', '.join(defaults)}: run `moerun estimate --measure` once to measure "
+          "this machine)")
