@@ -37,7 +37,8 @@ def _cache_sizes(ctx, param, values):
 
 @click.command()
 @click.option("-m", "--model", "models", multiple=True, required=True,
-              help="GGUF file or Hugging Face folder (repeat for several models; `default`: the built-in model).")
+              help="GGUF file or Hugging Face folder (repeat for several models; `default`: the built-in "
+                   "model).")
 @click.option("-p", "--n-prompt", multiple=True, callback=_int_lists,
               help="Prompt sizes for ppN tests; 0 skips them.  [default: 512]")
 @click.option("-n", "--n-gen", multiple=True, callback=_int_lists,

@@ -320,9 +320,9 @@ def chat(system, trace_routing, verbose, **kw):
         try:
             ids, dropped = conv.fit(prompt, eng.ctx_size - reserve)
             if dropped and len(ids) < eng.ctx_size and not said_dropping:
-                click.echo(f"note: the conversation outgrew the context (-c {eng.ctx_size}): its oldest turns are "
-                           f"dropped{', the system prompt stays' if conv.system else ''} (/clear starts afresh)",
-                           err=True)
+                stays = ", the system prompt stays" if conv.system else ""
+                click.echo(f"note: the conversation outgrew the context (-c {eng.ctx_size}): its oldest turns "
+                           f"are dropped{stays} (/clear starts afresh)", err=True)
                 said_dropping = True
             gen = eng.generate(ids, params, seq)
             reply = []

@@ -18,7 +18,7 @@ import psutil
 import torch
 
 from moerun.arch import resolve
-from moerun.builtin import DEFAULT_MODEL, default_model_path, model_path  # noqa: F401 (the first two re-exported)
+from moerun.builtin import DEFAULT_MODEL, default_model_path, model_path  # noqa: F401 (re-exported)
 from moerun.config import RuntimeConfig
 from moerun.engine.engine import Engine
 from moerun.engine.pipeline import Stage, StageCaches, StagedModel
@@ -124,8 +124,8 @@ def _prepare(cfg: RuntimeConfig) -> tuple[Path, int, Plan, str]:
 
 
 def plan_for(cfg: RuntimeConfig) -> Plan:
-    """The placement plan `build(cfg)` follows, from the model's metadata alone (no weights read): serve checks
-    it, so a model that cannot be read or placed is one error line before the server starts."""
+    """The placement plan `build(cfg)` follows, from the model's metadata alone (no weights read): serve
+    checks it, so a model that cannot be read or placed is one error line before the server starts."""
     return _prepare(cfg)[2]
 
 

@@ -295,7 +295,7 @@ class RateOptions:
     shape: dict | None = None  # probe_shape(spec) of the model: the overhead figures are kept per shape
 
 
-SEC_FILE_READ = "file_read_gbps"  # hardware.json: measure_file_read's figure, keyed by the file's absolute path
+SEC_FILE_READ = "file_read_gbps"  # hardware.json: measure_file_read's figure, keyed by the file's path
 
 
 def _file_read_rate(opt: RateOptions, cache: Path | None) -> Figure:

@@ -78,7 +78,8 @@ class Server:
     """What the routes share: the configuration, then the loaded model and its engine loop."""
 
     def __init__(self, cfg: ServerConfig, load: Callable[[], Runtime],
-                 on_load_error: Callable[[BaseException], None] | None = None, trace_routing: Path | None = None):
+                 on_load_error: Callable[[BaseException], None] | None = None,
+                 trace_routing: Path | None = None):
         self.cfg, self._load_fn, self.on_load_error = cfg, load, on_load_error
         self.trace_routing = trace_routing
         self.tracer: ServeRouteRecorder | None = None
@@ -123,9 +124,10 @@ class Server:
             loop.start()
             self.ready = Ready(rt, sched, loop, template, error)
             kv = eng.pool.k.nbytes + eng.pool.v.nbytes
+            trace = "" if self.tracer is None else f", routing trace to {self.trace_routing}"
             log.info("model loaded in %.2f s: %s, context %d tokens x %d slots (KV cache %.1f MiB), %s%s",
                      time.perf_counter() - t0, self.cfg.model_names[0], eng.ctx_size, cfg.parallel, kv / 2**20,
-                     cache_summary(rt), "" if self.tracer is None else f", routing trace to {self.trace_routing}")
+                     cache_summary(rt), trace)
         except BaseException as e:  # reported; then the server stops
             self.load_error = e
             log.error("loading the model failed: %s", e, exc_info=not isinstance(e, MoerunError))
@@ -339,7 +341,7 @@ def _routes(app: FastAPI, server: Server) -> None:
     @app.get("/v1/models/{model:path}")
     @app.get("/models/{model:path}")
     async def model(model: str):
-        """Any name a request may give (the aliases too); another is 404 with param "model", as OpenAI answers."""
+        """Any name a request may give (the aliases too); another is 404 with param "model", as OpenAI's."""
         server.check_model(model)
         return model_object(model)
 

@@ -1,4 +1,4 @@
-"""`moerun serve --trace-routing FILE`: one routing trace for the whole server (moerun/experts/trace.py's format).
+"""`moerun serve --trace-routing FILE`: one routing trace for the whole server (moerun/experts/trace.py).
 
 Requests are numbered 0, 1, ... in the order they first run; every record carries its request's number and
 its forward pass's `step`, so `moerun trace simulate` can replay a batched decode step as one cache step.
@@ -30,8 +30,8 @@ class ServeRouteRecorder(RouteRecorder):
         nums = [self._number(r) for r in self.scheduler.step_requests]
         if len(nums) != len(pos):
             nums = nums[:1] * len(pos)
-        self.writer.write_step(layer=layer, phase=phase, request_ids=nums, positions=pos.tolist(), experts=ids,
-                               weights=w, step=self.step)
+        self.writer.write_step(layer=layer, phase=phase, request_ids=nums, positions=pos.tolist(),
+                               experts=ids, weights=w, step=self.step)
 
     def _number(self, req) -> int:
         n = self.numbers.get(req)
