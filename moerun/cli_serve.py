@@ -128,17 +128,17 @@ def serve(host, port, api_key, parallel, max_queue, alias, max_body_size, cache_
     if trace_routing is not None and trace_routing.exists():
         raise MoerunError(f"{trace_routing} already exists; choose another --trace-routing file")
     socks = listen(host, port)
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S", force=True)
+    log = logging.getLogger("moerun.server")
+    if not cfg.loopback and cfg.api_key is None:
+        log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", host)
     try:
         preflight(rcfg, parallel)
     except BaseException:
         for sock in socks:
             sock.close()
         raise
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S", force=True)
-    log = logging.getLogger("moerun.server")
-    if not cfg.loopback and cfg.api_key is None:
-        log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", host)
 
     def load():
         from moerun.runtime import build
