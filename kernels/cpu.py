@@ -216,10 +216,15 @@ def moe_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: QTe
 
 
 def moe_ffn_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Mapping[int, object], *,
-                    isa: str | None = None) -> torch.Tensor:
+                    isa: str | None = None, pairs: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """moe_ffn over experts held one by one: `experts` maps expert id -> an object with QTensors `gate`,
     `up` [I, H] and `down` [H, I] (moerun.experts.store.Expert), wherever their buffers lie (a memory map,
-    owned RAM, a cache slot). Every id in `ids` must be a key; all experts share shapes and qtypes."""
+    owned RAM, a cache slot). Every id in `ids` must be a key, or negative (that pair is skipped); all experts
+    share shapes and qtypes.
+
+    pairs: return [T * k, H], row t * k + j = weights[t, j] * expert(x_t) for e = ids[t, j] (0 where skipped),
+    instead of the sum per token: pairs computed by separate calls, summed in the order of j, equal one
+    call's sum exactly. out: a float32 buffer of the result's shape to write into (e.g. pinned memory)."""
     isa_id = _isa(isa)
     if not experts:
         raise ValueError("experts is empty")
@@ -251,10 +256,11 @@ def moe_ffn_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, e
                          f"laid out like experts[{items[0][0]}]") from None
     base = table.buffer_info()[0]
     mats = [(base + 8 * m * E, 0, _type(q)) for m, q in enumerate((first.gate, first.up, first.down))]
-    return _moe(isa_id, x, ids, weights, mats, E, I, H)
+    return _moe(isa_id, x, ids, weights, mats, E, I, H, pairs=pairs, out=out)
 
 
-def _moe(isa_id: int, x, ids, weights, mats, E: int, I: int, H: int) -> torch.Tensor:
+def _moe(isa_id: int, x, ids, weights, mats, E: int, I: int, H: int, pairs: bool = False,
+         out: torch.Tensor | None = None) -> torch.Tensor:
     _check_x(x, "x")
     T = x.shape[0]
     if x.shape[1] != H:
@@ -267,15 +273,19 @@ def _moe(isa_id: int, x, ids, weights, mats, E: int, I: int, H: int) -> torch.Te
         raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T={T}, k]")
     if not ids.is_cpu or not weights.is_cpu:
         raise ValueError("ids and weights must be CPU tensors")
-    out = torch.empty((T, H), dtype=torch.float32)
     k = ids.shape[1]
+    shape = (T * k, H) if pairs else (T, H)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32)
+    elif out.shape != shape or out.dtype != torch.float32 or not out.is_cpu or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 CPU tensor of shape {shape}")
     if T == 0 or k == 0:
         return out.zero_()
     ids32 = ids.to(torch.int32).contiguous()
     w32 = weights.to(torch.float32).contiguous()
     (g, gs, gt), (u, us, ut), (d, ds, dt) = mats
     _cpu.moe_ffn(isa_id, x.data_ptr(), T, H, ids32.data_ptr(), w32.data_ptr(), k, g, gs, gt, u, us, ut, d, ds, dt,
-                 E, I, out.data_ptr())
+                 E, I, out.data_ptr(), int(pairs))
     return out
 
 

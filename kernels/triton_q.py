@@ -32,7 +32,7 @@ import torch
 from moerun.quant.dequant import KV_IQ4NL, KV_MXFP4
 from moerun.quant.qtypes import QTensor, QType, row_bytes
 
-__all__ = ["SUPPORTED", "available", "dequantize", "matmul", "moe_ffn", "supports", "swiglu"]
+__all__ = ["SUPPORTED", "ExpertTable", "available", "dequantize", "matmul", "moe_ffn", "supports", "swiglu"]
 
 SUPPORTED = frozenset({QType.Q8_0, QType.Q4_0, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS, QType.MXFP4})
 CODEBOOKS = {QType.IQ4_XS: KV_IQ4NL, QType.MXFP4: KV_MXFP4}
@@ -54,7 +54,9 @@ def _triton_error() -> str | None:
 
 def available() -> bool:
     """triton imports, and kernels have somewhere to run: a CUDA device, or TRITON_INTERPRET=1."""
-    if not (interpreting() or torch.cuda.is_available()):
+    from moerun.device import cuda_available
+
+    if not (interpreting() or cuda_available()):
         return False
     return _triton_error() is None
 
@@ -160,17 +162,30 @@ def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor) -> torch.
     return out.to(x.dtype)
 
 
-def moe_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Mapping[int, object]
-            ) -> torch.Tensor:
+class ExpertTable:
+    """What moe_ffn derives from an experts mapping before it can launch (their shared shapes, the device
+    table of their weight addresses, the id -> slot lookup): build it once for experts that stay put (all of
+    a layer's, resident on the GPU) and pass it to every call."""
+
+    def __init__(self, experts: Mapping[int, object]):
+        if not experts:
+            raise ValueError("experts is empty")
+        self.keys = sorted(experts)
+        self.first = experts[self.keys[0]]
+        self.dev = self.first.gate.data.device
+        self.addrs = _weight_tables(experts, self.keys, self.first, self.dev)  # (gate, up, down) address per slot
+        self.lut = _lut(self.keys, self.dev)
+
+
+def moe_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Mapping[int, object],
+            pairs: bool = False, table: ExpertTable | None = None) -> torch.Tensor:
     """sum over each token's k choices of weights * expert(x), as ReferenceOps.moe: x [T, H], ids and
     weights [T, k], experts {id: Expert} sharing shapes and qtypes (ids without an entry add nothing).
-    Returns [T, H] in x.dtype."""
-    if not experts:
-        raise ValueError("experts is empty")
-    keys = sorted(experts)
-    first = experts[keys[0]]
+    Returns [T, H] in x.dtype; with `pairs`, [T * k, H] float32, one weighted row per (token, choice) pair
+    (0 where the id has no entry), unsummed (ReferenceOps.moe_pairs)."""
+    table = table or ExpertTable(experts)
+    keys, first, dev = table.keys, table.first, table.dev
     i, h = _check_ffn(first.gate, first.up, first.down)
-    dev = first.gate.data.device
     _check_x(x, h, dev)
     if ids.dim() != 2 or ids.shape[0] != x.shape[0] or weights.shape != ids.shape:
         raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T, k]")
@@ -178,10 +193,10 @@ def moe_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: 
     t, kk = ids.shape
     m = t * kk
     if m == 0:
-        return torch.zeros_like(x)
-    tables = _weight_tables(experts, keys, first, dev)  # (gate, up, down) address per slot
+        return torch.zeros((0, h), dtype=torch.float32, device=x.device) if pairs else torch.zeros_like(x)
+    tables = table.addrs
     rows = max(1, m // len(keys))
-    pair, tiles_up, tiles_down = _schedule(ids.to(dev), keys, rows, _tiles(rows, h), _tiles(rows, i))
+    pair, tiles_up, tiles_down = _schedule(ids.to(dev), keys, table.lut, rows, _tiles(rows, h), _tiles(rows, i))
     hid = torch.empty((m, i), dtype=torch.float32, device=dev)  # [T*k, I], row = pair
     y = torch.zeros((m, h), dtype=torch.float32, device=dev)  # [T*k, H]
     scale = weights.to(device=dev, dtype=torch.float32).contiguous()
@@ -189,6 +204,8 @@ def moe_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: 
           addrs=tables[:2])
     _gemm(hid, y, (m, h, i), first.down, tiles=tiles_down[1], grouped=(pair, 1, tiles_down[0]),
           addrs=tables[2:], scale=scale)
+    if pairs:
+        return y
     return y.view(t, kk, h).sum(1).to(x.dtype)
 
 
@@ -241,12 +258,19 @@ def _weight_tables(experts: Mapping[int, object], keys: list[int], first, dev: t
 
 def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
     """A small host tensor on dev; to a GPU through pinned memory, so the copy does not wait for the GPU."""
-    if dev.type == "cuda":
-        return t.pin_memory().to(dev, non_blocking=True)
-    return t.to(dev)
+    from moerun.device import upload
+
+    return upload(t, dev)
 
 
-def _schedule(ids: torch.Tensor, keys: list[int], rows: int, *tile_sizes: dict):
+def _lut(keys: list[int], dev: torch.device) -> torch.Tensor:
+    """expert id -> its slot among the sorted keys, len(keys) for none; ids up to keys[-1] + 1, on dev."""
+    lut = torch.full((keys[-1] + 2,), len(keys), dtype=torch.int64)
+    lut[keys] = torch.arange(len(keys))
+    return _to_device(lut, dev)
+
+
+def _schedule(ids: torch.Tensor, keys: list[int], lut: torch.Tensor, rows: int, *tile_sizes: dict):
     """Sort the T*k pairs by expert slot and cut each slot's run into tiles, on the device.
 
     Returns pair [T*k] int32 (pair indices, sorted by slot; pairs whose id has no expert last, in no
@@ -255,11 +279,9 @@ def _schedule(ids: torch.Tensor, keys: list[int], rows: int, *tile_sizes: dict):
     """
     dev = ids.device
     n = len(keys)
-    lut = torch.full((keys[-1] + 2,), n, dtype=torch.int64)
-    lut[keys] = torch.arange(n)
     flat = ids.reshape(-1).to(torch.int64)
     flat = torch.where((flat >= 0) & (flat <= keys[-1]), flat, keys[-1] + 1)
-    slot = _to_device(lut, dev)[flat]  # [T*k], n = no expert
+    slot = lut[flat]  # [T*k], n = no expert
     pair = torch.argsort(slot, stable=True)
     counts = torch.bincount(slot, minlength=n + 1)[:n]  # [slots]
     starts = torch.cumsum(counts, 0) - counts

@@ -42,10 +42,23 @@ def model_options(f):
         click.option("--repack/--no-repack", "repack", default=True, show_default=True,
                      help="Rewrite Q4_K and Q8_0 weights held in RAM into the CPU kernels' interleaved layout at load "
                           "(faster; llama.cpp's repack). Experts in the file's map are read as stored."),
-        click.option("--device", default="cpu", show_default=True, help="Compute device (only cpu runs today)."),
-        click.option("--gpus", default=None, help="CUDA devices, e.g. 0,1 (llama.cpp's meaning)."),
+        click.option("--device", default="cpu", show_default=True,
+                     help="Compute device: cpu, cuda:N, or standin:N (the CPU standing in for a GPU: the GPU "
+                          "code path with the host as its device, for testing placements without one)."),
+        click.option("--gpus", default=None,
+                     help="CUDA devices in PCI bus order, one stage each, e.g. 0,1 (llama.cpp's meaning; "
+                          "the same as --devices cuda:0,cuda:1)."),
         click.option("--devices", default=None,
-                     help="One stage per device, in layer order, in this process, e.g. cpu,cpu."),
+                     help="One stage per device, in layer order, in this process, e.g. cpu,cpu or "
+                          "cuda:0,cuda:1 (a device named twice holds two stages)."),
+        click.option("--miss-path", type=click.Choice(["auto", "fetch", "home"]), default="auto",
+                     show_default=True,
+                     help="GPU stages: an expert-cache miss is paged in to the GPU (fetch), computed by the CPU "
+                          "where it lives (home), or whichever the cost model says is faster (auto)."),
+        click.option("--h2d-bw", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="Host-to-GPU copy bandwidth in GB/s for the cost model (default: measured)."),
+        click.option("--vram-bw", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="GPU memory bandwidth in GB/s for the cost model (default: NVML's figure)."),
         click.option("--tensor-split", default=None,
                      help="Share of the layers per stage, e.g. 3,1 (llama.cpp's meaning; default: equal on CPUs)."),
         click.option("--pipeline-rank", type=click.IntRange(min=0), default=0, envvar="RANK", show_default=True,
@@ -114,9 +127,21 @@ def sampling_params(kw: dict, with_max_tokens: bool = True):
 
 
 RUNTIME_OPTIONS = ("model", "ctx_size", "ubatch", "threads", "dtype", "expert_cache_mib", "expert_cache_slots",
-                   "cache_policy", "cache_prefill", "prefetch", "use_mmap", "repack", "device", "gpus", "ram_budget", "vram_budget", "n_cpu_moe",
-                   "override_tensor", "print_plan", "devices", "tensor_split", "pipeline_rank", "pipeline_world_size",
-                   "master_addr", "master_port", "pipeline_timeout")
+                   "cache_policy", "cache_prefill", "prefetch", "use_mmap", "repack", "device", "gpus", "ram_budget",
+                   "vram_budget", "n_cpu_moe", "override_tensor", "print_plan", "devices", "tensor_split",
+                   "pipeline_rank", "pipeline_world_size", "master_addr", "master_port", "pipeline_timeout",
+                   "miss_path", "h2d_bw", "vram_bw")
+
+
+def gpu_devices(gpus: str) -> tuple[str, ...]:
+    """llama.cpp's --gpus 0,1 -> ('cuda:0', 'cuda:1'), numbered in PCI bus order (set before CUDA starts)."""
+    from moerun import device
+
+    device.set_pci_order()
+    try:
+        return tuple(f"cuda:{int(i)}" for i in gpus.split(","))
+    except ValueError:
+        raise click.UsageError(f"--gpus {gpus}: give CUDA device numbers, e.g. 0,1") from None
 
 
 def _split_list(text: str | None, convert, flag: str) -> tuple | None:
@@ -138,16 +163,11 @@ def runtime_config(kw: dict):
     from moerun.placement.planner import parse_device, parse_override
 
     o = {name: kw.pop(name) for name in RUNTIME_OPTIONS}
+    devices = _split_list(o["devices"], parse_device, "--devices") or ()
     if o["gpus"] is not None:
-        import os
-
-        os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # --gpus 0,1 numbers GPUs as nvidia-smi does
-        import torch
-
-        if not torch.cuda.is_available():
-            raise MoerunError(f"--gpus {o['gpus']}: no CUDA device is available here; run on the CPU with "
-                              "--device cpu")
-        raise MoerunError("GPU execution is not implemented yet; run on the CPU with --device cpu")
+        if devices:
+            raise click.UsageError("give --gpus or --devices, not both")
+        devices = gpu_devices(o["gpus"])
     try:
         overrides = tuple(pair for spec in o["override_tensor"] for pair in parse_override(spec))
         cfg = RuntimeConfig(
@@ -159,10 +179,11 @@ def runtime_config(kw: dict):
             cache_policy=o["cache_policy"], cache_prefill=o["cache_prefill"], prefetch=o["prefetch"],
             mmap=o["use_mmap"], repack=o["repack"],
             n_cpu_moe=o["n_cpu_moe"], override_tensor=overrides,
-            devices=_split_list(o["devices"], parse_device, "--devices") or (),
+            devices=devices,
             tensor_split=_split_list(o["tensor_split"], float, "--tensor-split"),
             pipeline_rank=o["pipeline_rank"], pipeline_world_size=o["pipeline_world_size"],
-            master_addr=o["master_addr"], master_port=o["master_port"], pipeline_timeout=o["pipeline_timeout"])
+            master_addr=o["master_addr"], master_port=o["master_port"], pipeline_timeout=o["pipeline_timeout"],
+            miss_path=o["miss_path"], h2d_gbps=o["h2d_bw"], vram_gbps=o["vram_bw"])
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if cfg.pipeline_rank > 0:
@@ -201,16 +222,18 @@ def _trace(eng, path: Path | None):
 
 def _log(rt, timings, verbose: bool) -> None:
     """llama.cpp's timing lines, then the expert cache's (its figures since the last report): one line per
-    stage when there are several, then their total."""
+    stage when there are several, then their total; a lone stage on a device (GPU) names it."""
     from moerun.experts.stats import CacheStats
 
     lines = timings.log_lines()
     stages = rt.stage_stats(reset=True)
     if stages:
-        if len(stages) > 1:
-            lines += [s.summary_line().replace("expert cache:", f"expert cache, {label}:", 1) for label, s in stages]
         total = sum((s for _, s in stages), CacheStats())
-        lines.append(total.summary_line())
+        named = len(stages) > 1 or not stages[0][0].startswith("stage 0 (cpu")
+        if named:
+            lines += [s.summary_line().replace("expert cache:", f"expert cache, {label}:", 1) for label, s in stages]
+        if len(stages) > 1 or not named:
+            lines.append(total.summary_line())
         if verbose:
             lines += total.per_layer_lines()
     for line in lines:

@@ -111,6 +111,7 @@ class SamplingParams:
 
 
 CACHE_POLICIES = ("lru", "lfu", "lfru")
+MISS_PATHS = ("auto", "fetch", "home")
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,12 @@ class RuntimeConfig:
     Stages: `devices` splits the layers over several devices in this process (('cpu', 'cpu') is how a split
     is tested without GPUs); `pipeline_world_size` > 1 puts one stage in each of that many processes joined
     by torch.distributed (this one is `pipeline_rank`; rank 0 owns sampling). `tensor_split`: one proportion
-    per stage (llama.cpp's --tensor-split); None: equal on CPUs, by free memory on GPUs.
+    per stage (llama.cpp's --tensor-split); None: equal on CPUs, by free memory on GPUs. Devices are 'cpu',
+    GPUs 'cuda:N', or the CPU standing in for a GPU, 'standin:N' (moerun.device), all of one kind.
+
+    miss_path: on a device stage, whether a cache miss is paged in ("fetch"), computed by the CPU where it
+    lives ("home"), or whichever the cost model says is faster ("auto"). h2d_gbps / vram_gbps: given figures
+    for the cost model (else measured on a GPU, or NVML's, or defaults).
     """
 
     model: str | None = None  # GGUF file or HF folder; None: the built-in default model
@@ -150,14 +156,34 @@ class RuntimeConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     pipeline_timeout: float = 120.0  # seconds: joining the group, and waiting on another rank during a step
+    miss_path: str = "auto"
+    h2d_gbps: float | None = None
+    vram_gbps: float | None = None
 
     def __post_init__(self) -> None:
+        from moerun.device import canonical
+
         problems = []
-        for d in (self.device, *self.devices):
-            if d != "cpu":
-                problems.append(f"device {d!r}: only 'cpu' runs today (GPU execution is not implemented yet)")
         if not isinstance(self.devices, tuple):
             problems.append(f"devices must be a tuple, got {self.devices!r}")
+        else:
+            try:
+                object.__setattr__(self, "device", canonical(self.device))
+                object.__setattr__(self, "devices", tuple(canonical(d) for d in self.devices))
+            except (ValueError, TypeError) as e:
+                problems.append(str(e))
+            kinds = {d.split(":")[0] for d in self.stage_devices}
+            if len(kinds) > 1:
+                problems.append(f"the stages' devices must be of one kind (all cpu, all cuda or all standin), got "
+                                f"{list(self.stage_devices)}")
+            elif kinds != {"cpu"} and self.pipeline_world_size > 1:
+                problems.append("a pipeline over processes runs on the CPU only")
+        if self.miss_path not in MISS_PATHS:
+            problems.append(f"miss_path must be one of {', '.join(MISS_PATHS)}, got {self.miss_path!r}")
+        for name in ("h2d_gbps", "vram_gbps"):
+            v = getattr(self, name)
+            if v is not None and not (_is_number(v) and v > 0):
+                problems.append(f"{name} must be a positive number of GB/s, got {v!r}")
         w, r = self.pipeline_world_size, self.pipeline_rank
         if not (_is_int(w) and w >= 1 and _is_int(r) and 0 <= r < w):
             problems.append(f"pipeline rank {r!r} must be in 0..world size - 1 (world size {w!r}, at least 1)")

@@ -21,7 +21,7 @@ with a PipelineError naming it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -173,10 +173,8 @@ def stage_weights(path: str | Path, layers: tuple[int, int], dtype: torch.dtype,
 
 
 def stage_pool(model: MoEModel, n_tokens: int) -> KVPool:
-    """A KV pool for the model's own layers only (its KV index i - model.first)."""
-    a, b = model.first, model.stop
-    spec = replace(model.spec, n_layers=b - a, moe_layers=model.spec.moe_layers[a:b])
-    return KVPool(spec, n_tokens, dtype=model.dtype)
+    """A KV pool for the model's own layers only."""
+    return KVPool(model.spec, n_tokens, dtype=model.dtype, segments=[(model.first, model.stop, "cpu")])
 
 
 class StageEngine(Engine):
@@ -197,9 +195,13 @@ class StageEngine(Engine):
 class PipelineModel(StagedModel):
     """Rank 0's model: its own stage here, the others' on ranks 1.. (see the module docstring)."""
 
-    def __init__(self, model: MoEModel, stage: Stage, link: Link):
-        super().__init__(model, [stage])
+    def __init__(self, stage: Stage, link: Link):
+        super().__init__([stage])
         self.link, self.stopped = link, False
+
+    @property
+    def logits_device(self) -> torch.device:
+        return torch.device("cpu")  # the last rank sends them here
 
     @torch.inference_mode()
     def _run(self, tokens, pos, kv, phase, last_only):
@@ -211,7 +213,7 @@ class PipelineModel(StagedModel):
             groups = tuple(Group(int(p), 1, tuple(k.blocks)) for p, k in zip(pos, kv))
         else:
             groups = (Group(int(pos[0]), len(pos), tuple(kv.blocks)),)
-        pool_tokens = 0 if kv is None else kvs[0].pool.k.shape[1]
+        pool_tokens = 0 if kv is None else kvs[0].pool.n_slots
         step = Step(phase, last_only and not isinstance(kv, list), isinstance(kv, list), groups, pool_tokens)
         header, payload = step.encode()
         for r in range(1, link.world):
@@ -300,7 +302,7 @@ def serve_stage(cfg: RuntimeConfig, link: Link, model: MoEModel, stage: Stage) -
         if payload.numel():
             link.recv(payload, 0, "receiving a step")
         step = Step.decode(header, payload)
-        if step.pool_tokens and (pool is None or pool.k.shape[1] != step.pool_tokens):
+        if step.pool_tokens and (pool is None or pool.n_slots != step.pool_tokens):
             pool = None
             pool = stage_pool(model, step.pool_tokens)
             pool.allocator = _HandedBlocks(pool.allocator.n_blocks)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,17 +69,18 @@ def expert_reader(arch: Arch) -> ExpertReader | None:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, kernels: bool = True,
-               home: str = "auto", interleave: bool = True) -> Loaded:
+               home: str = "auto", interleave: bool | Callable[[CName], bool] = True) -> Loaded:
     """kernels=False runs quantized weights through the torch reference (dequantize per use).
     home: "auto", "ram" (llama.cpp's --no-mmap) or "mmap" (see weights_home).
     interleave: with the CPU kernels, rewrite the Q4_K matrices moerun owns into their faster interleaved
-    layout (experts too when home is RAM; see interleave_for_kernels)."""
+    layout (experts too when home is RAM; see interleave_for_kernels); a function of the canonical name
+    chooses which."""
     mf = open_model(path)
     arch = resolve(mf)
     in_ram = weights_home(mf, home) == "ram"
     weights = load_weights(mf, arch, copy_experts=in_ram)
     if kernels and interleave:
-        interleave_for_kernels(weights, experts=in_ram)
+        interleave_for_kernels(weights, experts=in_ram, keep=None if interleave is True else interleave)
     reader = None if in_ram else expert_reader(arch)
     loaded = Loaded(mf, arch, MoEModel(arch.spec, weights, dtype=dtype, kernels=kernels, expert_reader=reader))
     gc.freeze()  # the model's thousands of objects live as long as it: keep them out of every full collection

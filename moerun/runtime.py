@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from moerun import device
 from moerun.arch import resolve
 from moerun.builtin import DEFAULT_MODEL, default_model_path, model_path  # noqa: F401 (re-exported)
 from moerun.config import RuntimeConfig
@@ -26,11 +27,13 @@ from moerun.errors import MoerunError
 from moerun.experts.cache import ExpertCache
 from moerun.experts.stats import CacheStats
 from moerun.formats import open_model
+from moerun.formats.names import tensor_class
 from moerun.loading import load_model
 from moerun.model.moe import CachedExperts, ResidentExperts
 from moerun.model.ops import set_threads
-from moerun.placement.devices import detect
+from moerun.placement.devices import detect, with_devices
 from moerun.placement.planner import Budgets, Plan, plan
+from moerun.runtime_device import device_stage
 from moerun.text import Tokenizer
 
 MiB = 2**20
@@ -51,6 +54,7 @@ class Runtime:
         out = []
         for k, st in enumerate(self.stages):
             if st.cache is not None:
+                st.cache.settle()  # a device stage's copy and stall times, from its finished events
                 out.append((f"stage {k} ({st.label})", st.cache.stats + CacheStats()))
                 if reset:
                     st.cache.stats.reset()
@@ -87,16 +91,25 @@ def _cache_slots(cfg: RuntimeConfig, the_plan: Plan, store, warnings: list[str])
     return None
 
 
-def make_stage(cfg: RuntimeConfig, device: str, layers: tuple[int, int], store,
-               slots: int | dict[int, int] | None) -> Stage:
-    """A stage over `layers`: its own expert cache (of the store's layers in its range) when slots are given."""
+def make_stage(cfg: RuntimeConfig, model, slots: int | dict[int, int] | None) -> Stage:
+    """A CPU stage of `model` (one MoEModel of the stage's layers): its own expert cache over its layers'
+    experts when slots are given, else every expert read where it is stored."""
+    store = model.store
     if slots is None:
-        return Stage(torch.device(device), layers, ResidentExperts(store))
-    mine = {layer: slots if isinstance(slots, int) else slots.get(layer, 0)
-            for layer in store.layers if layers[0] <= layer < layers[1]}
-    cache = ExpertCache(store, slots=mine, policy=cfg.cache_policy, device=device, prefill=cfg.cache_prefill,
+        model.experts = ResidentExperts(store)
+        return Stage(model)
+    mine = {layer: slots if isinstance(slots, int) else slots.get(layer, 0) for layer in store.layers}
+    cache = ExpertCache(store, slots=mine, policy=cfg.cache_policy, device="cpu", prefill=cfg.cache_prefill,
                         prefetch=cfg.prefetch)
-    return Stage(torch.device(device), layers, CachedExperts(cache), cache)
+    model.experts = CachedExperts(cache)
+    return Stage(model, cache)
+
+
+def _stage_models(model, the_plan: Plan) -> list:
+    """One MoEModel per stage of the plan, sharing `model`'s weights (the model itself for a single stage)."""
+    if len(the_plan.devices) == 1:
+        return [model]
+    return [model.slice(*dp.layers) for dp in the_plan.devices]
 
 
 def _prepare(cfg: RuntimeConfig) -> tuple[Path, int, Plan, str]:
@@ -107,17 +120,25 @@ def _prepare(cfg: RuntimeConfig) -> tuple[Path, int, Plan, str]:
         arch = resolve(mf)
     ctx = cfg.ctx_size or min(4096, arch.spec.context_length)
     vram = cfg.vram_budget[0] if cfg.vram_budget and len(cfg.vram_budget) == 1 else cfg.vram_budget
-    if all(d == "cpu" for d in cfg.stage_devices):
+    accel = [device.parse(d) for d in cfg.stage_devices if d != "cpu"]
+    if not accel:
         vram = None  # no GPU to budget (build() warns)
+    for dev in accel:
+        device.check(dev)  # a GPU that is not there: one line, before anything is loaded
     budgets = Budgets(devices=cfg.stage_devices, tensor_split=cfg.tensor_split, ram=cfg.ram_budget, vram=vram,
-                      ctx_size=ctx,
+                      ctx_size=ctx, ubatch=cfg.ubatch,
                       n_cpu_moe=cfg.n_cpu_moe, override_tensor=cfg.override_tensor,
                       kv_dtype_bytes=torch.finfo(getattr(torch, cfg.dtype)).bits // 8,
                       cache_slots=cfg.expert_cache_slots,
                       cache_mib=None if cfg.expert_cache_mib is None else int(cfg.expert_cache_mib))
-    the_plan = plan(arch, detect(gpus=False), budgets)
+    inventory = detect(gpus=any(d.is_cuda for d in accel))
+    if accel:
+        inventory = with_devices(inventory, cfg.stage_devices)
+    the_plan = plan(arch, inventory, budgets)
     if cfg.mmap is not None:
         home = "mmap" if cfg.mmap else "ram"
+    elif accel:  # a device stage's experts stay in RAM (pinned) when it fits; its cache is on the device
+        home = "mmap" if the_plan.home == "disk" else "ram"
     else:
         home = "mmap" if cfg.cache_requested or the_plan.home == "disk" else "ram"
     return path, ctx, the_plan, home
@@ -127,6 +148,20 @@ def plan_for(cfg: RuntimeConfig) -> Plan:
     """The placement plan `build(cfg)` follows, from the model's metadata alone (no weights read): serve
     checks it, so a model that cannot be read or placed is one error line before the server starts."""
     return _prepare(cfg)[2]
+
+
+def _interleave(cfg: RuntimeConfig, the_plan: Plan):
+    """What the loader may rewrite into the CPU kernels' layout: everything on CPU stages (with --repack); with
+    device stages only the routed experts the plan computes on the CPU alone (a device reads the file's
+    layout, and pages experts from their home)."""
+    if not cfg.repack:
+        return False
+    if all(dp.device == "cpu" for dp in the_plan.devices):
+        return True
+    on_cpu = {layer for layer in range(the_plan.devices[-1].layers[1])
+              if all(t.device == "cpu" and not t.cached for name, t in the_plan.tensors.items()
+                     if name.startswith(f"blk.{layer}.") and "_exps" in name)}
+    return lambda cn: tensor_class(cn.kind) == "routed_experts" and cn.layer in on_cpu
 
 
 def _check_kernels(loaded, warnings: list[str]) -> None:
@@ -144,21 +179,24 @@ def build(cfg: RuntimeConfig) -> Runtime:
     path, ctx, the_plan, home = _prepare(cfg)
     if cfg.pipeline_world_size > 1:
         return _build_rank0(cfg, ctx, the_plan, home)
-    loaded = load_model(path, dtype=getattr(torch, cfg.dtype), home=home, interleave=cfg.repack)
+    loaded = load_model(path, dtype=getattr(torch, cfg.dtype), home=home, interleave=_interleave(cfg, the_plan))
     warnings: list[str] = []
     _check_kernels(loaded, warnings)
-    if cfg.vram_budget is not None and all(d == "cpu" for d in cfg.stage_devices):
-        warnings.append("--vram-budget has no effect: no GPU runs this model (CPU only)")
-    slots = _cache_slots(cfg, the_plan, loaded.model.store, warnings)
-    if slots is None and cfg.prefetch:
-        warnings.append("prefetch needs an expert cache (--expert-cache-slots or --expert-cache-mib); ignored")
-    stages = [make_stage(cfg, dp.device, dp.layers, loaded.model.store, slots) for dp in the_plan.devices]
-    if len(stages) == 1:
-        model, cache = loaded.model, stages[0].cache
-        model.experts = stages[0].experts
+    models = _stage_models(loaded.model, the_plan)
+    if all(dp.device == "cpu" for dp in the_plan.devices):
+        if cfg.vram_budget is not None:
+            warnings.append("--vram-budget has no effect: no GPU runs this model (CPU only)")
+        slots = _cache_slots(cfg, the_plan, loaded.model.store, warnings)
+        if slots is None and cfg.prefetch:
+            warnings.append("prefetch needs an expert cache (--expert-cache-slots or --expert-cache-mib); ignored")
+        stages = [make_stage(cfg, m, slots) for m in models]
     else:
-        model = StagedModel(loaded.model, stages)
-        cache = StageCaches(stages) if slots is not None else None
+        if cfg.prefetch:
+            warnings.append("prefetch is not implemented for device stages yet; ignored")
+        stages = [device_stage(cfg, m, dp, the_plan, loaded.arch) for m, dp in zip(models, the_plan.devices)]
+    model = stages[0].model if len(stages) == 1 else StagedModel(stages)
+    caches = [st for st in stages if st.cache is not None]
+    cache = None if not caches else caches[0].cache if len(stages) == 1 else StageCaches(stages)
     tok = Tokenizer.from_model_file(loaded.file)
     engine = Engine(model, tok, ctx_size=ctx, ubatch=cfg.ubatch, expert_cache=cache)
     return Runtime(engine, the_plan, cache, warnings, stages)
@@ -183,8 +221,7 @@ def _join(cfg: RuntimeConfig, the_plan: Plan, home: str):
     if cfg.vram_budget is not None and all(d == "cpu" for d in cfg.stage_devices):
         warnings.append("--vram-budget has no effect: no GPU runs this model (CPU only)")
     slots = _cache_slots(cfg, the_plan, loaded.model.store, warnings)
-    stage = make_stage(cfg, cfg.device, layers, loaded.model.store, slots)
-    loaded.model.experts = stage.experts
+    stage = make_stage(cfg, loaded.model, slots)
     return link, loaded, stage, warnings
 
 
@@ -192,7 +229,7 @@ def _build_rank0(cfg: RuntimeConfig, ctx: int, the_plan: Plan, home: str) -> Run
     from moerun.distributed import PipelineModel, StageEngine
 
     link, loaded, stage, warnings = _join(cfg, the_plan, home)
-    model = PipelineModel(loaded.model, stage, link)
+    model = PipelineModel(stage, link)
     atexit.register(model.close)  # the other ranks stop when this process ends, however it ends
     engine = StageEngine(model, Tokenizer.from_model_file(loaded.file), ctx_size=ctx, ubatch=cfg.ubatch,
                          expert_cache=stage.cache)

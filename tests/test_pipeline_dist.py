@@ -100,8 +100,8 @@ def test_two_processes_logits_equal_one(rank0, tokens32):
     model, tokens = rt.engine.model, tokens32 % ref.spec.vocab
     assert [d.layers for d in rt.plan.devices] == [(0, 2), (2, 5)] and model.model.first == 0
     assert torch.equal(model.forward(tokens), ref.forward(tokens))  # no cache
-    pools = rt.engine.pool, KVPool(ref.spec, rt.engine.pool.k.shape[1])
-    assert pools[0].k.shape[0] == 2  # rank 0's KV holds its own layers only
+    pools = rt.engine.pool, KVPool(ref.spec, rt.engine.pool.n_slots)
+    assert (pools[0].first, pools[0].stop) == (0, 2)  # rank 0's KV holds its own layers only
     a, b = ([SeqKV(p, 128) for p in pools] for _ in range(2))
     for kv in b:
         kv.reserve(5)  # b takes the first block, so a's block table does not start at 0

@@ -17,7 +17,6 @@ from moerun.engine.kv_cache import KVPool, SeqKV
 from moerun.engine.pipeline import Stage, StagedModel
 from moerun.experts.stats import PHASES
 from moerun.loading import load_model
-from moerun.model.moe import ResidentExperts
 from moerun.runtime import build
 
 CPU = torch.device("cpu")
@@ -43,7 +42,7 @@ def gguf(tmp_path_factory):
 
 def split_by_cuts(model, cuts: list[int]) -> StagedModel:
     bounds = [0, *cuts, model.spec.n_layers]
-    return StagedModel(model, [Stage(CPU, (a, b), ResidentExperts(model.store)) for a, b in itertools.pairwise(bounds)])
+    return StagedModel([Stage(model.slice(a, b)) for a, b in itertools.pairwise(bounds)])
 
 
 def generate(model, prompt: torch.Tensor, n: int, pool: KVPool) -> tuple[list[int], list[torch.Tensor]]:
@@ -157,7 +156,9 @@ def test_cli_devices_reports_each_stage(gguf):
 
 
 @pytest.mark.parametrize("kw,phrase", [
-    ({"devices": ("cpu", "cuda:0")}, "only 'cpu' runs today"),
+    ({"devices": ("cpu", "cuda:0")}, "of one kind"),
+    ({"devices": ("cpu", "gpu0")}, "unknown device 'gpu0'"),
+    ({"miss_path": "never"}, "miss_path"),
     ({"devices": ("cpu", "cpu"), "tensor_split": (1.0,)}, "2 non-negative proportions"),
     ({"tensor_split": (1.0, 1.0)}, "1 non-negative proportions"),
     ({"pipeline_world_size": 2, "pipeline_rank": 2}, "pipeline rank"),
@@ -173,5 +174,4 @@ def test_runtime_config_rejects(kw, phrase):
 def test_stages_must_cover_the_layers(gguf):
     model = load_model(gguf("olmoe")).model
     with pytest.raises(ValueError, match="do not cover"):
-        StagedModel(model, [Stage(CPU, (0, 2), ResidentExperts(model.store)),
-                            Stage(CPU, (3, LAYERS), ResidentExperts(model.store))])
+        StagedModel([Stage(model.slice(0, 2)), Stage(model.slice(3, LAYERS))])

@@ -311,7 +311,7 @@ int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int
         const qk_expert_mats g = {(const uint8_t *)(uintptr_t)d->gate, d->gate_stride, (int)d->gate_type};
         const qk_expert_mats u = {(const uint8_t *)(uintptr_t)d->up, d->up_stride, (int)d->up_type};
         const qk_expert_mats dn = {(const uint8_t *)(uintptr_t)d->down, d->down_stride, (int)d->down_type};
-        rc = qk_moe_ffn(isa, xn_out, B, H, ids32, w_out, (int)d->n_used, g, u, dn, E, d->n_ff, moe_out);
+        rc = qk_moe_ffn(isa, xn_out, B, H, ids32, w_out, (int)d->n_used, g, u, dn, E, d->n_ff, moe_out, 0);
         for (int64_t i = 0; !rc && i < B * H; i++) x[i] += moe_out[i];
     }
     free(mem);

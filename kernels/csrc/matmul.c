@@ -18,6 +18,7 @@
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "pool.h"
 #include "qk.h"
@@ -245,6 +246,7 @@ typedef struct {
     const float *wts;
     float *out, *scratch;     /* scratch: rows_b floats per pair, for each of nscratch threads */
     int64_t nscratch, T;
+    int pairs;                /* out holds one weighted row per pair instead of their sum per token */
     workq qa, qb;
 } moe_ctx;
 
@@ -318,12 +320,20 @@ static void moe_down_task(void *p, int tid, int nth) {
                 }
             }
         }
-        /* Combine in the order of each token's k choices. */
+        /* Combine in the order of each token's k choices (pos < 0: a skipped pair). */
+        if (c->pairs) {
+            for (int64_t p = 0; p < c->T * c->k; p++)
+                for (int64_t r = r0; r < r1; r++)
+                    c->out[p * c->H + r] = c->pos[p] < 0 ? 0.0f : c->wts[p] * y[c->pos[p] * c->rows_b + (r - r0)];
+            continue;
+        }
         for (int64_t t = 0; t < c->T; t++) {
             for (int64_t r = r0; r < r1; r++) {
                 float acc = 0.0f;
-                for (int64_t j = 0; j < c->k; j++)
-                    acc += c->wts[t * c->k + j] * y[c->pos[t * c->k + j] * c->rows_b + (r - r0)];
+                for (int64_t j = 0; j < c->k; j++) {
+                    const int64_t s = c->pos[t * c->k + j];
+                    if (s >= 0) acc += c->wts[t * c->k + j] * y[s * c->rows_b + (r - r0)];
+                }
                 c->out[t * c->H + r] = acc;
             }
         }
@@ -338,7 +348,8 @@ static const uint8_t *expert_ptr(qk_expert_mats m, int64_t e) {
 }
 
 int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts, int k,
-               qk_expert_mats gate, qk_expert_mats up, qk_expert_mats down, int64_t E, int64_t I, float *out) {
+               qk_expert_mats gate, qk_expert_mats up, qk_expert_mats down, int64_t E, int64_t I, float *out,
+               int pairs) {
     const kernel_set *ks = qk_kernels(isa);
     const int qg = qk_qtype_index(gate.type), qu = qk_qtype_index(up.type), qd = qk_qtype_index(down.type);
     if (!ks) return QK_EISA;
@@ -349,7 +360,7 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
         I % td->blk_elems || I % step_a || H % td->rows)
         return QK_ESHAPE;
     for (int64_t p = 0; p < T * k; p++)
-        if (ids[p] < 0 || ids[p] >= E) return QK_EIDS;
+        if (ids[p] >= E) return QK_EIDS;
 
     const int nth = qk_pool_threads();
     const int64_t P = T * k;
@@ -379,9 +390,11 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
     uint8_t *xu = au != ag ? xg + T * xrow_g : xg;
     uint8_t *hq = xu + (au != ag ? T * xrow_u : T * xrow_g);
 
-    /* Group the pairs by expert: a stable counting sort keeps token order within an expert. */
+    /* Group the pairs by expert: a stable counting sort keeps token order within an expert; skipped pairs
+     * (negative ids) get no place. */
     for (int64_t e = 0; e < E; e++) cursor[e] = 0;
-    for (int64_t p = 0; p < P; p++) cursor[ids[p]]++;
+    for (int64_t p = 0; p < P; p++)
+        if (ids[p] >= 0) cursor[ids[p]]++;
     int64_t nact = 0, run = 0;
     for (int64_t e = 0; e < E; e++) {
         const int64_t n = cursor[e];
@@ -392,9 +405,17 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
         cursor[e] = run;
         run += n;
     }
-    first[nact] = P;
-    for (int64_t p = 0; p < P; p++) order[cursor[ids[p]]++] = p;
-    for (int64_t s = 0; s < P; s++) pos[order[s]] = s;
+    first[nact] = run;
+    for (int64_t p = 0; p < P; p++) {
+        pos[p] = -1;
+        if (ids[p] >= 0) order[cursor[ids[p]]++] = p;
+    }
+    for (int64_t s = 0; s < run; s++) pos[order[s]] = s;
+    if (nact == 0) { /* every pair skipped */
+        memset(out, 0, (size_t)((pairs ? T * k : T) * H) * sizeof(float));
+        free(mem);
+        return QK_OK;
+    }
     for (int64_t a = 0; a < nact; a++) {
         atomic_init(&done[a], 0);
         pg[a] = expert_ptr(gate, act_e[a]);
@@ -418,7 +439,7 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
         .h = h, .quant_h = ks->quant[ad], .hq = hq, .hrow = hrow, .done = done,
         .dot_d = ks->dot[qd], .down = pd, .nb_d = I / td->blk_elems,
         .rowb_d = I / td->blk_elems * td->blk_bytes, .H = H, .rows_b = rows_b,
-        .wts = wts, .out = out, .scratch = scratch, .nscratch = nth, .T = T,
+        .wts = wts, .out = out, .scratch = scratch, .nscratch = nth, .T = T, .pairs = pairs,
     };
     c.rows_a = rows_per_item(nact * I, nth);
     c.rows_a = (c.rows_a + step_a - 1) / step_a * step_a;

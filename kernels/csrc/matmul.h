@@ -30,9 +30,13 @@ typedef struct {
 } qk_expert_mats;
 
 /* out[T, H] = sum_j wts[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, j], j < k, summed in
- * the order of j. gate/up: [I, H] per expert, down: [H, I], each matrix kind of its own ggml type. */
+ * the order of j. gate/up: [I, H] per expert, down: [H, I], each matrix kind of its own ggml type.
+ * A pair whose id is negative is skipped (it adds nothing). pairs != 0: no sum; out is [T * k, H] and row
+ * t * k + j holds wts[t, j] * down_e(...) for that pair (0 for a skipped pair), so pairs computed by several
+ * calls, summed in the order of j afterwards, give exactly the sum one call gives. */
 int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts, int k,
-               qk_expert_mats gate, qk_expert_mats up, qk_expert_mats down, int64_t E, int64_t I, float *out);
+               qk_expert_mats gate, qk_expert_mats up, qk_expert_mats down, int64_t E, int64_t I, float *out,
+               int pairs);
 
 /* W[N, K] of GGUF type Q4_K into the interleaved layout `to` (GGML_Q4_K_R8; N a multiple of 8), and back
  * (qk_unpack, `from` the interleaved type). src and dst must not overlap; same byte count both ways (r8.c). */

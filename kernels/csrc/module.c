@@ -120,14 +120,15 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
 }
 
 /* moe_ffn(isa, x, T, H, ids, wts, k, gate, gate_stride, gate_type, up, up_stride, up_type, down, down_stride,
- *         down_type, E, I, out): see qk_moe_ffn; each matrix kind is (base, stride, type) as qk_expert_mats. */
+ *         down_type, E, I, out, pairs=0): see qk_moe_ffn; each matrix kind is (base, stride, type) as
+ *         qk_expert_mats. */
 static PyObject *py_moe_ffn(PyObject *self, PyObject *args) {
     (void)self;
-    int isa, k, gt, ut, dt;
+    int isa, k, gt, ut, dt, pairs = 0;
     unsigned long long x, ids, wts, gate, up, down, out;
     long long T, H, E, I, gs, us, ds;
-    if (!PyArg_ParseTuple(args, "iKLLKKiKLiKLiKLiLLK", &isa, &x, &T, &H, &ids, &wts, &k, &gate, &gs, &gt, &up,
-                          &us, &ut, &down, &ds, &dt, &E, &I, &out))
+    if (!PyArg_ParseTuple(args, "iKLLKKiKLiKLiKLiLLK|i", &isa, &x, &T, &H, &ids, &wts, &k, &gate, &gs, &gt, &up,
+                          &us, &ut, &down, &ds, &dt, &E, &I, &out, &pairs))
         return NULL;
     if (gs < 0 || us < 0 || ds < 0) return raise_code(QK_ESHAPE);
     const qk_expert_mats g = {(const uint8_t *)(uintptr_t)gate, gs, gt};
@@ -135,7 +136,8 @@ static PyObject *py_moe_ffn(PyObject *self, PyObject *args) {
     const qk_expert_mats d = {(const uint8_t *)(uintptr_t)down, ds, dt};
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = qk_moe_ffn(isa, (const float *)(uintptr_t)x, T, H, (const int32_t *)(uintptr_t)ids,
-                                          (const float *)(uintptr_t)wts, k, g, u, d, E, I, (float *)(uintptr_t)out);
+                                          (const float *)(uintptr_t)wts, k, g, u, d, E, I, (float *)(uintptr_t)out,
+                                          pairs);
     Py_END_ALLOW_THREADS return raise_code(rc);
 }
 
@@ -263,7 +265,7 @@ static PyMethodDef methods[] = {
     {"matmul", py_matmul, METH_VARARGS, "matmul(isa, ggml, w, N, K, x, T, out)"},
     {"moe_ffn", py_moe_ffn, METH_VARARGS,
      "moe_ffn(isa, x, T, H, ids, wts, k, gate, gate_stride, gate_type, up, up_stride, up_type, down, "
-     "down_stride, down_type, E, I, out)"},
+     "down_stride, down_type, E, I, out, pairs=0)"},
     {"dequant_rows", py_dequant_rows, METH_VARARGS, "dequant_rows(ggml, w, N, K, rows, n, out)"},
     {"attn_fields", py_attn_fields, METH_NOARGS, "Field names of the attention block's layer descriptor."},
     {"attn_block", py_attn_block, METH_VARARGS,

@@ -51,7 +51,12 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.expert_cache = expert_cache  # the model's expert cache, when it has one (for its statistics)
         self.ctx_size, self.ubatch = ctx_size, ubatch
-        self.pool = KVPool(model.spec, ctx_size, dtype=model.dtype)
+        self.pool = KVPool(model.spec, ctx_size, dtype=model.dtype, segments=model.kv_segments)
+
+    @property
+    def device_label(self) -> str:
+        """The kind of device holding the KV cache (of the first layers): cpu, cuda."""
+        return self.pool.segments[0][2].device.type
 
     def new_sequence(self) -> Sequence:
         return Sequence(SeqKV(self.pool, self.ctx_size))
@@ -62,7 +67,7 @@ class Engine:
         if self.pool.allocator.n_free != self.pool.allocator.n_blocks:
             raise RuntimeError("resize_pool with sequences still holding KV blocks")
         self.pool = None  # the old pool's memory goes before the new one is allocated
-        self.pool = KVPool(self.model.spec, n_tokens, dtype=self.model.dtype)
+        self.pool = KVPool(self.model.spec, n_tokens, dtype=self.model.dtype, segments=self.model.kv_segments)
 
     def reuse_prefix(self, seq: Sequence, prompt: list[int]) -> list[int]:
         """Cut `seq` back to its longest common prefix with `prompt` -> the prompt tokens still to run
@@ -98,7 +103,7 @@ class Generation:
 
     def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams, seq: Sequence):
         self.engine, self.prompt, self.params, self.seq = engine, prompt, params, seq
-        self.sampler = Sampler(params, engine.model.spec.vocab)
+        self.sampler = Sampler(params, engine.model.spec.vocab, device=engine.model.logits_device)
         self.tokens: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None

@@ -1,8 +1,11 @@
 """KV cache in fixed-size blocks: one pool per model, a block table per sequence (vLLM's PagedAttention layout).
 
-Pool tensors are [layers, blocks * block_size, kv_heads, head_dim]; a sequence's position p lives in slot
-table[p // block_size] * block_size + p % block_size. Blocks are handed out by a BlockAllocator, so
-sequences of different lengths share one preallocated pool and freeing a sequence returns its blocks.
+A pool holds the keys and values of a range of layers (all of the model's, or one pipeline rank's), cut into
+segments: consecutive layers on one device (a stage's), each [layers, blocks * block_size, kv_heads,
+head_dim]. Layers are the model's indices. A sequence's position p lives in slot
+table[p // block_size] * block_size + p % block_size of every segment: one block table serves all devices.
+Blocks are handed out by a BlockAllocator, so sequences of different lengths share one preallocated pool
+and freeing a sequence returns its blocks.
 """
 
 from __future__ import annotations
@@ -36,14 +39,45 @@ class BlockAllocator:
 
 
 class KVPool:
+    """segments: (first layer, stop layer, torch device) of each consecutive range the pool holds, in order;
+    default: every layer of the model on `device`."""
+
     def __init__(self, spec: ModelSpec, n_tokens: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu",
+                 segments: list[tuple[int, int, str | torch.device]] | None = None):
         self.block_size = block_size
         n_blocks = -(-n_tokens // block_size)
-        shape = (spec.n_layers, n_blocks * block_size, spec.n_kv_heads, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.n_slots = n_blocks * block_size
+        segments = segments or [(0, spec.n_layers, device)]
+        if any(b <= a for a, b, _ in segments) or any(s[1] != t[0] for s, t in zip(segments, segments[1:])):
+            raise ValueError(f"KV segments must be consecutive non-empty layer ranges, got {segments}")
+        self.first, self.stop = segments[0][0], segments[-1][1]
+        self.segments = []  # (first, stop, k, v)
+        for a, b, dev in segments:
+            shape = (b - a, self.n_slots, spec.n_kv_heads, spec.head_dim)
+            self.segments.append((a, b, torch.zeros(shape, dtype=dtype, device=dev),
+                                  torch.zeros(shape, dtype=dtype, device=dev)))
+        self.dtype = dtype
         self.allocator = BlockAllocator(n_blocks)
+
+    def range(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [b - a, slots, kv_heads, head_dim] of layers [a, b), which lie in one segment (views)."""
+        for first, stop, k, v in self.segments:
+            if first <= a and b <= stop:
+                return k[a - first:b - first], v[a - first:b - first]
+        raise KeyError(f"layers {a}..{b - 1} are not in one segment of this pool ({self.first}..{self.stop - 1})")
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [slots, kv_heads, head_dim] of layer i."""
+        k, v = self.range(i, i + 1)
+        return k[0], v[0]
+
+    def device(self, i: int) -> torch.device:
+        return self.layer(i)[0].device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for _, _, k, v in self.segments)
 
     @property
     def usage(self) -> float:
@@ -58,7 +92,8 @@ class SeqKV:
         self.pool, self.max_len = pool, max_len
         self.blocks: list[int] = []
         self.length = 0
-        self._slot_index = torch.empty(0, dtype=torch.long)  # pool slot of each reserved position
+        self._slot_index = torch.empty(0, dtype=torch.long)  # pool slot of each reserved position (host)
+        self._on: dict[torch.device, torch.Tensor] = {}  # the slot index copied to each device that reads it
         self._contiguous = False  # blocks consecutive in the pool: reads are views
 
     def reserve(self, n_new: int) -> None:
@@ -72,7 +107,8 @@ class SeqKV:
             bs = self.pool.block_size
             table = torch.tensor(self.blocks, dtype=torch.long)
             pos = torch.arange(len(self.blocks) * bs)
-            self._slot_index = (table[pos // bs] * bs + pos % bs).to(self.pool.k.device)
+            self._slot_index = table[pos // bs] * bs + pos % bs
+            self._on.clear()
             self._contiguous = self.blocks == list(range(self.blocks[0], self.blocks[0] + len(self.blocks)))
 
     def truncate(self, length: int) -> None:
@@ -83,26 +119,33 @@ class SeqKV:
         self.pool.allocator.free(self.blocks)
         self.blocks, self.length = [], 0
         self._slot_index, self._contiguous = self._slot_index[:0], False
+        self._on.clear()
 
     @property
     def slot_table(self) -> torch.Tensor:
-        """int64 [reserved positions]: the pool slot of each position (what fused kernels index with)."""
+        """int64 [reserved positions] on the host: the pool slot of each position (what fused kernels index with)."""
         return self._slot_index
 
-    def _slots(self, start: int, end: int) -> torch.Tensor:
-        return self._slot_index[start:end]
+    def _slots(self, device: torch.device, start: int, end: int) -> torch.Tensor:
+        if device.type == "cpu":
+            return self._slot_index[start:end]
+        if device not in self._on:
+            self._on[device] = self._slot_index.to(device)
+        return self._on[device][start:end]
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k/v [T, kv_heads, head_dim] at positions start..start+T (reserved beforehand)."""
-        slots = self._slots(start, start + k.shape[0])
-        self.pool.k[layer].index_copy_(0, slots, k.to(self.pool.k.dtype))
-        self.pool.v[layer].index_copy_(0, slots, v.to(self.pool.v.dtype))
+        """Store k/v [T, kv_heads, head_dim] of model layer `layer` at positions start..start+T (reserved)."""
+        kc, vc = self.pool.layer(layer)
+        slots = self._slots(kc.device, start, start + k.shape[0])
+        kc.index_copy_(0, slots, k.to(kc.dtype))
+        vc.index_copy_(0, slots, v.to(vc.dtype))
 
     def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [end, kv_heads, head_dim] for positions 0..end: a view when the blocks are consecutive in
         the pool (the usual case for a single sequence), else a gather."""
+        kc, vc = self.pool.layer(layer)
         if end and self._contiguous:
             start = self.blocks[0] * self.pool.block_size
-            return self.pool.k[layer, start:start + end], self.pool.v[layer, start:start + end]
-        slots = self._slots(0, end)
-        return self.pool.k[layer].index_select(0, slots), self.pool.v[layer].index_select(0, slots)
+            return kc[start:start + end], vc[start:start + end]
+        slots = self._slots(kc.device, 0, end)
+        return kc.index_select(0, slots), vc.index_select(0, slots)

@@ -1,10 +1,12 @@
-"""Stages in one process: contiguous layer ranges, each on its device with its own expert source and cache.
+"""Stages in one process: contiguous layer ranges, each a MoEModel of its own (`MoEModel.slice`) on its device,
+with its own expert source and cache.
 
-A `StagedModel` has MoEModel's interface (forward, decode, spec, dtype, on_route) for the Engine and the
-scheduler. The embeddings run on the first stage, the head on the last; between stages only the hidden state
-moves (`x.to(next stage's device)`). Stage k's KV cache is layers [a, b) of the sequence's pool. Expert
-statistics are kept per stage (each stage's ExpertCache has its own CacheStats); `StageCaches` reads them as
-one, so totals are the sum of the stages' figures by construction.
+A `StagedModel` has MoEModel's interface (forward, decode, spec, dtype, on_route, kv_segments,
+logits_device) for the Engine and the scheduler. The embeddings run on the first stage, the head on the
+last; between stages only the hidden state moves (`x.to(next stage's device)`). Stage k's KV cache is its
+layers' segment of the sequence's pool, on its device. Expert statistics are kept per stage (each stage's
+ExpertCache has its own CacheStats); `StageCaches` reads them as one, so totals are the sum of the stages'
+figures by construction.
 """
 
 from __future__ import annotations
@@ -23,35 +25,25 @@ from moerun.model.moe import Experts
 
 @dataclass
 class Stage:
-    device: torch.device
-    layers: tuple[int, int]  # [start, stop)
-    experts: Experts  # where its layers' experts come from (its own cache when it has one)
+    model: MoEModel  # the stage's layers only (MoEModel.slice), on its device, with its expert source
     cache: ExpertCache | None = None
+
+    @property
+    def layers(self) -> tuple[int, int]:  # [start, stop)
+        return self.model.first, self.model.stop
+
+    @property
+    def device(self):
+        return self.model.dev
+
+    @property
+    def experts(self) -> Experts:
+        return self.model.experts
 
     @property
     def label(self) -> str:
         a, b = self.layers
-        return f"{self.device.type if self.device.index is None else self.device}, layers " + (
-            f"{a}-{b - 1}" if b > a else "none")
-
-
-class StageExperts:
-    """The expert source a whole model sees: each layer's fetch (and prefetch) goes to its stage's source."""
-
-    def __init__(self, stages: Sequence[Stage]):
-        self.by_layer = {i: st.experts for st in stages for i in range(*st.layers)}
-
-    def fetch(self, layer, experts, phase):
-        return self.by_layer[layer].fetch(layer, experts, phase)
-
-    @property
-    def prefetching(self) -> bool:
-        return any(getattr(src, "prefetching", False) for src in self.by_layer.values())
-
-    def prefetch(self, layer: int, guessed: list[int]) -> None:
-        src = self.by_layer.get(layer)
-        if getattr(src, "prefetching", False):
-            src.prefetch(layer, guessed)
+        return f"{self.device}, layers " + (f"{a}-{b - 1}" if b > a else "none")
 
 
 class StageStats(CacheStats):
@@ -100,13 +92,16 @@ class StageCaches:
 class StagedModel:
     """One model's layers run stage by stage in this process; see the module docstring."""
 
-    def __init__(self, model: MoEModel, stages: Sequence[Stage]):
-        covered = [i for st in stages for i in range(*st.layers)]
-        if covered != list(range(model.first, model.stop)):
-            raise ValueError(f"stages {[st.layers for st in stages]} do not cover layers {model.first}.."
-                             f"{model.stop - 1} in order")
-        self.model, self.stages = model, list(stages)
-        model.experts = StageExperts(self.stages)
+    def __init__(self, stages: Sequence[Stage]):
+        bounds = [st.layers for st in stages]
+        if not stages or any(a[1] != b[0] for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"stages {bounds} do not cover consecutive layers in order")
+        self.stages = list(stages)
+
+    @property
+    def model(self) -> MoEModel:
+        """The first stage's model (the one that embeds)."""
+        return self.stages[0].model
 
     @property
     def spec(self):
@@ -122,7 +117,16 @@ class StagedModel:
 
     @on_route.setter
     def on_route(self, fn) -> None:
-        self.model.on_route = fn
+        for st in self.stages:
+            st.model.on_route = fn
+
+    @property
+    def kv_segments(self) -> list:
+        return [seg for st in self.stages for seg in st.model.kv_segments if seg[0] < seg[1]]
+
+    @property
+    def logits_device(self) -> torch.device:
+        return self.stages[-1].model.logits_device
 
     @torch.inference_mode()
     def _run(self, tokens: torch.Tensor, pos: torch.Tensor, kv: SeqKV | list[SeqKV] | None, phase: str,
@@ -131,8 +135,8 @@ class StagedModel:
         with m.ops.step(len(tokens)):
             x = m.embed(tokens)
             for st in self.stages:
-                x = m.run_layers(x.to(st.device), pos, kv, phase, st.layers)
-            return m._head(x[-1:] if last_only else x)
+                x = st.model.run_layers(x.to(st.model.dev.torch), pos, kv, phase)
+            return self.stages[-1].model._head(x[-1:] if last_only else x)
 
     def forward(self, tokens: torch.Tensor, kv: SeqKV | None = None, last_only: bool = False,
                 phase: str | None = None) -> torch.Tensor:
@@ -156,7 +160,6 @@ class StagedModel:
         for kv in kvs:
             kv.length += 1
         return logits
-
 
 def check_decode(tokens: torch.Tensor, kvs: list[SeqKV]) -> None:
     B = len(tokens)

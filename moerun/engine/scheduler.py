@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from moerun import device
 from moerun.config import SamplingParams
 from moerun.engine.engine import Engine, Sequence, common_prefix
 from moerun.engine.kv_cache import ContextOverflowError, SeqKV
@@ -282,7 +283,7 @@ class Scheduler:
             slot.seq.free()
         slot.req, slot.todo = req, self.engine.reuse_prefix(slot.seq, req.prompt)
         req.slot, req.timings.cache_n = slot.index, len(req.prompt) - len(slot.todo)
-        slot.sampler = Sampler(req.params, self.engine.model.spec.vocab)
+        slot.sampler = Sampler(req.params, self.engine.model.spec.vocab, device=self.engine.model.logits_device)
         req.seed = slot.sampler.seed
         slot.decoder = self.engine.tokenizer.incremental_decoder(prefix_ids=req.prompt[-1:])
         slot.stops = StopChecker(req.params.stop)
@@ -298,13 +299,19 @@ class Scheduler:
         try:
             logits = forward(*args)
         except Exception as e:  # one request's failure must not stop the others
+            message = f"{type(e).__name__}: {e}"
             if isinstance(e, ModelFormatError):  # the file changed under us: every later miss would fail too
                 self.fault = self.fault or str(e)
                 log.error("reading the model failed (%s) for requests %s: %s", phase, [s.req.id for s in slots], e)
+            elif device.is_oom(e):  # this step's activations did not fit: fail its requests, keep serving
+                device.release_memory()
+                message = (f"out of device memory during {phase} of {len(slots)} request(s): {str(e).splitlines()[0]} "
+                           "(try a shorter prompt, or start the server with a smaller -ub, -c or -np)")
+                log.error("%s; requests %s", message, [s.req.id for s in slots])
             else:
                 log.exception("engine step failed (%s) for requests %s", phase, [s.req.id for s in slots])
             for slot in slots:
-                self._finish(slot, "error", f"{type(e).__name__}: {e}")
+                self._finish(slot, "error", message)
             return None
         if stats is not None:
             step = _diff(stats.get(phase=phase), before)

@@ -13,6 +13,12 @@ its views are valid until the next `fetch`, which is how the forward pass uses t
 (a store in owned RAM or of unknown origin) loads copy from where the expert lives and bypasses are
 computed there, as before.
 
+On a device stage (a GPU, or the CPU stand-in: moerun.device) the slots are device buffers and the forward
+pass asks `place` instead of `fetch`: per missed expert the cost model's choice (`choose(expert, tokens)`)
+says whether it is paged into a slot ("fetch") or computed at home by the CPU ("home"); during a bypassing
+prefill, and when every slot is pinned by the step, a fetched miss passes through the stream buffer
+(`stream`) instead of a slot. Copies run on the stage's copy stream (moerun.experts.transfer).
+
 With ``prefetch=True`` a guess of a layer's experts (``prefetch(layer, guessed)``, from the forward pass a
 layer ahead) is paged in by a background worker (moerun.experts.prefetch); ``fetch`` of that layer first
 waits for it, then scores it (precision/recall). A lock guards the slot tables; the worker reads into its
@@ -23,26 +29,43 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from moerun import device as _device
 from moerun.experts.policy import SlotTable
 from moerun.experts.prefetch import Prefetcher
 from moerun.experts.stats import CacheStats
 from moerun.experts.store import Expert, ExpertStore
-from moerun.hostmem import host_empty
+from moerun.experts.transfer import StreamBuffer, Transfers
+from moerun.placement.planner import STREAM_CHUNK
 
 PREFILL_MODES = ("bypass", "cache")
 
 
+@dataclass
+class Placement:
+    """Where one step's experts of one layer are computed (a device stage's `place`)."""
+
+    on_device: dict[int, Expert] = field(default_factory=dict)  # hits: slot views, ready now
+    paged: dict[int, Expert] = field(default_factory=dict)  # page-ins: slot views, ready after `ready`
+    ready: _device.Event | None = None
+    streamed: list[int] = field(default_factory=list)  # through the stream buffer (`ExpertCache.stream`)
+    home: dict[int, Expert] = field(default_factory=dict)  # computed by the CPU where they live
+
+
 class ExpertCache:
     def __init__(self, store: ExpertStore, slots: int | dict[int, int], policy: str = "lru",
-                 device: str | torch.device = "cpu", prefill: str = "bypass", stats: CacheStats | None = None,
-                 prefetch: bool = False):
+                 device: str | _device.Device = "cpu", prefill: str = "bypass", stats: CacheStats | None = None,
+                 prefetch: bool = False, pinned_layers: set[int] | None = None):
+        """device: where the slots are ("cpu", or a device stage's "cuda:N" / "standin:N"); pinned_layers: a
+        device stage's layers whose experts are in page-locked RAM (copied straight from there)."""
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill mode must be one of {PREFILL_MODES}, got {prefill!r}")
-        self.store, self.device, self.prefill = store, torch.device(device), prefill
+        self.dev = _device.parse(device)
+        self.store, self.device, self.prefill = store, self.dev.torch, prefill
         self.stats = stats or CacheStats()
         per_layer = slots if isinstance(slots, dict) else dict.fromkeys(store.layers, slots)
         self.tables: dict[int, SlotTable] = {}
@@ -52,12 +75,15 @@ class ExpertCache:
             if n > 0:
                 self.tables[layer] = SlotTable(n, policy)
                 nbytes = store.expert_bytes(layer)
-                self.buffers[layer] = (host_empty(n * nbytes).view(n, nbytes) if self.device.type == "cpu" else
-                                       torch.empty((n, nbytes), dtype=torch.uint8, device=self.device))
+                self.buffers[layer] = _device.empty(self.dev, n * nbytes).view(n, nbytes)
+        self.transfers = self.streamer = None
+        self._used: dict[int, _device.Event] = {}  # per layer: the compute that last read its slots
+        if self.dev.accelerator:
+            self.transfers = Transfers(store, self.dev, set(pinned_layers or ()))
+            self.streamer = StreamBuffer(self.transfers, STREAM_CHUNK)
         self._slots = {layer: [Expert.from_buffer(buf[i], store.get(layer, 0)) for i in range(len(buf))]
                        for layer, buf in self.buffers.items()}  # each slot's views, built once
         self._scratch: list[torch.Tensor] = []  # CPU buffers for bypassed experts read from the file
-        self._staging: list[torch.Tensor] = []  # the prefetch worker's own (device slots only)
         self._lock = threading.Lock()  # the slot tables, shared with the prefetch worker
         self.prefetcher = Prefetcher(self._prefetch_layer) if prefetch else None
 
@@ -103,19 +129,9 @@ class ExpertCache:
             out[e] = Expert.from_buffer(buf, like)
         return out
 
-    def _load(self, layer: int, e: int, slot: int, staging: list[torch.Tensor] | None = None) -> int:
-        dst = self.buffers[layer][slot]
-        if dst.is_cpu or self.store.reader is None:
-            return self.store.read_into(layer, e, dst)
-        if staging is None:  # a device slot: file -> host scratch -> device
-            staging = self._scratch_buffers(1, dst.numel())[0]
-        else:  # the prefetch worker's own buffer, never the forward pass's scratch
-            if not staging or staging[0].numel() < dst.numel():
-                staging[:] = [torch.empty(dst.numel(), dtype=torch.uint8)]
-            staging = staging[0][:dst.numel()]
-        n = self.store.read_into(layer, e, staging)
-        dst.copy_(staging)
-        return n
+    def _load(self, layer: int, e: int, slot: int) -> int:
+        """Expert e into a host slot: read from the file, or copied from where it lives."""
+        return self.store.read_into(layer, e, self.buffers[layer][slot])
 
     def prefetch(self, layer: int, guessed: Sequence[int]) -> None:
         """Page in a guess of ``layer``'s next step (most likely first) in the background; no-op when
@@ -135,7 +151,7 @@ class ExpertCache:
                 if load is None:
                     continue
                 evictions += load.evicted is not None
-                paged += self._load(layer, e, load.slot, staging=self._staging)
+                paged += self._load(layer, e, load.slot)
         except BaseException:
             with self._lock:  # a slot may hold a partial read: forget the layer's residents, then report
                 table.reset()
@@ -144,7 +160,9 @@ class ExpertCache:
 
     def fetch(self, layer: int, experts: list[int], phase: str) -> dict[int, Expert]:
         """expert id -> its weights for this step: a slot's views for hits and loads; for bypasses, scratch
-        views (store with a reader) or views of where they live."""
+        views (store with a reader) or views of where they live. (A device stage's cache uses `place`.)"""
+        if self.transfers is not None:
+            raise RuntimeError("fetch() is for caches whose slots are in host RAM; a device stage uses place()")
         table = self.tables.get(layer)
         t0 = time.perf_counter()
         done = None if self.prefetcher is None else self.prefetcher.wait(layer)  # never compute on a slot being written
@@ -154,7 +172,7 @@ class ExpertCache:
         waited = 0.0 if done is None else time.perf_counter() - t0
         if table is None:  # no slots for this layer: everything is computed at home
             out = self._home(layer, list(dict.fromkeys(experts)))
-            self.stats.record_step(layer, phase, hits=0, misses=len(out),
+            self.stats.record_step(layer, phase, hits=0, misses=len(out), misses_home=len(out),
                                    seconds_stalled=time.perf_counter() - t0 if self.store.reader else waited)
             return out
         with self._lock:
@@ -168,8 +186,66 @@ class ExpertCache:
             raise
         read = plan.loads or (plan.bypassed and self.store.reader is not None)
         stalled = time.perf_counter() - t0 if read else waited
-        self.stats.record_step(layer, phase, hits=len(plan.hits), misses=plan.misses,
+        self.stats.record_step(layer, phase, hits=len(plan.hits), misses=plan.misses, misses_home=len(plan.bypassed),
                                evictions=plan.evictions, bytes_paged_in=paged, seconds_stalled=stalled)
         with self._lock:
             slot_of = {e: table.slot_of(e) for e in (*plan.hits, *(ld.expert for ld in plan.loads))}
         return {e: self._slot(layer, s) for e, s in slot_of.items()} | home
+
+    # -- device stages -----------------------------------------------------------------------------------
+    def place(self, layer: int, need: dict[int, int], phase: str,
+              choose: Callable[[int, int], str]) -> Placement:
+        """A device stage's step at `layer`: need maps each distinct expert to its token count; choose(expert,
+        tokens) -> "fetch" or "home" for a miss (the cost model, or a forced mode). Page-ins are queued on the
+        copy stream here; `stream` runs the streamed ones; `computed` must follow the step's device compute."""
+        if self.transfers is None:
+            raise RuntimeError("place() is for caches whose slots are on a device stage")
+        self.transfers.settle(self.stats)
+        table, out = self.tables.get(layer), Placement()
+        fetch = {e for e, n in need.items() if (table is None or table.slot_of(e) is None) and choose(e, n) == "fetch"}
+        misses = [e for e in need if table is None or table.slot_of(e) is None]
+        home = [e for e in misses if e not in fetch]
+        bypass = phase == "prefill" and self.prefill == "bypass"
+        loads, evictions = [], 0
+        if table is not None:
+            plan = table.request(list(need), bypass_misses=bypass, admit=lambda e: e in fetch)
+            out.on_device = {e: self._slot(layer, table.slot_of(e)) for e in plan.hits}
+            loads, evictions = plan.loads, plan.evictions
+            out.streamed = [e for e in plan.bypassed if e in fetch]
+        else:
+            out.streamed = sorted(fetch)
+        paged = 0
+        if loads:
+            try:
+                paged, out.ready = self.transfers.load(layer, [(ld.expert, self.buffers[layer][ld.slot])
+                                                              for ld in loads], phase, after=self._used.get(layer))
+            except BaseException:
+                table.reset()  # a slot may hold a partial copy: forget the layer's residents, then report
+                raise
+            out.paged = {ld.expert: self._slot(layer, ld.slot) for ld in loads}
+        out.home = self._home(layer, home)
+        self.stats.record_step(layer, phase, hits=len(out.on_device), misses=len(misses), evictions=evictions,
+                               bytes_paged_in=paged, misses_home=len(home), misses_streamed=len(out.streamed))
+        return out
+
+    def wait_ready(self, placement: Placement, layer: int, phase: str) -> None:
+        """Compute queued from now on reads the placement's page-ins only once they have landed."""
+        if placement.ready is not None:
+            self.transfers.wait(placement.ready, layer, phase)
+
+    def stream(self, layer: int, experts: list[int], phase: str) -> Iterator[dict[int, Expert]]:
+        """The streamed experts of a placement, chunk by chunk through the stream buffer (views valid until the
+        next chunk is asked for)."""
+        for chunk, nbytes in self.streamer.run(layer, experts, phase):
+            self.stats.add(layer, phase, bytes_streamed=nbytes)
+            yield chunk
+
+    def computed(self, layer: int) -> None:
+        """The step's device compute at `layer` is queued: later copies into its slots wait for it."""
+        if self.transfers is not None:
+            self._used[layer] = self.transfers.mark()
+
+    def settle(self, wait: bool = True) -> None:
+        """Copy and stall times of a device stage into the statistics (after its events are done)."""
+        if self.transfers is not None:
+            self.transfers.settle(self.stats, wait=wait)

@@ -19,7 +19,7 @@ so the experts of one step are ordered as they were requested.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, runtime_checkable
 
@@ -224,9 +224,12 @@ class SlotTable:
         self.policy.on_insert(expert, prefetched=prefetched)
         return Load(expert, slot, evicted)
 
-    def request(self, experts: Sequence[int], bypass_misses: bool = False) -> StepPlan:
+    def request(self, experts: Sequence[int], bypass_misses: bool = False,
+                admit: Callable[[int], bool] | None = None) -> StepPlan:
         """One step's experts. With ``bypass_misses`` (e.g. a prefill that must not evict the decode
-        working set) residents still hit, but misses are served from the home tier without a load."""
+        working set) residents still hit, but misses are served from the home tier without a load; ``admit``
+        (expert -> bool) bypasses the misses it refuses in the same way (a miss the cost model computes at
+        home)."""
         step = tuple(dict.fromkeys(int(e) for e in experts))
         pinned = set(step)
         hits, loads, bypassed = [], [], []
@@ -235,7 +238,8 @@ class SlotTable:
                 self.policy.on_hit(e)
                 hits.append(e)
             else:
-                load = None if bypass_misses else self._place(e, pinned, prefetched=False)
+                refused = bypass_misses or (admit is not None and not admit(e))
+                load = None if refused else self._place(e, pinned, prefetched=False)
                 if load is None:
                     bypassed.append(e)
                 else:

@@ -3,8 +3,13 @@
 Definitions (one step = the experts one layer needs for one token or one batch step):
 
 - queries: distinct experts requested, summed over steps; hits + misses == queries.
+- misses_home: misses computed where the expert lives (on the CPU, from RAM or the file) instead of being
+  paged in; misses_streamed: misses a device stage passed through its prefill stream buffer (paged in for
+  one step without entering a slot). The other misses were paged into slots.
 - evictions: experts dropped from a slot to make room; bytes_paged_in: bytes copied into slots
-  (demand loads and prefetches); seconds_stalled: time compute waited on expert copies.
+  (demand loads and prefetches); bytes_streamed: bytes through the stream buffer; seconds_copy: time the
+  host-to-device copies took (device stages; their GB/s is the bytes over it); seconds_stalled: time compute
+  waited on expert copies.
 - prefetch_issued: experts guessed for a step before it ran (the guess, whether or not a copy
   was needed); prefetch_used: guessed experts the step then needed; prefetch_needed: experts
   needed by steps that had a guess. precision = used / issued, recall = used / needed.
@@ -32,6 +37,10 @@ class Counters:
     evictions: int = 0
     bytes_paged_in: int = 0
     seconds_stalled: float = 0.0
+    misses_home: int = 0
+    misses_streamed: int = 0
+    bytes_streamed: int = 0
+    seconds_copy: float = 0.0
     prefetch_issued: int = 0
     prefetch_used: int = 0
     prefetch_needed: int = 0
@@ -46,6 +55,16 @@ class Counters:
         return _ratio(self.hits, self.queries)
 
     @property
+    def home_share(self) -> float | None:
+        """Share of the misses computed at home (None without misses)."""
+        return _ratio(self.misses_home, self.misses)
+
+    @property
+    def h2d_gbps(self) -> float | None:
+        """GB/s of the host-to-device copies (slots and stream), None where none were timed."""
+        return _ratio((self.bytes_paged_in + self.bytes_streamed) / 1e9, self.seconds_copy)
+
+    @property
     def prefetch_precision(self) -> float | None:
         return _ratio(self.prefetch_used, self.prefetch_issued)
 
@@ -54,8 +73,8 @@ class Counters:
         return _ratio(self.prefetch_used, self.prefetch_needed)
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "hit_rate": self.hit_rate, "prefetch_precision": self.prefetch_precision,
-                "prefetch_recall": self.prefetch_recall}
+        return {**asdict(self), "hit_rate": self.hit_rate, "home_share": self.home_share, "h2d_gbps": self.h2d_gbps,
+                "prefetch_precision": self.prefetch_precision, "prefetch_recall": self.prefetch_recall}
 
 
 _COUNTER_NAMES = tuple(f.name for f in fields(Counters))
@@ -98,10 +117,12 @@ class CacheStats:
             setattr(c, name, getattr(c, name) + value)
 
     def record_step(self, layer: int, phase: str, hits: int, misses: int, evictions: int = 0,
-                    bytes_paged_in: int = 0, seconds_stalled: float = 0.0) -> None:
+                    bytes_paged_in: int = 0, seconds_stalled: float = 0.0, misses_home: int = 0,
+                    misses_streamed: int = 0, bytes_streamed: int = 0) -> None:
         """One step's outcome at one layer (queries = hits + misses)."""
         self.add(layer, phase, queries=hits + misses, hits=hits, misses=misses, evictions=evictions,
-                 bytes_paged_in=bytes_paged_in, seconds_stalled=seconds_stalled)
+                 bytes_paged_in=bytes_paged_in, seconds_stalled=seconds_stalled, misses_home=misses_home,
+                 misses_streamed=misses_streamed, bytes_streamed=bytes_streamed)
 
     def record_prefetch(self, layer: int, phase: str, guessed: Collection[int],
                         needed: Collection[int]) -> None:
@@ -178,7 +199,14 @@ class CacheStats:
         if not parts:
             return "expert cache: no queries"
         a = t["all"]
-        parts += [f"{_mib(a.bytes_paged_in)} paged in", f"{a.seconds_stalled:.2f} s stalled"]
+        if a.misses_home or a.misses_streamed:
+            ways = [(a.misses - a.misses_home - a.misses_streamed, "paged in"), (a.misses_streamed, "streamed"),
+                    (a.misses_home, f"computed at home ({_pct(a.home_share)})")]
+            parts.append("misses " + ", ".join(f"{n} {how}" for n, how in ways if n))
+        parts.append(f"{_mib(a.bytes_paged_in + a.bytes_streamed)} paged in")
+        if a.h2d_gbps is not None:
+            parts.append(f"h2d {a.h2d_gbps:.1f} GB/s")
+        parts.append(f"{a.seconds_stalled:.2f} s stalled")
         if a.prefetch_issued:
             parts.append(f"prefetch precision {_pct(a.prefetch_precision)} recall {_pct(a.prefetch_recall)}")
         return "expert cache: " + ", ".join(parts)

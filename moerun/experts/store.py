@@ -15,6 +15,7 @@ dropping it would only make the next miss go to disk.
 
 from __future__ import annotations
 
+import copy
 import os
 import weakref
 from dataclasses import dataclass
@@ -156,6 +157,14 @@ class ExpertStore:
     @property
     def layers(self) -> list[int]:
         return sorted(self._stacks)
+
+    def subset(self, a: int, b: int) -> ExpertStore:
+        """The same store restricted to layers [a, b) (one stage's), sharing the buffers and the reader."""
+        s = copy.copy(self)
+        s._stacks = {layer: v for layer, v in self._stacks.items() if a <= layer < b}
+        s._owned = {layer: v for layer, v in self._owned.items() if a <= layer < b}
+        s._experts = {layer: v for layer, v in self._experts.items() if a <= layer < b}
+        return s
 
     def n_experts(self, layer: int) -> int:
         return self._stacks[layer][0].shape[0]

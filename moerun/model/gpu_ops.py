@@ -46,6 +46,14 @@ class TritonOps(ReferenceOps):
             return self.tq.moe_ffn(x, ids, w, experts)
         return super().moe(x, ids, w, experts)
 
+    def moe_pairs(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: dict[int, Expert]
+                  ) -> torch.Tensor:
+        first = next(iter(experts.values()), None)
+        if x.dim() == 2 and first is not None and len({_kind(e) for e in experts.values()}) == 1 and \
+                self._ok(x, first.gate, first.up, first.down):
+            return self.tq.moe_ffn(x, ids, w, experts, pairs=True)
+        return super().moe_pairs(x, ids, w, experts)
+
 
 def _kind(e: Expert) -> tuple:
     """What the kernels need all experts of a call to share: type, shape and device of gate, up, down."""

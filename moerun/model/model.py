@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import torch
 
+from moerun import device
 from moerun.arch.spec import ModelSpec
 from moerun.experts.prefetch import guess_ids
 from moerun.experts.store import ExpertReader, ExpertStore
@@ -43,9 +45,10 @@ class LayerWeights:
 
 
 class MoEModel:
-    """The whole model, or one pipeline stage of it: `layers=(a, b)` holds layers [a, b) only (`weights` need
-    not have the others), the embeddings when a == 0 and the head when b == n_layers. Layer indices stay the
-    model's (expert statistics, routing traces); a stage's KV pool holds its own layers, from a."""
+    """The whole model, or one stage of it: `layers=(a, b)` holds layers [a, b) only (`weights` need not have
+    the others), the embeddings when a == 0 and the head when b == n_layers. Layer indices stay the model's
+    (expert statistics, routing traces, the KV pool). `slice` cuts a loaded model into stages; `place` moves a
+    stage's dense weights onto a device (moerun.device), whose ops then compute them."""
 
     def __init__(self, spec: ModelSpec, weights: dict[CName, QTensor], dtype: torch.dtype = torch.float32,
                  experts: Experts | None = None, kernels: bool = True, expert_reader: ExpertReader | None = None,
@@ -54,6 +57,7 @@ class MoEModel:
         self.first, self.stop = layers or (0, spec.n_layers)
         if not 0 <= self.first <= self.stop <= spec.n_layers:
             raise ValueError(f"layers {layers} are not a range within the model's {spec.n_layers}")
+        self.dev = device.CPU  # where the dense weights live and compute (`place`)
         self.ops = make_ops(kernels)  # quantized CPU kernels when built, else the torch reference
 
         def mat(kind: str, layer: int | None = None) -> Weight | None:
@@ -97,10 +101,65 @@ class MoEModel:
         self.on_route: Callable[[int, str, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
         self.fused = FusedAttention.build(self)  # small steps' attention in one C call per layer, when it applies
 
+    def slice(self, a: int, b: int) -> MoEModel:
+        """A stage of this model: layers [a, b) (within this model's), sharing their weights; the embeddings
+        when a == 0, the head when b == n_layers; its own expert source over its layers' experts."""
+        if not self.first <= a <= b <= self.stop:
+            raise ValueError(f"layers {a}..{b - 1} are not within this model's {self.first}..{self.stop - 1}")
+        m = copy.copy(self)
+        m.first, m.stop = a, b
+        m.layers = self.layers[a - self.first:b - self.first]
+        m.embd = self.embd if a == 0 else None
+        if b != self.spec.n_layers:
+            m.out_norm = m.head = None
+        m.store = self.store.subset(a, b)
+        m.experts = ResidentExperts(m.store)
+        m._next_moe = {i: j for i, j in self._next_moe.items() if a <= i < b and j < b}
+        m.on_route = None
+        m.fused = FusedAttention.build(m)
+        return m
+
+    def place(self, dev: device.Device, ops) -> None:
+        """Move this model's dense weights (its layers', and the embeddings and head it holds) into `dev`'s
+        memory, computed there by `ops`; routed experts stay in the store (the home tier). The fused C paths
+        are the CPU's and are dropped, so a stand-in device runs the same torch path as a GPU."""
+        moved: dict[int, object] = {}  # a weight shared by two fields (tied embeddings) moves once
+
+        def mv(t):
+            if t is None or id(t) in moved:
+                return t if t is None else moved[id(t)]
+            if isinstance(t, tuple):
+                return tuple(mv(x) for x in t)
+            if isinstance(t, QTensor):
+                if t.interleave and dev.is_cuda:
+                    raise ValueError("weights in the CPU kernels' interleaved layout cannot go to a GPU (load them "
+                                     "without repack)")
+                out = QTensor(device.to_device(t.data, dev), t.qtype, t.shape, t.interleave)
+            else:
+                out = device.to_device(t, dev)
+            moved[id(t)] = out
+            return out
+
+        for lw in self.layers:
+            for f in fields(lw):
+                setattr(lw, f.name, mv(getattr(lw, f.name)))
+        self.embd, self.head, self.out_norm = mv(self.embd), mv(self.head), mv(self.out_norm)
+        self.dev, self.ops, self.fused = dev, ops, None
+
+    @property
+    def kv_segments(self) -> list[tuple[int, int, torch.device]]:
+        """What the KV pool holds for this model: its layers, on its device."""
+        return [(self.first, self.stop, self.dev.torch)]
+
+    @property
+    def logits_device(self) -> torch.device:
+        return self.dev.torch
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         cpu = getattr(self.ops, "cpu", None)
         if cpu is not None and cpu.supports(self.embd.qtype) and self.embd.data.is_cpu:
             return cpu.dequant_rows(self.embd, tokens).to(self.dtype)  # [T, H], the values gguf.quants gives
+        tokens = tokens.to(self.embd.data.device)
         rows = QTensor(self.embd.data[tokens], self.embd.qtype, (len(tokens), self.spec.hidden))
         return rows.dequantize(self.dtype)  # [T, H]
 
@@ -119,9 +178,9 @@ class MoEModel:
         k_pos = pos
         if kv is not None:  # append to the cache, attend over everything cached so far
             start, end = int(pos[0]), int(pos[-1]) + 1
-            kv.write(i - self.first, start, k, v)
-            k, v = kv.read(i - self.first, end)  # [end, kv_heads, D]
-            k_pos = torch.arange(end)
+            kv.write(i, start, k, v)
+            k, v = kv.read(i, end)  # [end, kv_heads, D]
+            k_pos = torch.arange(end, device=x.device)
         return mm(attend(q, k, v, pos, k_pos), lw.wo)  # [T, H]
 
     def _prefetch_next(self, i: int, resid: torch.Tensor) -> None:
@@ -150,10 +209,13 @@ class MoEModel:
         lw, ops = self.layers[i - self.first], self.ops
         if self.on_route is not None:
             self.on_route(i, phase, pos, ids, w)
-        experts = self.experts.fetch(i, sorted(set(ids.view(-1).tolist())), phase)
-        if resid is not None and phase == "decode" and getattr(self.experts, "prefetching", False):
-            self._prefetch_next(i, resid)  # after this layer's fetch, so it never competes with its loads
-        out = ops.moe(x, ids, w, experts)
+        if hasattr(self.experts, "run"):  # a device stage's experts: hits, page-ins and home misses (offload.py)
+            out = self.experts.run(i, x, ids, w, phase)
+        else:
+            experts = self.experts.fetch(i, sorted(set(ids.view(-1).tolist())), phase)
+            if resid is not None and phase == "decode" and getattr(self.experts, "prefetching", False):
+                self._prefetch_next(i, resid)  # after this layer's fetch, so it never competes with its loads
+            out = ops.moe(x, ids, w, experts)
         if lw.shexp is not None:
             sh = ops.swiglu(x, *lw.shexp)
             if lw.shexp_gate is not None:
@@ -168,12 +230,12 @@ class MoEModel:
         direct = self._direct()
         a, b = layers.start - self.first, layers.stop - self.first
         if direct and all(self.fused.whole(j) for j in range(a, b)):
-            return self.fused.decode_layers(a, b, x, rows, pool.k[a:b], pool.v[a:b])  # x updated in place
+            return self.fused.decode_layers(a, b, x, rows, *pool.range(layers.start, layers.stop))  # x in place
         for i in layers:
             j = i - self.first
             lw = self.layers[j]
             whole = direct and self.fused.whole(j)
-            xn, ids, w = self.fused(j, x, rows, pool.k[j], pool.v[j], moe=whole)  # x += attention (+ experts)
+            xn, ids, w = self.fused(j, x, rows, *pool.layer(i), moe=whole)  # x += attention (+ experts)
             if not whole:
                 x += self.ops.swiglu(xn, *lw.ffn) if lw.ffn is not None else self.moe(i, xn, w, ids, phase, pos, x)
         return x
@@ -191,12 +253,13 @@ class MoEModel:
                 or not self._direct() or not all(f.whole(j) for j in range(n))):
             return None
         pool = kvs[0].pool
-        return f.decode_layers(0, n, x, f.rows([kv.slot_table for kv in kvs], pos), pool.k, pool.v, logits=True)
+        return f.decode_layers(0, n, x, f.rows([kv.slot_table for kv in kvs], pos), *pool.range(self.first, self.stop),
+                               logits=True)
 
     def _fused_ok(self, n_rows: int, kvs: list[SeqKV]) -> bool:
         pool = kvs[0].pool
-        return (self.fused is not None and self.fused.usable(n_rows, pool.k.device)
-                and pool.k.dtype == torch.float32 and all(kv.pool is pool for kv in kvs))
+        return (self.fused is not None and self.first < self.stop and self.fused.usable(n_rows, pool.device(self.first))
+                and pool.dtype == torch.float32 and all(kv.pool is pool for kv in kvs))
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None and self.fused.head is not None and x.dtype == torch.float32 and x.is_cpu:
@@ -213,6 +276,7 @@ class MoEModel:
         kvs = kv if isinstance(kv, list) else None if kv is None else [kv] * len(pos)
         if kvs is not None and self._fused_ok(len(pos), kvs):
             return self._layers_fused(x, kvs, pos, phase, span)
+        pos = pos.to(x.device)
         cos, sin = rope_tables(pos, self.spec.head_dim, self.spec.rope_theta)
         for i in span:
             lw = self.layers[i - self.first]

@@ -49,9 +49,34 @@ class ReferenceOps:
             out.index_add_(0, tok, self.swiglu(x[tok], ex.gate, ex.up, ex.down) * w[tok, slot, None])
         return out
 
+    def moe_pairs(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: dict[int, Expert],
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """Each (token, choice) pair's weighted expert output, unsummed: [T * k, H], row t * k + j =
+        w[t, j] * expert_e(x_t) for e = ids[t, j] in `experts`, 0 for pairs whose expert is not given. Pairs
+        split over several calls (and devices) and combined by `sum_pairs` give the same result as one call.
+        out: a float32 [T * k, H] buffer to write into (pinned memory for a copy to a device)."""
+        T, k = ids.shape
+        res = torch.zeros(T * k, x.shape[1], dtype=x.dtype, device=x.device)
+        for e in sorted(experts):
+            tok, slot = torch.where(ids == e)
+            if len(tok):
+                ex = experts[e]
+                res[tok * k + slot] = self.swiglu(x[tok], ex.gate, ex.up, ex.down) * w[tok, slot, None]
+        return res if out is None else out.copy_(res)
+
     def step(self, n_tokens: int):
         """Context for one forward step of n_tokens (thread budgeting; nothing to do here)."""
         return nullcontext()
+
+
+def sum_pairs(pairs: torch.Tensor, k: int) -> torch.Tensor:
+    """[T * k, H] per-pair rows -> [T, H], summed in the order of the k choices (as the CPU kernel sums), so
+    the result does not depend on which call or device computed which pair."""
+    rows = pairs.view(-1, k, pairs.shape[-1])
+    out = rows[:, 0].clone()
+    for j in range(1, k):
+        out += rows[:, j]
+    return out
 
 
 class KernelOps(ReferenceOps):
@@ -100,6 +125,17 @@ class KernelOps(ReferenceOps):
             return self.cpu.moe_ffn_experts(x.contiguous(), ids, w, experts)
         return super().moe(x, ids, w, experts)
 
+    def moe_pairs(self, x, ids, w, experts, out: torch.Tensor | None = None):
+        """As ReferenceOps.moe_pairs; out: a float32 [T * k, H] buffer for the kernels to write (pinned memory
+        for a copy to a device)."""
+        ex = next(iter(experts.values()), None)
+        if ex is not None and all(self._ok(x, t.qtype) for t in (ex.gate, ex.up, ex.down)):
+            given = torch.zeros(max(experts) + 1, dtype=torch.bool)
+            given[list(experts)] = True
+            mine = torch.where(given[ids.clamp(0, len(given) - 1)] & (ids < len(given)), ids, -1)
+            return self.cpu.moe_ffn_experts(x.contiguous(), mine, w, experts, pairs=True, out=out)
+        return super().moe_pairs(x, ids, w, experts, out)
+
 
 def set_threads(n: int) -> None:
     """One thread budget for the process (DESIGN decision 9): torch's intra-op threads and the CPU kernels'
@@ -128,6 +164,22 @@ def thread_budget(n: int):
         torch.set_num_threads(before[0])
         if before[1] is not None:
             cpu.set_threads(before[1])
+
+
+STANDIN_KERNELS_ENV = "MOERUN_STANDIN_KERNELS"  # "triton": the stand-in device runs the Triton kernels (interpreted)
+
+
+def device_ops(dev, kernels: bool = True) -> ReferenceOps:
+    """How a stage on `dev` (moerun.device.Device) multiplies its weights: the Triton kernels on a GPU
+    (reference for what they do not take); on the CPU stand-in the host's kernels, or with
+    MOERUN_STANDIN_KERNELS=triton (and TRITON_INTERPRET=1) the Triton kernels in triton's interpreter."""
+    import os
+
+    if dev.kind == "cuda" or (dev.kind == "standin" and os.environ.get(STANDIN_KERNELS_ENV) == "triton"):
+        from moerun.model.gpu_ops import TritonOps
+
+        return TritonOps() if kernels else ReferenceOps()
+    return make_ops(kernels)
 
 
 def make_ops(kernels: bool = True) -> ReferenceOps:

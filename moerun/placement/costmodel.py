@@ -82,6 +82,7 @@ GB = 1e9
 DEFAULT_DISK_GBPS = 2.0  # one NVMe SSD, sequential reads (a SATA SSD is ~0.5, the page cache ~10)
 DEFAULT_H2D_GBPS = 12.0  # PCIe 4.0 x16 pageable copies, when NVML gives no link figure
 DEFAULT_DEVICE_GBPS = 500.0  # a mid-range GPU, when NVML/torch gives no memory figure
+DEFAULT_DEVICE_FLOPS = 20e12  # the Triton kernels' float32 products on a consumer GPU, dequantizing as they go
 LINK_EFF = 0.8  # fraction of the nominal PCIe / memory figure copies and kernels reach
 # The CPU kernels stream quantized weights at ~85% of the host read bandwidth in decode: bench/kernels_cpu.py
 # measured 27 GB/s (fused MoE) and 26 GB/s (matmul) against 31.8 GB/s host read, Zen 4, 2 threads.
@@ -133,6 +134,7 @@ class Rates:
     qflops: tuple[tuple[str, Figure], ...] = ()
     h2d_gbps: Figure | None = None
     device_gbps: Figure | None = None
+    device_flops: Figure | None = None
     launch_s: Figure = Figure(DEFAULT_LAUNCH_S, "default")
     prefill_overhead_s: Figure = Figure(0.0, "default")  # per layer per prompt token (DEFAULT_... in gather)
 
@@ -264,21 +266,58 @@ def read_rate(part: Part, rates: Rates, bound: bool) -> float:
 
 
 def miss_time(bytes_e: float, n_tokens: int, hidden: int, *, home_gbps: float, link_gbps: float,
-              compute_gbps: float, launch_s: float = DEFAULT_LAUNCH_S) -> dict[str, float]:
-    """Seconds for one missed expert of `bytes_e` bytes used by `n_tokens` tokens, both ways (DESIGN's min):
-    fetch = page it in over the link, then compute on the device; home = compute where it lives, shipping
-    2 x n x hidden float32 activations over the link (and one launch)."""
-    fetch = bytes_e / (link_gbps * GB) + bytes_e / (compute_gbps * GB)
-    home = bytes_e / (home_gbps * GB) + 2 * n_tokens * hidden * 4 / (link_gbps * GB) + launch_s
+              compute_gbps: float, launch_s: float = DEFAULT_LAUNCH_S, params_e: float = 0.0,
+              home_flops: float = math.inf, device_flops: float = math.inf) -> dict[str, float]:
+    """Seconds for one missed expert of `bytes_e` bytes (`params_e` weights) used by `n_tokens` tokens, both
+    ways (DESIGN's min): fetch = page it in over the link, then compute on the device; home = compute where it
+    lives, shipping 2 x n x hidden float32 activations over the link (and one launch). Each computation takes
+    the longer of reading the bytes and doing its 2 x params x n FLOPs: decode is bandwidth-bound, a prompt
+    chunk with many tokens per expert FLOP-bound, and that is where fetching starts to pay."""
+    flops = 2 * params_e * n_tokens
+    fetch = bytes_e / (link_gbps * GB) + max(bytes_e / (compute_gbps * GB), flops / device_flops)
+    home = max(bytes_e / (home_gbps * GB), flops / home_flops) + 2 * n_tokens * hidden * 4 / (link_gbps * GB) \
+        + launch_s
     return {"fetch": fetch, "home": home}
 
 
 def miss_choice(bytes_e: float, n_tokens: int, hidden: int, *, home_gbps: float, link_gbps: float,
-                compute_gbps: float, launch_s: float = DEFAULT_LAUNCH_S) -> str:
+                compute_gbps: float, launch_s: float = DEFAULT_LAUNCH_S, params_e: float = 0.0,
+                home_flops: float = math.inf, device_flops: float = math.inf) -> str:
     """"fetch" or "home", whichever `miss_time` says is faster (ties fetch: the expert is then cached)."""
-    t = miss_time(bytes_e, n_tokens, hidden, home_gbps=home_gbps, link_gbps=link_gbps,
-                  compute_gbps=compute_gbps, launch_s=launch_s)
+    t = miss_time(bytes_e, n_tokens, hidden, home_gbps=home_gbps, link_gbps=link_gbps, compute_gbps=compute_gbps,
+                  launch_s=launch_s, params_e=params_e, home_flops=home_flops, device_flops=device_flops)
     return "fetch" if t["fetch"] <= t["home"] else "home"
+
+
+@dataclass(frozen=True)
+class MissCosts:
+    """The rates a device stage's miss path weighs (`miss_choice`), for one layer's experts: the CPU kernels
+    where the experts live (home), the host-to-device link, the device. Built by `miss_costs`."""
+
+    hidden: int
+    home_gbps: float
+    home_flops: float
+    link_gbps: float
+    device_gbps: float
+    device_flops: float
+    launch_s: float
+
+    def choose(self, bytes_e: int, params_e: int, n_tokens: int) -> str:
+        return miss_choice(bytes_e, n_tokens, self.hidden, home_gbps=self.home_gbps, link_gbps=self.link_gbps,
+                           compute_gbps=self.device_gbps, launch_s=self.launch_s, params_e=params_e,
+                           home_flops=self.home_flops, device_flops=self.device_flops)
+
+
+def miss_costs(rates: Rates, qtype: str, home_tier: str, hidden: int) -> MissCosts:
+    """MissCosts from the machine's rates for experts of `qtype` whose home is "ram" or "disk" (the file: both
+    ways then read it first)."""
+    disk = rates.disk_gbps.value if home_tier == "disk" else math.inf
+    link = (rates.h2d_gbps or Figure(DEFAULT_H2D_GBPS, "default")).value
+    return MissCosts(hidden=hidden, home_gbps=min(rates.kernel(qtype, moe=True), disk),
+                     home_flops=rates.flops(qtype), link_gbps=min(link, disk),
+                     device_gbps=(rates.device_gbps or Figure(DEFAULT_DEVICE_GBPS, "default")).value,
+                     device_flops=(rates.device_flops or Figure(DEFAULT_DEVICE_FLOPS, "default")).value,
+                     launch_s=rates.launch_s.value)
 
 
 def _miss_seconds(nbytes: float, part: Part, w: Workload, rates: Rates, bound: bool) -> float:
@@ -287,7 +326,8 @@ def _miss_seconds(nbytes: float, part: Part, w: Workload, rates: Rates, bound: b
     if part.compute == "cpu":  # the CPU runtime reads the miss into a RAM slot, then computes from it
         return nbytes / (home * GB) + nbytes / (read_rate(part, rates, bound) * GB)
     k = max(w.n_experts_used, 1)
-    t = miss_time(nbytes / k, 1, w.hidden, home_gbps=home,
+    home_rate = home if bound or part.tier == "disk" else rates.kernel(part.qtype, moe=True)  # the CPU computes it
+    t = miss_time(nbytes / k, 1, w.hidden, home_gbps=home_rate,
                   link_gbps=(rates.h2d_gbps or Figure(DEFAULT_H2D_GBPS, "default")).value,
                   compute_gbps=read_rate(part, rates, bound), launch_s=0.0 if bound else rates.launch_s.value)
     return k * min(t.values())

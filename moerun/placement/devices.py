@@ -66,11 +66,12 @@ class GPU:
     pcie_width: int | None = None  # max lanes
     mem_bus_bits: int | None = None
     mem_clock_mhz: int | None = None  # max memory clock as NVML reports it (data rate = 2x)
-    source: str = "manual"  # "nvml", "torch" or "manual"
+    source: str = "manual"  # "nvml", "torch", "standin" or "manual"
+    kind: str = "cuda"  # "cuda", or "standin" for the CPU standing in for a GPU (moerun.device)
 
     @property
     def device(self) -> str:
-        return f"cuda:{self.index}"
+        return f"{self.kind}:{self.index}"
 
     @property
     def mem_bandwidth_gbps(self) -> float | None:
@@ -97,7 +98,7 @@ class Inventory:
     gpus: tuple[GPU, ...] = ()
 
     def gpu(self, device: str) -> GPU:
-        """The GPU named 'cuda:N'; KeyError when there is none."""
+        """The GPU named 'cuda:N' (or 'standin:N'); KeyError when there is none."""
         for g in self.gpus:
             if g.device == device:
                 return g
@@ -174,21 +175,40 @@ def _torch_gpus() -> tuple[GPU, ...]:
     if not _gpu_driver_present():
         return ()
     try:
-        import torch
+        from moerun import device
 
-        if not torch.cuda.is_available():
-            return ()
-        gpus = []
-        for i in range(torch.cuda.device_count()):
-            p = torch.cuda.get_device_properties(i)
-            free, total = torch.cuda.mem_get_info(i)
-            clock_khz = getattr(p, "memory_clock_rate", None)
-            gpus.append(GPU(index=i, name=p.name, total_bytes=int(total), free_bytes=int(free),
-                            mem_bus_bits=getattr(p, "memory_bus_width", None),
-                            mem_clock_mhz=int(clock_khz) // 1000 if clock_khz else None, source="torch"))
-        return tuple(gpus)
+        return tuple(GPU(index=g.index, name=g.name, total_bytes=g.total_bytes, free_bytes=g.free_bytes,
+                         mem_bus_bits=g.mem_bus_bits, mem_clock_mhz=g.mem_clock_mhz, source="torch")
+                     for g in device.cuda_devices())
     except Exception:  # noqa: BLE001 - CUDA present but unusable: no GPUs
         return ()
+
+
+def standin_gpu(index: int) -> GPU:
+    """The CPU standing in for a GPU (moerun.device): its memory as the device module reports it."""
+    from moerun import device
+
+    free, total = device.memory(device.Device("standin", index))
+    return GPU(index=index, name="CPU stand-in", total_bytes=total, free_bytes=free, source="standin",
+               kind="standin")
+
+
+def with_devices(inv: Inventory, names: tuple[str, ...]) -> Inventory:
+    """`inv` with a stand-in GPU for every standin:N among `names` and the free memory of each CUDA device named
+    taken from the device module now (NVML's figure was read before this process used the GPU)."""
+    from dataclasses import replace
+
+    from moerun import device
+
+    gpus = {g.device: g for g in inv.gpus}
+    for name in dict.fromkeys(names):
+        dev = device.parse(name)
+        if dev.kind == "standin":
+            gpus[name] = standin_gpu(dev.index)
+        elif dev.kind == "cuda" and name in gpus:
+            free, _ = device.memory(dev)
+            gpus[name] = replace(gpus[name], free_bytes=free)
+    return replace(inv, gpus=tuple(gpus.values()))
 
 
 def detect(cpuinfo: str | Path = "/proc/cpuinfo", gpus: bool = True) -> Inventory:

@@ -14,13 +14,14 @@ import re
 from dataclasses import dataclass, field
 
 from moerun.arch.tensors import source_shape
+from moerun.device import canonical
 from moerun.errors import MoerunError
 from moerun.formats.names import tensor_class
 from moerun.placement.devices import Inventory, format_size
 from moerun.quant.ggml_types import tensor_bytes
 
 MiB = 1 << 20
-_DEV = re.compile(r"^(cpu|cuda:\d+)$")
+STREAM_CHUNK = 8  # experts per half of a device stage's prefill stream buffer (double-buffered)
 
 
 class PlanError(MoerunError):
@@ -28,12 +29,18 @@ class PlanError(MoerunError):
 
 
 def parse_device(name: str) -> str:
-    """llama.cpp's CPU / CUDA0 (or cpu / cuda:0 / cuda0) -> 'cpu' / 'cuda:0'."""
-    s = name.strip().lower()
-    m = re.fullmatch(r"cuda:?(\d+)", s)
-    if s == "cpu" or m:
-        return "cpu" if s == "cpu" else f"cuda:{int(m[1])}"
-    raise ValueError(f"unknown device {name!r} (use CPU, CUDA0, CUDA1, ... or cpu, cuda:0, ...)")
+    """llama.cpp's CPU / CUDA0 (or cpu / cuda:0 / cuda0 / standin:0) -> 'cpu' / 'cuda:0' / 'standin:0'."""
+    return canonical(name)
+
+
+def workspace_bytes(spec, ubatch: int, ctx_size: int, stream_expert_bytes: int) -> int:
+    """Device memory a stage needs besides weights, KV and slots, for one prompt chunk of `ubatch` tokens:
+    float32 activations (hidden states, q/k/v, the routed pairs' rows and hidden units), the attention mask
+    over the context (scaled_dot_product_attention's memory-efficient kernels do not materialise the scores),
+    the last token's logits, and the prefill stream's double buffer of STREAM_CHUNK experts per half."""
+    t, k = ubatch, max(spec.n_experts_used, 1)
+    act = 4 * t * (4 * spec.hidden + spec.q_dim + 2 * spec.kv_dim + k * (spec.hidden + 2 * spec.expert_ffn))
+    return act + t * ctx_size + 4 * spec.vocab + 2 * STREAM_CHUNK * stream_expert_bytes
 
 
 def parse_override(text: str) -> tuple[tuple[str, str], ...]:
@@ -54,7 +61,8 @@ def parse_override(text: str) -> tuple[tuple[str, str], ...]:
 @dataclass(frozen=True)
 class Budgets:
     """What the user allows. vram: bytes per device (one figure for all, or one per device); None: free memory.
-    ram: bytes; None: available RAM. cache_mib caps each device's expert cache; cache_slots caps slots per layer."""
+    ram: bytes; None: available RAM. cache_mib caps each device's expert cache; cache_slots caps slots per layer.
+    A device named twice holds two stages, which share its budget. ubatch: prompt chunk (device workspace)."""
 
     devices: tuple[str, ...] = ("cpu",)
     vram: int | tuple[int, ...] | None = None
@@ -66,19 +74,25 @@ class Budgets:
     n_cpu_moe: int = 0
     override_tensor: tuple[tuple[str, str], ...] = ()
     tensor_split: tuple[float, ...] | None = None
+    ubatch: int = 512
 
     def __post_init__(self):
         devs = tuple(parse_device(d) for d in self.devices)
         object.__setattr__(self, "devices", devs)
         cpu_stages = bool(devs) and set(devs) == {"cpu"}  # cpu,cpu: stages sharing the host (how splits are tested)
-        if not devs or (not cpu_stages and len(set(devs)) != len(devs)):
-            raise ValueError(f"devices must be non-empty and distinct (or all cpu), got {list(self.devices)}")
+        if not devs:
+            raise ValueError("devices must not be empty")
         if "cpu" in devs and not cpu_stages:
-            raise ValueError("the compute devices are either 'cpu' (one or more stages) or GPUs (cuda:N)")
+            raise ValueError("the compute devices are either 'cpu' (one or more stages) or GPUs (cuda:N, standin:N)")
+        if len({d.split(":")[0] for d in devs}) > 1:
+            raise ValueError(f"the stages' devices are all GPUs or all stand-ins, not both: {list(devs)}")
+        if self.ubatch <= 0:
+            raise ValueError(f"ubatch must be positive, got {self.ubatch}")
         if isinstance(self.vram, (list, tuple)):
             object.__setattr__(self, "vram", tuple(self.vram))
-            if len(self.vram) != len(devs):
-                raise ValueError(f"{len(self.vram)} VRAM budgets for {len(devs)} devices")
+            n = len(dict.fromkeys(devs))
+            if len(self.vram) != n:
+                raise ValueError(f"{len(self.vram)} VRAM budgets for {n} devices")
         for name in ("ram", "cache_mib", "cache_slots"):
             v = getattr(self, name)
             if v is not None and v < 0:
@@ -108,10 +122,11 @@ class DevicePlan:
     kv_bytes: int
     expert_slots: tuple[int, ...]  # per layer of the range; 0: experts computed at home / pinned / none
     cache_bytes: int
+    workspace_bytes: int = 0  # activations and the prefill stream buffer (device stages)
 
     @property
     def used_bytes(self) -> int:
-        return self.dense_bytes + self.kv_bytes + self.cache_bytes
+        return self.dense_bytes + self.kv_bytes + self.cache_bytes + self.workspace_bytes
 
 
 @dataclass(frozen=True)
@@ -162,15 +177,16 @@ class Plan:
                    {n: TensorPlan(**t) for n, t in d["tensors"].items()}, d["ctx_size"], d["kv_bytes_per_token"])
 
     def table(self) -> str:
-        rows = [("device", "layers", "dense", "KV", "expert slots", "cache", "budget")]
+        rows = [("device", "layers", "dense", "KV", "expert slots", "cache", "workspace", "budget")]
         for d in self.devices:
             slots = sorted({s for s in d.expert_slots})
             rows.append((d.device, f"{d.layers[0]}-{d.layers[1] - 1}" if d.layers[1] > d.layers[0] else "-",
                          format_size(d.dense_bytes), format_size(d.kv_bytes),
                          "-" if slots in ([], [0]) else "/".join(map(str, slots)) + " per layer",
-                         format_size(d.cache_bytes), format_size(d.budget)))
+                         format_size(d.cache_bytes), format_size(d.workspace_bytes) if d.workspace_bytes else "-",
+                         format_size(d.budget)))
         home = sum(t.nbytes for t in self.tensors.values() if t.tier == self.home and t.tier != "vram")
-        rows.append((f"home ({self.home})", "", "", "", "", format_size(home), format_size(self.ram_budget)
+        rows.append((f"home ({self.home})", "", "", "", "", format_size(home), "", format_size(self.ram_budget)
                      if self.home == "ram" else "mmap"))
         w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [" | ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in rows]
@@ -215,13 +231,16 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
     if set(devs) == {"cpu"}:
         return _plan_cpu(spec, info, budgets, ram_budget, kv_tok_layer, slot_b)
 
+    phys = list(dict.fromkeys(devs))  # a device named twice holds two stages sharing its budget
     try:
-        budget = {d: (b if b is not None else inventory.gpu(d).free_bytes) for d, b in
-                  zip(devs, budgets.vram if isinstance(budgets.vram, tuple) else [budgets.vram] * len(devs))}
+        free = {d: inventory.gpu(d).free_bytes for d in phys}
     except KeyError as e:
         raise PlanError(f"{e.args[0]}; use --device cpu or --gpus with the GPUs present") from None
+    given = budgets.vram if isinstance(budgets.vram, tuple) else [budgets.vram] * len(phys)
+    whole = {d: (b if b is not None else free[d]) for d, b in zip(phys, given)}
+    budget = {d: whole[d] // devs.count(d) for d in phys}
     # dense bytes each layer brings to its stage; embeddings to the first, head and output norm to the last
-    lay_dense, first, last, pinned = [0] * L, 0, 0, {d: 0 for d in devs}
+    lay_dense, first, last, pinned = [0] * L, 0, 0, {d: 0 for d in phys}
     for name, (layer, is_exp, nbytes, ov, kind) in info.items():
         if ov is not None:
             if ov != "cpu":
@@ -235,24 +254,27 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
         else:
             last += nbytes
 
-    def stage(d: str, k: int, r: tuple[int, int]) -> tuple[int, int, int]:
-        """(dense, kv, slots) of device d holding layers r; slots -1 when dense + KV do not fit."""
-        dense = pinned[d] + sum(lay_dense[r[0]:r[1]]) + (first if k == 0 else 0) + (last if k == len(devs) - 1 else 0)
+    def stage(d: str, k: int, r: tuple[int, int]) -> tuple[int, int, int, int]:
+        """(dense, kv, workspace, slots) of device d holding layers r; slots -1 when dense + KV do not fit."""
+        dense = (pinned[d] if devs.index(d) == k else 0) + sum(lay_dense[r[0]:r[1]]) + (first if k == 0 else 0) + (
+            last if k == len(devs) - 1 else 0)
         kv = budgets.ctx_size * kv_tok_layer * (r[1] - r[0])
-        left, per = budget[d] - dense - kv, sum(slot_b[r[0]:r[1]])
+        work = workspace_bytes(spec, budgets.ubatch, budgets.ctx_size, max(slot_b[r[0]:r[1]], default=0)) \
+            if r[1] > r[0] else 0
+        left, per = budget[d] - dense - kv - work, sum(slot_b[r[0]:r[1]])
         if left < 0:
-            return dense, kv, -1
+            return dense, kv, work, -1
         slots = E if per == 0 else min(E, left // per)
         if budgets.cache_slots is not None:
             slots = min(slots, budgets.cache_slots)
         if budgets.cache_mib is not None and per:
             slots = min(slots, budgets.cache_mib * MiB // per)
-        return dense, kv, slots
+        return dense, kv, work, slots
 
     ranges = _split_layers(L, list(budgets.tensor_split or [budget[d] for d in devs]))
     if budgets.tensor_split is None:  # move boundaries while it raises the smallest slot counts (maximin)
         def score(rs):
-            return sorted(stage(d, k, r)[2] for k, (d, r) in enumerate(zip(devs, rs)))
+            return sorted(stage(d, k, r)[3] for k, (d, r) in enumerate(zip(devs, rs)))
         best, improved = score(ranges), True
         while improved:
             improved = False
@@ -267,18 +289,25 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
                         ranges, best, improved = cand, s, True
     stages = []
     for k, (d, r) in enumerate(zip(devs, ranges)):
-        dense, kv, slots = stage(d, k, r)
+        dense, kv, work, slots = stage(d, k, r)
         if slots < 0:
             per_layer = (sum(lay_dense[r[0]:r[1]]) + budgets.ctx_size * kv_tok_layer * (r[1] - r[0])) / max(
                 r[1] - r[0], 1)
-            fit = max(0, int((budget[d] - (dense - sum(lay_dense[r[0]:r[1]]))) // per_layer)) if per_layer else 0
+            fit = max(0, int((budget[d] - work - (dense - sum(lay_dense[r[0]:r[1]]))) // per_layer)) if per_layer else 0
             raise PlanError(
                 f"the dense weights need {format_size(dense)} (+ {format_size(kv)} KV for --ctx-size "
-                f"{budgets.ctx_size}) but {d} has a budget of {format_size(budget[d])}: about {fit} of its "
-                f"{r[1] - r[0]} layers would fit; try -ot/--override-tensor to keep tensors on the CPU, a smaller "
-                "--ctx-size, a larger --vram-budget, more --gpus or --device cpu")
+                f"{budgets.ctx_size}, {format_size(work)} workspace for -ub {budgets.ubatch}) but {d} has a budget of "
+                f"{format_size(budget[d])}: about {fit} of its {r[1] - r[0]} layers would fit; try "
+                "-ot/--override-tensor to keep tensors on the CPU, a smaller --ctx-size or -ub, a larger "
+                "--vram-budget, more --gpus or --device cpu")
         sl = tuple(slots if cached_layer[i] else 0 for i in range(*r))
-        stages.append(DevicePlan(d, r, budget[d], dense, kv, sl, sum(s * slot_b[i] for s, i in zip(sl, range(*r)))))
+        stages.append(DevicePlan(d, r, budget[d], dense, kv, sl, sum(s * slot_b[i] for s, i in zip(sl, range(*r))),
+                                 work))
+    for d in phys:  # memory honesty: what the plan takes must be free on the device, whatever the budget says
+        mine = [st for st in stages if st.device == d]
+        used = sum(st.used_bytes for st in mine)
+        if used > free[d]:
+            raise PlanError(_overflow(d, mine, used, free[d], budgets, kv_tok_layer, slot_b))
 
     host = sum(v[2] for v in info.values() if v[3] == "cpu" or (v[1] and v[3] is None))
     home = "ram" if host <= ram_budget else "disk"
@@ -294,6 +323,29 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
             tensors[name] = TensorPlan(own, "vram", nbytes)
     return Plan(tuple(stages), home, ram_budget, host if home == "ram" else 0, tensors, budgets.ctx_size,
                 kv_tok_layer * L)
+
+
+def _overflow(d: str, mine: list[DevicePlan], used: int, free: int, budgets: Budgets, kv_tok_layer: int,
+              slot_b: list[int]) -> str:
+    """The one line for a plan that needs more of device d than is free: what it needs, and what would fit."""
+    dense = sum(st.dense_bytes for st in mine)
+    kv = sum(st.kv_bytes for st in mine)
+    work = sum(st.workspace_bytes for st in mine)
+    cache = sum(st.cache_bytes for st in mine)
+    n_layers = sum(st.layers[1] - st.layers[0] for st in mine)
+    per_slot = sum(sum(slot_b[st.layers[0]:st.layers[1]]) for st in mine)  # one more slot in every layer
+    slots = max((s for st in mine for s in st.expert_slots), default=0)
+    base = dense + kv + work  # what the plan needs without a single slot
+    if base <= free:
+        fits = [f"--expert-cache-slots {(free - base) // per_slot}"] if per_slot else []
+        fits.append(f"--vram-budget {format_size(free)} (the slots sized to it)")
+    else:
+        ctx = (free - dense - work) // (kv_tok_layer * n_layers) if n_layers else 0
+        fits = [f"-c {ctx} and no expert slots"] if 16 <= ctx < budgets.ctx_size else []
+        fits.append("fewer layers here (--tensor-split, more --gpus) or a smaller -ub")
+    return (f"the plan needs {format_size(used)} on {d} (dense {format_size(dense)}, KV {format_size(kv)} for -c "
+            f"{budgets.ctx_size}, {slots} expert slots per layer {format_size(cache)}, workspace {format_size(work)}) "
+            f"but only {format_size(free)} is free there; it fits with " + ", or ".join(fits))
 
 
 def _plan_cpu(spec, info, budgets: Budgets, ram_budget: int, kv_tok_layer: int, slot_b: list[int]) -> Plan:

@@ -85,7 +85,7 @@ class Server:
         self.tracer: ServeRouteRecorder | None = None
         self.ready: Ready | None = None
         self.load_error: BaseException | None = None
-        self.telemetry = Telemetry(self.snapshot, device=lambda: self.ready.runtime.engine.pool.k.device.type
+        self.telemetry = Telemetry(self.snapshot, device=lambda: self.ready.runtime.engine.device_label
                                    if self.ready else "cpu")
         self.throughput = ThroughputLog(self.snapshot, cfg.log_interval)
         self._stopping = False
@@ -123,7 +123,7 @@ class Server:
                 return
             loop.start()
             self.ready = Ready(rt, sched, loop, template, error)
-            kv = eng.pool.k.nbytes + eng.pool.v.nbytes
+            kv = eng.pool.nbytes
             trace = "" if self.tracer is None else f", routing trace to {self.trace_routing}"
             log.info("model loaded in %.2f s: %s, context %d tokens x %d slots (KV cache %.1f MiB), %s%s",
                      time.perf_counter() - t0, self.cfg.model_names[0], eng.ctx_size, cfg.parallel, kv / 2**20,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from moerun.arch import Arch, Source
@@ -60,12 +62,14 @@ def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False) -> dict[
     return out
 
 
-def interleave_for_kernels(weights: dict[CName, QTensor], experts: bool) -> int:
+def interleave_for_kernels(weights: dict[CName, QTensor], experts: bool,
+                           keep: Callable[[CName], bool] | None = None) -> int:
     """Rewrite, in `weights`, every matrix the CPU kernels multiply and can read faster interleaved (Q4_K,
     rows a multiple of 8) into that layout -> bytes rewritten. One tensor at a time, each original dropped as
     its copy replaces it, so memory grows by one tensor at most. Never the token embeddings (looked up by
     row); routed experts only with `experts` (when they are memory moerun owns, not views of a file map: a
-    copy would read the whole file into RAM)."""
+    copy would read the whole file into RAM). keep: only the tensors it accepts (e.g. what stays on the CPU
+    when other stages run on a device, whose kernels read the file's layout)."""
     try:
         from moerun.kernels import cpu
     except ImportError:  # a tree without the kernels module
@@ -75,7 +79,7 @@ def interleave_for_kernels(weights: dict[CName, QTensor], experts: bool) -> int:
     done = 0
     for cn in list(weights):
         t = weights[cn]
-        if cn.kind == "token_embd.weight" or not cpu.can_interleave(t):
+        if cn.kind == "token_embd.weight" or not cpu.can_interleave(t) or (keep is not None and not keep(cn)):
             continue
         if tensor_class(cn.kind) == "routed_experts" and not experts:
             continue
