@@ -60,11 +60,14 @@ def _fmt_count(n: float) -> str:
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def inspect(model: Path, as_json: bool):
-    """Describe MODEL (GGUF file or Hugging Face folder) without loading its weights."""
+    """Describe MODEL (GGUF file or Hugging Face folder; `default`: the built-in model) without loading its
+    weights."""
     from moerun.arch import resolve
     from moerun.arch.summary import summarize
+    from moerun.builtin import model_path
     from moerun.formats import open_model
 
+    model = model_path(model)
     with open_model(model) as mf:
         arch = resolve(mf)
         s = summarize(arch)

@@ -37,7 +37,8 @@ def _cache_sizes(ctx, param, values):
 
 @click.command()
 @click.option("-m", "--model", "models", multiple=True, required=True,
-              help="GGUF file or Hugging Face folder (repeat for several models).")
+              help="GGUF file or Hugging Face folder (repeat for several models; `default`: the built-in "
+                   "model).")
 @click.option("-p", "--n-prompt", multiple=True, callback=_int_lists,
               help="Prompt sizes for ppN tests; 0 skips them.  [default: 512]")
 @click.option("-n", "--n-gen", multiple=True, callback=_int_lists,
@@ -92,6 +93,7 @@ def bench(models, n_prompt, n_gen, threads, ubatch, repetitions, fmt, dtype, mea
     import psutil
 
     from moerun.bench import DEFAULT_UBATCH, run_bench
+    from moerun.builtin import model_path
     from moerun.cli_generate import gpu_devices
     from moerun.placement.devices import parse_size
     from moerun.placement.planner import parse_device
@@ -114,6 +116,7 @@ def bench(models, n_prompt, n_gen, threads, ubatch, repetitions, fmt, dtype, mea
                                    "place the model on devices: give --gpus or --devices too")
         placement.update(n_cpu_moe=n_cpu_moe, miss_path=miss_path, h2d_gbps=h2d_bw, vram_gbps=vram_bw)
 
+    models = [str(model_path(m)) for m in models]
     threads = threads or [psutil.cpu_count(logical=False) or 1]
     if any(t < 1 for t in threads) or any(u < 1 for u in (ubatch or [])):
         raise click.BadParameter("thread counts and ubatch sizes must be at least 1")

@@ -69,6 +69,20 @@ def llama_cpp_command(model: Path, threads: int, ctx: int, the_plan, n_layers: i
     return " ".join(cmd)
 
 
+def default_figures(rates, qtypes: list[str], reads_file: bool) -> list[str]:
+    """The rates lines this estimate used a built-in default for, where `--measure` would measure them (the
+    GPU figures come from NVML, not from a probe)."""
+    from moerun.placement.costmodel import F32_NAMES
+
+    out = [name for name, fig in (("host RAM read", rates.ram_gbps), ("disk (file)", rates.disk_gbps))
+           if fig.source == "default" and (reads_file or name != "disk (file)")]
+    measured = {q for q, _ in rates.kernel_gbps} & {q for q, _ in rates.qflops}
+    out += [f"kernel {q}" for q in qtypes if q not in F32_NAMES and q not in measured]
+    out += [name for name, fig in (("torch float32", rates.float_flops), ("overhead", rates.layer_overhead_s))
+            if fig.source == "default"]
+    return out
+
+
 @click.command()
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None,
@@ -106,9 +120,11 @@ def llama_cpp_command(model: Path, threads: int, ctx: int, the_plan, n_layers: i
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_mib, ctx_size, ram_bw, disk_bw, vram_bw, h2d_bw,
              measure, trace_path, n_prompt, ubatch, device, assume_gpus, as_json):
-    """Predict decode and prefill speed and memory for MODEL on this machine, without loading weights."""
+    """Predict decode and prefill speed and memory for MODEL on this machine, without loading weights
+    (`default`: the built-in model)."""
     from moerun.arch import resolve
     from moerun.arch.summary import summarize
+    from moerun.builtin import model_path
     from moerun.formats import open_model
     from moerun.placement import costmodel as cm
     from moerun.placement import probes
@@ -116,6 +132,7 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
     from moerun.placement.planner import Budgets, plan
 
     t0 = time.perf_counter()
+    model = model_path(model)
     try:
         with open_model(model) as mf:
             arch = resolve(mf)
@@ -263,5 +280,7 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
     if rates.h2d_gbps:
         e(f"  host-to-device  {rates.h2d_gbps.value:8.2f} GB/s   {rates.h2d_gbps.source}")
         e(f"  device memory   {rates.device_gbps.value:8.2f} GB/s   {rates.device_gbps.source}")
-    if "default" in rates.sources().values():
-        e("  (default figures: run `moerun estimate --measure` once to measure this machine)")
+    defaults = default_figures(rates, qtypes, reads_file=the_plan.home == "disk")
+    if defaults:
+        e(f"  (default figures for {', '.join(defaults)}: run `moerun estimate --measure` once to measure "
+          "this machine)")

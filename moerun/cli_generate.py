@@ -301,8 +301,10 @@ def run(prompt, prompt_file, no_display_prompt, as_json, trace_routing, verbose,
 @sampling_options
 @click.option("--system", default=None, help="System prompt.")
 def chat(system, trace_routing, verbose, **kw):
-    """Interactive chat with the model's chat template. Ctrl-C stops a reply, Ctrl-D exits."""
+    """Interactive chat with the model's chat template. Ctrl-C stops a reply, Ctrl-D exits, /clear forgets the
+    conversation. When it outgrows the context (-c), its oldest turns are dropped; the system prompt stays."""
     from moerun.text import ChatTemplate
+    from moerun.text.conversation import Conversation
 
     params = sampling_params(kw)
     rt = _runtime(kw)
@@ -310,21 +312,41 @@ def chat(system, trace_routing, verbose, **kw):
     tracer = _trace(eng, trace_routing)
     template = ChatTemplate.for_tokenizer(eng.tokenizer)
     seq = eng.new_sequence()
-    messages = [{"role": "system", "content": system}] if system else []
-    interactive = sys.stdin.isatty()
+    conv = Conversation(system or None)
+    # room kept for the reply when turns must go: -n tokens, at most half the context (llama.cpp's context
+    # shift frees half of it too), so a long chat does not leave each reply a few tokens
+    reserve = min(params.max_tokens, eng.ctx_size // 2)
+    interactive, said_dropping = sys.stdin.isatty(), False
+
+    def prompt(messages: list[dict]) -> list[int]:
+        return eng.tokenizer.encode(template.render(messages, add_generation_prompt=True), add_special=False)
+
     while True:
         try:
             line = input("> " if interactive else "")
         except EOFError:
+            if interactive:  # the shell's prompt starts on a line of its own
+                click.echo()
             break
         except KeyboardInterrupt:
             click.echo()
             break
         if not line.strip():
             continue
-        messages.append({"role": "user", "content": line})
-        ids = eng.tokenizer.encode(template.render(messages, add_generation_prompt=True), add_special=False)
+        if line.strip() == "/clear":
+            conv.clear()
+            seq.free()
+            click.echo("(the conversation is cleared)", err=True)
+            continue
+        before = list(conv.turns)
+        conv.turns.append({"role": "user", "content": line})
         try:
+            ids, dropped = conv.fit(prompt, eng.ctx_size - reserve)
+            if dropped and len(ids) < eng.ctx_size and not said_dropping:
+                stays = ", the system prompt stays" if conv.system else ""
+                click.echo(f"note: the conversation outgrew the context (-c {eng.ctx_size}): its oldest turns "
+                           f"are dropped{stays} (/clear starts afresh)", err=True)
+                said_dropping = True
             gen = eng.generate(ids, params, seq)
             reply = []
             try:
@@ -336,11 +358,11 @@ def chat(system, trace_routing, verbose, **kw):
                 click.echo(" [interrupted]", nl=False)
             click.echo()
             sys.stdout.flush()
-        except MoerunError as e:  # e.g. the conversation outgrew the context: say so, keep the session
+        except MoerunError as e:  # e.g. this message alone outgrows the context: say so, keep the history
             click.echo(f"error: {e}", err=True)
-            messages.pop()
+            conv.turns = before
             continue
-        messages.append({"role": "assistant", "content": "".join(reply)})
+        conv.turns.append({"role": "assistant", "content": "".join(reply)})
         _log(rt, gen.timings, verbose)
         if tracer is not None:
             tracer.request += 1

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import sys
-from pathlib import Path
 
 import click
 
@@ -44,6 +45,46 @@ def check_slots_fit(plan, parallel: int) -> None:
                       f"{format_size(plan.ram_budget)}{fit}")
 
 
+def listen(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to host:port, one per address the host resolves to (as uvicorn's own binding makes them),
+    for uvicorn to serve on: a port in use is one clear error before the model loads, not uvicorn's startup
+    failure after it."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise MoerunError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    socks: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(addresses):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # "::" next to "0.0.0.0"
+            sock.bind(address)
+    except OSError as e:
+        for sock in socks:
+            sock.close()
+        why = ("the port is in use (another server?); choose another --port" if e.errno == errno.EADDRINUSE
+               else e.strerror or str(e))
+        raise MoerunError(f"cannot listen on {host}:{port}: {why}") from None
+    return socks
+
+
+def preflight(rcfg, parallel: int) -> None:
+    """Plan the placement from the model's metadata before the server starts, so that a model that cannot be
+    read or placed (or slots that overflow --ram-budget) ends in one line, not in the server's log."""
+    from moerun.builtin import model_path
+    from moerun.runtime import plan_for
+
+    try:
+        the_plan = plan_for(rcfg)
+    except (OSError, ValueError) as e:  # what the readers raise beyond their own errors
+        raise MoerunError(f"cannot read {model_path(rcfg.model)}: {e}") from None
+    if rcfg.ram_budget is not None:
+        check_slots_fit(the_plan, parallel)
+
+
 @click.command()
 @model_options
 @_serve_sampling_options
@@ -67,17 +108,16 @@ def serve(host, port, api_key, parallel, max_queue, alias, max_body_size, cache_
     """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics."""
     import uvicorn
 
+    from moerun.builtin import model_path
     from moerun.config import ServerConfig
     from moerun.placement.devices import parse_size
-    from moerun.runtime import DEFAULT_MODEL
     from moerun.server.app import create_app
 
-    if trace_routing is not None:
-        raise click.UsageError("--trace-routing is not supported by serve yet (use run or chat)")
     max_tokens = kw.pop("max_tokens")
     defaults = sampling_params(kw, with_max_tokens=False)
     rcfg, print_plan = runtime_config(kw)
-    names = tuple(alias) or (Path(rcfg.model).name if rcfg.model else DEFAULT_MODEL,)
+    model = model_path(rcfg.model)
+    names = tuple(alias) or (model.name,)
     try:
         cfg = ServerConfig(model_names=names, host=host, port=port, api_key=api_key, parallel=parallel,
                            max_queue=max_queue, max_body_bytes=parse_size(max_body_size),
@@ -85,18 +125,25 @@ def serve(host, port, api_key, parallel, max_queue, alias, max_body_size, cache_
                            cache_prompt=cache_prompt, log_interval=log_interval)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    if trace_routing is not None and trace_routing.exists():
+        raise MoerunError(f"{trace_routing} already exists; choose another --trace-routing file")
+    socks = listen(host, port)
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S", force=True)
     log = logging.getLogger("moerun.server")
     if not cfg.loopback and cfg.api_key is None:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", host)
+    try:
+        preflight(rcfg, parallel)
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
 
     def load():
         from moerun.runtime import build
 
         rt = build(rcfg)
-        if rcfg.ram_budget is not None:
-            check_slots_fit(rt.plan, parallel)
         if print_plan:
             log.info("placement plan:\n%s", rt.plan.table())
         return rt
@@ -109,11 +156,11 @@ def serve(host, port, api_key, parallel, max_queue, alias, max_body_size, cache_
     def stop_on_error(e: BaseException) -> None:
         uv.should_exit = True
 
-    app = create_app(cfg, load, on_load_error=stop_on_error)
+    app = create_app(cfg, load, on_load_error=stop_on_error, trace_routing=trace_routing)
     uv = Uvicorn(uvicorn.Config(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5,
                                 timeout_keep_alive=30))
-    log.info("moerun serve: http://%s:%d (OpenAI API under /v1), loading %s", host, port, rcfg.model or DEFAULT_MODEL)
-    uv.run()
+    log.info("moerun serve: http://%s:%d (OpenAI API under /v1), loading %s", host, port, model)
+    uv.run(sockets=socks)
     error = app.state.server.load_error
     if error is not None:
         raise error if isinstance(error, MoerunError) else MoerunError(f"loading the model failed: {error}")

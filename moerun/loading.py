@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,11 @@ class Loaded:
 
 
 HOMES = ("auto", "ram", "mmap")
+
+# load_model's gc.freeze() keeps everything alive at that moment out of the collector for good, even through
+# the interpreter's last collection at exit: frozen objects in reference cycles are then never freed, and
+# nanobind (triton's bindings) reports each of its own as leaked. At exit they go back to the collector.
+atexit.register(gc.unfreeze)
 
 
 def weights_home(mf: ModelFile, home: str = "auto") -> str:

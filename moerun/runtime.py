@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
 import psutil
@@ -20,6 +19,7 @@ import torch
 
 from moerun import device
 from moerun.arch import resolve
+from moerun.builtin import DEFAULT_MODEL, default_model_path, model_path  # noqa: F401 (re-exported)
 from moerun.config import RuntimeConfig
 from moerun.engine.engine import Engine
 from moerun.engine.pipeline import Stage, StageCaches, StagedModel
@@ -36,15 +36,7 @@ from moerun.placement.planner import Budgets, Plan, plan
 from moerun.runtime_device import device_stage
 from moerun.text import Tokenizer
 
-DEFAULT_MODEL = "default-qwen3moe.gguf"
 MiB = 2**20
-
-
-def default_model_path() -> Path:
-    path = Path(str(resources.files("moerun") / "data" / DEFAULT_MODEL))
-    if not path.is_file():
-        raise MoerunError(f"the built-in default model is missing ({path}); pass a model with -m")
-    return path
 
 
 @dataclass
@@ -123,7 +115,7 @@ def _stage_models(model, the_plan: Plan) -> list:
 def _prepare(cfg: RuntimeConfig) -> tuple[Path, int, Plan, str]:
     """-> (model path, context size, plan, home of the routed experts)."""
     set_threads(cfg.threads or psutil.cpu_count(logical=False) or 1)  # torch's and the kernels' pools
-    path = Path(cfg.model) if cfg.model else default_model_path()
+    path = model_path(cfg.model)
     with open_model(path) as mf:  # metadata and tensor sizes only
         arch = resolve(mf)
     ctx = cfg.ctx_size or min(4096, arch.spec.context_length)
@@ -150,6 +142,12 @@ def _prepare(cfg: RuntimeConfig) -> tuple[Path, int, Plan, str]:
     else:
         home = "mmap" if cfg.cache_requested or the_plan.home == "disk" else "ram"
     return path, ctx, the_plan, home
+
+
+def plan_for(cfg: RuntimeConfig) -> Plan:
+    """The placement plan `build(cfg)` follows, from the model's metadata alone (no weights read): serve
+    checks it, so a model that cannot be read or placed is one error line before the server starts."""
+    return _prepare(cfg)[2]
 
 
 def _interleave(cfg: RuntimeConfig, the_plan: Plan):
@@ -216,7 +214,7 @@ def _join(cfg: RuntimeConfig, the_plan: Plan, home: str):
         raise MoerunError(f"pipeline rank {', '.join(map(str, empty))} would hold no layers (split "
                           f"{bounds}); use fewer processes or another --tensor-split")
     layers = (bounds[cfg.pipeline_rank], bounds[cfg.pipeline_rank + 1])
-    loaded = stage_weights(Path(cfg.model) if cfg.model else default_model_path(), layers,
+    loaded = stage_weights(model_path(cfg.model), layers,
                            getattr(torch, cfg.dtype), home, interleave=cfg.repack)
     warnings: list[str] = []
     _check_kernels(loaded, warnings)

@@ -54,6 +54,78 @@ def test_chat_context_overflow_is_reported_and_session_continues(hf_model):
     assert len(TIMING.findall(r.stderr)) == 1  # the second, short turn still ran
 
 
+EVAL = re.compile(r"^ +eval time = +[\d.]+ ms / +(\d+) tokens", re.MULTILINE)
+PROMPT_EVAL = re.compile(r"prompt eval time = +[\d.]+ ms / +(\d+) tokens")
+
+
+def test_chat_past_a_full_context_drops_the_oldest_turns_once_noted():
+    """Ten turns through -c 96: the history outgrows it after a few; every later turn is still answered, with
+    room for its whole reply (-n), and the drop is said once."""
+    turns = "".join(f"tell me about item number {i}, please\n" for i in range(10))
+    r = invoke("chat", "-c", "96", "-n", "8", "--temp", "0", "--ignore-eos", "--system", "be brief", input=turns)
+    assert r.exit_code == 0, r.output
+    assert "error" not in r.stderr
+    assert EVAL.findall(r.stderr) == ["8"] * 10
+    assert r.stderr.count("outgrew the context (-c 96)") == 1 and "the system prompt stays" in r.stderr
+
+
+def test_conversation_drops_its_oldest_turns_and_keeps_the_system_prompt():
+    from moerun.text.conversation import Conversation
+
+    def turn(role, n):
+        return {"role": role, "content": "x" * n}
+
+    def chars(messages):  # one token per character
+        return [0] * sum(len(m["content"]) for m in messages)
+
+    c = Conversation("s" * 5, [turn("user", 10), turn("assistant", 10), turn("user", 10), turn("assistant", 10),
+                               turn("user", 10)])
+    ids, dropped = c.fit(chars, 55)
+    assert (len(ids), dropped, len(c.turns)) == (55, 0, 5)  # it fits: nothing goes
+    ids, dropped = c.fit(chars, 35)
+    assert (len(ids), dropped, len(c.turns)) == (35, 2, 3)  # the oldest user message and its reply go
+    assert c.messages[0] == {"role": "system", "content": "s" * 5} and c.turns[0]["role"] == "user"
+    ids, dropped = c.fit(chars, 1)  # never the last message, nor the system prompt
+    assert (len(ids), dropped, c.turns) == (15, 2, [turn("user", 10)])
+    c.clear()
+    assert c.messages == [{"role": "system", "content": "s" * 5}]
+    assert Conversation().messages == []
+
+
+def test_chat_clear_forgets_the_history_and_its_kv():
+    """After /clear the same message gets the same reply as the first time, and its whole prompt is run again;
+    without /clear, the second message sees the first turn and reuses its KV."""
+    cleared = invoke("chat", "-n", "6", "--temp", "0", "--ignore-eos", input="hello\n/clear\nhello\n")
+    assert cleared.exit_code == 0, cleared.output
+    out = cleared.stdout
+    assert out[: len(out) // 2] == out[len(out) // 2:] and out.strip()
+    first, second = PROMPT_EVAL.findall(cleared.stderr)
+    assert first == second
+    kept = invoke("chat", "-n", "6", "--temp", "0", "--ignore-eos", input="hello\nhello\n")
+    first, second = PROMPT_EVAL.findall(kept.stderr)
+    assert int(second) < int(first) + 6  # the first turn's prompt and reply came from the KV cache
+
+
+def test_chat_ctrl_d_ends_the_prompt_line():
+    """On a terminal, Ctrl-D at the prompt leaves a newline after '> ', so the shell's prompt starts afresh."""
+    import os
+    import pty
+
+    leader, follower = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "moerun", "chat", "-n", "2"], stdin=follower,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    os.close(follower)
+    try:
+        assert p.stdout.read(2) == b"> "
+        os.write(leader, b"\x04")
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+        os.close(leader)
+    assert p.returncode == 0, err.decode()
+    assert out == b"\n"
+
+
 @pytest.mark.parametrize("args,phrase", [
     (("run", "-p", "x", "-m", "/no/such/model"), "no such file or directory"),
     (("run", "-p", "x", "--top-p", "2"), "top_p"),

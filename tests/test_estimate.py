@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 from click.testing import CliRunner
@@ -171,12 +172,22 @@ def test_bad_file_one_line_error(tmp_path):
     assert r.exit_code == 1 and r.output.startswith("error:") and len(r.output.strip().splitlines()) == 1
 
 
-def test_labels_default_cached_given_measured(tiny, cache, monkeypatch):
+def footer(r) -> str | None:
+    """The line under the rates that names the default figures, if there is one."""
+    lines = [line.strip() for line in r.output.splitlines() if line.strip().startswith("(default figures")]
+    assert len(lines) <= 1
+    return lines[0] if lines else None
+
+
+def test_labels_default_cached_given_measured(tiny, cache, monkeypatch, tmp_path):
     d = estimate_json(tiny, "-t", "1", "--device", "cpu")
     assert set(d["sources"].values()) == {"default"}
     assert d["rates"]["ram_gbps"] == bw_mod.DEFAULT_HOST_READ_GBPS
     r = estimate(tiny, "-t", "1", "--device", "cpu")
-    assert "default" in r.output and "moerun estimate --measure" in r.output
+    assert footer(r) == "(default figures for host RAM read, kernel Q8_0, torch float32, overhead: run " \
+                        "`moerun estimate --measure` once to measure this machine)"
+    r = estimate(tiny, "-t", "1", "--device", "cpu", "--expert-cache-mib", "0.1")  # misses read the file
+    assert "default figures for host RAM read, disk (file), kernel Q8_0," in footer(r)
     d = estimate_json(tiny, "-t", "1", "--ram-bw", "12.5", "--device", "cpu")
     assert d["sources"]["ram_gbps"] == "given" and d["rates"]["ram_gbps"] == 12.5
 
@@ -192,13 +203,23 @@ def test_labels_default_cached_given_measured(tiny, cache, monkeypatch):
         "layer_s": 4e-4, "token_s": 1e-4, "prefill_layer_token_s": 1e-4})
     d = estimate_json(tiny, "-t", "1", "--measure", "--device", "cpu")
     assert set(d["sources"].values()) == {"measured"}, d["sources"]
+    assert d["rates"]["disk_gbps"] == 3.0
     assert d["rates"]["ram_gbps"] == 33.0 and d["rates"]["kernel_gbps"]["Q8_0"] == 25.0
     assert d["rates"]["layer_overhead_s"] == 4e-4
     assert (cache / "hardware.json").is_file()
     d = estimate_json(tiny, "-t", "1", "--device", "cpu")
     assert d["sources"]["ram_gbps"] == "cached" and d["sources"]["layer_overhead_s"] == "cached"
-    assert d["sources"]["disk_gbps"] == "default"  # the file read is not cached: files differ
+    assert (d["sources"]["disk_gbps"], d["rates"]["disk_gbps"]) == ("cached", 3.0)  # for this file
     assert d["decode"]["expected"]["overhead_s"] == pytest.approx(2 * 4e-4 + 1e-4)
+    for args in ((), ("--expert-cache-mib", "0.1")):  # nothing is a default any more: no footer
+        r = estimate(tiny, "-t", "1", "--device", "cpu", *args)
+        assert r.exit_code == 0 and footer(r) is None and "default" not in r.output, r.output
+    other = tmp_path / "other.gguf"  # another file, maybe on another disk: its read rate is not known
+    shutil.copy(tiny, other)
+    d = estimate_json(other, "-t", "1", "--device", "cpu", "--expert-cache-mib", "0.1")
+    assert d["sources"]["disk_gbps"] == "default" and d["sources"]["ram_gbps"] == "cached"
+    assert footer(estimate(other, "-t", "1", "--device", "cpu", "--expert-cache-mib", "0.1")) == \
+        "(default figures for disk (file): run `moerun estimate --measure` once to measure this machine)"
     # another thread count has nothing cached
     d = estimate_json(tiny, "-t", "3", "--device", "cpu")
     assert d["sources"]["layer_overhead_s"] == "default"

@@ -21,6 +21,8 @@ CTX = 384
 PARALLEL, QUEUE = 8, 4
 MAX_BODY = 32 * 1024
 MODEL = "default-qwen3moe.gguf"
+ALIAS = "org/another-name"  # a second -a name, with a slash as Hugging Face ids have
+SLOTS = 4  # --expert-cache-slots
 PROMPTS = ["def fib(n):", "import os\n", "class Foo:\n    def", "    return self.", "for i in range(",
            "x = [", "while True:\n", "# compute the"]
 
@@ -42,7 +44,7 @@ class Response:
 
 
 class Server:
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, *extra):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp_path / "serve.log"
@@ -50,7 +52,8 @@ class Server:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "moerun", "serve", "--port", str(self.port), "--api-key", KEY, "-c", str(CTX),
                  "-np", str(PARALLEL), "--max-queue", str(QUEUE), "--max-body-size", str(MAX_BODY), "-t", "1",
-                 "--expert-cache-slots", "4", "--log-interval", "0.5"], stdout=log, stderr=subprocess.STDOUT)
+                 "--expert-cache-slots", str(SLOTS), "--log-interval", "0.5", "-a", MODEL, "-a", ALIAS, *extra],
+                stdout=log, stderr=subprocess.STDOUT)
         self.health = []  # (status, body) of every /health answer until the model was ready
         deadline = time.time() + 120
         while time.time() < deadline and self.proc.poll() is None:
@@ -157,6 +160,18 @@ def test_models_and_api_key(server, client):
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
+def test_models_retrieve(server, client):
+    for name in (MODEL, ALIAS):
+        m = client.models.retrieve(name)
+        assert (m.id, m.object, m.owned_by) == (name, "model", "moerun")
+        assert m.model_extra["meta"]["n_ctx"] == CTX
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert e.value.body["param"] == "model" and "gpt-4" in e.value.body["message"]
+    r = server.http("GET", "/v1/models/gpt-4")
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404 and r.json()["error"]["type"]
 
 
 # -- generation ---------------------------------------------------------------------------------------------
@@ -290,8 +305,16 @@ def test_metrics_parse_and_move(server, client):
 
 
 def test_log_lines(server):
+    import gguf
+
+    from moerun.builtin import default_model_path
+
     time.sleep(0.6)
     log = server.log_path.read_text()
+    r = gguf.GGUFReader(str(default_model_path()))
+    n_experts = int(r.fields["qwen3moe.expert_count"].parts[-1][0])
+    expert_bytes = sum(int(t.n_bytes) for t in r.tensors if "_exps" in t.name) / n_experts  # one, over all layers
+    assert f"expert cache {SLOTS * expert_bytes / 2**20:.1f} MiB ({SLOTS} slots per layer)" in log
     assert "prompt eval time = " in log and "       eval time = " in log and "total time = " in log
     assert "expert cache: prefill hit rate" in log and "decode hit rate" in log
     assert "Avg prompt throughput: " in log and "Running: " in log and "Expert cache hit rate: " in log
@@ -335,6 +358,38 @@ def test_bad_requests_get_openai_shaped_errors(server, body, status, phrase):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["code"] == status and phrase in err["message"] and err["type"]
+
+
+OUT_OF_RANGE = [("temperature", -0.1), ("temperature", 2.1), ("top_p", 0), ("top_p", 1.5), ("top_p", -1),
+                ("presence_penalty", -2.5), ("presence_penalty", 2.1), ("frequency_penalty", -2.1),
+                ("frequency_penalty", 3)]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_sampling_values_outside_openais_ranges_are_400_naming_the_field(server, path):
+    base = CHAT if "chat" in path else {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    for name, value in OUT_OF_RANGE:
+        r = server.http("POST", path, {**base, name: value})
+        assert r.status_code == 400, (name, value, r.text)
+        err = r.json()["error"]
+        assert err["param"] == name and name in err["message"] and err["type"] == "invalid_request_error"
+    edges = {"temperature": (0, 2), "top_p": (1e-3, 1), "presence_penalty": (-2, 2), "frequency_penalty": (-2, 2)}
+    for name, values in edges.items():  # the ends of each range are accepted
+        for value in values:
+            r = server.http("POST", path, {**base, name: value})
+            assert r.status_code == 200, (name, value, r.text)
+
+
+def test_an_unknown_role_is_400_naming_the_message(server, client):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "narrator", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+    assert e.value.body["param"] == "messages[1].role" and "'narrator'" in e.value.body["message"]
+    r = server.http("POST", "/tokenize", {"messages": msgs})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].role"
+    for role in ("system", "developer", "user", "assistant", "tool"):  # OpenAI's roles all pass
+        r = server.http("POST", "/v1/chat/completions", {**CHAT, "messages": [{"role": role, "content": "hi"}]})
+        assert r.status_code == 200, (role, r.text)
 
 
 def test_prompt_longer_than_the_context(server, client):
@@ -383,15 +438,88 @@ def test_the_server_survives_all_of_it(server, client):
     assert r.choices[0].finish_reason in ("stop", "length")
 
 
+def serve_fails(*args, timeout=120, warnings=0):
+    """`moerun serve ARGS` that must stop before serving -> its stderr's last line, which must be its only
+    one (but for `warnings` lines before it) and an `error:` line."""
+    r = subprocess.run([sys.executable, "-m", "moerun", "serve", *map(str, args)], capture_output=True, text=True,
+                       timeout=timeout, check=False)
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 + warnings and lines[-1].startswith("error: "), r.stderr
+    assert all(" WARNING " in line for line in lines[:-1]), r.stderr
+    return lines[-1]
+
+
 def test_a_model_that_does_not_load_stops_the_server_with_one_line(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 20)
-    r = subprocess.run([sys.executable, "-m", "moerun", "serve", "-m", str(bad), "--host", "0.0.0.0",
-                        "--port", str(free_port())], capture_output=True, text=True, timeout=120, check=False)
-    assert r.returncode == 1
-    assert "without --api-key" in r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "broken.gguf" in r.stderr
-    assert "Traceback" not in r.stderr
+    assert "broken.gguf" in serve_fails("-m", bad, "--port", free_port())
+    # beyond loopback without a key, the warning comes first: it is about what was asked for
+    assert "broken.gguf" in serve_fails("-m", bad, "--host", "0.0.0.0", "--port", free_port(), warnings=1)
+
+
+def test_a_model_over_the_ram_budget_is_one_line():
+    assert "but the RAM budget is 1.00 MiB" in serve_fails("--ram-budget", "1MiB", "--port", free_port())
+
+
+def test_a_port_in_use_is_one_line_and_status_1():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = serve_fails("--port", port, timeout=60)
+    assert f"cannot listen on 127.0.0.1:{port}" in line and "in use" in line and "--port" in line
+
+
+def test_trace_routing_that_exists_is_one_line(tmp_path):
+    path = tmp_path / "routes.jsonl"
+    path.write_text("mine")
+    assert "already exists" in serve_fails("--trace-routing", path, "--port", free_port())
+    assert path.read_text() == "mine"
+
+
+def test_trace_routing_numbers_the_requests_and_batches_steps(tmp_path):
+    """One trace for the server: each record carries its request's number; a decode step that ran two
+    requests together is one step of both; the trace replays."""
+    from click.testing import CliRunner
+
+    from moerun.cli import main
+    from moerun.experts.trace import read_trace
+
+    path = tmp_path / "routes.jsonl"
+    s = Server(tmp_path, "--trace-routing", path)
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        kw = {"model": MODEL, "temperature": 0, "extra_body": {"ignore_eos": True, "cache_prompt": False}}
+        stream = client.completions.create(prompt="def long_one(x):", max_tokens=200, stream=True, **kw)
+        chunks = iter(stream)
+        next(chunks)  # the long request is decoding
+        short = client.completions.create(prompt="import os, sys, re\n", max_tokens=12, **kw)
+        rest = list(chunks)
+    finally:
+        s.stop()
+    long_usage = rest[-1].usage
+    trace = read_trace(path)
+    moe = sorted({r.layer for r in trace.records})
+    assert moe
+    by_req = {}
+    for rec in trace.records:
+        by_req.setdefault(rec.request_id, []).append(rec)
+    assert sorted(by_req) == [0, 1]  # numbered in the order they ran: the long one first
+    for n, use in ((0, long_usage), (1, short.usage)):
+        recs = by_req[n]
+        for layer in moe:
+            pre = [r.position for r in recs if r.layer == layer and r.phase == "prefill"]
+            dec = [r.position for r in recs if r.layer == layer and r.phase == "decode"]
+            assert pre == list(range(use.prompt_tokens))
+            assert dec == list(range(use.prompt_tokens, use.prompt_tokens + use.completion_tokens - 1))
+    steps = {}
+    for rec in trace.records:
+        if rec.phase == "decode" and rec.layer == 0:
+            steps.setdefault(rec.step, set()).add(rec.request_id)
+    assert {0, 1} in steps.values()  # a decode step of both
+    sim = CliRunner().invoke(main, ["trace", "simulate", str(path), "--slots", "2", "--group", "batch"])
+    assert sim.exit_code == 0, sim.output
 
 
 def test_a_non_streaming_client_that_goes_away_is_cancelled(server):

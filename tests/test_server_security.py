@@ -123,7 +123,9 @@ def _path_requests(model: Path) -> list[tuple[str, str, object, int]]:
         ("POST", "/tokenize", {"content": path}, 200),
         ("POST", f"/slots/0?action=restore&filename={path}", None, 400),
         ("POST", f"/slots/0?action=save&filename=../{name}", None, 400),
-        ("GET", f"/v1/models/{name}", None, 404),
+        ("GET", f"/v1/models/{name}", None, 200),  # the served model's own name: answered from memory
+        ("GET", f"/v1/models/{path}", None, 404),
+        ("GET", f"/v1/models/../{model.parent.name}/{name}", None, 404),
         ("GET", "/../../../etc/passwd", None, 404),
         ("GET", f"/static/..%2f..%2f{name}", None, 404),
     ]

@@ -239,6 +239,22 @@ def test_refuses_to_overwrite(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "m.gguf", "notes"]
 
 
+def test_the_overwrite_refusal_names_the_flag_on_the_command_line_and_the_keyword_in_python(tmp_path, capsys):
+    from moerun.builtin import default_model_path
+    from moerun.tools.convert import main as convert_main
+
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"user data")
+    with pytest.raises(FileExistsError, match=r"already exists \(pass overwrite=True to replace it\)$"):
+        make_model("tiny-olmoe", path, progress=False)
+    for tool_main, args in ((main, ["tiny-olmoe", str(path), "--no-progress"]),
+                            (convert_main, [str(default_model_path()), str(path), "--no-progress"])):
+        assert tool_main(args) == 1
+        err = capsys.readouterr().err
+        assert err == f"error: {path} already exists (pass --overwrite to replace it)\n"
+    assert path.read_bytes() == b"user data"
+
+
 def test_cli_main(tmp_path, capsys):
     out = tmp_path / "cli.gguf"
     assert main(["tiny-mixtral", str(out), "--ftype", "Q8_0", "--layers", "3", "--set", "rope_theta=5e5",

@@ -30,6 +30,7 @@ from moerun.formats.records import ModelFile, TensorRecord
 from moerun.quant.qtypes import QTensor, QType
 from moerun.quant.quantize import quantize
 from moerun.tools.gguf_out import FTYPES, TensorOut, file_type, gguf_shape, qtype_for, write_gguf
+from moerun.tools.outputs import error_line
 from moerun.tools.parallel import ordered_map, worker_pool
 from moerun.tools.tokenizer import (
     QWEN2_PATTERN,
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         path = convert_hf_to_gguf(args.model, args.out, ftype=args.ftype, overwrite=args.overwrite,
                                   progress=not args.no_progress, name=args.name, threads=args.threads)
     except (MoerunError, ValueError, FileExistsError, IsADirectoryError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 1
     print(path)
     return 0

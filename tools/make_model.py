@@ -49,7 +49,7 @@ from moerun.quant.qtypes import QType
 from moerun.quant.quantize import quantize
 from moerun.tools.gguf_out import FTYPES, TensorOut, file_type, gguf_shape, qtype_for, write_gguf
 from moerun.tools.hf_out import hf_config, hf_names, permute_to_hf, write_safetensors
-from moerun.tools.outputs import atomic_dir
+from moerun.tools.outputs import atomic_dir, error_line
 from moerun.tools.parallel import ordered_map, worker_pool
 from moerun.tools.presets import ALIASES, preset, preset_names
 from moerun.tools.tokenizer import build_tokenizer, gguf_tokenizer_metadata, special_ids, write_hf_tokenizer
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                           overwrite=args.overwrite, progress=not args.no_progress, name=args.name or args.preset,
                           threads=args.threads, router_skew=args.router_skew, shape_only=args.shape_only)
     except (ValueError, FileExistsError, IsADirectoryError, NotADirectoryError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 1
     print(path)
     return 0

@@ -17,15 +17,32 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-__all__ = ["atomic_dir", "atomic_file", "check_target", "progress_bar"]
+__all__ = ["OutputExistsError", "atomic_dir", "atomic_file", "check_target", "error_line", "progress_bar"]
+
+
+class OutputExistsError(FileExistsError):
+    """The output exists and overwrite was not asked for. The message names the Python keyword; a command
+    line prints `error_line(e)`, which names its flag."""
+
+    def __init__(self, path: Path):
+        super().__init__(f"{path} already exists (pass overwrite=True to replace it)")
+        self.path = path
+
+
+def error_line(e: Exception) -> str:
+    """The one line a tool's command line prints for e."""
+    if isinstance(e, OutputExistsError):
+        return f"error: {e.path} already exists (pass --overwrite to replace it)"
+    return f"error: {e}"
 
 
 def check_target(path: Path, overwrite: bool) -> None:
-    """Raise FileExistsError when `path` exists and may not be replaced."""
+    """Raise FileExistsError when `path` exists and may not be replaced (OutputExistsError when overwrite
+    would allow it)."""
     if not (path.exists() or path.is_symlink()):
         return
     if not overwrite:
-        raise FileExistsError(f"{path} already exists (pass overwrite=True / --overwrite to replace it)")
+        raise OutputExistsError(path)
     if path.is_dir() and not path.is_symlink() and any(path.iterdir()) and not (path / "config.json").is_file():
         raise FileExistsError(f"{path} is a folder that does not look like a model folder; not replacing it")
 

@@ -165,6 +165,9 @@ class Scheduler:
         self._copied_at = 0.0
         self._erase: deque[tuple[int, Future]] = deque()
         self.fault: str | None = None  # why the model file cannot be read any more; set once, by the engine thread
+        # the requests of the forward pass running (engine thread): one per row of a decode step, or the one
+        # request of a prompt chunk; for hooks that watch the model, such as serve's routing trace
+        self.step_requests: tuple[Request, ...] = ()
 
     # -- any thread ----------------------------------------------------------------------------------
 
@@ -292,6 +295,7 @@ class Scheduler:
         fail (their KV freed) and the loop goes on."""
         stats = self.engine.expert_cache.stats if self.engine.expert_cache is not None else None
         before = stats.get(phase=phase) if stats is not None else None
+        self.step_requests = tuple(s.req for s in slots)
         try:
             logits = forward(*args)
         except Exception as e:  # one request's failure must not stop the others

@@ -58,18 +58,20 @@ def _typical_time(runs: int, fn, *args) -> float:
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
 
-def _cached(section: str, threads: int, path: Path | None = None):
-    entry = bw_mod.load_cache(path).get(section, {}).get(str(threads))
+def _cached(section: str, key: int | str, path: Path | None = None):
+    """A section's entry for `key` (a thread count; for the file read, the file)."""
+    sec = bw_mod.load_cache(path).get(section, {})
+    entry = sec.get(str(key)) if isinstance(sec, dict) else None
     return entry if isinstance(entry, dict) else None
 
 
-def _store(section: str, threads: int, entry: dict, path: Path | None = None) -> None:
+def _store(section: str, key: int | str, entry: dict, path: Path | None = None) -> None:
     data = bw_mod.load_cache(path)
     sec = data.get(section)
     if not isinstance(sec, dict):
         sec = data[section] = {}
-    old = sec.get(str(threads))
-    sec[str(threads)] = {**(old if isinstance(old, dict) else {}), **entry}
+    old = sec.get(str(key))
+    sec[str(key)] = {**(old if isinstance(old, dict) else {}), **entry}
     bw_mod.save_cache(data, path)
 
 
@@ -293,6 +295,25 @@ class RateOptions:
     shape: dict | None = None  # probe_shape(spec) of the model: the overhead figures are kept per shape
 
 
+SEC_FILE_READ = "file_read_gbps"  # hardware.json: measure_file_read's figure, keyed by the file's path
+
+
+def _file_read_rate(opt: RateOptions, cache: Path | None) -> Figure:
+    """The model file's read rate: measured (and cached) with opt.measure, else cached for this file (the rate
+    depends on the disk it lives on and on how much of it the page cache holds), else the default."""
+    if not opt.model_path:
+        return Figure(DEFAULT_DISK_GBPS, "default")
+    key = str(Path(opt.model_path).resolve())
+    if opt.measure:
+        gbps = measure_file_read(opt.model_path)
+        _store(SEC_FILE_READ, key, {"gbps": gbps, "measured_at": _now()}, cache)
+        return Figure(gbps, "measured")
+    gbps = (_cached(SEC_FILE_READ, key, cache) or {}).get("gbps")
+    if isinstance(gbps, (int, float)) and not isinstance(gbps, bool) and gbps > 0:
+        return Figure(float(gbps), "cached")
+    return Figure(DEFAULT_DISK_GBPS, "default")
+
+
 def gather_rates(opt: RateOptions, cache: Path | None = None) -> Rates:
     """Rates from flags, then the cache, then (with measure) the probes, else the defaults. With measure,
     every probe runs now and is stored in the cache."""
@@ -304,10 +325,8 @@ def gather_rates(opt: RateOptions, cache: Path | None = None) -> Rates:
         ram = Figure(v, src)
     if opt.disk_gbps is not None:
         disk = Figure(opt.disk_gbps, "given")
-    elif opt.measure and opt.model_path:
-        disk = Figure(measure_file_read(opt.model_path), "measured")
     else:
-        disk = Figure(DEFAULT_DISK_GBPS, "default")
+        disk = _file_read_rate(opt, cache)
 
     if opt.measure:
         ks = measure_kernels(t, sorted(set(opt.qtypes) | {"Q8_0"}))

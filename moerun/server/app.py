@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -45,6 +46,7 @@ from moerun.server.protocol import (
 if TYPE_CHECKING:  # torch and the model load on the loader thread, after the port answers
     from moerun.engine.scheduler import EngineLoop, Event, Request, Scheduler
     from moerun.runtime import Runtime
+    from moerun.server.trace import ServeRouteRecorder
     from moerun.text import ChatTemplate
 
 log = logging.getLogger("moerun.server")
@@ -76,8 +78,11 @@ class Server:
     """What the routes share: the configuration, then the loaded model and its engine loop."""
 
     def __init__(self, cfg: ServerConfig, load: Callable[[], Runtime],
-                 on_load_error: Callable[[BaseException], None] | None = None):
+                 on_load_error: Callable[[BaseException], None] | None = None,
+                 trace_routing: Path | None = None):
         self.cfg, self._load_fn, self.on_load_error = cfg, load, on_load_error
+        self.trace_routing = trace_routing
+        self.tracer: ServeRouteRecorder | None = None
         self.ready: Ready | None = None
         self.load_error: BaseException | None = None
         self.telemetry = Telemetry(self.snapshot, device=lambda: self.ready.runtime.engine.device_label
@@ -108,15 +113,21 @@ class Server:
             except ChatTemplateError as e:
                 error = str(e)
                 log.warning("chat completions are off: %s", e)
+            if self.trace_routing is not None:
+                from moerun.server.trace import ServeRouteRecorder
+
+                self.tracer = ServeRouteRecorder(self.trace_routing, eng.model.spec, sched)
+                eng.model.on_route = self.tracer
             loop = EngineLoop(sched, after_step=self.throughput.tick)
             if self._stopping:
                 return
             loop.start()
             self.ready = Ready(rt, sched, loop, template, error)
             kv = eng.pool.nbytes
-            log.info("model loaded in %.2f s: %s, context %d tokens x %d slots (KV cache %.1f MiB), %s",
+            trace = "" if self.tracer is None else f", routing trace to {self.trace_routing}"
+            log.info("model loaded in %.2f s: %s, context %d tokens x %d slots (KV cache %.1f MiB), %s%s",
                      time.perf_counter() - t0, self.cfg.model_names[0], eng.ctx_size, cfg.parallel, kv / 2**20,
-                     "expert cache on" if eng.expert_cache is not None else "no expert cache")
+                     cache_summary(rt), trace)
         except BaseException as e:  # reported; then the server stops
             self.load_error = e
             log.error("loading the model failed: %s", e, exc_info=not isinstance(e, MoerunError))
@@ -137,6 +148,8 @@ class Server:
             cache = self.ready.runtime.cache
             if cache is not None:
                 cache.close()
+        if self.tracer is not None:
+            self.tracer.writer.close()
 
     def require(self) -> Ready:
         if self.ready is None:
@@ -245,6 +258,18 @@ class Server:
                     self.ready.scheduler.wake()
 
 
+def cache_summary(rt: Runtime) -> str:
+    """The expert cache in the "model loaded" line: its size and slots per MoE layer."""
+    stages = [st for st in rt.stages if st.cache is not None]
+    if not stages:
+        return "no expert cache"
+    slots = sorted({st.cache.slots(layer) for st in stages for layer in st.cache.store.layers
+                    if st.layers[0] <= layer < st.layers[1]})
+    per_layer = str(slots[0]) if len(slots) == 1 else f"{slots[0]}-{slots[-1]}"
+    mib = sum(st.cache.nbytes for st in stages) / 2**20
+    return f"expert cache {mib:.1f} MiB ({per_layer} slots per layer)"
+
+
 def _max_tokens(body: ChatRequest | CompletionRequest, n_predict: int | None, n_ctx: int, n_prompt: int) -> int:
     """The request's max_tokens (or max_completion_tokens), else the server's -n, else the rest of the context.
     More than the context is refused: it can never be generated (a prompt plus max_tokens past the context
@@ -269,8 +294,10 @@ async def _disconnected(http: HTTPRequest) -> None:
 
 
 def create_app(cfg: ServerConfig, load: Callable[[], Runtime],
-               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
-    server = Server(cfg, load, on_load_error)
+               on_load_error: Callable[[BaseException], None] | None = None,
+               trace_routing: Path | None = None) -> FastAPI:
+    """trace_routing: a new file to record every routing decision in (moerun.server.trace)."""
+    server = Server(cfg, load, on_load_error, trace_routing)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -299,15 +326,24 @@ def _routes(app: FastAPI, server: Server) -> None:
                             "unavailable_error").response()
         return {"status": "ok"}
 
+    def model_object(name: str) -> dict:
+        """OpenAI's model object, with llama-server's `meta`."""
+        eng = server.require().runtime.engine
+        meta = {"n_ctx": eng.ctx_size, "n_vocab": eng.model.spec.vocab, "n_parallel": server.cfg.parallel,
+                "family": eng.model.spec.family, "n_experts": eng.model.spec.n_experts}
+        return {"id": name, "object": "model", "created": 0, "owned_by": "moerun", "meta": meta}
+
     @app.get("/v1/models")
     @app.get("/models")
     async def models():
-        ready = server.require()
-        eng = ready.runtime.engine
-        meta = {"n_ctx": eng.ctx_size, "n_vocab": eng.model.spec.vocab, "n_parallel": server.cfg.parallel,
-                "family": eng.model.spec.family, "n_experts": eng.model.spec.n_experts}
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "moerun",
-                                            "meta": meta} for name in server.cfg.model_names[:1]]}
+        return {"object": "list", "data": [model_object(name) for name in server.cfg.model_names[:1]]}
+
+    @app.get("/v1/models/{model:path}")
+    @app.get("/models/{model:path}")
+    async def model(model: str):
+        """Any name a request may give (the aliases too); another is 404 with param "model", as OpenAI's."""
+        server.check_model(model)
+        return model_object(model)
 
     def chat_prompt(ready: Ready, messages: list[dict], kwargs: dict | None) -> list[int]:
         """The chat template applied, then tokenized (the template writes BOS itself when the model wants it)."""

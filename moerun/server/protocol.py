@@ -27,14 +27,16 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    # OpenAI's ranges: outside them its API answers 400 naming the field, and so does this server (the
+    # validation handler puts the field in `param`); llama.cpp's samplers, and `moerun run`, take any value
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = None
     min_p: float | None = None
     repeat_penalty: float | None = None
     repeat_last_n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     seed: int | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool | None = None
@@ -135,13 +137,20 @@ def sampling_params(req: _Sampling, defaults: SamplingParams, max_tokens: int) -
         raise APIError(400, str(e)) from None
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's
+
+
 def message_texts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages for the chat template: content parts joined into text; anything but text refused."""
+    """Messages for the chat template: content parts joined into text; anything but text refused, and any role
+    but OpenAI's."""
     out = []
     for i, m in enumerate(messages):
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str) or not role:
             raise APIError(400, f"messages[{i}] has no role", param=f"messages[{i}].role")
+        if role not in ROLES:
+            raise APIError(400, f"messages[{i}].role {role!r} is not one of {', '.join(map(repr, ROLES))}",
+                           param=f"messages[{i}].role")
         if isinstance(content, list):
             texts = []
             for part in content:

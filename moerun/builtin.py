@@ -1,0 +1,31 @@
+"""The built-in model (moerun/data/default-qwen3moe.gguf): where it is, and the names that stand for it.
+
+`default`, or the file's own name, means the built-in model wherever a model is named (`inspect`, `estimate`,
+`bench`, `-m`), unless a file or folder of that name exists in the working directory: a real file wins.
+A leaf module (no torch), so the metadata-only commands can use it.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from moerun.errors import MoerunError
+
+DEFAULT_MODEL = "default-qwen3moe.gguf"
+NAMES = ("default", DEFAULT_MODEL)
+
+
+def default_model_path() -> Path:
+    path = Path(str(resources.files("moerun") / "data" / DEFAULT_MODEL))
+    if not path.is_file():
+        raise MoerunError(f"the built-in default model is missing ({path}); pass a model with -m")
+    return path
+
+
+def model_path(model: str | Path | None) -> Path:
+    """The path of the model named `model`: None, `default` or the built-in file's name -> the built-in model
+    (unless a file of that name exists here); anything else as given."""
+    if model is None or (str(model) in NAMES and not Path(model).exists()):
+        return default_model_path()
+    return Path(model)
