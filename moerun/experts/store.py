@@ -3,7 +3,8 @@
 From a GGUF file the experts are stacked along the outermost dimension, so expert e's three tensors are
 three contiguous slices of the memory map: the store hands out views, and a page-in is three copies.
 `owned=True` copies each expert into one contiguous buffer of memory moerun owns (the page cache may
-drop mmap pages at any time; DESIGN decision 10), pinned when a GPU will copy from it.
+drop mmap pages at any time; DESIGN decision 10). A GPU stage page-locks the buffers it copies from in place
+(moerun.device.pin).
 
 A store over the memory map can be given an `ExpertReader` (built by the loader from the tensor records:
 file, offset, bytes per expert): it reads an expert into a buffer with positioned reads (`os.preadv`), so
@@ -49,7 +50,7 @@ class Expert:
     def copy_into(self, buf: torch.Tensor) -> None:
         off = 0
         for t in (self.gate, self.up, self.down):
-            buf[off:off + t.nbytes].copy_(t.data.reshape(-1), non_blocking=buf.is_cuda)
+            buf[off:off + t.nbytes].copy_(t.data.reshape(-1))
             off += t.nbytes
 
 
@@ -138,14 +139,13 @@ class ExpertStore:
     owned stores need none."""
 
     def __init__(self, gate: dict[int, QTensor], up: dict[int, QTensor], down: dict[int, QTensor],
-                 owned: bool = False, pin: bool = False, reader: ExpertReader | None = None):
+                 owned: bool = False, reader: ExpertReader | None = None):
         self._stacks = {layer: (gate[layer], up[layer], down[layer]) for layer in gate}
         self._owned: dict[int, torch.Tensor] = {}
         if owned:
             for layer in self._stacks:
                 E, nbytes = self.n_experts(layer), self.expert_bytes(layer)
-                buf = (torch.empty((E, nbytes), dtype=torch.uint8, pin_memory=True) if pin
-                       else host_empty(E * nbytes).view(E, nbytes))
+                buf = host_empty(E * nbytes).view(E, nbytes)
                 for e in range(E):
                     self._view(layer, e).copy_into(buf[e])
                 self._owned[layer] = buf

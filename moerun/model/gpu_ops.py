@@ -39,20 +39,30 @@ class TritonOps(ReferenceOps):
             return self.tq.swiglu(x, gate, up, down)
         return super().swiglu(x, gate, up, down)
 
-    def moe(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: dict[int, Expert]) -> torch.Tensor:
+    def _moe_ok(self, x: torch.Tensor, experts: dict[int, Expert]) -> bool:
         first = next(iter(experts.values()), None)
-        if x.dim() == 2 and first is not None and len({_kind(e) for e in experts.values()}) == 1 and \
-                self._ok(x, first.gate, first.up, first.down):
-            return self.tq.moe_ffn(x, ids, w, experts)
+        return x.dim() == 2 and first is not None and len({_kind(e) for e in experts.values()}) == 1 and \
+            self._ok(x, first.gate, first.up, first.down)
+
+    def moe_table(self, experts: dict[int, Expert]):
+        """The kernels' address table and id lookup for experts that stay where they are, built once."""
+        first = next(iter(experts.values()), None)
+        if first is None or not self.tq.runs_on(first.gate.data.device) or len({_kind(e) for e in experts.values()}) != 1:
+            return None
+        return self.tq.ExpertTable(experts)
+
+    def moe(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: dict[int, Expert],
+            table=None) -> torch.Tensor:
+        if self._moe_ok(x, experts):
+            return self.tq.moe_ffn(x, ids, w, experts, table=table)
         return super().moe(x, ids, w, experts)
 
-    def moe_pairs(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: dict[int, Expert]
-                  ) -> torch.Tensor:
-        first = next(iter(experts.values()), None)
-        if x.dim() == 2 and first is not None and len({_kind(e) for e in experts.values()}) == 1 and \
-                self._ok(x, first.gate, first.up, first.down):
-            return self.tq.moe_ffn(x, ids, w, experts, pairs=True)
-        return super().moe_pairs(x, ids, w, experts)
+    def moe_pairs(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: dict[int, Expert],
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        if self._moe_ok(x, experts):
+            res = self.tq.moe_ffn(x, ids, w, experts, pairs=True)
+            return res if out is None else out.copy_(res)
+        return super().moe_pairs(x, ids, w, experts, out)
 
 
 def _kind(e: Expert) -> tuple:

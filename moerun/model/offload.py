@@ -50,13 +50,12 @@ class DeviceExperts:
 
     prefetching = False
 
-    def of(self, layer: int) -> DeviceExperts:
-        return self
-
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, phase: str) -> torch.Tensor:
         """x [T, H], ids / w [T, k] on the device -> the routed experts' output [T, H] on the device."""
         if layer in self.resident:
-            return self.ops.moe(x, ids, w, self.resident[layer])
+            if layer not in self._tables:
+                self._tables[layer] = self.ops.moe_table(self.resident[layer])
+            return self.ops.moe(x, ids, w, self.resident[layer], table=self._tables[layer])
         x_h, ids_h, w_h = device.to_host([x, ids, w])  # the step's one wait for the device
         need = Counter(ids_h.view(-1).tolist())
         if layer in self.home_layers or self.cache is None:

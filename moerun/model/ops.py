@@ -37,10 +37,16 @@ class ReferenceOps:
         """down(silu(gate x) * up x). x [T, H] -> [T, H]."""
         return self.linear(F.silu(self.linear(x, gate)) * self.linear(x, up), down)
 
-    def moe(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: dict[int, Expert]) -> torch.Tensor:
+    def moe_table(self, experts: dict[int, Expert]):
+        """What `moe` can prepare once for experts that stay put (a GPU stage's resident layers); None here."""
+        return None
+
+    def moe(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: dict[int, Expert],
+            table=None) -> torch.Tensor:
         """sum over each token's k choices of w * expert(x). x [T, H], ids/w [T, k] -> [T, H].
 
         Experts run in ascending id order, so the result does not depend on where their weights live.
+        table: `moe_table(experts)`, when the ops make one.
         """
         out = torch.zeros_like(x)
         for e in sorted(experts):
@@ -119,7 +125,7 @@ class KernelOps(ReferenceOps):
             return y if b is None else y + b
         return super().linear(x, w, b)
 
-    def moe(self, x, ids, w, experts):
+    def moe(self, x, ids, w, experts, table=None):
         ex = next(iter(experts.values()), None)
         if ex is not None and all(self._ok(x, t.qtype) for t in (ex.gate, ex.up, ex.down)):
             return self.cpu.moe_ffn_experts(x.contiguous(), ids, w, experts)
