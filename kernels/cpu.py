@@ -138,6 +138,19 @@ def interleave(w: QTensor) -> QTensor:
     return _relayout(_cpu.repack, w, 8)
 
 
+def interleave_into(w: QTensor, dst: torch.Tensor) -> QTensor:
+    """`interleave` writing into `dst` (a contiguous CPU uint8 buffer of w's size, not overlapping w's bytes):
+    how an expert read from the file lands in a cache slot in the layout resident experts have."""
+    _need()
+    if not can_interleave(w):
+        raise ValueError(f"cannot interleave {w.qtype.name}{tuple(w.shape)}")
+    src = w.data.contiguous()
+    if dst.dtype != torch.uint8 or not dst.is_cpu or not dst.is_contiguous() or dst.numel() != src.numel():
+        raise ValueError(f"dst must be a contiguous CPU uint8 buffer of {src.numel()} bytes")
+    _cpu.repack(int(w.qtype) + QK_R8, src.data_ptr(), dst.data_ptr(), w.numel // w.shape[-1], w.shape[-1])
+    return QTensor(dst.view(src.shape), w.qtype, w.shape, 8)
+
+
 def deinterleave(w: QTensor) -> QTensor:
     """The GGUF-layout copy of an interleaved tensor (byte for byte what it was made from)."""
     _need()

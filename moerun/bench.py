@@ -400,14 +400,15 @@ def _timed_runs_start(model, cache, recorder) -> None:
         model.on_route = recorder
 
 
-def make_cache(model, mib: float, policy: str):
-    """An ExpertCache of `mib` MiB split evenly over the model's MoE layers (as `moerun run --expert-cache-mib`)."""
+def make_cache(model, mib: float, policy: str, interleave: bool = True):
+    """An ExpertCache of `mib` MiB split evenly over the model's MoE layers (as `moerun run --expert-cache-mib`),
+    its slots in the kernels' interleaved layout unless --no-repack."""
     from moerun.experts.cache import ExpertCache
 
     store = model.store
     per_layer = max((store.expert_bytes(layer) for layer in store.layers), default=1)
     slots = int(mib * 2**20 // (per_layer * max(len(store.layers), 1)))
-    return ExpertCache(store, slots=slots, policy=policy)
+    return ExpertCache(store, slots=slots, policy=policy, interleave=interleave and model.ops.name != "reference")
 
 
 def _placed_runtime(case: BenchCase, placement: dict, dtype: str, cache_policy: str, mmap: bool | None,
@@ -545,7 +546,7 @@ def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[in
             + ("" if case.cache_mib is None else f"expert cache {case.cache_mib:g} MiB, ") + f"{reps} run(s)")
         test_time = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         model, resident = loaded.model, loaded.model.experts
-        cache = None if case.cache_mib is None else make_cache(model, case.cache_mib, cache_policy)
+        cache = None if case.cache_mib is None else make_cache(model, case.cache_mib, cache_policy, repack)
         try:
             if cache is not None:
                 model.experts = CachedExperts(cache)

@@ -100,7 +100,7 @@ def make_stage(cfg: RuntimeConfig, model, slots: int | dict[int, int] | None) ->
         return Stage(model)
     mine = {layer: slots if isinstance(slots, int) else slots.get(layer, 0) for layer in store.layers}
     cache = ExpertCache(store, slots=mine, policy=cfg.cache_policy, device="cpu", prefill=cfg.cache_prefill,
-                        prefetch=cfg.prefetch)
+                        prefetch=cfg.prefetch, interleave=cfg.repack and model.ops.name != "reference")
     model.experts = CachedExperts(cache)
     return Stage(model, cache)
 

@@ -7,7 +7,11 @@ computed where it lives (a bypass: when every slot is pinned by the same step, o
 
 When the store can read from its file (`store.reader`), loads are read straight into their slot and
 bypassed experts into scratch buffers, so the memory map is never touched and the process's resident
-set stays the slots plus the scratch (the page cache holds the file, outside it). The scratch grows to
+set stays the slots plus the scratch (the page cache holds the file, outside it). With `interleave` (the
+runtime's --repack), what lands in a slot or a scratch buffer is rewritten into the CPU kernels' interleaved
+layout on the way, the layout experts resident in RAM have: the kernels then sum in the same order whatever
+the cache holds, so greedy output does not depend on the cache, and slots run at the interleaved kernels'
+speed. The scratch grows to
 the most experts one step bypassed at one layer (at most one layer's experts, during a long prefill);
 its views are valid until the next `fetch`, which is how the forward pass uses them. Without a reader
 (a store in owned RAM or of unknown origin) loads copy from where the expert lives and bypasses are
@@ -41,6 +45,7 @@ from moerun.experts.stats import CacheStats
 from moerun.experts.store import Expert, ExpertStore
 from moerun.experts.transfer import StreamBuffer, Transfers
 from moerun.placement.planner import STREAM_CHUNK
+from moerun.quant.qtypes import QTensor
 
 PREFILL_MODES = ("bypass", "cache")
 
@@ -56,12 +61,33 @@ class Placement:
     home: dict[int, Expert] = field(default_factory=dict)  # computed by the CPU where they live
 
 
+def _relayout_parts(like: Expert) -> tuple[bool, bool, bool] | None:
+    """Which of an expert's gate, up, down the CPU kernels read faster interleaved (None: none of them)."""
+    try:
+        from moerun.kernels import cpu
+    except ImportError:
+        return None
+    if not cpu.available():
+        return None
+    parts = tuple(cpu.can_interleave(t) for t in (like.gate, like.up, like.down))
+    return parts if any(parts) else None
+
+
+def _like(like: Expert, parts: tuple[bool, bool, bool] | None) -> Expert:
+    """`like` as a slot holds it: the interleaved parts marked so (the same bytes in the kernels' order)."""
+    if not parts:
+        return like
+    return Expert(*(QTensor(t.data, t.qtype, t.shape, 8) if il else t
+                    for t, il in zip((like.gate, like.up, like.down), parts)))
+
+
 class ExpertCache:
     def __init__(self, store: ExpertStore, slots: int | dict[int, int], policy: str = "lru",
                  device: str | _device.Device = "cpu", prefill: str = "bypass", stats: CacheStats | None = None,
-                 prefetch: bool = False, pinned_layers: set[int] | None = None):
+                 prefetch: bool = False, pinned_layers: set[int] | None = None, interleave: bool = False):
         """device: where the slots are ("cpu", or a device stage's "cuda:N" / "standin:N"); pinned_layers: a
-        device stage's layers whose experts are in page-locked RAM (copied straight from there)."""
+        device stage's layers whose experts are in page-locked RAM (copied straight from there); interleave:
+        host slots and scratch hold the CPU kernels' interleaved layout (module docstring)."""
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill mode must be one of {PREFILL_MODES}, got {prefill!r}")
         self.dev = _device.parse(device)
@@ -81,9 +107,13 @@ class ExpertCache:
         if self.dev.accelerator:
             self.transfers = Transfers(store, self.dev, set(pinned_layers or ()))
             self.streamer = StreamBuffer(self.transfers, STREAM_CHUNK)
-        self._slots = {layer: [Expert.from_buffer(buf[i], store.get(layer, 0)) for i in range(len(buf))]
+        self._relayout = {layer: _relayout_parts(store.get(layer, 0)) for layer in store.layers} if (
+            interleave and self.dev.kind == "cpu") else {}
+        self._like = {layer: _like(store.get(layer, 0), self._relayout.get(layer)) for layer in store.layers}
+        self._slots = {layer: [Expert.from_buffer(buf[i], self._like[layer]) for i in range(len(buf))]
                        for layer, buf in self.buffers.items()}  # each slot's views, built once
         self._scratch: list[torch.Tensor] = []  # CPU buffers for bypassed experts read from the file
+        self._staging: dict[int, torch.Tensor] = {}  # per thread: an expert as read, before it is interleaved
         self._lock = threading.Lock()  # the slot tables, shared with the prefetch worker
         self.prefetcher = Prefetcher(self._prefetch_layer) if prefetch else None
 
@@ -119,19 +149,41 @@ class ExpertCache:
         return [b[:nbytes] for b in self._scratch[:n]]
 
     def _home(self, layer: int, experts: list[int]) -> dict[int, Expert]:
-        """Bypassed experts: read from the file into scratch buffers when the store can, else where they live."""
-        if self.store.reader is None:
+        """Bypassed experts: read from the file into scratch buffers when the store can (interleaved on the way
+        when the cache interleaves), else where they live."""
+        if self.store.reader is None and not self._relayout.get(layer):
             return {e: self.store.get(layer, e) for e in experts}
-        like = self.store.get(layer, 0)
-        out = {}
+        like, out = self._like[layer], {}
         for e, buf in zip(experts, self._scratch_buffers(len(experts), self.store.expert_bytes(layer))):
-            self.store.read_into(layer, e, buf)
+            self._fill(layer, e, buf)
             out[e] = Expert.from_buffer(buf, like)
         return out
 
+    def _fill(self, layer: int, e: int, dst: torch.Tensor) -> int:
+        """Expert e's bytes into the host buffer dst (gate | up | down): read from the file or copied from where
+        it lives, rewritten into the interleaved layout on the way for the parts that take it."""
+        parts = self._relayout.get(layer)
+        if not parts:
+            return self.store.read_into(layer, e, dst)
+        from moerun.kernels import cpu
+
+        stage = self._staging.get(threading.get_ident())  # one per thread: the prefetch worker has its own
+        if stage is None or stage.numel() < dst.numel():
+            stage = self._staging[threading.get_ident()] = torch.empty(dst.numel(), dtype=torch.uint8)
+        n = self.store.read_into(layer, e, stage[:dst.numel()])
+        read = Expert.from_buffer(stage[:dst.numel()], self.store.get(layer, 0))
+        off = 0
+        for t, il in zip((read.gate, read.up, read.down), parts):
+            if il:
+                cpu.interleave_into(t, dst[off:off + t.nbytes])
+            else:
+                dst[off:off + t.nbytes].copy_(t.data.reshape(-1))
+            off += t.nbytes
+        return n
+
     def _load(self, layer: int, e: int, slot: int) -> int:
         """Expert e into a host slot: read from the file, or copied from where it lives."""
-        return self.store.read_into(layer, e, self.buffers[layer][slot])
+        return self._fill(layer, e, self.buffers[layer][slot])
 
     def prefetch(self, layer: int, guessed: Sequence[int]) -> None:
         """Page in a guess of ``layer``'s next step (most likely first) in the background; no-op when
