@@ -75,30 +75,27 @@ class Runtime:
             self.cache.close()
 
 
-def _cache_slots(cfg: RuntimeConfig, the_plan: Plan, store, warnings: list[str]) -> int | dict[int, int] | None:
-    """Slots per layer: as asked for, else the plan's when the experts live on disk, else no cache."""
-    if cfg.expert_cache_slots is not None:
-        return cfg.expert_cache_slots
-    if cfg.expert_cache_mib is not None:
+def _cache_slots(cfg: RuntimeConfig, the_plan: Plan, store, warnings: list[str]) -> dict[int, int] | None:
+    """Slots per layer: the plan's (what --print-plan shows) when a cache is asked for or the experts live on
+    disk, else no cache."""
+    if not cfg.cache_requested and the_plan.home != "disk":
+        return None
+    slots = {layer: dp.expert_slots[layer - dp.layers[0]] for dp in the_plan.devices for layer in range(*dp.layers)}
+    if cfg.expert_cache_mib is not None and not any(slots.values()):
         per_layer = max((store.expert_bytes(layer) for layer in store.layers), default=1)
-        slots = int(cfg.expert_cache_mib * MiB // (per_layer * max(len(store.layers), 1)))
-        if slots == 0:
-            warnings.append(f"{cfg.expert_cache_mib} MiB holds no expert per layer ({per_layer / MiB:.2f} MiB "
-                            "each); every expert is read from its home tier")
-        return slots
-    if the_plan.home == "disk":
-        return {layer: dp.expert_slots[layer - dp.layers[0]] for dp in the_plan.devices for layer in range(*dp.layers)}
-    return None
+        warnings.append(f"{cfg.expert_cache_mib} MiB holds no expert per layer ({per_layer / MiB:.2f} MiB "
+                        "each); every expert is read from its home tier")
+    return slots
 
 
-def make_stage(cfg: RuntimeConfig, model, slots: int | dict[int, int] | None) -> Stage:
+def make_stage(cfg: RuntimeConfig, model, slots: dict[int, int] | None) -> Stage:
     """A CPU stage of `model` (one MoEModel of the stage's layers): its own expert cache over its layers'
     experts when slots are given, else every expert read where it is stored."""
     store = model.store
     if slots is None:
         model.experts = ResidentExperts(store)
         return Stage(model)
-    mine = {layer: slots if isinstance(slots, int) else slots.get(layer, 0) for layer in store.layers}
+    mine = {layer: slots.get(layer, 0) for layer in store.layers}
     cache = ExpertCache(store, slots=mine, policy=cfg.cache_policy, device="cpu", prefill=cfg.cache_prefill,
                         prefetch=cfg.prefetch, interleave=cfg.repack and model.ops.name != "reference")
     model.experts = CachedExperts(cache)

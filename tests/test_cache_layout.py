@@ -71,3 +71,29 @@ def test_slots_hold_the_interleaved_layout(q4km):
     src = cache.store.get(0, e)  # the file's bytes
     assert torch.equal(cpu.deinterleave(ex.gate).data, src.gate.data)  # the same bytes, in the kernels' order
     rt.close()
+
+
+@pytest.mark.parametrize("flag,value", [("--expert-cache-slots", "3"), ("--expert-cache-mib", "1.5")])
+def test_print_plan_shows_the_cache_that_runs(q4km, flag, value):
+    """Issue 15, item 3: with an explicit cache the plan's row names its slots and size, the ones the run uses."""
+    import json
+
+    from click.testing import CliRunner
+
+    from moerun.cli import main
+
+    args = ["run", "-m", q4km, "-p", "hello", "-n", "2", "-t", "1", flag, value]
+    r = CliRunner().invoke(main, [*args, "--print-plan"], catch_exceptions=False)
+    row = next(line for line in r.stderr.splitlines() if line.startswith("cpu "))
+    cells = [c.strip() for c in row.split("|")]
+    rt = build(RuntimeConfig(model=q4km, threads=1, **{flag[2:].replace("-", "_"): float(value) if "mib" in flag
+                                                        else int(value)}))
+    slots = {rt.engine.expert_cache.slots(layer) for layer in rt.engine.expert_cache.store.layers}
+    assert len(slots) == 1 and cells[4] == f"{slots.pop()} per layer" and cells[5] != "0 B"
+    assert "home (disk)" in r.stderr
+    from moerun.placement.devices import format_size
+
+    assert cells[5] == format_size(rt.engine.expert_cache.nbytes)
+    rt.close()
+    out = json.loads(CliRunner().invoke(main, [*args, "--json"], catch_exceptions=False).stdout)
+    assert out["expert_cache"]["total"]["all"]["queries"] > 0

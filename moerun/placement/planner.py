@@ -349,7 +349,8 @@ def _overflow(d: str, mine: list[DevicePlan], used: int, free: int, budgets: Bud
 
 
 def _plan_cpu(spec, info, budgets: Budgets, ram_budget: int, kv_tok_layer: int, slot_b: list[int]) -> Plan:
-    """CPU only: dense + KV in RAM; experts in RAM when the whole model fits, else mmap + a RAM cache.
+    """CPU only: dense + KV in RAM; experts in RAM when the whole model fits and no cache is asked for, else
+    mmap + a RAM cache (of the size asked for, or what the budget leaves).
     Several cpu stages split the layers (equally, or by tensor_split) and share the RAM budget; each stage's
     row counts its layers' dense weights (embeddings with the first, head with the last), KV and cache."""
     L, E = spec.n_layers, spec.n_experts
@@ -361,7 +362,8 @@ def _plan_cpu(spec, info, budgets: Budgets, ram_budget: int, kv_tok_layer: int, 
                         f"{budgets.ctx_size}) but the RAM budget is {format_size(ram_budget)}; try a smaller "
                         "--ctx-size or a larger --ram-budget")
     left, per = ram_budget - dense - kv, sum(slot_b)
-    if dense + kv + experts <= ram_budget:
+    asked = budgets.cache_slots is not None or budgets.cache_mib is not None
+    if dense + kv + experts <= ram_budget and not asked:  # an asked-for cache serves experts from the file
         home, slots = "ram", 0
     else:
         home = "disk"
