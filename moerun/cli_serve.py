@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import socket
@@ -116,6 +117,7 @@ def serve(host, port, api_key, parallel, max_queue, alias, max_body_size, cache_
     max_tokens = kw.pop("max_tokens")
     defaults = sampling_params(kw, with_max_tokens=False)
     rcfg, print_plan = runtime_config(kw)
+    rcfg = dataclasses.replace(rcfg, kv_contexts=parallel)  # a GPU's plan holds -np contexts of KV
     model = model_path(rcfg.model)
     names = tuple(alias) or (model.name,)
     try:

@@ -129,7 +129,8 @@ class RuntimeConfig:
 
     miss_path: on a device stage, whether a cache miss is paged in ("fetch"), computed by the CPU where it
     lives ("home"), or whichever the cost model says is faster ("auto"). h2d_gbps / vram_gbps: given figures
-    for the cost model (else measured on a GPU, or NVML's, or defaults).
+    for the cost model (else measured on a GPU, or NVML's, or defaults). kv_contexts: how many contexts of
+    `ctx_size` the KV pool will hold (serve's -np), which a GPU's plan must find room for.
     """
 
     model: str | None = None  # GGUF file or HF folder; None: the built-in default model
@@ -159,6 +160,7 @@ class RuntimeConfig:
     miss_path: str = "auto"
     h2d_gbps: float | None = None
     vram_gbps: float | None = None
+    kv_contexts: int = 1  # contexts of KV a GPU stage's plan reserves (serve's -np)
 
     def __post_init__(self) -> None:
         from moerun.device import canonical
@@ -180,6 +182,8 @@ class RuntimeConfig:
                 problems.append("a pipeline over processes runs on the CPU only")
         if self.miss_path not in MISS_PATHS:
             problems.append(f"miss_path must be one of {', '.join(MISS_PATHS)}, got {self.miss_path!r}")
+        if not (_is_int(self.kv_contexts) and self.kv_contexts >= 1):
+            problems.append(f"kv_contexts must be a positive integer, got {self.kv_contexts!r}")
         for name in ("h2d_gbps", "vram_gbps"):
             v = getattr(self, name)
             if v is not None and not (_is_number(v) and v > 0):

@@ -123,7 +123,7 @@ def _prepare(cfg: RuntimeConfig) -> tuple[Path, int, Plan, str]:
     for dev in accel:
         device.check(dev)  # a GPU that is not there: one line, before anything is loaded
     budgets = Budgets(devices=cfg.stage_devices, tensor_split=cfg.tensor_split, ram=cfg.ram_budget, vram=vram,
-                      ctx_size=ctx, ubatch=cfg.ubatch,
+                      ctx_size=ctx, ubatch=cfg.ubatch, kv_contexts=cfg.kv_contexts,
                       n_cpu_moe=cfg.n_cpu_moe, override_tensor=cfg.override_tensor,
                       kv_dtype_bytes=torch.finfo(getattr(torch, cfg.dtype)).bits // 8,
                       cache_slots=cfg.expert_cache_slots,
@@ -135,7 +135,10 @@ def _prepare(cfg: RuntimeConfig) -> tuple[Path, int, Plan, str]:
     if cfg.mmap is not None:
         home = "mmap" if cfg.mmap else "ram"
     elif accel:  # a device stage's experts stay in RAM (pinned) when it fits; its cache is on the device
-        home = "mmap" if the_plan.home == "disk" else "ram"
+        slots = [s for d in the_plan.devices for s, i in zip(d.expert_slots, range(*d.layers)) if arch.spec.moe_layers[i]]
+        # experts that all go to the devices are copied there from the file's map, not through RAM first
+        resident = bool(slots) and all(s >= arch.spec.n_experts for s in slots)
+        home = "mmap" if the_plan.home == "disk" or resident else "ram"
     else:
         home = "mmap" if cfg.cache_requested or the_plan.home == "disk" else "ram"
     return path, ctx, the_plan, home

@@ -242,3 +242,35 @@ def test_triton_kernels_on_the_standin(gguf, monkeypatch, tokens32):
     assert type(rt.stages[0].model.ops).__name__ == "TritonOps"
     got = logits_of(rt, tokens32)
     assert (got - ref).abs().max().item() < 1e-3
+
+
+def test_serve_plans_kv_for_every_slot_on_the_device(gguf, monkeypatch):
+    """serve's -np contexts of KV are in a GPU's plan, so a pool that would not fit fails before loading."""
+    path = str(gguf("qwen3moe"))
+    one = build(RuntimeConfig(model=path, devices=STANDIN, ctx_size=512, threads=1)).plan.devices[0]
+    four = build(RuntimeConfig(model=path, devices=STANDIN, ctx_size=512, threads=1, kv_contexts=4)).plan.devices[0]
+    assert four.kv_bytes == 4 * one.kv_bytes
+    monkeypatch.setattr(device, "memory", _free(one.used_bytes + one.kv_bytes))  # room for two contexts, not four
+    from moerun import cli_serve
+    from moerun.errors import MoerunError
+    from moerun.runtime import plan_for
+
+    seen = []
+
+    def preflight(rcfg, parallel):  # serve's own check, with what serve hands it
+        seen.append(rcfg.kv_contexts)
+        try:
+            plan_for(rcfg)
+        except MoerunError as e:
+            raise MoerunError(str(e)) from None
+        raise MoerunError("the plan fitted")
+
+    monkeypatch.setattr(cli_serve, "preflight", preflight)
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    r = CliRunner().invoke(main, ["serve", "-m", path, "--devices", "standin:0", "-c", "512", "-np", "4",
+                                  "--port", str(port)])
+    assert seen == [4] and r.exit_code == 1 and "x 4 slots (-np)" in r.output, r.output

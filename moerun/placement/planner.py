@@ -75,6 +75,7 @@ class Budgets:
     override_tensor: tuple[tuple[str, str], ...] = ()
     tensor_split: tuple[float, ...] | None = None
     ubatch: int = 512
+    kv_contexts: int = 1  # contexts of KV the devices hold (serve's -np); CPU plans count one (serve checks RAM)
 
     def __post_init__(self):
         devs = tuple(parse_device(d) for d in self.devices)
@@ -86,8 +87,8 @@ class Budgets:
             raise ValueError("the compute devices are either 'cpu' (one or more stages) or GPUs (cuda:N, standin:N)")
         if len({d.split(":")[0] for d in devs}) > 1:
             raise ValueError(f"the stages' devices are all GPUs or all stand-ins, not both: {list(devs)}")
-        if self.ubatch <= 0:
-            raise ValueError(f"ubatch must be positive, got {self.ubatch}")
+        if self.ubatch <= 0 or self.kv_contexts <= 0:
+            raise ValueError(f"ubatch and kv_contexts must be positive, got {self.ubatch}, {self.kv_contexts}")
         if isinstance(self.vram, (list, tuple)):
             object.__setattr__(self, "vram", tuple(self.vram))
             n = len(dict.fromkeys(devs))
@@ -258,7 +259,7 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
         """(dense, kv, workspace, slots) of device d holding layers r; slots -1 when dense + KV do not fit."""
         dense = (pinned[d] if devs.index(d) == k else 0) + sum(lay_dense[r[0]:r[1]]) + (first if k == 0 else 0) + (
             last if k == len(devs) - 1 else 0)
-        kv = budgets.ctx_size * kv_tok_layer * (r[1] - r[0])
+        kv = budgets.ctx_size * budgets.kv_contexts * kv_tok_layer * (r[1] - r[0])
         work = workspace_bytes(spec, budgets.ubatch, budgets.ctx_size, max(slot_b[r[0]:r[1]], default=0)) \
             if r[1] > r[0] else 0
         left, per = budget[d] - dense - kv - work, sum(slot_b[r[0]:r[1]])
@@ -291,12 +292,12 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
     for k, (d, r) in enumerate(zip(devs, ranges)):
         dense, kv, work, slots = stage(d, k, r)
         if slots < 0:
-            per_layer = (sum(lay_dense[r[0]:r[1]]) + budgets.ctx_size * kv_tok_layer * (r[1] - r[0])) / max(
-                r[1] - r[0], 1)
+            per_layer = (sum(lay_dense[r[0]:r[1]]) + budgets.ctx_size * budgets.kv_contexts * kv_tok_layer *
+                         (r[1] - r[0])) / max(r[1] - r[0], 1)
             fit = max(0, int((budget[d] - work - (dense - sum(lay_dense[r[0]:r[1]]))) // per_layer)) if per_layer else 0
             raise PlanError(
                 f"the dense weights need {format_size(dense)} (+ {format_size(kv)} KV for --ctx-size "
-                f"{budgets.ctx_size}, {format_size(work)} workspace for -ub {budgets.ubatch}) but {d} has a budget of "
+                f"{budgets.ctx_size}{_contexts(budgets)}, {format_size(work)} workspace for -ub {budgets.ubatch}) but {d} has a budget of "
                 f"{format_size(budget[d])}: about {fit} of its {r[1] - r[0]} layers would fit; try "
                 "-ot/--override-tensor to keep tensors on the CPU, a smaller --ctx-size or -ub, a larger "
                 "--vram-budget, more --gpus or --device cpu")
@@ -325,6 +326,10 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
                 kv_tok_layer * L)
 
 
+def _contexts(budgets: Budgets) -> str:
+    return f" x {budgets.kv_contexts} slots (-np)" if budgets.kv_contexts > 1 else ""
+
+
 def _overflow(d: str, mine: list[DevicePlan], used: int, free: int, budgets: Budgets, kv_tok_layer: int,
               slot_b: list[int]) -> str:
     """The one line for a plan that needs more of device d than is free: what it needs, and what would fit."""
@@ -340,11 +345,11 @@ def _overflow(d: str, mine: list[DevicePlan], used: int, free: int, budgets: Bud
         fits = [f"--expert-cache-slots {(free - base) // per_slot}"] if per_slot else []
         fits.append(f"--vram-budget {format_size(free)} (the slots sized to it)")
     else:
-        ctx = (free - dense - work) // (kv_tok_layer * n_layers) if n_layers else 0
+        ctx = (free - dense - work) // (kv_tok_layer * n_layers * budgets.kv_contexts) if n_layers else 0
         fits = [f"-c {ctx} and no expert slots"] if 16 <= ctx < budgets.ctx_size else []
         fits.append("fewer layers here (--tensor-split, more --gpus) or a smaller -ub")
     return (f"the plan needs {format_size(used)} on {d} (dense {format_size(dense)}, KV {format_size(kv)} for -c "
-            f"{budgets.ctx_size}, {slots} expert slots per layer {format_size(cache)}, workspace {format_size(work)}) "
+            f"{budgets.ctx_size}{_contexts(budgets)}, {slots} expert slots per layer {format_size(cache)}, workspace {format_size(work)}) "
             f"but only {format_size(free)} is free there; it fits with " + ", or ".join(fits))
 
 
