@@ -341,3 +341,15 @@ def test_quantize_rejects_bad_input():
         quantize(torch.zeros(4, 128), QType.Q4_K)
     with pytest.raises(ValueError):
         quantize(torch.zeros(32, dtype=torch.int32), QType.Q8_0)
+
+
+def test_block_dequantizers_run_on_the_device_of_their_input():
+    """A GPU stage dequantizes embedding rows on the GPU: no block function may mix in a host tensor. The meta
+    device has no data but raises on a device mix, as CUDA would."""
+    from moerun.quant.dequant import block_dequantizers, dequantize
+    from moerun.quant.qtypes import block_size
+
+    for qt in block_dequantizers():
+        elems, nbytes = block_size(qt)
+        out = dequantize(torch.zeros(4 * nbytes, dtype=torch.uint8, device="meta"), qt, (2, 2 * elems))
+        assert out.device.type == "meta" and out.shape == (2, 2 * elems), qt.name

@@ -37,14 +37,24 @@ CHUNK_ELEMS = 1 << 18  # weights per chunk: 1 MB of float32 output; intermediate
 # ----------------------------------------------------------------------------------------- helpers
 
 
+@functools.cache
+def _on(const: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One of this module's constant tables, copied to `device` once (blocks on a GPU dequantize there)."""
+    return const.to(device)
+
+
+def _like(const: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return const if const.device == x.device else _on(const, x.device)
+
+
 def outer(x: torch.Tensor, shifts: torch.Tensor, mask: int) -> torch.Tensor:
     """Bit fields of bytes, field-major: x [..., L] -> [..., F, L] = (x[..., j] >> shifts[f]) & mask."""
-    return torch.bitwise_right_shift(x.unsqueeze(-2), shifts.view(-1, 1)).bitwise_and_(mask)
+    return torch.bitwise_right_shift(x.unsqueeze(-2), _like(shifts, x).view(-1, 1)).bitwise_and_(mask)
 
 
 def inner(x: torch.Tensor, shifts: torch.Tensor, mask: int) -> torch.Tensor:
     """Bit fields of bytes, byte-major: x [..., L] -> [..., L, F] = (x[..., j] >> shifts[f]) & mask."""
-    return torch.bitwise_right_shift(x.unsqueeze(-1), shifts).bitwise_and_(mask)
+    return torch.bitwise_right_shift(x.unsqueeze(-1), _like(shifts, x)).bitwise_and_(mask)
 
 
 def f16_field(blk: torch.Tensor, offset: int) -> torch.Tensor:
@@ -76,7 +86,7 @@ def scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _lookup(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """table[idx] for a uint8 index tensor (uint8 would index as a mask, so widen it)."""
-    return table[idx.to(torch.int32)]
+    return _like(table, idx)[idx.to(torch.int32)]
 
 
 # ----------------------------------------------------------------------------------------- floats
@@ -193,7 +203,8 @@ def block_dequantizers() -> dict:
 def dequantize(data: torch.Tensor, qtype: QType, shape: tuple[int, ...]) -> torch.Tensor:
     """Raw ggml bytes (uint8, any shape, numel = the tensor's byte size) -> float32 tensor of `shape`.
 
-    Bit-exact with gguf.quants.dequantize. Never writes to `data` (it may be a read-only memory map).
+    Bit-exact with gguf.quants.dequantize. Never writes to `data` (it may be a read-only memory map). Runs on
+the device `data` is on.
     Raises ValueError for types it does not know or when the byte count does not fit the shape.
     """
     qtype = QType(qtype)
@@ -214,7 +225,7 @@ def dequantize(data: torch.Tensor, qtype: QType, shape: tuple[int, ...]) -> torc
 
     nb = numel // elems
     blocks = data.reshape(nb, nbytes)  # a view when data is contiguous
-    out = torch.empty(nb, elems, dtype=_F32)
+    out = torch.empty(nb, elems, dtype=_F32, device=data.device)
     step = max(1, CHUNK_ELEMS // elems)
     for i in range(0, nb, step):
         fn(blocks[i:i + step], out[i:i + step])
