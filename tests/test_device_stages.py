@@ -274,3 +274,18 @@ def test_serve_plans_kv_for_every_slot_on_the_device(gguf, monkeypatch):
     r = CliRunner().invoke(main, ["serve", "-m", path, "--devices", "standin:0", "-c", "512", "-np", "4",
                                   "--port", str(port)])
     assert seen == [4] and r.exit_code == 1 and "x 4 slots (-np)" in r.output, r.output
+
+
+def test_experts_paged_from_the_file_when_their_home_is_the_map(gguf):
+    """--mmap: a device stage's page-ins are read from the file into pinned staging buffers, its home misses
+    into scratch; the same tokens as the CPU run either way."""
+    path = str(gguf("olmoe"))
+    ref = greedy(build(RuntimeConfig(model=path, threads=1, repack=False)))
+    for mode in ("fetch", "home"):
+        rt = build(RuntimeConfig(model=path, devices=STANDIN, expert_cache_slots=2, miss_path=mode, mmap=True,
+                                 threads=1))
+        (dx,) = device_experts(rt)
+        assert dx.store.reader is not None and not dx.cache.transfers.pinned_layers and not dx._pinned
+        assert greedy(rt) == ref, mode
+        c = rt.engine.expert_cache.stats.get()
+        assert (c.bytes_paged_in > 0) == (mode == "fetch") and (c.misses_home > 0) == (mode == "home")
