@@ -6,6 +6,31 @@ from dataclasses import dataclass
 
 ROPE_STYLES = ("neox", "interleaved")  # neox: rotate halves; interleaved: rotate pairs (GPT-J / llama.cpp "norm")
 QK_NORMS = ("none", "head", "full")  # per head (qwen3moe) or over the whole projection (olmoe)
+ATTENTIONS = ("gqa", "mla")  # grouped-query attention; DeepSeek's multi-head latent attention
+LAYER_KINDS = ("full", "sliding")  # attention over the whole context, or over the last `sliding_window` positions
+# softmax: softmax over all experts, top-k (renormalised with norm_topk); topk_softmax: top-k of the logits, softmax
+# over those k (gpt-oss); sigmoid: sigmoid scores, chosen by score + correction bias, group-limited (DeepSeek-V3, GLM)
+ROUTERS = ("softmax", "topk_softmax", "sigmoid")
+GROUP_SCORES = ("max", "top2")  # a group's score for group-limited routing: its best expert (V2), its best two (V3)
+EXPERT_ACTS = ("swiglu", "swiglu_oai")  # silu(g) * u; gpt-oss: min(g, l) * sigmoid(a g) * (clamp(u, -l, l) + 1)
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN RoPE scaling: frequencies interpolated by `factor` below the correction range set by beta_fast /
+    beta_slow over `original_context`, extrapolated above it; cos and sin scaled by `attention_factor`."""
+
+    factor: float
+    original_context: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+    def __post_init__(self):
+        if not (self.factor >= 1.0 and self.original_context > 0 and self.beta_fast > 0 and self.beta_slow > 0
+                and self.attention_factor > 0):
+            raise ValueError(f"invalid YaRN parameters {self}")
 
 
 @dataclass(frozen=True)
@@ -33,6 +58,33 @@ class ModelSpec:
     clip_qkv: float | None = None
     tie_embeddings: bool = False
     context_length: int = 4096
+    # attention variants (shared layers in moerun.model.layers; each family's file says which it uses)
+    attention: str = "gqa"
+    rope_dim: int = 0  # rotary dimensions per head (0: all of head_dim); the rest pass through (partial rotary)
+    yarn: Yarn | None = None
+    attn_out_bias: bool = False  # a bias on the output projection
+    attn_sinks: bool = False  # a learned logit per head in the softmax's denominator
+    sliding_window: int = 0
+    layer_kinds: tuple[str, ...] = ()  # per layer, LAYER_KINDS; () means every layer attends to everything
+    attn_scale: float = 0.0  # the softmax scale; 0: head_dim ** -0.5
+    q_lora_rank: int = 0  # MLA (attention == "mla"): q through a rank-q_lora_rank bottleneck (0: direct)
+    kv_lora_rank: int = 0  # MLA: the compressed latent the KV cache holds
+    qk_nope_dim: int = 0  # MLA: per-head query/key dims without RoPE
+    qk_rope_dim: int = 0  # MLA: per-head dims with RoPE (one rotary key shared by all heads)
+    v_head_dim: int = 0  # MLA: per-head value dims
+    # routing
+    router: str = "softmax"
+    router_bias: bool = False  # the router's projection has a bias (gpt-oss)
+    score_bias: bool = False  # a per-expert correction bias added to the scores for choosing only (V3, GLM)
+    n_groups: int = 1  # group-limited routing: experts in n_groups groups, the top topk_groups groups kept
+    topk_groups: int = 1
+    group_score: str = "max"
+    routed_scale: float = 1.0  # the routed experts' weights scaled by this (routed_scaling_factor)
+    # experts
+    expert_act: str = "swiglu"
+    expert_bias: bool = False  # biases on every expert's projections (gpt-oss)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self):
         positive = ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "vocab", "context_length")
@@ -56,6 +108,28 @@ class ModelSpec:
             raise ValueError(f"rope_style {self.rope_style!r} not in {ROPE_STYLES}")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm {self.qk_norm!r} not in {QK_NORMS}")
+        for name, allowed in (("attention", ATTENTIONS), ("router", ROUTERS), ("group_score", GROUP_SCORES),
+                              ("expert_act", EXPERT_ACTS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} {getattr(self, name)!r} not in {allowed}")
+        if self.layer_kinds:
+            if len(self.layer_kinds) != self.n_layers or not set(self.layer_kinds) <= set(LAYER_KINDS):
+                raise ValueError(f"layer_kinds must give one of {LAYER_KINDS} for each of {self.n_layers} layers")
+            if "sliding" in self.layer_kinds and self.sliding_window <= 0:
+                raise ValueError("sliding layers need sliding_window > 0")
+        if not 0 <= self.rope_dim <= self.head_dim or self.rope_dim % 2:
+            raise ValueError(f"rope_dim {self.rope_dim} must be even and at most head_dim {self.head_dim}")
+        if self.n_groups < 1 or not 1 <= self.topk_groups <= self.n_groups or (
+                self.n_experts and self.n_experts % self.n_groups):
+            raise ValueError(f"expert groups: {self.topk_groups} of {self.n_groups} must divide {self.n_experts} "
+                             "experts")
+        if self.attention == "mla":
+            if min(self.kv_lora_rank, self.qk_rope_dim, self.v_head_dim) <= 0 or self.qk_rope_dim % 2 or \
+                    self.head_dim != self.qk_nope_dim + self.qk_rope_dim:
+                raise ValueError("MLA needs kv_lora_rank, an even qk_rope_dim, v_head_dim > 0 and head_dim = "
+                                 "qk_nope_dim + qk_rope_dim")
+        if self.routed_scale <= 0 or self.attn_scale < 0:
+            raise ValueError("routed_scale must be > 0 and attn_scale >= 0")
 
     @property
     def q_dim(self) -> int:
@@ -64,3 +138,27 @@ class ModelSpec:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions per head that RoPE rotates."""
+        if self.attention == "mla":
+            return self.qk_rope_dim
+        return self.rope_dim or self.head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attn_scale or self.head_dim ** -0.5
+
+    def sliding(self, layer: int) -> bool:
+        """Whether `layer` attends to the last `sliding_window` positions only."""
+        return bool(self.layer_kinds) and self.layer_kinds[layer] == "sliding"
+
+    @property
+    def plain(self) -> bool:
+        """Only the features the first four families have (what the fused C decode path implements)."""
+        return (self.attention == "gqa" and not (self.rope_dim and self.rope_dim != self.head_dim)
+                and self.yarn is None and not self.attn_out_bias and not self.attn_sinks
+                and "sliding" not in self.layer_kinds and not self.attn_scale and self.router == "softmax"
+                and not self.router_bias and not self.score_bias and self.n_groups == 1 and self.routed_scale == 1.0
+                and self.expert_act == "swiglu" and not self.expert_bias)

@@ -89,6 +89,10 @@ def expected_shapes(spec: ModelSpec) -> dict[CName, tuple[int, ...]]:
         }
         if spec.qkv_bias:
             layer |= {"attn_q.bias": (spec.q_dim,), "attn_k.bias": (spec.kv_dim,), "attn_v.bias": (spec.kv_dim,)}
+        if spec.attn_out_bias:
+            layer["attn_output.bias"] = (H,)
+        if spec.attn_sinks:
+            layer["attn_sinks.weight"] = (spec.n_heads,)
         if spec.qk_norm == "head":
             layer |= {"attn_q_norm.weight": (spec.head_dim,), "attn_k_norm.weight": (spec.head_dim,)}
         elif spec.qk_norm == "full":
@@ -96,6 +100,10 @@ def expected_shapes(spec: ModelSpec) -> dict[CName, tuple[int, ...]]:
         if spec.moe_layers[i]:
             layer |= {"ffn_gate_inp.weight": (E, H), "ffn_gate_exps.weight": (E, I, H),
                       "ffn_up_exps.weight": (E, I, H), "ffn_down_exps.weight": (E, H, I)}
+            if spec.router_bias:
+                layer["ffn_gate_inp.bias"] = (E,)
+            if spec.score_bias:
+                layer["exp_probs_b.bias"] = (E,)
             if spec.shared_ffn:
                 S = spec.shared_ffn
                 layer |= {"ffn_gate_shexp.weight": (S, H), "ffn_up_shexp.weight": (S, H),

@@ -59,8 +59,8 @@ class FusedAttention:
     @staticmethod
     def build(model: MoEModel) -> FusedAttention | None:
         cpu = getattr(model.ops, "cpu", None)  # KernelOps carries the CPU kernels
-        if cpu is None or model.dtype != torch.float32 or not hasattr(cpu, "AttnLayer"):
-            return None
+        if cpu is None or model.dtype != torch.float32 or not hasattr(cpu, "AttnLayer") or not model.spec.plain:
+            return None  # the C block implements the first four families' attention and routing only
         try:
             return FusedAttention(model, cpu)
         except ValueError:  # a weight type or layout the fused block does not take

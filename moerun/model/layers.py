@@ -1,9 +1,14 @@
-"""Layers every family shares: RMSNorm, RoPE, attention. (Matrix products: moerun.model.ops.)"""
+"""Layers every family shares: RMSNorm, RoPE (plain, partial, YaRN), attention (GQA with optional sinks and a
+sliding window). (Matrix products: moerun.model.ops; the router: moerun.model.moe.)"""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+
+from moerun.arch.spec import Yarn
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -11,15 +16,43 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
-                                 / head_dim))
+def rope_frequencies(dim: int, theta: float, yarn: Yarn | None = None,
+                     device: torch.device | None = None) -> torch.Tensor:
+    """The inverse frequencies [dim / 2] of RoPE over `dim` rotary dimensions; with YaRN, interpolated by its
+    factor below the correction range, extrapolated above it, a linear ramp between (transformers' formula)."""
+    base = theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim)
+    if yarn is None:
+        return 1.0 / base
+
+    def correction(rotations: float) -> float:
+        return dim * math.log(yarn.original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction(yarn.beta_fast), correction(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / max(high - low, 0.001)).clamp(0, 1)
+    extrapolate = 1 - ramp  # [dim / 2]: 1 keeps the original frequency, 0 interpolates it
+    return (1.0 / (yarn.factor * base)) * (1 - extrapolate) + (1.0 / base) * extrapolate
+
+
+def rope_tables(positions: torch.Tensor, dim: int, theta: float, yarn: Yarn | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, dim / 2] for RoPE over `dim` dimensions at `positions` [T] (scaled by YaRN's attention
+    factor when given)."""
+    inv_freq = rope_frequencies(dim, theta, yarn, positions.device)
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
-    return freqs.cos(), freqs.sin()
+    if yarn is None or yarn.attention_factor == 1.0:
+        return freqs.cos(), freqs.sin()
+    return freqs.cos() * yarn.attention_factor, freqs.sin() * yarn.attention_factor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, D/2]. neox rotates halves, interleaved rotates adjacent pairs."""
+    """x [T, heads, D]; cos/sin [T, R/2] for the first R <= D dimensions (the rest pass through: partial
+    rotary). neox rotates halves, interleaved rotates adjacent pairs."""
+    rot = 2 * cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, sin, style), x[..., rot:]), dim=-1)
     cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
     if style == "neox":
         x1, x2 = x.chunk(2, dim=-1)
@@ -28,29 +61,45 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
     return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
 
 
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """[T, S] bool: key at k_pos seen from query at q_pos (causal; within the last `window` positions if given)."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-           ) -> torch.Tensor:
-    """Causal GQA attention. q [T, nh, D], k/v [S, nkv, D], positions [T] and [S] -> [T, nh*D]."""
-    if q.shape[0] <= SMALL_T:
-        return _attend_small(q, k, v, q_pos, k_pos)
-    mask = k_pos[None, :] <= q_pos[:, None]  # [T, S]
+           scale: float | None = None, sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+    """Causal GQA attention. q [T, nh, D], k [S, nkv, D], v [S, nkv, Dv], positions [T] and [S] -> [T, nh*Dv].
+
+    scale: of the scores (default D ** -0.5); sinks [nh]: a learned logit per head that joins the softmax's
+    denominator and takes no value (gpt-oss); window: each query sees the last `window` positions only."""
+    if q.shape[0] <= SMALL_T or sinks is not None:
+        return _attend_small(q, k, v, q_pos, k_pos, scale, sinks, window)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
-    )  # [nh, T, D]
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=visible(q_pos, k_pos, window),
+        enable_gqa=True, scale=scale,
+    )  # [nh, T, Dv]
     return out.transpose(0, 1).flatten(1)
 
 
 SMALL_T = 16  # decode steps: two batched matmuls beat SDPA's CPU path 7-30x (measured, S = 16..1024)
 
 
-def _attend_small(q, k, v, q_pos, k_pos):
+def _attend_small(q, k, v, q_pos, k_pos, scale=None, sinks=None, window=0):
     T, nh, D = q.shape
-    S, nkv, _ = k.shape
+    S, nkv, Dv = v.shape
     g = nh // nkv  # query heads per KV head
     qg = q.view(T, nkv, g, D).permute(1, 0, 2, 3).reshape(nkv, T * g, D)  # [nkv, T*g, D]
-    s = torch.bmm(qg, k.permute(1, 2, 0)) * D**-0.5  # [nkv, T*g, S]
-    masked = k_pos[None, :] > q_pos[:, None]  # [T, S]
+    s = torch.bmm(qg, k.permute(1, 2, 0)) * (D**-0.5 if scale is None else scale)  # [nkv, T*g, S]
+    masked = ~visible(q_pos, k_pos, window)  # [T, S]
     if T > 1 or bool(masked.any()):
         s = s.view(nkv, T, g, S).masked_fill(masked[None, :, None, :], float("-inf")).view(nkv, T * g, S)
-    o = torch.bmm(torch.softmax(s, dim=-1), v.permute(1, 0, 2))  # [nkv, T*g, D]
-    return o.view(nkv, T, g, D).permute(1, 0, 2, 3).reshape(T, nh * D)
+    if sinks is None:
+        p = torch.softmax(s, dim=-1)
+    else:  # the sink is one more column of the softmax, dropped after it
+        sink = sinks.to(s.dtype).view(nkv, 1, g, 1).expand(nkv, T, g, 1).reshape(nkv, T * g, 1)
+        p = torch.softmax(torch.cat((s, sink), dim=-1), dim=-1)[..., :S]
+    o = torch.bmm(p, v.permute(1, 0, 2))  # [nkv, T*g, Dv]
+    return o.view(nkv, T, g, Dv).permute(1, 0, 2, 3).reshape(T, nh * Dv)

@@ -38,7 +38,11 @@ class LayerWeights:
     bv: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    bo: torch.Tensor | None = None  # the output projection's bias
+    sinks: torch.Tensor | None = None  # [n_heads] attention sink logits
     router: Weight | None = None  # MoE layers
+    router_b: torch.Tensor | None = None  # the router's bias
+    score_b: torch.Tensor | None = None  # the scores' correction bias, for choosing only
     shexp: tuple[Weight, Weight, Weight] | None = None  # shared expert gate, up, down
     shexp_gate: Weight | None = None
     ffn: tuple[Weight, Weight, Weight] | None = None  # dense layers
@@ -80,9 +84,13 @@ class MoEModel:
                 wq=mat("attn_q.weight", i), wk=mat("attn_k.weight", i), wv=mat("attn_v.weight", i),
                 wo=mat("attn_output.weight", i), bq=vec("attn_q.bias", i), bk=vec("attn_k.bias", i),
                 bv=vec("attn_v.bias", i), q_norm=vec("attn_q_norm.weight", i), k_norm=vec("attn_k_norm.weight", i),
+                bo=vec("attn_output.bias", i), sinks=vec("attn_sinks.weight", i),
             )
             if spec.moe_layers[i]:
                 lw.router = mat("ffn_gate_inp.weight", i)
+                lw.router_b = vec("ffn_gate_inp.bias", i)
+                score_b = weights.get(CName("exp_probs_b.bias", i))  # float32 always: it only ranks the scores
+                lw.score_b = None if score_b is None else score_b.dequantize(torch.float32)
                 if spec.shared_ffn:
                     lw.shexp = (mat("ffn_gate_shexp.weight", i), mat("ffn_up_shexp.weight", i),
                                 mat("ffn_down_shexp.weight", i))
@@ -181,7 +189,9 @@ class MoEModel:
             kv.write(i, start, k, v)
             k, v = kv.read(i, end)  # [end, kv_heads, D]
             k_pos = torch.arange(end, device=x.device)
-        return mm(attend(q, k, v, pos, k_pos), lw.wo)  # [T, H]
+        out = attend(q, k, v, pos, k_pos, scale=s.softmax_scale, sinks=lw.sinks,
+                     window=s.sliding_window if s.sliding(i) else 0)
+        return mm(out, lw.wo, lw.bo)  # [T, H]
 
     def _prefetch_next(self, i: int, resid: torch.Tensor) -> None:
         """DESIGN decision 6: guess the next MoE layer's experts with its router on the hidden state after layer
@@ -191,7 +201,7 @@ class MoEModel:
         if j is None:
             return
         s, lw = self.spec, self.layers[j - self.first]
-        p, ids = route(self.ops, rms_norm(resid, lw.ffn_norm, s.rms_eps), lw.router, s.n_experts_used, False)
+        p, ids = route(self.ops, rms_norm(resid, lw.ffn_norm, s.rms_eps), lw, s, raw=True)
         self.experts.prefetch(j, guess_ids(p, ids))
 
     def ffn(self, i: int, x: torch.Tensor, phase: str, pos: torch.Tensor,
@@ -200,7 +210,7 @@ class MoEModel:
         s, lw, ops = self.spec, self.layers[i - self.first], self.ops
         if lw.ffn is not None:
             return ops.swiglu(x, *lw.ffn)
-        w, ids = route(ops, x, lw.router, s.n_experts_used, s.norm_topk)  # [T, k]
+        w, ids = route(ops, x, lw, s)  # [T, k]
         return self.moe(i, x, w, ids, phase, pos, resid)
 
     def moe(self, i: int, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, phase: str, pos: torch.Tensor,
@@ -277,7 +287,7 @@ class MoEModel:
         if kvs is not None and self._fused_ok(len(pos), kvs):
             return self._layers_fused(x, kvs, pos, phase, span)
         pos = pos.to(x.device)
-        cos, sin = rope_tables(pos, self.spec.head_dim, self.spec.rope_theta)
+        cos, sin = rope_tables(pos, self.spec.rotary_dim, self.spec.rope_theta, self.spec.yarn)
         for i in span:
             lw = self.layers[i - self.first]
             xn = rms_norm(x, lw.attn_norm, self.spec.rms_eps)

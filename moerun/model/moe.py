@@ -15,17 +15,49 @@ import torch.nn.functional as F
 
 from moerun.experts.cache import ExpertCache
 from moerun.experts.store import Expert, ExpertStore
-from moerun.model.ops import ReferenceOps, Weight
+from moerun.model.ops import ReferenceOps
 
 
-def route(ops: ReferenceOps, x: torch.Tensor, router: Weight, k: int, norm_topk: bool
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(fp32) -> top-k (-> renormalise). x [T, H] -> weights [T, k] (x.dtype), ids [T, k]."""
-    probs = F.softmax(ops.linear(x, router).float(), dim=-1)  # [T, E]
-    w, ids = torch.topk(probs, k, dim=-1)
-    if norm_topk:
-        w = w / w.sum(dim=-1, keepdim=True)
+def route(ops: ReferenceOps, x: torch.Tensor, lw, spec, raw: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's k experts and their weights, as spec.router says. x [T, H] -> weights [T, k] (x.dtype),
+    ids [T, k]. lw: the layer's weights (router, router_b, score_b). raw: the choice's scores before
+    renormalising or scaling (prefetch ranks them).
+
+    softmax       softmax over all experts (fp32), top-k, renormalised when norm_topk (Qwen, Mixtral, OLMoE,
+                  DeepSeek-V2), group-limited when n_groups > 1
+    topk_softmax  top-k of the logits, softmax over those k (gpt-oss)
+    sigmoid       sigmoid scores; the k chosen by score + correction bias within the best topk_groups
+                  groups; their scores renormalised when norm_topk (DeepSeek-V3, GLM-4.5)
+    then every weight times routed_scale."""
+    k = spec.n_experts_used
+    logits = ops.linear(x, lw.router, lw.router_b).float()  # [T, E]
+    if spec.router == "topk_softmax":
+        top, ids = torch.topk(logits, k, dim=-1)
+        w = F.softmax(top, dim=-1)
+    else:
+        scores = F.softmax(logits, dim=-1) if spec.router == "softmax" else torch.sigmoid(logits)  # [T, E]
+        choice = scores if lw.score_b is None else scores + lw.score_b.to(scores.device)
+        if spec.n_groups > 1:
+            choice = _limit_groups(choice, spec)
+        ids = torch.topk(choice, k, dim=-1)[1]
+        w = scores.gather(1, ids)
+        if raw:
+            return w.to(x.dtype), ids
+        if spec.norm_topk:
+            w = w / (w.sum(dim=-1, keepdim=True) + (1e-20 if spec.router == "sigmoid" else 0.0))
+    if spec.routed_scale != 1.0:
+        w = w * spec.routed_scale
     return w.to(x.dtype), ids
+
+
+def _limit_groups(choice: torch.Tensor, spec) -> torch.Tensor:
+    """choice [T, E] with every expert outside each token's best topk_groups groups set to -inf; a group scores
+    its best expert ("max") or its best two summed ("top2")."""
+    T, E = choice.shape
+    groups = choice.view(T, spec.n_groups, E // spec.n_groups)
+    score = groups.max(dim=-1).values if spec.group_score == "max" else groups.topk(2, dim=-1).values.sum(dim=-1)
+    keep = torch.zeros_like(score, dtype=torch.bool).scatter_(1, torch.topk(score, spec.topk_groups, dim=-1)[1], True)
+    return groups.masked_fill(~keep[..., None], float("-inf")).view(T, E)
 
 
 class Experts(Protocol):
