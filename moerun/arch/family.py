@@ -6,10 +6,12 @@ come from GGUF metadata (llama.cpp's keys) or from config.json, never from file 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from moerun.arch.spec import ModelSpec
+from moerun.arch.spec import ModelSpec, Yarn
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,12 @@ class Family:
     hf_expert_ffn_key: str = "moe_intermediate_size"
     hf_experts_key: tuple[str, ...] = ("num_experts", "num_local_experts")
     hf_permute_qk: bool = False  # HF stores Q/K for rotate-half RoPE; GGUF (canonical) for interleaved
+    # What a family has beyond the common hyperparameters, in its own file: ModelSpec fields from GGUF metadata
+    # (called with get(key, default) for "{gguf_arch}.key", and the whole metadata) or from config.json, and
+    # the extra GGUF keys our writers put in a file of that family.
+    gguf_fields: Callable[[Callable[[str, Any], Any], dict], dict] | None = None
+    hf_fields: Callable[[dict], dict] | None = None
+    gguf_keys: Callable[[ModelSpec], dict] | None = None
 
 
 class ConfigError(ValueError):
@@ -96,7 +104,7 @@ def spec_from_gguf(fam: Family, meta: dict[str, Any], moe_layers: tuple[bool, ..
     if isinstance(n_kv, list):
         raise ConfigError("per-layer attention.head_count_kv is not supported")
     expert_ffn = get("expert_feed_forward_length") or get("feed_forward_length", 0)
-    return ModelSpec(
+    fields = dict(
         family=fam.name,
         n_layers=_in_range(need("block_count"), "block_count", 1, MAX_LAYERS),
         hidden=hidden,
@@ -122,15 +130,49 @@ def spec_from_gguf(fam: Family, meta: dict[str, Any], moe_layers: tuple[bool, ..
         tie_embeddings=False,  # set by arch.resolve from the tensors present
         context_length=_int(get("context_length", 4096), "context_length"),
     )
+    if fam.gguf_fields is not None:
+        fields |= fam.gguf_fields(get, meta)
+    return ModelSpec(**fields)
 
 
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    rp = _dict(cfg.get("rope_parameters"), "rope_parameters")
+def rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json's RoPE parameters as one dict (transformers 5's rope_parameters, or the older rope_scaling
+    beside rope_theta), with rope_type set."""
+    rp = dict(_dict(cfg.get("rope_parameters"), "rope_parameters"))
     scaling = _dict(cfg.get("rope_scaling"), "rope_scaling")
-    kind = rp.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise ConfigError(f"RoPE scaling {_short(kind)} is not supported yet")
-    return _float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)), "rope_theta")
+    rp = {**scaling, **rp}
+    rp["rope_type"] = rp.get("rope_type") or rp.get("type") or "default"
+    rp.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    return rp
+
+
+def _rope_theta(cfg: dict[str, Any], fam: Family) -> float:
+    rp = rope_params(cfg)
+    if rp["rope_type"] != "default" and not (rp["rope_type"] == "yarn" and fam.hf_fields is not None):
+        raise ConfigError(f"RoPE scaling {_short(rp['rope_type'])} is not supported yet")
+    return _float(rp["rope_theta"], "rope_theta")
+
+
+def _mscale(scale: float, m: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def yarn_from_hf(cfg: dict[str, Any]) -> Yarn | None:
+    """YaRN from config.json's RoPE parameters (None for plain RoPE), its attention factor as transformers
+    derives it: given, or from mscale / mscale_all_dim, or from the factor."""
+    rp = rope_params(cfg)
+    if rp["rope_type"] != "yarn":
+        return None
+    factor = _float(rp.get("factor") or 1.0, "rope factor")
+    original = _int(rp.get("original_max_position_embeddings") or cfg.get("max_position_embeddings"),
+                    "original_max_position_embeddings")
+    attn = rp.get("attention_factor")
+    if attn is None:
+        m, m_all = rp.get("mscale"), rp.get("mscale_all_dim")
+        attn = _mscale(factor, m) / _mscale(factor, m_all) if m and m_all else _mscale(factor)
+    return Yarn(factor, original, _float(rp.get("beta_fast") or 32.0, "beta_fast"),
+                _float(rp.get("beta_slow") or 1.0, "beta_slow"), _float(attn, "attention_factor"),
+                bool(rp.get("truncate", True)))
 
 
 def spec_from_hf(fam: Family, cfg: dict[str, Any]) -> ModelSpec:
@@ -146,7 +188,7 @@ def spec_from_hf(fam: Family, cfg: dict[str, Any]) -> ModelSpec:
     dense = _dense_layers(cfg.get("mlp_only_layers"))
     moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers))
     norm_topk = fam.norm_topk if fam.norm_topk_fixed else bool(cfg.get("norm_topk_prob", fam.norm_topk))
-    return ModelSpec(
+    fields = dict(
         family=fam.name,
         n_layers=n_layers,
         hidden=hidden,
@@ -163,7 +205,7 @@ def spec_from_hf(fam: Family, cfg: dict[str, Any]) -> ModelSpec:
         shared_gate=fam.shared_gate,
         norm_topk=norm_topk,
         rms_eps=_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
-        rope_theta=_rope_theta(cfg),
+        rope_theta=_rope_theta(cfg, fam),
         rope_style=fam.rope_style,
         qk_norm=fam.qk_norm,
         qkv_bias=bool(cfg.get("qkv_bias", cfg.get("attention_bias", fam.qkv_bias))),
@@ -171,6 +213,9 @@ def spec_from_hf(fam: Family, cfg: dict[str, Any]) -> ModelSpec:
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         context_length=_int(cfg.get("max_position_embeddings", 4096), "max_position_embeddings"),
     )
+    if fam.hf_fields is not None:
+        fields |= fam.hf_fields(cfg)
+    return ModelSpec(**fields)
 
 
 def gguf_metadata(fam: Family, spec: ModelSpec) -> dict[str, Any]:
@@ -199,6 +244,8 @@ def gguf_metadata(fam: Family, spec: ModelSpec) -> dict[str, Any]:
         kv[f"{a}.expert_shared_feed_forward_length"] = spec.shared_ffn
     if spec.clip_qkv is not None:
         kv[f"{a}.attention.clamp_kqv"] = float(spec.clip_qkv)
+    if fam.gguf_keys is not None:
+        kv |= fam.gguf_keys(spec)
     return kv
 
 
