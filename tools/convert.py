@@ -26,6 +26,7 @@ import torch
 from moerun.arch import Arch, Source, expected_shapes, gguf_metadata, resolve
 from moerun.errors import MoerunError
 from moerun.formats import open_model
+from moerun.formats.names import gguf_name
 from moerun.formats.records import ModelFile, TensorRecord
 from moerun.quant.qtypes import QTensor, QType
 from moerun.quant.quantize import quantize
@@ -130,7 +131,8 @@ def gguf_tensor_plan(mf: ModelFile, arch: Arch, ftype: str, pool: ThreadPoolExec
     out = []
     for cn, shape in expected_shapes(spec).items():
         qtype = qtype_for(cn, shape, ftype, n_layers=spec.n_layers, tied_embeddings=spec.tie_embeddings)
-        out.append(TensorOut(cn.gguf, qtype, gguf_shape(cn, shape), _producer(mf, arch.sources[cn], qtype, pool)))
+        name = gguf_name(cn.kind, cn.layer, dict(arch.family.gguf_aliases))
+        out.append(TensorOut(name, qtype, gguf_shape(cn, shape), _producer(mf, arch.sources[cn], qtype, pool)))
     return out
 
 

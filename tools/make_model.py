@@ -44,7 +44,7 @@ import torch
 
 from moerun.arch import FAMILIES, ModelSpec, expected_shapes, gguf_metadata
 from moerun.arch.family import spec_from_hf
-from moerun.formats.names import CName
+from moerun.formats.names import CName, gguf_name
 from moerun.quant.qtypes import QType
 from moerun.quant.quantize import quantize
 from moerun.tools.gguf_out import FTYPES, TensorOut, file_type, gguf_shape, qtype_for, write_gguf
@@ -160,7 +160,8 @@ def gguf_tensors(spec: ModelSpec, ftype: str, seed: int = 0, pool: ThreadPoolExe
 
             return ordered_map(part, range(n_parts(shape)), pool)
 
-        out.append(TensorOut(cn.gguf, qtype, gguf_shape(cn, shape), None if shape_only else produce))
+        name = gguf_name(cn.kind, cn.layer, dict(FAMILIES[spec.family].gguf_aliases))
+        out.append(TensorOut(name, qtype, gguf_shape(cn, shape), None if shape_only else produce))
     return out
 
 

@@ -65,7 +65,7 @@ def resolve(mf: ModelFile) -> Arch:
     """Family, hyperparameters and canonical tensor sources of an opened model file, checked for consistency."""
     fam = family_of(mf)
     try:
-        sources = canonical_sources(mf)
+        sources = canonical_sources(mf, dict(fam.gguf_aliases))
         if mf.format == "gguf":
             n_layers = mf.metadata.get(f"{fam.gguf_arch}.block_count")
             n_layers = n_layers if isinstance(n_layers, int) and 0 < n_layers < 1 << 16 else 0

@@ -31,6 +31,7 @@ class Family:
     # What a family has beyond the common hyperparameters, in its own file: ModelSpec fields from GGUF metadata
     # (called with get(key, default) for "{gguf_arch}.key", and the whole metadata) or from config.json, and
     # the extra GGUF keys our writers put in a file of that family.
+    gguf_aliases: tuple[tuple[str, str], ...] = ()  # (canonical kind, the family's GGUF name pattern) pairs
     gguf_fields: Callable[[Callable[[str, Any], Any], dict], dict] | None = None
     hf_fields: Callable[[dict], dict] | None = None
     gguf_keys: Callable[[ModelSpec], dict] | None = None

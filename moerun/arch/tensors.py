@@ -29,12 +29,13 @@ class TensorError(ValueError):
     pass
 
 
-def canonical_sources(mf: ModelFile) -> dict[CName, Source]:
-    """Map the file's tensors to canonical names (without hyperparameter-dependent transforms)."""
+def canonical_sources(mf: ModelFile, aliases: dict[str, str] | None = None) -> dict[CName, Source]:
+    """Map the file's tensors to canonical names (without hyperparameter-dependent transforms); `aliases`: the
+    family's own GGUF names (Family.gguf_aliases)."""
     out: dict[CName, Source] = {}
     if mf.format == "gguf":
         for name, rec in mf.records.items():
-            cn = parse_gguf(name)
+            cn = parse_gguf(name, aliases)
             if cn is not None:
                 out[cn] = Source((rec,))
         return out

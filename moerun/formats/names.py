@@ -90,11 +90,13 @@ class HFMatch:
     chunk: int | None = None
 
 
-def gguf_name(kind: str, layer: int | None = None) -> str:
-    for k, g, _ in TABLE:
-        if k == kind:
-            return g.format(L=layer) if "{L}" in g else g
-    raise KeyError(kind)
+def gguf_name(kind: str, layer: int | None = None, aliases: dict[str, str] | None = None) -> str:
+    """The GGUF name of a canonical tensor; `aliases` (a family's, kind -> pattern) where llama.cpp names it
+    differently in that family (gpt-oss and GLM-4.5 call the pre-FFN norm post_attention_norm)."""
+    g = (aliases or {}).get(kind) or next((g for k, g, _ in TABLE if k == kind), None)
+    if g is None:
+        raise KeyError(kind)
+    return g.format(L=layer) if "{L}" in g else g
 
 
 def _regex(pattern: str) -> re.Pattern:
@@ -105,12 +107,20 @@ def _regex(pattern: str) -> re.Pattern:
     return re.compile(rx + "$"), None if chunk is None else int(chunk)
 
 
-_GGUF = [(kind, re.compile(re.escape(g).replace(r"\{L\}", r"(?P<L>\d+)") + "$")) for kind, g, _ in TABLE]
 _HF = [(kind, *_regex(p)) for kind, _, pats in TABLE for p in pats]
 
 
-def parse_gguf(name: str) -> CName | None:
-    for kind, rx in _GGUF:
+def _gguf_rx(pattern: str) -> re.Pattern:
+    return re.compile(re.escape(pattern).replace(r"\{L\}", r"(?P<L>\d+)") + "$")
+
+
+_GGUF = [(kind, _gguf_rx(g)) for kind, g, _ in TABLE]
+
+
+def parse_gguf(name: str, aliases: dict[str, str] | None = None) -> CName | None:
+    """The canonical name of a GGUF tensor name (None when unknown); a family's `aliases` first."""
+    table = [(kind, _gguf_rx(g)) for kind, g in (aliases or {}).items()]
+    for kind, rx in table + _GGUF:
         m = rx.match(name)
         if m:
             return CName(kind, int(m["L"]) if "L" in rx.groupindex else None)
