@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 ROPE_STYLES = ("neox", "interleaved")  # neox: rotate halves; interleaved: rotate pairs (GPT-J / llama.cpp "norm")
@@ -13,6 +14,19 @@ LAYER_KINDS = ("full", "sliding")  # attention over the whole context, or over t
 ROUTERS = ("softmax", "topk_softmax", "sigmoid")
 GROUP_SCORES = ("max", "top2")  # a group's score for group-limited routing: its best expert (V2), its best two (V3)
 EXPERT_ACTS = ("swiglu", "swiglu_oai")  # silu(g) * u; gpt-oss: min(g, l) * sigmoid(a g) * (clamp(u, -l, l) + 1)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What one layer's KV cache keeps per position: the key's and the value's trailing shapes (a value of
+    shape () is none: MLA keeps one latent), and how many positions (window; 0: all of them)."""
+
+    k: tuple[int, ...]
+    v: tuple[int, ...]
+    window: int = 0
+
+    def elems(self) -> int:
+        return math.prod(self.k) + (math.prod(self.v) if self.v else 0)
 
 
 @dataclass(frozen=True)
@@ -149,6 +163,15 @@ class ModelSpec:
     @property
     def softmax_scale(self) -> float:
         return self.attn_scale or self.head_dim ** -0.5
+
+    def kv_layout(self, layer: int) -> KVLayout:
+        """What layer `layer`'s KV cache holds per position (moerun.engine.kv_cache)."""
+        return KVLayout((self.n_kv_heads, self.head_dim), (self.n_kv_heads, self.head_dim))
+
+    def kv_bytes(self, layer: int, positions: int, dtype_bytes: int) -> int:
+        """Bytes of layer `layer`'s KV cache for `positions` positions (of one sequence)."""
+        lay = self.kv_layout(layer)
+        return (min(positions, lay.window) if lay.window else positions) * lay.elems() * dtype_bytes
 
     def sliding(self, layer: int) -> bool:
         """Whether `layer` attends to the last `sliding_window` positions only."""

@@ -52,16 +52,22 @@ class KVPool:
         if any(b <= a for a, b, _ in segments) or any(s[1] != t[0] for s, t in zip(segments, segments[1:])):
             raise ValueError(f"KV segments must be consecutive non-empty layer ranges, got {segments}")
         self.first, self.stop = segments[0][0], segments[-1][1]
-        self.segments = []  # (first, stop, k, v)
+        self.segments = []  # (first, stop, k, v): consecutive layers of one device and one layout, stacked
         for a, b, dev in segments:
-            shape = (b - a, self.n_slots, spec.n_kv_heads, spec.head_dim)
-            self.segments.append((a, b, torch.zeros(shape, dtype=dtype, device=dev),
-                                  torch.zeros(shape, dtype=dtype, device=dev)))
+            start = a
+            for i in range(a + 1, b + 1):  # cut where the layout changes (spec.kv_layout)
+                if i == b or spec.kv_layout(i) != spec.kv_layout(start):
+                    lay = spec.kv_layout(start)
+                    k = torch.zeros((i - start, self.n_slots, *lay.k), dtype=dtype, device=dev)
+                    v = torch.zeros((i - start, self.n_slots, *lay.v), dtype=dtype, device=dev) if lay.v else \
+                        torch.zeros((i - start, self.n_slots, 0), dtype=dtype, device=dev)
+                    self.segments.append((start, i, k, v))
+                    start = i
         self.dtype = dtype
         self.allocator = BlockAllocator(n_blocks)
 
     def range(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [b - a, slots, kv_heads, head_dim] of layers [a, b), which lie in one segment (views)."""
+        """k, v [b - a, slots, ...] of layers [a, b), which lie in one segment (one device, one layout): views."""
         for first, stop, k, v in self.segments:
             if first <= a and b <= stop:
                 return k[a - first:b - first], v[a - first:b - first]

@@ -211,7 +211,9 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
     overrides = list(budgets.override_tensor)
     if devs != ("cpu",):
         overrides += [(rf"^blk\.{i}\.ffn_(up|down|gate)_exps", "cpu") for i in range(min(budgets.n_cpu_moe, L))]
-    kv_tok_layer = 2 * spec.n_kv_heads * spec.head_dim * budgets.kv_dtype_bytes
+    # KV bytes of one context, per layer (spec.kv_layout: what each layer's cache holds; windows capped)
+    kv_layer = [spec.kv_bytes(i, budgets.ctx_size, budgets.kv_dtype_bytes) for i in range(L)]
+    kv_tok_layer = max(1, round(sum(kv_layer) / budgets.ctx_size / max(L, 1)))  # per position, per layer
     ram_budget = inventory.ram_available if budgets.ram is None else budgets.ram
 
     # every tensor: bytes, class, override
@@ -230,7 +232,7 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
     slot_b = [b // E if E else 0 for b in exp_bytes]
 
     if set(devs) == {"cpu"}:
-        return _plan_cpu(spec, info, budgets, ram_budget, kv_tok_layer, slot_b)
+        return _plan_cpu(spec, info, budgets, ram_budget, kv_layer, slot_b)
 
     phys = list(dict.fromkeys(devs))  # a device named twice holds two stages sharing its budget
     try:
@@ -259,7 +261,7 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
         """(dense, kv, workspace, slots) of device d holding layers r; slots -1 when dense + KV do not fit."""
         dense = (pinned[d] if devs.index(d) == k else 0) + sum(lay_dense[r[0]:r[1]]) + (first if k == 0 else 0) + (
             last if k == len(devs) - 1 else 0)
-        kv = budgets.ctx_size * budgets.kv_contexts * kv_tok_layer * (r[1] - r[0])
+        kv = budgets.kv_contexts * sum(kv_layer[r[0]:r[1]])
         work = workspace_bytes(spec, budgets.ubatch, budgets.ctx_size, max(slot_b[r[0]:r[1]], default=0)) \
             if r[1] > r[0] else 0
         left, per = budget[d] - dense - kv - work, sum(slot_b[r[0]:r[1]])
@@ -292,8 +294,8 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
     for k, (d, r) in enumerate(zip(devs, ranges)):
         dense, kv, work, slots = stage(d, k, r)
         if slots < 0:
-            per_layer = (sum(lay_dense[r[0]:r[1]]) + budgets.ctx_size * budgets.kv_contexts * kv_tok_layer *
-                         (r[1] - r[0])) / max(r[1] - r[0], 1)
+            per_layer = (sum(lay_dense[r[0]:r[1]]) + budgets.kv_contexts * sum(kv_layer[r[0]:r[1]])) / max(
+                r[1] - r[0], 1)
             fit = max(0, int((budget[d] - work - (dense - sum(lay_dense[r[0]:r[1]]))) // per_layer)) if per_layer else 0
             raise PlanError(
                 f"the dense weights need {format_size(dense)} (+ {format_size(kv)} KV for --ctx-size "
@@ -323,7 +325,7 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
         else:
             tensors[name] = TensorPlan(own, "vram", nbytes)
     return Plan(tuple(stages), home, ram_budget, host if home == "ram" else 0, tensors, budgets.ctx_size,
-                kv_tok_layer * L)
+                round(sum(kv_layer) / budgets.ctx_size))
 
 
 def _contexts(budgets: Budgets) -> str:
@@ -353,7 +355,7 @@ def _overflow(d: str, mine: list[DevicePlan], used: int, free: int, budgets: Bud
             f"but only {format_size(free)} is free there; it fits with " + ", or ".join(fits))
 
 
-def _plan_cpu(spec, info, budgets: Budgets, ram_budget: int, kv_tok_layer: int, slot_b: list[int]) -> Plan:
+def _plan_cpu(spec, info, budgets: Budgets, ram_budget: int, kv_layer: list[int], slot_b: list[int]) -> Plan:
     """CPU only: dense + KV in RAM; experts in RAM when the whole model fits and no cache is asked for, else
     mmap + a RAM cache (of the size asked for, or what the budget leaves).
     Several cpu stages split the layers (equally, or by tensor_split) and share the RAM budget; each stage's
@@ -361,7 +363,7 @@ def _plan_cpu(spec, info, budgets: Budgets, ram_budget: int, kv_tok_layer: int, 
     L, E = spec.n_layers, spec.n_experts
     dense = sum(v[2] for v in info.values() if not v[1])
     experts = sum(v[2] for v in info.values() if v[1])
-    kv = budgets.ctx_size * kv_tok_layer * L
+    kv = sum(kv_layer)
     if dense + kv > ram_budget:
         raise PlanError(f"the dense weights need {format_size(dense)} (+ {format_size(kv)} KV for --ctx-size "
                         f"{budgets.ctx_size}) but the RAM budget is {format_size(ram_budget)}; try a smaller "
@@ -392,10 +394,10 @@ def _plan_cpu(spec, info, budgets: Budgets, ram_budget: int, kv_tok_layer: int, 
             k = 0 if kind == "token_embd.weight" else n - 1 if layer is None else \
                 next(k for k, r in enumerate(ranges) if r[0] <= layer < r[1])
             stage_dense[k] += nbytes
-    stages = tuple(DevicePlan("cpu", r, ram_budget, d, budgets.ctx_size * kv_tok_layer * (r[1] - r[0]),
+    stages = tuple(DevicePlan("cpu", r, ram_budget, d, sum(kv_layer[r[0]:r[1]]),
                               sl[r[0]:r[1]], sum(s * b for s, b in zip(sl[r[0]:r[1]], slot_b[r[0]:r[1]])))
                    for r, d in zip(ranges, stage_dense))
     tensors = {n: TensorPlan("cpu", home if v[1] else "ram", v[2], cached=v[1] and home == "disk" and bool(slots))
                for n, v in info.items()}
     ram = dense + kv + cache + (experts if home == "ram" else 0)
-    return Plan(stages, home, ram_budget, ram, tensors, budgets.ctx_size, kv_tok_layer * L)
+    return Plan(stages, home, ram_budget, ram, tensors, budgets.ctx_size, round(kv / budgets.ctx_size))
