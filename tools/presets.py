@@ -51,6 +51,18 @@ def _tiny(family: str) -> ModelSpec:
                         rope_theta=theta, context_length=4096)
 
 
+def _tiny_glm4moe() -> ModelSpec:
+    """GLM-4.5's features at the tiny size: a leading dense layer, two shared experts, half-rotary heads with q/k
+    norms and biases, the sigmoid router with a correction bias over 4 groups of 2 experts (best 2 groups kept)
+    and a routed scale."""
+    spec = _family_spec("glm4moe", n_layers=3, moe_layers=(False, True, True), hidden=64, n_heads=4, n_kv_heads=2,
+                        head_dim=16, vocab=512, n_experts=8, n_experts_used=2, expert_ffn=32, shared_ffn=64,
+                        dense_ffn=96, rms_eps=1e-5, rope_theta=1e6, context_length=4096, qkv_bias=True,
+                        rope_dim=8, router="sigmoid", score_bias=True, n_groups=4, topk_groups=2,
+                        group_score="top2", routed_scale=2.5)
+    return dataclasses.replace(spec, qk_norm="head")  # GLM-4.5's q/k norm (GLM-4.5-Air has none)
+
+
 def _a3b(n_layers: int) -> ModelSpec:
     return _family_spec("qwen3moe", n_layers=n_layers, hidden=2048, n_heads=32, n_kv_heads=4, head_dim=128,
                         vocab=1024, n_experts=128, n_experts_used=8, expert_ffn=768, rms_eps=1e-6,
@@ -62,6 +74,7 @@ PRESETS: dict[str, Callable[[], ModelSpec]] = {
     "tiny-qwen2moe": lambda: _tiny("qwen2moe"),
     "tiny-mixtral": lambda: _tiny("mixtral"),
     "tiny-olmoe": lambda: _tiny("olmoe"),
+    "tiny-glm4moe": _tiny_glm4moe,
     "a3b-L4": lambda: _a3b(4),
     "a3b-L12": lambda: _a3b(12),
 }
@@ -75,7 +88,7 @@ def apply_overrides(spec: ModelSpec, **overrides: Any) -> ModelSpec:
     """`spec` with fields replaced. Keys are ModelSpec field names or ALIASES; None values are ignored.
 
     Changing `family` re-applies that family's fixed traits; changing `n_layers` without giving
-    `moe_layers` makes every layer a MoE layer.
+    `moe_layers` keeps the leading dense layers and makes every other layer a MoE layer.
     """
     fields = {f.name for f in dataclasses.fields(ModelSpec)}
     changes: dict[str, Any] = {}
@@ -87,7 +100,9 @@ def apply_overrides(spec: ModelSpec, **overrides: Any) -> ModelSpec:
             raise ValueError(f"unknown model field '{key}' (known: {', '.join(sorted(fields | set(ALIASES)))})")
         changes[name] = tuple(value) if name == "moe_layers" else value
     if "n_layers" in changes and "moe_layers" not in changes:
-        changes["moe_layers"] = (True,) * changes["n_layers"]
+        n = changes["n_layers"]
+        lead = min(n, next((i for i, moe in enumerate(spec.moe_layers) if moe), spec.n_layers))
+        changes["moe_layers"] = (False,) * lead + (True,) * (n - lead)
     if "family" in changes:
         if changes["family"] not in FAMILIES:
             raise ValueError(f"unknown family '{changes['family']}' (known: {', '.join(FAMILIES)})")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from moerun.arch import mixtral, olmoe, qwen2moe, qwen3moe
+from moerun.arch import glm4moe, mixtral, olmoe, qwen2moe, qwen3moe
 from moerun.arch.family import ConfigError, Family, gguf_metadata, spec_from_gguf, spec_from_hf
 from moerun.arch.spec import ModelSpec
 from moerun.arch.tensors import Source, TensorError, canonical_sources, check_sources, expected_shapes
@@ -12,7 +12,8 @@ from moerun.errors import ModelFormatError
 from moerun.formats.names import CName
 from moerun.formats.records import ModelFile
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (qwen3moe.FAMILY, qwen2moe.FAMILY, mixtral.FAMILY, olmoe.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (qwen3moe.FAMILY, qwen2moe.FAMILY, mixtral.FAMILY, olmoe.FAMILY,
+                                                glm4moe.FAMILY)}
 
 __all__ = [
     "FAMILIES",
@@ -75,6 +76,8 @@ def resolve(mf: ModelFile) -> Arch:
                 raise TensorError("missing tensor 'token_embd.weight'")
             spec = spec_from_gguf(fam, mf.metadata, moe, vocab=embd.records[0].shape[0])
             spec = replace(spec, tie_embeddings=CName("output.weight") not in sources)
+            present = {cn.kind for cn in sources}
+            spec = replace(spec, **{f: v for kind, f, v in fam.gguf_optional if kind in present})
         else:
             spec = spec_from_hf(fam, mf.metadata["config"])
             if spec.tie_embeddings:
@@ -85,6 +88,8 @@ def resolve(mf: ModelFile) -> Arch:
                         cn = CName(kind, i)
                         if cn in sources:
                             sources[cn] = replace(sources[cn], permute_heads=heads)
+        # layers past the model's (next-token-prediction blocks: GLM-4.5, DeepSeek-V3) are never run
+        sources = {cn: src for cn, src in sources.items() if cn.layer is None or cn.layer < spec.n_layers}
         check_sources(spec, sources)
     except (ConfigError, TensorError, ValueError) as e:
         raise ModelFormatError(mf.path, str(e)) from None

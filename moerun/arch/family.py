@@ -32,6 +32,9 @@ class Family:
     # (called with get(key, default) for "{gguf_arch}.key", and the whole metadata) or from config.json, and
     # the extra GGUF keys our writers put in a file of that family.
     gguf_aliases: tuple[tuple[str, str], ...] = ()  # (canonical kind, the family's GGUF name pattern) pairs
+    # (canonical kind, ModelSpec field, value): in a GGUF file that holds that tensor, the field takes the value
+    # (llama.cpp's optional tensors: GLM-4.5's q/k norms and q/k/v biases)
+    gguf_optional: tuple[tuple[str, str, Any], ...] = ()
     gguf_fields: Callable[[Callable[[str, Any], Any], dict], dict] | None = None
     hf_fields: Callable[[dict], dict] | None = None
     gguf_keys: Callable[[ModelSpec], dict] | None = None
