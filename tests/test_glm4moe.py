@@ -144,6 +144,14 @@ def test_hf_folder_logits_match_transformers(glm, tokens):
     assert (reference_logits(again, tokens) - reference_logits(model, tokens)).abs().max().item() < 1e-6
 
 
+def test_fused_expert_checkpoint_logits_match_transformers(glm, tokens, tmp_path):
+    """save_pretrained(save_original_format=False): experts as transformers 5 holds them (gate_up_proj)."""
+    model, _, _ = glm
+    folder = save(model, tmp_path, fused=True)
+    err = (load_model(folder).model.forward(tokens) - reference_logits(model, tokens)).abs().max().item()
+    assert err < 1e-4, f"max abs error {err:.2e}"
+
+
 def test_gguf_logits_match_transformers_with_llama_cpp_keys_and_names(glm, tokens):
     import gguf
 
