@@ -1,7 +1,8 @@
-"""GLM-4.5 / 4.6 (transformers `Glm4MoeForCausalLM`, GGUF arch `glm4moe`): what differs from the common layers.
+"""GLM-4.5 / 4.6 (transformers `Glm4MoeForCausalLM`, GGUF arch `glm4moe`): what differs from the shared
+layers.
 
-- partial rotary: the first `partial_rotary_factor` of each head rotates (neox halves), the rest passes through
-  (GGUF: `rope.dimension_count` is the rotary dims, as llama.cpp's converter writes it);
+- partial rotary: the first `partial_rotary_factor` of each head rotates (neox halves), the rest passes
+  through (GGUF: `rope.dimension_count` is the rotary dims, as llama.cpp's converter writes it);
 - q/k RMS norm per head when `use_qk_norm`, q/k/v biases when `attention_bias` (GGUF: both optional tensors);
 - leading dense layers (`first_k_dense_replace`; GGUF `leading_dense_block_count`);
 - `n_shared_experts` shared experts of the routed width, as one FFN (GGUF `expert_shared_count` x
@@ -12,8 +13,9 @@
   where groups are used: llama.cpp reads those for deepseek2 only, and every published GLM-4.5 has one group);
 - llama.cpp names the pre-FFN norm `blk.N.post_attention_norm`;
 - the next-token-prediction (NextN / MTP) layers: llama.cpp's GGUFs count them in `block_count` (the last
-  `nextn_predict_layers` blocks, with `blk.N.nextn.*` tensors beside a whole layer's); checkpoints store them as
-  `model.layers.{num_hidden_layers}.*`. They are never run: arch.resolve drops tensors of layers past n_layers.
+  `nextn_predict_layers` blocks, with `blk.N.nextn.*` tensors beside a whole layer's); checkpoints store
+  them as `model.layers.{num_hidden_layers}.*`. They are never run: arch.resolve drops the tensors of layers
+  past n_layers.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def _gguf_fields(get, meta: dict) -> dict[str, Any]:
         router="sigmoid" if gating == SIGMOID else "softmax",
         score_bias=True,  # llama.cpp requires exp_probs_b in every MoE layer of glm4moe
         n_groups=groups,
-        topk_groups=_int(get("expert_group_used_count", 1) or 1, "expert_group_used_count") if groups > 1 else 1,
+        topk_groups=_int(get("expert_group_used_count", 1) or 1, "expert_group_used_count") if groups > 1
+        else 1,
         group_score="top2",
         routed_scale=_float(get("expert_weights_scale", 1.0), "expert_weights_scale"),
     )
@@ -77,7 +80,8 @@ def _hf_fields(cfg: dict) -> dict[str, Any]:
     n_layers = _int(cfg["num_hidden_layers"], "num_hidden_layers")
     lead = _in_range(cfg.get("first_k_dense_replace", 1), "first_k_dense_replace", 0, n_layers)
     head_dim = _int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"], "head_dim")
-    factor = _float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5)), "partial_rotary_factor")
+    factor = _float(rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5)),
+                    "partial_rotary_factor")
     if not 0 < factor <= 1:
         raise ConfigError(f"'partial_rotary_factor' must be in (0, 1], got {factor}")
     expert_ffn = _int(cfg.get("moe_intermediate_size"), "moe_intermediate_size")
@@ -99,7 +103,8 @@ def _hf_fields(cfg: dict) -> dict[str, Any]:
 
 def _gguf_keys(spec: ModelSpec) -> dict[str, Any]:
     if spec.router not in ("sigmoid", "softmax") or not spec.score_bias or spec.group_score != "top2":
-        raise ValueError("glm4moe routes by sigmoid (or softmax) scores with a correction bias, groups by top-2")
+        raise ValueError("glm4moe routes by sigmoid (or softmax) scores with a correction bias, groups by "
+                         "their top 2")
     a = "glm4moe"
     kv = {
         f"{a}.rope.dimension_count": spec.rotary_dim,
