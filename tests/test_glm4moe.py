@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import copy
 import json
-import re
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 from click.testing import CliRunner
+from family_checks import (check_expert_cache, check_server_completion, check_standin_miss_paths,
+                           check_two_cpu_stages, count_kernel_calls, gguf_bytes_per_token, gguf_fields,
+                           names_outside_llama_cpp, prompt_and_steps, rel_err)
 from hf_models import build, reference_logits, save
 
 from moerun.cli import main
@@ -94,18 +92,6 @@ def tokens():
     return torch.randint(0, 256, (32,), generator=torch.Generator().manual_seed(1234))
 
 
-def gguf_fields(path) -> dict:
-    import gguf
-
-    r = gguf.GGUFReader(str(path))
-    out = {}
-    for k, f in r.fields.items():
-        if k.startswith("glm4moe."):
-            v = f.parts[f.data[0]]
-            out[k.removeprefix("glm4moe.")] = v.tolist()[0]
-    return out
-
-
 # ------------------------------------------------------------------------------------------------ parity
 
 
@@ -158,7 +144,7 @@ def test_gguf_logits_match_transformers_with_llama_cpp_keys_and_names(glm, token
     model, _, path = glm
     err = (load_model(path).model.forward(tokens) - reference_logits(model, tokens)).abs().max().item()
     assert err < 1e-4, f"max abs error {err:.2e}"
-    kv = gguf_fields(path)
+    kv = gguf_fields(path, "glm4moe")
     assert kv["block_count"] == 3 and kv["rope.dimension_count"] == 8 and kv["leading_dense_block_count"] == 1
     assert kv["expert_shared_count"] == 2 and kv["expert_feed_forward_length"] == 32
     assert kv["feed_forward_length"] == 96 and kv["expert_count"] == 8 and kv["expert_used_count"] == 2
@@ -166,13 +152,9 @@ def test_gguf_logits_match_transformers_with_llama_cpp_keys_and_names(glm, token
     assert kv["expert_weights_scale"] == pytest.approx(2.5) and kv["expert_weights_norm"] is True
     assert kv["expert_group_count"] == 2 and kv["expert_group_used_count"] == 1
     # every tensor name is one llama.cpp's glm4moe has (gguf-py's tables, not ours)
-    arch = gguf.MODEL_ARCH.GLM4_MOE
-    assert gguf.MODEL_ARCH_NAMES[arch] == "glm4moe"
-    allowed = [re.compile(re.escape(gguf.TENSOR_NAMES[t]).replace(r"\{bid\}", r"\d+") + r"\.(weight|bias)$")
-               for t in gguf.MODEL_TENSORS[arch]]
+    assert gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GLM4_MOE] == "glm4moe"
+    assert names_outside_llama_cpp(path, gguf.MODEL_ARCH.GLM4_MOE) == []
     names = [t.name for t in gguf.GGUFReader(str(path)).tensors]
-    assert all(any(rx.match(n) for rx in allowed) for n in names), [n for n in names
-                                                                    if not any(rx.match(n) for rx in allowed)]
     assert {"blk.1.post_attention_norm.weight", "blk.1.exp_probs_b.bias", "blk.1.ffn_up_shexp.weight",
             "blk.0.ffn_down.weight", "blk.2.attn_q.bias", "blk.2.attn_k_norm.weight"} <= set(names)
 
@@ -319,30 +301,6 @@ def wide(tmp_path_factory):
     return model, config, save(model, tmp_path_factory.mktemp("glm-wide"))
 
 
-def count_kernel_calls(ops) -> dict[str, int]:
-    """Count the C kernels' matmul and MoE calls made through `ops` (KernelOps) from now on."""
-    real, calls = ops.cpu, {"matmul": 0, "moe_ffn_experts": 0}
-
-    class Spy:
-        def __getattr__(self, name):
-            f = getattr(real, name)
-            if name not in calls:
-                return f
-
-            def counted(*a, **kw):
-                calls[name] += 1
-                return f(*a, **kw)
-
-            return counted
-
-    ops.cpu = Spy()
-    return calls
-
-
-def rel_err(got, ref) -> float:
-    return ((got - ref).norm() / ref.norm()).item()
-
-
 @pytest.mark.parametrize("ftype,fp32_bound", [("Q8_0", 0.3), ("Q4_K", 0.8)])
 def test_quantized_conversion_runs_through_the_c_kernels(wide, tokens, tmp_path, ftype, fp32_bound):
     """Q8_0 and Q4_K GGUFs: the torch reference path equals transformers on the gguf.quants-dequantized weights
@@ -423,49 +381,18 @@ def wide_q4km(tmp_path_factory):
                           threads=1))
 
 
-TEXT = "the quick brown fox jumps over the lazy dog, and then the quick brown fox"
-
-
-def run(path: str, **kw) -> tuple[list[int], torch.Tensor, int, int]:
-    """Greedy tokens, the prompt's logits in two prefill chunks, the expert cache's misses (0 without one)
-    and the number of stages."""
-    rt = build_runtime(RuntimeConfig(model=path, threads=1, **kw))
-    eng = rt.engine
-    ids = eng.tokenizer.encode(TEXT)
-    gen = eng.generate(ids, SamplingParams.greedy(max_tokens=24, ignore_eos=True)).run()
-    seq = eng.new_sequence()
-    logits = torch.cat([eng.model.forward(torch.tensor(ids[:9]), seq.kv),
-                        eng.model.forward(torch.tensor(ids[9:]), seq.kv)]).cpu()
-    misses = eng.expert_cache.stats.get().misses if eng.expert_cache is not None else 0
-    rt.close()
-    return gen.tokens, logits, misses, len(rt.stages)
-
-
 @pytest.mark.parametrize("which", ["q8_0", "q4_k_m"])
 def test_expert_cache_never_changes_the_output(preset_gguf, wide_q4km, which):
-    path = preset_gguf if which == "q8_0" else wide_q4km
-    ref_tokens, ref_logits, _, _ = run(path)
-    for kw in ({"expert_cache_slots": 1}, {"expert_cache_slots": 3}, {"expert_cache_slots": 3, "cache_prefill": "cache"},
-               {"expert_cache_mib": 0.05}):
-        tokens, logits, misses, _ = run(path, **kw)
-        assert misses > 0, kw
-        assert tokens == ref_tokens, kw
-        assert torch.equal(logits, ref_logits), kw
+    check_expert_cache(preset_gguf if which == "q8_0" else wide_q4km)
 
 
 @pytest.mark.parametrize("split", [(1.0, 1.0), (1.0, 3.0)])
 def test_two_cpu_stages_give_the_same_tokens(preset_gguf, split):
-    ref = run(preset_gguf)
-    got = run(preset_gguf, devices=("cpu", "cpu"), tensor_split=split, expert_cache_slots=3)
-    assert got[3] == 2 and got[2] > 0
-    assert got[0] == ref[0] and (got[1] - ref[1]).abs().max().item() < 1e-4
+    check_two_cpu_stages(preset_gguf, split)
 
 
 def test_standin_device_gives_the_same_tokens(preset_gguf, glm, tokens):
-    ref = run(preset_gguf, repack=False)
-    for mode in ("fetch", "home", "auto"):
-        got = run(preset_gguf, devices=("standin:0",), expert_cache_slots=2, miss_path=mode)
-        assert got[0] == ref[0] and got[2] > 0, mode
+    check_standin_miss_paths(preset_gguf)
     # fp32 from the HF folder: the stand-in's logits are transformers'
     model, folder, _ = glm
     rt = build_runtime(RuntimeConfig(model=str(folder), devices=("standin:0",), expert_cache_slots=2, threads=1))
@@ -473,12 +400,6 @@ def test_standin_device_gives_the_same_tokens(preset_gguf, glm, tokens):
     got = rt.engine.model.forward(tokens, rt.engine.new_sequence().kv).cpu()
     assert (got - reference_logits(model, tokens)).abs().max().item() < 1e-4
     rt.close()
-
-
-def prompt_and_steps(model, kv, tokens) -> torch.Tensor:
-    """Logits of a prefill in two chunks, then four single-token steps."""
-    out = [model.forward(tokens[:20], kv), model.forward(tokens[20:], kv)]
-    return torch.cat(out + [model.forward(t.view(1), kv) for t in tokens[:4]]).float().cpu()
 
 
 def test_triton_kernels_on_the_standin(preset_gguf, tokens, monkeypatch):
@@ -519,71 +440,18 @@ def test_gpu_logits(glm, preset_gguf, tokens, slots):
     assert (got - ref).abs().max().item() < 2e-3
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_server_completion(preset_gguf, tmp_path):
     """One /v1/completions request through the openai client on the tiny GLM GGUF: the engine's greedy text."""
-    import http.client
-
-    import openai
-
-    ref_rt = build_runtime(RuntimeConfig(model=preset_gguf, threads=1))
-    eng = ref_rt.engine
-    want = eng.generate(eng.tokenizer.encode("Hello there"), SamplingParams.greedy(max_tokens=12,
-                                                                                    ignore_eos=True)).run().text
-    ref_rt.close()
-    port = free_port()
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "moerun", "serve", "-m", preset_gguf, "--port", str(port), "-t", "1",
-                             "-c", "256", "-np", "1"], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.1)
-        else:
-            pytest.fail((tmp_path / "serve.log").read_text())
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
-        name = client.models.list().data[0].id
-        r = client.completions.create(model=name, prompt="Hello there", max_tokens=12, temperature=0)
-        assert r.choices[0].text == want and r.usage.completion_tokens == 12
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+    check_server_completion(preset_gguf, tmp_path)
 
 
 def test_estimate_bytes_per_token(preset_gguf, tmp_path, monkeypatch):
     """Bytes per token from gguf's reader: the dense layer and shared experts whole, k/E of the routed experts,
     one embedding row."""
-    import gguf
-
     monkeypatch.setenv("MOERUN_CACHE", str(tmp_path / "cache"))
-    r = gguf.GGUFReader(preset_gguf)
-    f = {x.name: x for x in r.fields.values()}
-    E, k = (int(f[f"glm4moe.{key}"].parts[f[f"glm4moe.{key}"].data[0]][0]) for key in ("expert_count",
-                                                                                     "expert_used_count"))
-    dense = experts = row = 0
-    for t in r.tensors:
-        if "_exps" in t.name:
-            experts += int(t.n_bytes)
-        elif t.name == "token_embd.weight":
-            row = int(t.n_bytes) // int(t.shape[-1])
-        else:
-            dense += int(t.n_bytes)
     res = CliRunner().invoke(main, ["estimate", preset_gguf, "-t", "1", "--ram-bw", "10", "--device", "cpu", "--json"])
     assert res.exit_code == 0, res.output
     d = json.loads(res.output)
-    assert d["bytes_per_token"] == pytest.approx(dense + experts * k / E + row, abs=8)
+    assert d["bytes_per_token"] == pytest.approx(gguf_bytes_per_token(preset_gguf, "glm4moe"), abs=8)
     assert d["bytes_per_token_by_class"]["shared_experts"] > 0 and d["bytes_per_token_by_class"]["dense_ffn"] > 0
     assert d["decode"]["expected"]["tok_s"] > 0

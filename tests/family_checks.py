@@ -1,0 +1,177 @@
+"""Checks every family's acceptance test runs the same way (issue 16): llama.cpp's names and keys in our GGUF
+(gguf-py's own tables), the C kernels' call counts, greedy runs through the runtime (caches, stages, the
+stand-in), a real server answering the `openai` client, and the estimator's bytes per token."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from moerun.config import RuntimeConfig, SamplingParams
+from moerun.runtime import build as build_runtime
+
+TEXT = "the quick brown fox jumps over the lazy dog, and then the quick brown fox"
+
+
+def gguf_fields(path, arch: str) -> dict:
+    """The GGUF's `{arch}.*` scalar keys, without the prefix, read by gguf-py."""
+    import gguf
+
+    out = {}
+    for k, f in gguf.GGUFReader(str(path)).fields.items():
+        if k.startswith(arch + ".") and f.types[0] != gguf.GGUFValueType.ARRAY:
+            v = f.parts[f.data[0]]
+            out[k.removeprefix(arch + ".")] = (bytes(v).decode() if f.types[0] == gguf.GGUFValueType.STRING
+                                               else v.tolist()[0])
+    return out
+
+
+def names_outside_llama_cpp(path, model_arch) -> list[str]:
+    """The GGUF's tensor names that llama.cpp's architecture `model_arch` (a gguf.MODEL_ARCH) does not have."""
+    import gguf
+
+    allowed = [re.compile(re.escape(gguf.TENSOR_NAMES[t]).replace(r"\{bid\}", r"\d+") + r"\.(weight|bias)$")
+               for t in gguf.MODEL_TENSORS[model_arch]]
+    names = [t.name for t in gguf.GGUFReader(str(path)).tensors]
+    return [n for n in names if not any(rx.match(n) for rx in allowed)]
+
+
+def count_kernel_calls(ops) -> dict[str, int]:
+    """Count the C kernels' matmul and MoE calls made through `ops` (KernelOps) from now on."""
+    real, calls = ops.cpu, {"matmul": 0, "moe_ffn_experts": 0}
+
+    class Spy:
+        def __getattr__(self, name):
+            f = getattr(real, name)
+            if name not in calls:
+                return f
+
+            def counted(*a, **kw):
+                calls[name] += 1
+                return f(*a, **kw)
+
+            return counted
+
+    ops.cpu = Spy()
+    return calls
+
+
+def rel_err(got, ref) -> float:
+    return ((got - ref).norm() / ref.norm()).item()
+
+
+def run(path: str, **kw) -> tuple[list[int], torch.Tensor, int, int]:
+    """Greedy tokens, the prompt's logits in two prefill chunks, the expert cache's misses (0 without one)
+    and the number of stages."""
+    rt = build_runtime(RuntimeConfig(model=path, threads=1, **kw))
+    eng = rt.engine
+    ids = eng.tokenizer.encode(TEXT)
+    gen = eng.generate(ids, SamplingParams.greedy(max_tokens=24, ignore_eos=True)).run()
+    seq = eng.new_sequence()
+    logits = torch.cat([eng.model.forward(torch.tensor(ids[:9]), seq.kv),
+                        eng.model.forward(torch.tensor(ids[9:]), seq.kv)]).cpu()
+    misses = eng.expert_cache.stats.get().misses if eng.expert_cache is not None else 0
+    rt.close()
+    return gen.tokens, logits, misses, len(rt.stages)
+
+
+def check_expert_cache(path: str) -> None:
+    """Greedy tokens and every logit equal with caches of 1 and 3 slots, prefill through the cache, and a
+    MiB-sized one, each of which missed."""
+    ref_tokens, ref_logits, _, _ = run(path)
+    for kw in ({"expert_cache_slots": 1}, {"expert_cache_slots": 3}, {"expert_cache_slots": 3, "cache_prefill": "cache"},
+               {"expert_cache_mib": 0.05}):
+        tokens, logits, misses, _ = run(path, **kw)
+        assert misses > 0, kw
+        assert tokens == ref_tokens, kw
+        assert torch.equal(logits, ref_logits), kw
+
+
+def check_two_cpu_stages(path: str, split: tuple[float, float]) -> None:
+    ref = run(path)
+    got = run(path, devices=("cpu", "cpu"), tensor_split=split, expert_cache_slots=3)
+    assert got[3] == 2 and got[2] > 0
+    assert got[0] == ref[0] and (got[1] - ref[1]).abs().max().item() < 1e-4
+
+
+def check_standin_miss_paths(path: str) -> None:
+    """Forced page-in, forced home and the cost model's choice on the stand-in device: the CPU's greedy tokens."""
+    ref = run(path, repack=False)
+    for mode in ("fetch", "home", "auto"):
+        got = run(path, devices=("standin:0",), expert_cache_slots=2, miss_path=mode)
+        assert got[0] == ref[0] and got[2] > 0, mode
+
+
+def prompt_and_steps(model, kv, tokens) -> torch.Tensor:
+    """Logits of a prefill in two chunks, then four single-token steps."""
+    out = [model.forward(tokens[:20], kv), model.forward(tokens[20:], kv)]
+    return torch.cat(out + [model.forward(t.view(1), kv) for t in tokens[:4]]).float().cpu()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_server_completion(path: str, tmp_path) -> None:
+    """One /v1/completions request through the openai client on a real `moerun serve`: the engine's greedy
+    text."""
+    import http.client
+
+    import openai
+
+    ref_rt = build_runtime(RuntimeConfig(model=path, threads=1))
+    eng = ref_rt.engine
+    want = eng.generate(eng.tokenizer.encode("Hello there"), SamplingParams.greedy(max_tokens=12,
+                                                                                    ignore_eos=True)).run().text
+    ref_rt.close()
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "moerun", "serve", "-m", path, "--port", str(port), "-t", "1",
+                             "-c", "256", "-np", "1"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.1)
+        else:
+            pytest.fail((tmp_path / "serve.log").read_text())
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        name = client.models.list().data[0].id
+        r = client.completions.create(model=name, prompt="Hello there", max_tokens=12, temperature=0)
+        assert r.choices[0].text == want and r.usage.completion_tokens == 12
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+def gguf_bytes_per_token(path: str, arch: str) -> int:
+    """Bytes one decode token reads, from gguf-py's reader: every tensor but the routed experts whole, k/E of
+    the routed experts, one embedding row."""
+    import gguf
+
+    kv = gguf_fields(path, arch)
+    E, k = kv["expert_count"], kv["expert_used_count"]
+    dense = experts = row = 0
+    for t in gguf.GGUFReader(path).tensors:
+        if "_exps" in t.name:
+            experts += int(t.n_bytes)
+        elif t.name == "token_embd.weight":
+            row = int(t.n_bytes) // int(t.shape[-1])
+        else:
+            dense += int(t.n_bytes)
+    return dense + experts * k // E + row
