@@ -123,7 +123,8 @@ def test_worker_crash_is_a_clear_error(rank0, tokens32):
     worker.kill()
     worker.wait()
     t0 = time.perf_counter()
-    with pytest.raises(PipelineError, match="rank 1 is gone"):
+    # gloo reports a dead peer as a reset, or (a send into a closed socket on a busy machine) as a timeout
+    with pytest.raises(PipelineError, match="rank 1 (is gone|did not answer within 3 s)"):
         rt.engine.model.forward(tokens32[:4] % ref.spec.vocab)
     assert time.perf_counter() - t0 < 10
 
