@@ -6,7 +6,8 @@ The forward pass calls `ops.linear` and `ops.moe`; which implementation runs is 
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+import os
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -71,8 +72,8 @@ class ReferenceOps:
         return res if out is None else out.copy_(res)
 
     def step(self, n_tokens: int):
-        """Context for one forward step of n_tokens (thread budgeting; nothing to do here)."""
-        return nullcontext()
+        """Context for one forward step of n_tokens: torch's threads, as many as have a core (`free_cpus`)."""
+        return torch_threads()
 
 
 def sum_pairs(pairs: torch.Tensor, k: int) -> torch.Tensor:
@@ -101,20 +102,12 @@ class KernelOps(ReferenceOps):
 
         self.cpu = cpu
 
-    @contextmanager
     def step(self, n_tokens: int):
         """DESIGN decision 9, one thread budget: in small decode steps the kernel pool does the heavy work
         and torch's OpenMP threads, left at the budget, spin against it (measured on a3b-L4 Q4_K_M, 2
-        cores: 15 ms/token with 2 torch threads, 8 ms with 1). Prefill keeps torch's threads for attention."""
-        if n_tokens > self.DECODE_TOKENS or torch.get_num_threads() == 1:
-            yield
-            return
-        before = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
+        cores: 15 ms/token with 2 torch threads, 8 ms with 1). Prefill keeps torch's threads for attention,
+        as many as have a core to themselves (`free_cpus`)."""
+        return torch_threads(1 if n_tokens <= self.DECODE_TOKENS else None)
 
     def _ok(self, x: torch.Tensor, qtype) -> bool:
         return x.device.type == "cpu" and x.dtype == torch.float32 and self.cpu.supports(qtype)
@@ -141,6 +134,50 @@ class KernelOps(ReferenceOps):
             mine = torch.where(given[ids.clamp(0, len(given) - 1)] & (ids < len(given)), ids, -1)
             return self.cpu.moe_ffn_experts(x.contiguous(), mine, w, experts, pairs=True, out=out)
         return super().moe_pairs(x, ids, w, experts, out)
+
+
+def free_cpus(budget: int) -> int:
+    """How many of `budget` threads would each have a core to themselves now: the CPUs this process may run
+    on, less the runnable threads of other processes (the least of three reads of /proc/loadavg's count, less
+    this process's own running threads), at least 1. `budget` where that cannot be known (no /proc, or an
+    affinity narrower than the machine: the count is machine-wide).
+
+    Why: torch's OpenMP threads split each parallel region evenly and wait for the slowest. With another
+    process busy on one of two cores, the thread that shares its core gets a time slice now and then, and every
+    region waits for it (the built-in model's prefill at 2 threads fell to 0.25-0.37x of 1 thread's, issue 15).
+    The CPU kernels' pool hands out work items as threads come for them, so it needs no such care."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+        if cpus != os.cpu_count() or budget <= 1:
+            return max(1, budget)
+        runnable = min(int(_read("/proc/loadavg").split()[3].split("/")[0]) for _ in range(3))
+        mine = 0
+        for task in os.listdir("/proc/self/task"):
+            stat = _read(f"/proc/self/task/{task}/stat")
+            mine += stat[stat.rindex(")") + 2] == "R"
+    except (OSError, ValueError, IndexError, AttributeError):
+        return max(1, budget)
+    return max(1, min(budget, cpus - max(0, runnable - mine)))
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+@contextmanager
+def torch_threads(n: int | None = None):
+    """torch's intra-op threads for a block: n, or (None) as many of the budget as `free_cpus` finds free."""
+    before = torch.get_num_threads()
+    want = n if n is not None else free_cpus(before)
+    if want == before:
+        yield
+        return
+    torch.set_num_threads(want)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def set_threads(n: int) -> None:
