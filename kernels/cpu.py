@@ -112,6 +112,13 @@ def set_threads(n: int, spin_us: int | None = None) -> None:
     _cpu.set_threads(n, -1 if spin_us is None else spin_us)
 
 
+def set_active(n: int) -> None:
+    """Run the pool's jobs on min(n, threads) threads until told otherwise (0: all of them): the cores other
+    processes leave free (moerun.model.ops.free_cpus). Results do not depend on it."""
+    _need()
+    _cpu.set_active(n)
+
+
 def get_threads() -> int:
     _need()
     return _cpu.get_threads()

@@ -69,6 +69,17 @@ static PyObject *py_set_threads(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_set_active(PyObject *self, PyObject *args) {
+    (void)self;
+    int n;
+    if (!PyArg_ParseTuple(args, "i", &n)) return NULL;
+    if (qk_pool_set_active(n)) {
+        PyErr_SetString(PyExc_ValueError, "active threads must be in 0..1024");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_get_threads(PyObject *self, PyObject *args) {
     (void)self, (void)args;
     return PyLong_FromLong(qk_pool_threads());
@@ -260,6 +271,7 @@ static PyMethodDef methods[] = {
     {"unpack", py_unpack, METH_VARARGS, "unpack(from, src, dst, N, K): an interleaved layout back to Q4_K."},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n, spin_us=-1): size the thread pool."},
     {"get_threads", py_get_threads, METH_NOARGS, "Threads of the pool (caller included)."},
+    {"set_active", py_set_active, METH_VARARGS, "set_active(n): jobs run on min(n, threads) threads (0: all)."},
     {"act_row_bytes", py_act_row_bytes, METH_VARARGS, "act_row_bytes(ggml, K)"},
     {"quantize_act", py_quantize_act, METH_VARARGS, "quantize_act(isa, ggml, x, T, K, out)"},
     {"matmul", py_matmul, METH_VARARGS, "matmul(isa, ggml, w, N, K, x, T, out)"},

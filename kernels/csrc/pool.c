@@ -40,6 +40,8 @@ static struct {
     void *ctx;
     atomic_uint gen;          /* bumped once per job */
     atomic_int pending;       /* workers still inside the current job */
+    atomic_int active;        /* threads a job runs on, caller included (0: all nthreads) */
+    int job_n;                /* threads of the current job: workers with tid >= job_n sit it out */
 } P = {.run_lock = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER,
        .wake = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER, .spin_us = DEFAULT_SPIN_US};
 
@@ -80,7 +82,8 @@ static void *worker_main(void *arg) {
         }
         if (P.quit) return NULL;
         seen = g;
-        P.fn(P.ctx, tid, P.nthreads);
+        if (tid >= P.job_n) continue;
+        P.fn(P.ctx, tid, P.job_n);
         if (atomic_fetch_sub_explicit(&P.pending, 1, memory_order_acq_rel) == 1) {
             pthread_mutex_lock(&P.lock);
             pthread_cond_signal(&P.done);
@@ -174,10 +177,17 @@ int qk_pool_threads(void) {
 
 int qk_pool_spin_us(void) { return atomic_load(&P.spin_us); }
 
+int qk_pool_set_active(int n) {
+    if (n < 0 || n > MAX_THREADS) return -1;
+    atomic_store(&P.active, n);
+    return 0;
+}
+
 int qk_pool_run(qk_task fn, void *ctx) {
     pthread_mutex_lock(&P.run_lock);
     const int rc = start_workers();
-    const int n = P.nthreads;
+    const int active = atomic_load(&P.active);
+    const int n = active > 0 && active < P.nthreads ? active : P.nthreads;
     if (n == 1) {
         fn(ctx, 0, 1);
         pthread_mutex_unlock(&P.run_lock);
@@ -185,6 +195,7 @@ int qk_pool_run(qk_task fn, void *ctx) {
     }
     P.fn = fn;
     P.ctx = ctx;
+    P.job_n = n;
     atomic_store_explicit(&P.pending, n - 1, memory_order_relaxed);
     pthread_mutex_lock(&P.lock);
     atomic_fetch_add_explicit(&P.gen, 1, memory_order_release);

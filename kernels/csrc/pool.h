@@ -14,6 +14,10 @@ typedef void (*qk_task)(void *ctx, int tid, int nthreads);
  * Returns 0, or -1 when n or spin_us is out of range. */
 int qk_pool_set_threads(int n, int spin_us);
 int qk_pool_threads(void);
+/* Jobs run on min(n, threads) threads from now on (0: all of them); the others sleep through them. Work
+ * items are handed out as threads come for them, so any count computes the same result. Returns 0, or -1
+ * when n is out of range. */
+int qk_pool_set_active(int n);
 int qk_pool_spin_us(void);
 /* Returns 0, or -1 when worker threads could not be created (the job then ran on the caller). */
 int qk_pool_run(qk_task fn, void *ctx);

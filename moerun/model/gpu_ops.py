@@ -20,6 +20,7 @@ class TritonOps(ReferenceOps):
     def __init__(self):
         from moerun.kernels import triton_q
 
+        super().__init__()
         self.tq = triton_q
 
     def _ok(self, x: torch.Tensor, *ws: Weight) -> bool:

@@ -7,6 +7,7 @@ The forward pass calls `ops.linear` and `ops.moe`; which implementation runs is 
 from __future__ import annotations
 
 import os
+import time
 from contextlib import contextmanager
 
 import torch
@@ -27,6 +28,9 @@ class ReferenceOps:
     """Quantized weights are dequantized at each use (the oracle the kernels are tested against)."""
 
     name = "reference"
+
+    def __init__(self):
+        self.free_cpus = FreeCpus()
 
     def linear(self, x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, in] @ w[out, in].T (+ b)."""
@@ -72,8 +76,8 @@ class ReferenceOps:
         return res if out is None else out.copy_(res)
 
     def step(self, n_tokens: int):
-        """Context for one forward step of n_tokens: torch's threads, as many as have a core (`free_cpus`)."""
-        return torch_threads()
+        """Context for one forward step of n_tokens: torch's threads, as many as have a core (`FreeCpus`)."""
+        return step_threads(self.free_cpus)
 
 
 def sum_pairs(pairs: torch.Tensor, k: int) -> torch.Tensor:
@@ -100,14 +104,15 @@ class KernelOps(ReferenceOps):
     def __init__(self):
         from moerun.kernels import cpu
 
+        super().__init__()
         self.cpu = cpu
 
     def step(self, n_tokens: int):
         """DESIGN decision 9, one thread budget: in small decode steps the kernel pool does the heavy work
         and torch's OpenMP threads, left at the budget, spin against it (measured on a3b-L4 Q4_K_M, 2
         cores: 15 ms/token with 2 torch threads, 8 ms with 1). Prefill keeps torch's threads for attention,
-        as many as have a core to themselves (`free_cpus`)."""
-        return torch_threads(1 if n_tokens <= self.DECODE_TOKENS else None)
+        as many as have a core to themselves (`FreeCpus`), and the kernel pool's threads likewise."""
+        return step_threads(self.free_cpus, 1 if n_tokens <= self.DECODE_TOKENS else None, self.cpu)
 
     def _ok(self, x: torch.Tensor, qtype) -> bool:
         return x.device.type == "cpu" and x.dtype == torch.float32 and self.cpu.supports(qtype)
@@ -136,28 +141,55 @@ class KernelOps(ReferenceOps):
         return super().moe_pairs(x, ids, w, experts, out)
 
 
-def free_cpus(budget: int) -> int:
-    """How many of `budget` threads would each have a core to themselves now: the CPUs this process may run
-    on, less the runnable threads of other processes (the least of three reads of /proc/loadavg's count, less
-    this process's own running threads), at least 1. `budget` where that cannot be known (no /proc, or an
-    affinity narrower than the machine: the count is machine-wide).
+class FreeCpus:
+    """How many threads would each have a core to themselves now (DESIGN decision 9).
 
-    Why: torch's OpenMP threads split each parallel region evenly and wait for the slowest. With another
-    process busy on one of two cores, the thread that shares its core gets a time slice now and then, and every
-    region waits for it (the built-in model's prefill at 2 threads fell to 0.25-0.37x of 1 thread's, issue 15).
-    The CPU kernels' pool hands out work items as threads come for them, so it needs no such care."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-        if cpus != os.cpu_count() or budget <= 1:
-            return max(1, budget)
-        runnable = min(int(_read("/proc/loadavg").split()[3].split("/")[0]) for _ in range(3))
-        mine = 0
-        for task in os.listdir("/proc/self/task"):
-            stat = _read(f"/proc/self/task/{task}/stat")
-            mine += stat[stat.rindex(")") + 2] == "R"
-    except (OSError, ValueError, IndexError, AttributeError):
-        return max(1, budget)
-    return max(1, min(budget, cpus - max(0, runnable - mine)))
+    Why: torch's OpenMP threads split each parallel region evenly and wait for the slowest, and a kernel-pool
+    thread that holds a work item holds up its whole call. With another process busy on one of two cores,
+    the thread that shares its core gets a time slice now and then, and every region waits for it: the built-in
+    model's prefill at 2 threads fell to 0.25-0.37x of 1 thread's, issue 15 (bench/RESULTS.md). So each step
+    runs on the cores that are free when it starts.
+
+    A reading is /proc/loadavg's count of runnable threads less this process's running ones (~60 us). Busy
+    processes show in every reading, a daemon waking for a moment in one: the count is the least of the last
+    `keep` readings, taken at most every `ttl` seconds and at most `fresh` seconds old. A long step (prefill)
+    tops them up to `keep` readings `gap` seconds apart first (~1 ms when the last ones are stale)."""
+
+    def __init__(self, ttl: float = 0.02, keep: int = 3, fresh: float = 0.25, gap: float = 5e-4):
+        self.ttl, self.keep, self.fresh, self.gap = ttl, keep, fresh, gap
+        self._readings: list[tuple[float, int]] = []  # (time, other processes' runnable threads)
+
+    def __call__(self, budget: int, long: bool = False) -> int:
+        """Of `budget` threads, those that would have a core: the CPUs this process may run on less the
+        others' runnable threads, at least 1. `budget` where that cannot be known (no /proc, or an affinity
+        narrower than the machine: the count is machine-wide)."""
+        if budget <= 1:
+            return 1
+        try:
+            cpus = len(os.sched_getaffinity(0))
+            if cpus != os.cpu_count():
+                return budget
+            now = time.monotonic()
+            self._readings = [r for r in self._readings if now - r[0] < self.fresh][-self.keep:]
+            if not self._readings or now - self._readings[-1][0] > self.ttl:
+                self._readings.append((now, _others_runnable()))
+            while long and len(self._readings) < self.keep:
+                time.sleep(self.gap)
+                self._readings.append((time.monotonic(), _others_runnable()))
+        except (OSError, ValueError, IndexError, AttributeError):
+            return budget
+        return max(1, min(budget, cpus - min(o for _, o in self._readings[-self.keep:])))
+
+
+def _others_runnable() -> int:
+    """Runnable threads of other processes: /proc/loadavg's machine-wide count less this process's running
+    threads."""
+    runnable = int(_read("/proc/loadavg").split()[3].split("/")[0])
+    mine = 0
+    for task in os.listdir("/proc/self/task"):
+        stat = _read(f"/proc/self/task/{task}/stat")
+        mine += stat[stat.rindex(")") + 2] == "R"
+    return max(0, runnable - mine)
 
 
 def _read(path: str) -> str:
@@ -166,18 +198,23 @@ def _read(path: str) -> str:
 
 
 @contextmanager
-def torch_threads(n: int | None = None):
-    """torch's intra-op threads for a block: n, or (None) as many of the budget as `free_cpus` finds free."""
+def step_threads(free: FreeCpus, torch_n: int | None = None, pool=None):
+    """torch's intra-op threads (torch_n, or as many of the budget as `free` finds free) and the kernel
+    pool's active threads (as many as `free` finds) for one step; the budget again after it."""
     before = torch.get_num_threads()
-    want = n if n is not None else free_cpus(before)
-    if want == before:
-        yield
-        return
-    torch.set_num_threads(want)
+    n = free(max(before, pool.get_threads() if pool is not None else 1), long=torch_n is None)
+    want = min(before, n) if torch_n is None else torch_n
+    if pool is not None:
+        pool.set_active(n)
+    if want != before:
+        torch.set_num_threads(want)
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        if want != before:
+            torch.set_num_threads(before)
+        if pool is not None:
+            pool.set_active(0)
 
 
 def set_threads(n: int) -> None:
