@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("models", nargs="+", help="GGUF files, or `default` for the built-in model")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--first-round", type=int, default=1, help="number of the first round (runs split over windows)")
     p.add_argument("-p", "--n-prompt", type=int, default=128)
     p.add_argument("-n", "--n-gen", type=int, default=32)
     p.add_argument("-r", "--reps", type=int, default=2)
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     loads = [int(x) for x in args.loads.split(",")]
     llama = have_llama() and not args.no_llama
     rows = []  # (round, model, load, tool, threads, pp, tg)
-    for rnd in range(1, args.rounds + 1):
+    for rnd in range(args.first_round, args.first_round + args.rounds):
         for name in args.models:
             model = resolve_model(name)
             for load in loads:
