@@ -63,7 +63,8 @@ def estimates(model: Path, d: Path, threads: str, rec: dict, other: Path | None)
     for p in ("A", "B"):
         ram = json.loads((d / f"{p}.est").read_text())
         env = {"MOERUN_CACHE": str(d / p)}
-        base = ("estimate", str(model), "-t", threads, "--json", "--disk-bw", str(ram["rates"]["disk_gbps"]))
+        base = ("estimate", str(model), "-t", threads, "--json", "--no-measure", "--disk-bw",
+            str(ram["rates"]["disk_gbps"]))
         traces = {"bench_trace": rec["trace"], "uniform": None}
         if other is not None and (other / f"{model.stem}.jsonl").is_file():
             traces["other_trace"] = str(other / f"{model.stem}.jsonl")

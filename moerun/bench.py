@@ -460,7 +460,9 @@ def _placement_rates(rt, arch, threads: int, placement: dict):
         given = {k: placement[k] for k in ("h2d_gbps", "vram_gbps") if placement.get(k)}
         return stage_rates(RuntimeConfig(threads=threads, **given), dev, arch, threads)
     qtypes = sorted({src.records[0].qtype.name for src in arch.sources.values()})
-    return probes.gather_rates(probes.RateOptions(threads=threads, qtypes=qtypes, shape=probes.probe_shape(arch.spec)))
+    from moerun.placement.layer_probe import probe_layout
+
+    return probes.gather_rates(probes.RateOptions(threads=threads, qtypes=qtypes, layout=probe_layout(arch)))
 
 
 def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[int], n_threads: Sequence[int],

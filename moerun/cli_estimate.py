@@ -1,5 +1,6 @@
 """`moerun estimate MODEL`: the cost model printed (moerun/placement/costmodel.py). Reads metadata and tensor
-sizes only; no weights, no GPU libraries needed."""
+sizes only; no weights, no GPU libraries needed. The first estimate on a machine (or for a new layer shape)
+probes it for a second or two and caches what it measured; later ones read the cache (no torch import)."""
 
 from __future__ import annotations
 
@@ -70,8 +71,8 @@ def llama_cpp_command(model: Path, threads: int, ctx: int, the_plan, n_layers: i
 
 
 def default_figures(rates, qtypes: list[str], reads_file: bool) -> list[str]:
-    """The rates lines this estimate used a built-in default for, where `--measure` would measure them (the
-    GPU figures come from NVML, not from a probe)."""
+    """The rates lines this estimate used a built-in default for, where a probe would measure them (the GPU
+    figures come from NVML, not from a probe)."""
     from moerun.placement.costmodel import F32_NAMES
 
     out = [name for name, fig in (("host RAM read", rates.ram_gbps), ("disk (file)", rates.disk_gbps))
@@ -105,7 +106,10 @@ def default_figures(rates, qtypes: list[str], reads_file: bool) -> list[str]:
               help="GPU memory bandwidth in GB/s (default: from NVML's bus width and clock).")
 @click.option("--h2d-bw", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Host-to-GPU copy bandwidth in GB/s (default: from NVML's PCIe generation and width).")
-@click.option("--measure", is_flag=True, help="Run the probes now (bandwidth, kernels, overhead; ~15 s) and cache them.")
+@click.option("--measure/--no-measure", default=None,
+              help="--measure: run every probe now, thoroughly (~15 s), and cache it; --no-measure: metadata only, "
+                   "the cached figures or the defaults. Default: probe what the cache lacks, quickly (~2 s), "
+                   "then use the cache.")
 @click.option("--trace", "trace_path", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
               help="Routing trace (moerun run --trace-routing) for the expected cache hit rate.")
 @click.option("-p", "--n-prompt", type=click.IntRange(min=1), default=512, show_default=True,
@@ -181,10 +185,12 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
     if devices == ("cpu",) and expert_cache_mib is not None:
         the_plan = _cpu_cache_plan(the_plan, arch, expert_cache_mib)
     qtypes = sorted({src.records[0].qtype.name for src in arch.sources.values()})
-    rates = probes.gather_rates(probes.RateOptions(threads=threads, measure=measure, ram_gbps=ram_bw, disk_gbps=disk_bw,
-                                           h2d_gbps=h2d_bw, vram_gbps=vram_bw,
-                                           model_path=str(model), qtypes=qtypes, shape=probes.probe_shape(spec),
-                                           gpu=inv.gpus[0] if inv.gpus and devices != ("cpu",) else None))
+    from moerun.placement.layer_probe import probe_layout
+
+    rates = probes.gather_rates(probes.RateOptions(
+        threads=threads, measure=measure, ram_gbps=ram_bw, disk_gbps=disk_bw, h2d_gbps=h2d_bw, vram_gbps=vram_bw,
+        model_path=str(model), reads_file=the_plan.home == "disk", qtypes=qtypes, layout=probe_layout(arch),
+        gpu=inv.gpus[0] if inv.gpus and devices != ("cpu",) else None))
     hit_rates = hit_source = None
     slots = [0] * spec.n_layers
     for d in the_plan.devices:
@@ -218,7 +224,6 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
         "memory": {"devices": mem, "home_bytes": home_bytes, "ram_bytes": the_plan.ram_bytes},
         "rates": {"ram_gbps": rates.ram_gbps.value, "disk_gbps": rates.disk_gbps.value,
                   "kernel_gbps": {q: rates.kernel(q) for q in qtypes},
-                  "moe_kernel_gbps": {q: rates.kernel(q, moe=True) for q in qtypes},
                   "qflops": {q: rates.flops(q) for q in qtypes}, "float_flops": rates.float_flops.value,
                   "layer_overhead_s": rates.layer_overhead_s.value, "token_overhead_s": rates.token_overhead_s.value,
                   "h2d_gbps": rates.h2d_gbps.value if rates.h2d_gbps else None,
@@ -269,7 +274,7 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
         if q not in cm.F32_NAMES:
             src = dict(rates.kernel_gbps).get(q)
             fl = dict(rates.qflops).get(q)
-            e(f"  kernel {q:<8} {rates.kernel(q):8.2f} GB/s decode ({rates.kernel(q, moe=True):.2f} MoE), "
+            e(f"  kernel {q:<8} {rates.kernel(q):8.2f} GB/s decode, "
               f"{rates.flops(q) / 1e9:6.1f} GFLOP/s prefill   "
               f"{src.source if src else 'default'}{'' if src else f' ({cm.DEFAULT_KERNEL_EFF:.0%} of host RAM)'}"
               f"{'' if fl else ', prefill default'}")
@@ -282,5 +287,5 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
         e(f"  device memory   {rates.device_gbps.value:8.2f} GB/s   {rates.device_gbps.source}")
     defaults = default_figures(rates, qtypes, reads_file=the_plan.home == "disk")
     if defaults:
-        e(f"  (default figures for {', '.join(defaults)}: run `moerun estimate --measure` once to measure "
-          "this machine)")
+        e(f"  (default figures for {', '.join(defaults)}: run `moerun estimate` without --no-measure, or with "
+          "--measure, to measure this machine)")

@@ -8,6 +8,7 @@ import os
 import shutil
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from moerun.cli import main
@@ -59,13 +60,17 @@ def counts(tiny):
             "per_token": dense + experts * k / E + embd_row}
 
 
-def estimate(*args):
-    r = CliRunner().invoke(main, ["estimate", *map(str, args)])
-    return r
+def estimate(*args, probe: bool = False):
+    """`moerun estimate`, with --no-measure unless the test asks for probes (--measure, or probe=True: the
+    default, which probes what the cache lacks)."""
+    args = [*map(str, args)]
+    if not probe and "--measure" not in args:
+        args.append("--no-measure")
+    return CliRunner().invoke(main, ["estimate", *args])
 
 
-def estimate_json(*args) -> dict:
-    r = estimate(*args, "--json")
+def estimate_json(*args, probe: bool = False) -> dict:
+    r = estimate(*args, "--json", probe=probe)
     assert r.exit_code == 0, r.output
     return json.loads(r.output)
 
@@ -179,28 +184,42 @@ def footer(r) -> str | None:
     return lines[0] if lines else None
 
 
+def stub_probes(monkeypatch) -> dict[str, int]:
+    """The probes replaced by fixed figures (no timing in tests); -> how often each ran."""
+    from moerun.placement import layer_probe
+
+    calls = {"ram": 0, "kernels": 0, "float": 0, "file": 0, "layers": 0}
+
+    def count(name, value):
+        def probe(*a, **kw):
+            calls[name] += 1
+            return value(*a) if callable(value) else value
+        return probe
+
+    monkeypatch.setattr(bw_mod, "measure_host_read_bandwidth", count("ram", {"gbps": 33.0, "measured_at": "now"}))
+    monkeypatch.setattr(probes, "measure_kernels", count("kernels", lambda threads, qtypes: {
+        q: {"decode_gbps": 25.0, "prefill_flops": 2e11} for q in qtypes if q not in cm.F32_NAMES}))
+    monkeypatch.setattr(probes, "measure_float_flops", count("float", 1e11))
+    monkeypatch.setattr(probes, "measure_file_read", count("file", 3.0))
+    monkeypatch.setattr(layer_probe, "measure_layers", count("layers", {
+        "layer_s": 4e-4, "token_s": 1e-4, "prefill_layer_token_s": 1e-4}))
+    return calls
+
+
 def test_labels_default_cached_given_measured(tiny, cache, monkeypatch, tmp_path):
     d = estimate_json(tiny, "-t", "1", "--device", "cpu")
     assert set(d["sources"].values()) == {"default"}
     assert d["rates"]["ram_gbps"] == bw_mod.DEFAULT_HOST_READ_GBPS
     r = estimate(tiny, "-t", "1", "--device", "cpu")
-    assert footer(r) == "(default figures for host RAM read, kernel Q8_0, torch float32, overhead: run " \
-                        "`moerun estimate --measure` once to measure this machine)"
+    assert footer(r) == "(default figures for host RAM read, kernel Q8_0, torch float32, overhead: run `moerun " \
+                        "estimate` without --no-measure, or with --measure, to measure this machine)"
     r = estimate(tiny, "-t", "1", "--device", "cpu", "--expert-cache-mib", "0.1")  # misses read the file
     assert "default figures for host RAM read, disk (file), kernel Q8_0," in footer(r)
     d = estimate_json(tiny, "-t", "1", "--ram-bw", "12.5", "--device", "cpu")
     assert d["sources"]["ram_gbps"] == "given" and d["rates"]["ram_gbps"] == 12.5
 
     # --measure: the probes (stubbed here: no timing in tests) run, are stored, and are labelled measured
-    monkeypatch.setattr(bw_mod, "measure_host_read_bandwidth",
-                        lambda threads, nbytes=0, runs=0: {"gbps": 33.0, "measured_at": "now"})
-    monkeypatch.setattr(probes, "measure_kernels",
-                        lambda threads, qtypes, runs=5: {q: {"decode_gbps": 25.0, "moe_decode_gbps": 24.0, "prefill_flops": 2e11}
-                                                         for q in qtypes if q not in cm.F32_NAMES})
-    monkeypatch.setattr(probes, "measure_float_flops", lambda threads, runs=5: 1e11)
-    monkeypatch.setattr(probes, "measure_file_read", lambda path, nbytes=0: 3.0)
-    monkeypatch.setattr(probes, "measure_overhead", lambda threads, shape, rates: {
-        "layer_s": 4e-4, "token_s": 1e-4, "prefill_layer_token_s": 1e-4})
+    calls = stub_probes(monkeypatch)
     d = estimate_json(tiny, "-t", "1", "--measure", "--device", "cpu")
     assert set(d["sources"].values()) == {"measured"}, d["sources"]
     assert d["rates"]["disk_gbps"] == 3.0
@@ -219,27 +238,93 @@ def test_labels_default_cached_given_measured(tiny, cache, monkeypatch, tmp_path
     d = estimate_json(other, "-t", "1", "--device", "cpu", "--expert-cache-mib", "0.1")
     assert d["sources"]["disk_gbps"] == "default" and d["sources"]["ram_gbps"] == "cached"
     assert footer(estimate(other, "-t", "1", "--device", "cpu", "--expert-cache-mib", "0.1")) == \
-        "(default figures for disk (file): run `moerun estimate --measure` once to measure this machine)"
+        "(default figures for disk (file): run `moerun estimate` without --no-measure, or with --measure, to " \
+        "measure this machine)"
     # another thread count has nothing cached
     d = estimate_json(tiny, "-t", "3", "--device", "cpu")
     assert d["sources"]["layer_overhead_s"] == "default"
+    assert calls == {"ram": 1, "kernels": 1, "float": 1, "file": 1, "layers": 1}
+
+
+def test_the_default_probes_what_the_cache_lacks_once(tiny, cache, monkeypatch):
+    """Issue 15, item 6: a user's first estimate measures this machine (quickly) without being asked, later
+    ones read the cache, --no-measure never probes; the file's read rate only when the plan reads the file."""
+    calls = stub_probes(monkeypatch)
+    d = estimate_json(tiny, "-t", "1", "--device", "cpu", probe=True)
+    assert calls == {"ram": 1, "kernels": 1, "float": 1, "file": 0, "layers": 1}
+    assert d["sources"]["ram_gbps"] == d["sources"]["layer_overhead_s"] == "measured"
+    assert d["sources"]["kernel_gbps.Q8_0"] == "measured" and d["rates"]["layer_overhead_s"] == 4e-4
+    r = estimate(tiny, "-t", "1", "--device", "cpu", probe=True)
+    assert r.exit_code == 0 and footer(r) is None
+    d = estimate_json(tiny, "-t", "1", "--device", "cpu", probe=True)
+    assert calls["layers"] == 1 and calls["ram"] == 1 and d["sources"]["layer_overhead_s"] == "cached"
+    estimate_json(tiny, "-t", "1", "--device", "cpu", "--expert-cache-mib", "0.1", probe=True)
+    assert calls["file"] == 1  # its experts now come from the file
+    estimate_json(tiny, "-t", "2", "--device", "cpu")  # --no-measure: another thread count, still nothing run
+    assert calls == {"ram": 1, "kernels": 1, "float": 1, "file": 1, "layers": 1}
+
+
+def test_the_layer_probe_builds_the_models_own_layers(tiny):
+    """The probe's layout: the model's spec, its qtypes per tensor kind, experts capped near
+    PROBE_EXPERT_BYTES (never fewer than k), a prompt with the model's tokens per expert at 512; the weights
+    it builds are what load_model would hold (the kernels' interleaved layout where they take it)."""
+    from moerun.arch import resolve
+    from moerun.arch.tensors import expected_shapes
+    from moerun.formats import open_model
+    from moerun.placement import layer_probe as lp
+
+    with open_model(tiny) as mf:
+        arch = resolve(mf)
+    lay = lp.probe_layout(arch)
+    assert lay["qtypes"]["ffn_gate_exps.weight"] == "Q8_0" and lay["qtypes"]["attn_norm.weight"] == "F32"
+    assert lay["experts"] == arch.spec.n_experts  # tiny: every expert fits the byte cap
+    assert lay["prompt"] == 512
+    assert lp.layout_key(lay) == lp.layout_key(lp.probe_layout(arch)) and lp.layout_key(lay).startswith("qwen3moe-")
+    spec = lp.probe_spec(lay, 3)
+    assert (spec.n_layers, spec.moe_layers, spec.vocab) == (3, (True,) * 3, lp.PROBE_VOCAB)
+    assert spec.hidden == arch.spec.hidden and spec.expert_ffn == arch.spec.expert_ffn
+    w = lp.build_weights(lay, spec)
+    assert {cn: t.shape for cn, t in w.items()} == expected_shapes(spec)
+    cpu = pytest.importorskip("moerun.kernels.cpu")
+    if cpu.available():
+        from moerun.quant.qtypes import QTensor
+
+        exps = w[lp.CName("ffn_gate_exps.weight", 1)]
+        assert exps.interleave == 8
+        # tiling interleaved groups of 8 rows is interleaving the tiled rows
+        plain = cpu.deinterleave(exps)
+        again = cpu.interleave(QTensor(plain.data.clone(), plain.qtype, plain.shape))
+        assert torch.equal(again.data, exps.data)
 
 
 def test_estimate_and_inspect_read_metadata_without_importing_torch(tiny, tmp_path):
     """Issue 7: under 2 s on a 15 GB file. Importing torch alone takes 1-2 s here, so the metadata-only
-    commands must not import it (measured on a3b-L12 F16, 15 GB: 0.5 s; bench/RESULTS.md)."""
+    commands must not import it (measured on a3b-L12 F16, 15 GB: 0.5 s; bench/RESULTS.md): `--no-measure`,
+    and the default once the cache holds this machine's figures for the model's layers."""
     import subprocess
     import sys
 
-    code = ("import sys\nfrom moerun.cli import main\n"
-            "for args in (['estimate', sys.argv[1], '--json'], ['inspect', sys.argv[1]]):\n"
+    from moerun.arch import resolve
+    from moerun.formats import open_model
+    from moerun.placement import layer_probe
+
+    with open_model(tiny) as mf:
+        key = layer_probe.layout_key(layer_probe.probe_layout(resolve(mf)))
+    figures = {"host_read_bandwidth": {"1": {"gbps": 30.0}}, "kernel_decode_gbps": {"1": {"Q8_0": {
+        "gbps": 30.0, "flops": 2e11}}}, "float_flops": {"1": {"flops": 1e11}},
+        "forward_overhead": {"1": {key: {"layer_s": 1e-4, "token_s": 1e-4, "prefill_layer_token_s": 1e-5}}}}
+    (tmp_path / "hardware.json").write_text(json.dumps(figures))
+    code = ("import json, sys\nfrom moerun.cli import main\n"
+            "for args in (['estimate', sys.argv[1], '--json', '-t', '1'] + sys.argv[2:], ['inspect', sys.argv[1]]):\n"
             "    try:\n        main(args)\n    except SystemExit as e:\n        assert not e.code, e.code\n"
             "print('torch' in sys.modules)\n")
     env = {**os.environ, "MOERUN_CACHE": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-c", code, str(tiny)], check=False, capture_output=True, text=True,
-                       timeout=120, env=env)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip().splitlines()[-1] == "False"
+    for extra in ([], ["--no-measure"]):
+        r = subprocess.run([sys.executable, "-c", code, str(tiny), *extra], check=False, capture_output=True,
+                           text=True, timeout=120, env=env)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip().splitlines()[-1] == "False", extra
+        assert '"layer_overhead_s": "cached"' in r.stdout
 
 
 def test_gpu_bandwidth_flags_and_vram_budget(tiny, cache):

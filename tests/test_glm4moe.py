@@ -449,7 +449,8 @@ def test_estimate_bytes_per_token(preset_gguf, tmp_path, monkeypatch):
     """Bytes per token from gguf's reader: the dense layer and shared experts whole, k/E of the routed experts,
     one embedding row."""
     monkeypatch.setenv("MOERUN_CACHE", str(tmp_path / "cache"))
-    res = CliRunner().invoke(main, ["estimate", preset_gguf, "-t", "1", "--ram-bw", "10", "--device", "cpu", "--json"])
+    res = CliRunner().invoke(main, ["estimate", preset_gguf, "-t", "1", "--ram-bw", "10", "--device", "cpu", "--json",
+                                     "--no-measure"])
     assert res.exit_code == 0, res.output
     d = json.loads(res.output)
     assert d["bytes_per_token"] == pytest.approx(gguf_bytes_per_token(preset_gguf, "glm4moe"), abs=8)

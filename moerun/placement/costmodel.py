@@ -18,18 +18,17 @@ Inputs
 - device_gbps   GPU memory bandwidth (GPU only; default: 80% of bus width x memory clock).
 - kernel_gbps   per qtype: the GB/s the CPU kernels stream weights at in decode (one token); measured by
                 one large matmul per qtype, else `DEFAULT_KERNEL_EFF` x ram_gbps.
-- moe_gbps      per qtype: the same for the fused MoE kernel (one token, k of 64 distinct experts per call,
-                new experts each call), used for the routed experts.
 - qflops        per qtype: FLOP/s of the CPU kernels in prefill (the fused MoE kernel, 32 tokens per
                 expert); measured, else `DEFAULT_QFLOPS_PER_THREAD` x threads.
 - float_flops   FLOP/s of torch float32 batched matmuls (attention scores over the prompt in prefill).
-- layer_overhead_s  fixed seconds per layer per forward step (Python, torch dispatch, norms, RoPE, routing,
-                kernel launches), measured by decoding on a tiny model with the benchmark's routing shape
-                (128 experts, top-8) and no weight bytes to speak of, at two depths: the slope.
-- token_overhead_s  fixed seconds per forward step outside the layers (embedding lookup, head, argmax):
-                the intercept of the same probe.
+- layer_overhead_s  seconds per layer per decode step that the byte terms do not explain (attention's
+                arithmetic, norms, RoPE, routing, Python between kernel calls, the experts' rate beyond the
+                matmul probe's): the layer probe (`moerun.placement.layer_probe`) decodes on in-memory models
+                of one and three of this model's own layers, and this is the slope of what is left over.
+- token_overhead_s  seconds per decode step outside the layers (embedding lookup, head, sampling): the
+                intercept of the same probe.
 - prefill_overhead_s  seconds per layer per prompt token that prefill costs beyond its FLOP terms, from
-                the same probe running a 512-token prompt (see `measure_overhead`).
+                the same probe running a prompt with as many tokens per expert as 512 tokens have.
 
 `Workload` — what one token costs, from the model and the placement plan (`workload()` builds it).
 
@@ -133,7 +132,6 @@ class Rates:
     float_flops: Figure
     kernel_eff: Figure = Figure(DEFAULT_KERNEL_EFF, "default")
     kernel_gbps: tuple[tuple[str, Figure], ...] = ()
-    moe_gbps: tuple[tuple[str, Figure], ...] = ()  # the fused MoE kernel at decode (k experts, one token)
     qflops: tuple[tuple[str, Figure], ...] = ()
     h2d_gbps: Figure | None = None
     device_gbps: Figure | None = None
@@ -145,12 +143,8 @@ class Rates:
     def device_flops_value(self) -> float:
         return (self.device_flops or Figure(DEFAULT_DEVICE_FLOPS, "default")).value
 
-    def kernel(self, qtype: str, moe: bool = False) -> float:
-        """GB/s the CPU streams a tensor of `qtype` at in decode (float tensors go through torch: raw bw);
-        moe: through the fused MoE kernel (routed experts), when measured."""
-        for q, f in self.moe_gbps if moe else ():
-            if q == qtype:
-                return f.value
+    def kernel(self, qtype: str) -> float:
+        """GB/s the CPU streams a tensor of `qtype` at in decode (float tensors go through torch: raw bw)."""
         for q, f in self.kernel_gbps:
             if q == qtype:
                 return f.value
@@ -172,8 +166,6 @@ class Rates:
                "float_flops": self.float_flops.source, "prefill_overhead_s": self.prefill_overhead_s.source}
         for q, f in self.kernel_gbps:
             out[f"kernel_gbps.{q}"] = f.source
-        for q, f in self.moe_gbps:
-            out[f"moe_gbps.{q}"] = f.source
         for q, f in self.qflops:
             out[f"qflops.{q}"] = f.source
         if not self.kernel_gbps:
@@ -269,7 +261,7 @@ def read_rate(part: Part, rates: Rates, bound: bool) -> float:
     """GB/s at which `part` is read when it is computed where it lives (a hit, or a resident tensor)."""
     if part.compute != "cpu":
         return (rates.device_gbps or Figure(DEFAULT_DEVICE_GBPS, "default")).value
-    return rates.ram_gbps.value if bound else rates.kernel(part.qtype, moe=part.cls == "routed_experts")
+    return rates.ram_gbps.value if bound else rates.kernel(part.qtype)
 
 
 def miss_time(bytes_e: float, n_tokens: int, hidden: int, *, home_gbps: float, link_gbps: float,
@@ -321,7 +313,7 @@ def miss_costs(rates: Rates, qtype: str, home_tier: str, hidden: int, n_used: in
     ways then read it first)."""
     disk = rates.disk_gbps.value if home_tier == "disk" else math.inf
     link = (rates.h2d_gbps or Figure(DEFAULT_H2D_GBPS, "default")).value
-    return MissCosts(hidden=hidden, home_gbps=min(rates.kernel(qtype, moe=True), disk),
+    return MissCosts(hidden=hidden, home_gbps=min(rates.kernel(qtype), disk),
                      home_flops=rates.flops(qtype), link_gbps=min(link, disk),
                      device_gbps=(rates.device_gbps or Figure(DEFAULT_DEVICE_GBPS, "default")).value,
                      device_flops=(rates.device_flops or Figure(DEFAULT_DEVICE_FLOPS, "default")).value,
@@ -334,7 +326,7 @@ def _miss_seconds(nbytes: float, part: Part, w: Workload, rates: Rates, bound: b
     if part.compute == "cpu":  # the CPU runtime reads the miss into a RAM slot, then computes from it
         return nbytes / (home * GB) + nbytes / (read_rate(part, rates, bound) * GB)
     k = max(w.n_experts_used, 1)
-    home_rate = home if bound or part.tier == "disk" else rates.kernel(part.qtype, moe=True)  # the CPU computes it
+    home_rate = home if bound or part.tier == "disk" else rates.kernel(part.qtype)  # the CPU computes it
     # one of an expert's three tensors: a third of the launch a layer's home misses share (MissCosts.choose)
     launch = 0.0 if bound else rates.launch_s.value / (3 * k)
     t = miss_time(nbytes / k, 1, w.hidden, home_gbps=home_rate,
@@ -448,7 +440,7 @@ def _offloaded_prefill(p: Part, w: Workload, rates: Rates, m: int) -> float:
     n = max(1.0, m * w.n_experts_used / max(touched, 1.0))
     b, params = p.nbytes / E, p.params / E
     hit = max(b / (read_rate(p, rates, False) * GB), 2 * params * n / rates.device_flops_value())
-    home = rates.disk_gbps.value if p.tier == "disk" else rates.kernel(p.qtype, moe=True)
+    home = rates.disk_gbps.value if p.tier == "disk" else rates.kernel(p.qtype)
     t = miss_time(b, round(n), w.hidden, home_gbps=home,
                   link_gbps=(rates.h2d_gbps or Figure(DEFAULT_H2D_GBPS, "default")).value,
                   compute_gbps=read_rate(p, rates, False), launch_s=rates.launch_s.value, params_e=params,
@@ -469,23 +461,30 @@ def uniform_hit_rates(n_layers: int, n_experts: int, slots: tuple[int, ...] | li
 
 
 def parts_from_arch(arch, plan=None) -> tuple[Part, ...]:
-    """One Part per tensor: bytes read per token (one row of an untied embedding table; all E experts of a
-    routed-expert tensor, scaled by k/E later), parameters, qtype; tier and device from `plan` (None: RAM, cpu)."""
+    """One Part per tensor of the resolved model (parts_from_tensors); tier and device from `plan` (None: RAM,
+    cpu)."""
     from moerun.arch.tensors import source_shape
+
+    return parts_from_tensors(arch.spec, ((cn, src.records[0].qtype, source_shape(src))
+                                          for cn, src in arch.sources.items()), plan)
+
+
+def parts_from_tensors(spec, tensors, plan=None) -> tuple[Part, ...]:
+    """One Part per (canonical name, qtype, shape) in `tensors`: bytes read per token (one row of an untied
+    embedding table; all E experts of a routed-expert tensor, scaled by k/E later), parameters, qtype; tier
+    and device from `plan` (None: RAM, cpu)."""
     from moerun.formats.names import tensor_class
     from moerun.quant.ggml_types import tensor_bytes
 
     parts = []
-    for cn, src in arch.sources.items():
-        shape = source_shape(src)
-        qtype = src.records[0].qtype
+    for cn, qtype, shape in tensors:
         nbytes = tensor_bytes(qtype, shape)
         params = math.prod(shape)
         cls = tensor_class(cn.kind)
         tp = plan.tensors.get(cn.gguf) if plan is not None else None
         tier = tp.tier if tp else "ram"
         compute = tp.device if tp else "cpu"
-        if cls == "embeddings" and not arch.spec.tie_embeddings:
+        if cls == "embeddings" and not spec.tie_embeddings:
             nbytes, params = nbytes // shape[0], 0  # one row per token, a lookup (no FLOPs)
         elif cn.kind == "output.weight" or (cn.layer is None and cls == "norms"):
             cls = "head"

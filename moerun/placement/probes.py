@@ -31,19 +31,7 @@ from moerun.placement.costmodel import (
     SEC_OVERHEAD,
     Figure,
     Rates,
-    Workload,
-    decode_time,
-    parts_from_arch,
-    prefill_time,
 )
-
-
-def _moe_sweep(cpu, x, calls, w, experts):
-    """One fused-MoE call per routing in `calls` (each a fresh choice of experts)."""
-    def sweep():
-        for ids in calls:
-            cpu.moe_ffn_experts(x, ids, w, experts)
-    return sweep
 
 
 def _typical_time(runs: int, fn, *args) -> float:
@@ -84,23 +72,12 @@ def _median(xs: list[float]) -> float:
     return xs[len(xs) // 2]
 
 
-def _as_loaded(cpu, t):
-    """A copy of t as load_model holds weights in RAM: on huge pages, interleaved where the kernels take it."""
-    from moerun.hostmem import host_empty
-    from moerun.quant.qtypes import QTensor
-
-    if cpu.can_interleave(t):
-        return cpu.interleave(t)
-    data = host_empty(t.nbytes).view(t.data.shape)
-    data.copy_(t.data)
-    return QTensor(data, t.qtype, t.shape)
-
-
 def measure_kernels(threads: int, qtypes: list[str], *, runs: int = 9) -> dict:
     """Probe the CPU kernels per qtype: decode GB/s (one token through a ~128 MiB matrix) and prefill
-    FLOP/s (the fused MoE kernel, 16 experts of 768 x 2048, 32 tokens per expert), and decode GB/s through the
-    fused MoE kernel. Each figure is the median of `runs` passes (see _typical_time). Quantized bytes are
-    quantized once and tiled (the values do not change the speed). {} when the kernels are not built."""
+    FLOP/s (the fused MoE kernel, 16 experts of 768 x 2048, 32 tokens per expert). Each figure is the median
+    of `runs` passes (see _typical_time). Quantized bytes are quantized once and tiled (the values do not
+    change the speed). {} when the kernels are not built. What decoding the model's own layers costs beyond
+    these rates is the layer probe's (moerun.placement.layer_probe)."""
     import torch
 
     try:
@@ -110,8 +87,8 @@ def measure_kernels(threads: int, qtypes: list[str], *, runs: int = 9) -> dict:
     if not cpu.available():
         return {}
     from moerun.experts.store import Expert
-    from moerun.quant.qtypes import QTensor, QType
-    from moerun.quant.quantize import quantize
+    from moerun.placement.layer_probe import Tiles
+    from moerun.quant.qtypes import QType, row_bytes
 
     out: dict[str, dict] = {}
     before_t, before_k = torch.get_num_threads(), cpu.get_threads()
@@ -120,37 +97,24 @@ def measure_kernels(threads: int, qtypes: list[str], *, runs: int = 9) -> dict:
     try:
         H, I, E, k = 2048, 768, 16, 8
         g = torch.Generator().manual_seed(0)
+        tiles = Tiles()
         for name in qtypes:
             if name in F32_NAMES or not cpu.supports(QType[name]):
                 continue
             q = QType[name]
-            raw_g = quantize(torch.randn(I, H, generator=g), q)
-            raw_d = quantize(torch.randn(H, I, generator=g), q)
-            reps = max(1, (128 << 20) // raw_g.numel())
-            big = _as_loaded(cpu, QTensor.from_bytes(raw_g.reshape(I, -1).repeat(reps, 1), q, (I * reps, H)))
+            big = tiles(q, ((128 << 20) // row_bytes(q, H) // 8 * 8, H))  # ~128 MiB, far beyond any cache
             x1 = torch.randn(1, H, generator=g)
             cpu.matmul(x1, big)
             gbps = big.data.numel() / _typical_time(runs, cpu.matmul, x1, big) / GB
             del big
-            ex = {e: Expert(*(_as_loaded(cpu, QTensor.from_bytes(r, q, s)) for r, s in
-                              ((raw_g, (I, H)), (raw_g, (I, H)), (raw_d, (H, I))))) for e in range(E)}
+            ex = {e: Expert(tiles(q, (I, H)), tiles(q, (I, H)), tiles(q, (H, I))) for e in range(E)}
             T = 32 * E // k
             x = torch.randn(T, H, generator=g)
             ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
             wts = torch.full((T, k), 1.0 / k)
             cpu.moe_ffn_experts(x, ids, wts, ex)
             flops = T * k * 3 * 2 * I * H / _typical_time(runs, cpu.moe_ffn_experts, x, ids, wts, ex)
-            # decode through the fused MoE kernel: one token, k of 64 distinct experts (> any L3), new ones each call
-            many = {e: Expert(*(_as_loaded(cpu, QTensor.from_bytes(r, q, s)) for r, s in
-                                ((raw_g, (I, H)), (raw_g, (I, H)), (raw_d, (H, I))))) for e in range(64)}
-            x1 = torch.randn(1, H, generator=g)
-            calls = [torch.randperm(64, generator=g)[:k].reshape(1, k) for _ in range(32)]
-            w1 = torch.full((1, k), 1.0 / k)
-            cpu.moe_ffn_experts(x1, calls[0], w1, many)
-            sweep = _moe_sweep(cpu, x1, calls[1:], w1, many)
-            moe_gbps = (len(calls) - 1) * k * many[0].nbytes / _typical_time(runs, sweep) / GB
-            del many
-            out[name] = {"decode_gbps": gbps, "moe_decode_gbps": moe_gbps, "prefill_flops": flops}
+            out[name] = {"decode_gbps": gbps, "prefill_flops": flops}
     finally:
         torch.set_num_threads(before_t)
         cpu.set_threads(before_k)
@@ -170,87 +134,6 @@ def measure_float_flops(threads: int, runs: int = 5) -> float:
     finally:
         torch.set_num_threads(before)
     return 2 * 32 * 512 * 128 * 512 / typical
-
-
-def probe_shape(spec) -> dict:
-    """The overhead probe's shape for a model: its hidden size, attention and routing, expert FFN 32, small
-    vocabulary (the probe's own weights are then ~20 MiB a layer, its experts negligible)."""
-    return {"hidden": spec.hidden, "heads": spec.n_heads, "kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim,
-            "experts": max(spec.n_experts, 1), "experts_used": max(spec.n_experts_used, 1), "ffn": 32}
-
-
-def shape_key(shape: dict) -> str:
-    return "h{hidden}-q{heads}-kv{kv_heads}-d{head_dim}-e{experts}-k{experts_used}".format(**shape)
-
-
-def measure_overhead(threads: int, shape: dict, rates: Rates, n_gen: int = 48, n_prompt: int = 512) -> dict:
-    """Fixed costs the byte and FLOP terms miss, measured on two synthetic models with the model's own
-    attention and routing shape (`probe_shape`; Q8_0; 1 and 3 layers): decode `n_gen` tokens and run one
-    `n_prompt`-token prompt on each, subtract what this module predicts for them with `rates` (bytes and
-    FLOPs, no overhead), and fit: decode per layer = slope / 2 layers, per token = intercept; prefill per
-    layer per token = prefill slope / 2 layers / n_prompt. Nothing is fitted to any benchmark file."""
-    import tempfile
-
-    import torch
-
-    from moerun.arch import resolve
-    from moerun.bench import time_gen, time_prompt
-    from moerun.engine.kv_cache import KVPool, SeqKV
-    from moerun.formats import open_model
-    from moerun.loading import load_model
-    from moerun.tools.make_model import make_model
-    from moerun.tools.presets import preset
-
-    bare = Rates(ram_gbps=rates.ram_gbps, disk_gbps=rates.disk_gbps, layer_overhead_s=Figure(0.0, "probe"),
-                 token_overhead_s=Figure(0.0, "probe"), default_qflops=rates.default_qflops,
-                 float_flops=rates.float_flops, kernel_eff=rates.kernel_eff, kernel_gbps=rates.kernel_gbps,
-                 qflops=rates.qflops)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    dec, pre = {}, {}
-    try:
-        try:
-            from moerun.kernels import cpu as kernels
-
-            if kernels.available():
-                kernels.set_threads(threads)
-        except ImportError:
-            pass
-        with tempfile.TemporaryDirectory(prefix="moerun-probe-") as d:
-            for layers in (1, 3):
-                p = make_model(preset("tiny-qwen3moe", layers=layers, vocab=512, **shape),
-                               Path(d) / f"probe{layers}.gguf", ftype="Q8_0", progress=False, threads=1)
-                with open_model(p) as mf:
-                    arch = resolve(mf)
-                w = Workload(arch.spec.n_layers, arch.spec.n_experts, arch.spec.n_experts_used, arch.spec.hidden,
-                             arch.spec.n_heads, arch.spec.head_dim, parts_from_arch(arch), (1.0,) * layers,
-                             "resident")
-                m = load_model(str(p), dtype=torch.float32)
-                pool = KVPool(m.arch.spec, n_prompt + n_gen + 8, dtype=m.model.dtype)
-                tok = torch.randint(0, 512, (n_prompt,), generator=torch.Generator().manual_seed(0))
-                ds, ps = [], []
-                for _ in range(3):
-                    seq = SeqKV(pool, n_gen + 4)
-                    try:
-                        ds.append(time_gen(m.model, seq, 1, n_gen) / n_gen / 1e9)
-                    finally:
-                        seq.free()
-                for _ in range(2):
-                    seq = SeqKV(pool, n_prompt + 4)
-                    try:
-                        ps.append(time_prompt(m.model, seq, tok, n_prompt) / 1e9)
-                    finally:
-                        seq.free()
-                dec[layers] = min(ds) - decode_time(w, bare).total
-                pre[layers] = min(ps) - prefill_time(w, bare, n_prompt, n_prompt).seconds
-                del m, pool
-    finally:
-        torch.set_num_threads(before)
-    layer = max((dec[3] - dec[1]) / 2, 0.0)
-    return {"layer_s": layer, "token_s": max(dec[1] - layer, 0.0),
-            "prefill_layer_token_s": max((pre[3] - pre[1]) / 2 / n_prompt, 0.0),
-            "residual_s": {"decode": {str(k): v for k, v in dec.items()},
-                           "prefill": {str(k): v for k, v in pre.items()}}}
 
 
 def measure_file_read(path: str | Path, nbytes: int = 256 << 20, piece: int = 4 << 20, seed: int = 0) -> float:
@@ -284,87 +167,117 @@ def measure_file_read(path: str | Path, nbytes: int = 256 << 20, piece: int = 4 
 @dataclass
 class RateOptions:
     threads: int = 1
-    measure: bool = False
+    # True: run every probe now (`estimate --measure`); None: run, quickly, the probes whose figures the cache
+    # lacks (estimate's default); False: the cache and the defaults only (the runtime, `--no-measure`)
+    measure: bool | None = False
     ram_gbps: float | None = None
     disk_gbps: float | None = None
     h2d_gbps: float | None = None  # given host-to-device copy bandwidth (GPU runs)
     vram_gbps: float | None = None  # given GPU memory bandwidth
     model_path: str | None = None
+    reads_file: bool = False  # the plan reads routed experts from the model file: its read rate matters
     qtypes: list[str] = field(default_factory=list)
     gpu: object | None = None  # moerun.placement.devices.GPU of the first compute device, if any
-    shape: dict | None = None  # probe_shape(spec) of the model: the overhead figures are kept per shape
+    layout: dict | None = None  # layer_probe.probe_layout(arch): the layer figures are kept per layout
+
+
+@dataclass(frozen=True)
+class Effort:
+    """How hard the probes work: `quick` is estimate's default (~2 s for a3b-L4 on 2 cores), `full` --measure."""
+
+    ram_bytes: int
+    ram_runs: int
+    kernel_runs: int
+    float_runs: int
+    layer_rounds: int
+    layer_tokens: int
+    prompt_runs: int
+
+
+QUICK = Effort(ram_bytes=512 << 20, ram_runs=3, kernel_runs=5, float_runs=3, layer_rounds=8, layer_tokens=12,
+               prompt_runs=2)
+FULL = Effort(ram_bytes=1 << 30, ram_runs=5, kernel_runs=9, float_runs=5, layer_rounds=16, layer_tokens=24,
+              prompt_runs=3)
 
 
 SEC_FILE_READ = "file_read_gbps"  # hardware.json: measure_file_read's figure, keyed by the file's path
 
 
 def _file_read_rate(opt: RateOptions, cache: Path | None) -> Figure:
-    """The model file's read rate: measured (and cached) with opt.measure, else cached for this file (the rate
-    depends on the disk it lives on and on how much of it the page cache holds), else the default."""
+    """The model file's read rate: measured (and cached) with opt.measure (or, quick, when the plan reads the
+    file and nothing is cached), else cached for this file (the rate depends on the disk it lives on and on
+    how much of it the page cache holds), else the default."""
     if not opt.model_path:
         return Figure(DEFAULT_DISK_GBPS, "default")
     key = str(Path(opt.model_path).resolve())
-    if opt.measure:
+    gbps = (_cached(SEC_FILE_READ, key, cache) or {}).get("gbps")
+    known = isinstance(gbps, (int, float)) and not isinstance(gbps, bool) and gbps > 0
+    if opt.measure or (opt.measure is None and opt.reads_file and not known):
         gbps = measure_file_read(opt.model_path)
         _store(SEC_FILE_READ, key, {"gbps": gbps, "measured_at": _now()}, cache)
         return Figure(gbps, "measured")
-    gbps = (_cached(SEC_FILE_READ, key, cache) or {}).get("gbps")
-    if isinstance(gbps, (int, float)) and not isinstance(gbps, bool) and gbps > 0:
-        return Figure(float(gbps), "cached")
-    return Figure(DEFAULT_DISK_GBPS, "default")
+    return Figure(float(gbps), "cached") if known else Figure(DEFAULT_DISK_GBPS, "default")
 
 
 def gather_rates(opt: RateOptions, cache: Path | None = None) -> Rates:
-    """Rates from flags, then the cache, then (with measure) the probes, else the defaults. With measure,
-    every probe runs now and is stored in the cache."""
-    t = opt.threads
+    """Rates from flags, then the cache, then the defaults; the probes run first as opt.measure says (every
+    one, or those whose figures the cache lacks), each storing what it measured in the cache."""
+    t, full = opt.threads, opt.measure is True
+    effort = FULL if full else QUICK
+
+    def due(entry) -> bool:
+        return full or (opt.measure is None and not entry)
+
     if opt.ram_gbps is not None:
         ram = Figure(opt.ram_gbps, "given")
     else:
-        v, src = bw_mod.host_read_bandwidth(t, measure=opt.measure, path=cache)
+        due_ram = due(bw_mod.cached_host_read_bandwidth(t, cache))
+        v, src = bw_mod.host_read_bandwidth(t, measure=due_ram, path=cache, nbytes=effort.ram_bytes,
+                                            runs=effort.ram_runs)
         ram = Figure(v, src)
-    if opt.disk_gbps is not None:
-        disk = Figure(opt.disk_gbps, "given")
-    else:
-        disk = _file_read_rate(opt, cache)
+    disk = Figure(opt.disk_gbps, "given") if opt.disk_gbps is not None else _file_read_rate(opt, cache)
 
-    if opt.measure:
-        ks = measure_kernels(t, sorted(set(opt.qtypes) | {"Q8_0"}))
-        if ks:
-            prev = (_cached(SEC_KERNEL, t, cache) or {})
-            _store(SEC_KERNEL, t, {**prev, **{q: {"gbps": v["decode_gbps"], "moe_gbps": v["moe_decode_gbps"],
-                                                 "flops": v["prefill_flops"], "measured_at": _now()}
-                                             for q, v in ks.items()}}, cache)
-        _store(SEC_FLOAT, t, {"flops": measure_float_flops(t), "measured_at": _now()}, cache)
-    label = "measured" if opt.measure else "cached"
+    quantized = sorted(q for q in set(opt.qtypes) if q not in F32_NAMES)
     kern = _cached(SEC_KERNEL, t, cache) or {}
+    todo = [q for q in quantized if due(kern.get(q))]
+    fresh: set[str] = set()
+    if todo:
+        ks = measure_kernels(t, todo, runs=effort.kernel_runs)
+        _store(SEC_KERNEL, t, {q: {"gbps": v["decode_gbps"], "flops": v["prefill_flops"], "measured_at": _now()}
+                               for q, v in ks.items()}, cache)
+        kern, fresh = _cached(SEC_KERNEL, t, cache) or {}, set(ks)
 
-    def pick(key: str, qtypes) -> tuple[tuple[str, Figure], ...]:
-        return tuple((q, Figure(float(v[key]), label)) for q, v in sorted(kern.items())
-                     if isinstance(v, dict) and q in qtypes and isinstance(v.get(key), (int, float)) and v[key] > 0)
+    def pick(key: str) -> tuple[tuple[str, Figure], ...]:
+        return tuple((q, Figure(float(v[key]), "measured" if q in fresh else "cached"))
+                     for q, v in sorted(kern.items()) if q in quantized and isinstance(v, dict)
+                     and isinstance(v.get(key), (int, float)) and v[key] > 0)
 
     fl = _cached(SEC_FLOAT, t, cache)
-    float_flops = Figure(float(fl["flops"]), label) if fl and fl.get("flops") else \
-        Figure(DEFAULT_FLOAT_FLOPS_PER_THREAD * t, "default")
+    if due(fl):
+        _store(SEC_FLOAT, t, {"flops": measure_float_flops(t, runs=effort.float_runs), "measured_at": _now()}, cache)
+        fl = dict(_cached(SEC_FLOAT, t, cache) or {}, fresh=True)
+    float_flops = Figure(float(fl["flops"]), "measured" if fl.get("fresh") else "cached") if fl and fl.get("flops") \
+        else Figure(DEFAULT_FLOAT_FLOPS_PER_THREAD * t, "default")
     rates = Rates(ram_gbps=ram, disk_gbps=disk, layer_overhead_s=Figure(DEFAULT_LAYER_OVERHEAD_S, "default"),
                   token_overhead_s=Figure(DEFAULT_TOKEN_OVERHEAD_S, "default"),
                   default_qflops=Figure(DEFAULT_QFLOPS_PER_THREAD * t, "default"), float_flops=float_flops,
-                  kernel_gbps=pick("gbps", opt.qtypes), moe_gbps=pick("moe_gbps", opt.qtypes),
-                  qflops=pick("flops", opt.qtypes),
+                  kernel_gbps=pick("gbps"), qflops=pick("flops"),
                   prefill_overhead_s=Figure(DEFAULT_PREFILL_OVERHEAD_S, "default"))
-    key = shape_key(opt.shape) if opt.shape else None
-    if opt.measure and opt.shape:
-        probe_rates = replace(rates, kernel_gbps=pick("gbps", {"Q8_0", *opt.qtypes}),
-                              moe_gbps=pick("moe_gbps", {"Q8_0", *opt.qtypes}),
-                              qflops=pick("flops", {"Q8_0", *opt.qtypes}))
-        o = measure_overhead(t, opt.shape, probe_rates)
-        prev = _cached(SEC_OVERHEAD, t, cache) or {}
-        _store(SEC_OVERHEAD, t, {**prev, key: {**o, "measured_at": _now()}}, cache)
-    ov = (_cached(SEC_OVERHEAD, t, cache) or {}).get(key) if key else None
-    if isinstance(ov, dict) and isinstance(ov.get("layer_s"), (int, float)):
-        rates = replace(rates, layer_overhead_s=Figure(float(ov["layer_s"]), label),
-                        token_overhead_s=Figure(float(ov.get("token_s", 0.0)), label),
-                        prefill_overhead_s=Figure(float(ov.get("prefill_layer_token_s", 0.0)), label))
+    if opt.layout:
+        from moerun.placement.layer_probe import layout_key, measure_layers
+
+        key = layout_key(opt.layout)
+        ov = (_cached(SEC_OVERHEAD, t, cache) or {}).get(key)
+        label = "cached"
+        if due(ov):
+            ov = measure_layers(t, opt.layout, rates, rounds=effort.layer_rounds, n_gen=effort.layer_tokens,
+                                prompt_runs=effort.prompt_runs)
+            _store(SEC_OVERHEAD, t, {key: {**ov, "measured_at": _now()}}, cache)
+            label = "measured"
+        if isinstance(ov, dict) and isinstance(ov.get("layer_s"), (int, float)):
+            rates = replace(rates, layer_overhead_s=Figure(float(ov["layer_s"]), label),
+                            token_overhead_s=Figure(float(ov.get("token_s", 0.0)), label),
+                            prefill_overhead_s=Figure(float(ov.get("prefill_layer_token_s", 0.0)), label))
     h2d = dev = None
     g = opt.gpu
     if g is not None:
