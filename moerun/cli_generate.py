@@ -298,10 +298,11 @@ def run(prompt, prompt_file, no_display_prompt, as_json, trace_routing, verbose,
 
 
 def reasoning_format_option(f):
-    return click.option("--reasoning-format", type=click.Choice(REASONING_FORMATS), default="auto", show_default=True,
-                        help="A chat model's reasoning (gpt-oss's analysis channel, <think>...</think>): told "
-                             "apart from the answer (auto, deepseek), or left in it as the model wrote it (none)."
-                        )(f)
+    return click.option("--reasoning-format", type=click.Choice(REASONING_FORMATS), default="auto",
+                        show_default=True,
+                        help="A chat model's reasoning (gpt-oss's analysis channel, <think>...</think>): "
+                             "told apart from the answer (auto, deepseek), or left in it as the model wrote "
+                             "it (none).")(f)
 
 
 class ReplyDisplay:
@@ -399,7 +400,8 @@ def chat(system, reasoning_format, show_reasoning, trace_routing, verbose, **kw)
                 said_dropping = True
             gen = eng.generate(ids, params, seq)
             show = ReplyDisplay(show_reasoning)
-            parser = None if syntax is None else ReasoningParser(syntax, template.generation_prompt(conv.messages))
+            parser = None if syntax is None else \
+                ReasoningParser(syntax, template.generation_prompt(conv.messages))
             try:
                 for piece in gen:
                     for kind, text in [("content", piece)] if parser is None else parser.feed(piece):

@@ -131,7 +131,8 @@ def serve(host, port, api_key, parallel, max_queue, alias, max_body_size, cache_
         cfg = ServerConfig(model_names=names, host=host, port=port, api_key=api_key, parallel=parallel,
                            max_queue=max_queue, max_body_bytes=parse_size(max_body_size),
                            n_predict=None if max_tokens < 0 else max_tokens, defaults=defaults,
-                           cache_prompt=cache_prompt, log_interval=log_interval, reasoning_format=reasoning_format)
+                           cache_prompt=cache_prompt, log_interval=log_interval,
+                           reasoning_format=reasoning_format)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if trace_routing is not None and trace_routing.exists():

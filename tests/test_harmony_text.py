@@ -11,6 +11,7 @@ rendered by transformers' apply_chat_template.
 from __future__ import annotations
 
 import json
+import re
 from importlib import resources
 from types import SimpleNamespace
 
@@ -40,16 +41,19 @@ VOCAB = 2048
 # o200k_base's regex, as gpt-oss's tokenizer.json (and tiktoken) spell it.
 O200K = ("[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]+"
          "(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]+"
-         "[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*"
-         "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
-HARMONY_SPECIALS = ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
-                    "<|end|>", "<|message|>", "<|call|>", "<|endofprompt|>")
+         "[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\\p{N}{1,3}"
+         "| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+HARMONY_SPECIALS = ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>",
+                    "<|start|>", "<|end|>", "<|message|>", "<|call|>", "<|endofprompt|>")
 TEXTS = [
     "Hello, world! It's 2024; don't panic.", "I'M SURE THEY'LL COME; YOU'VE SEEN IT'S FINE, we'd say",
     "numbers 1234567 3.14159 -42 1,000,000 0x1F 007", "你好，世界。日本語のテキストと한국어 텍스트",
-    "emoji: 😀👍🏽🇫🇷 and ZWJ 👩‍👩‍👧!!", "   leading, trailing   ", "a\n\n\tb \r\n c\u00a0d   \n\n\n  e\r\r\n",
-    "def f(x):\n    return x ** 2  # square\n\n\nclass A(B):\n\tpass\n", "path/to/file.py //comment\n/* c */ a//b",
-    "ÉCOLE naïve façade HTTPServer camelCase XMLHttpRequest ÀBCdef", "e\u0301 combining marks, ǅungla titlecase",
+    "emoji: 😀👍🏽🇫🇷 and ZWJ 👩‍👩‍👧!!", "   leading, trailing   ",
+    "a\n\n\tb \r\n c\u00a0d   \n\n\n  e\r\r\n",
+    "def f(x):\n    return x ** 2  # square\n\n\nclass A(B):\n\tpass\n",
+    "path/to/file.py //comment\n/* c */ a//b",
+    "ÉCOLE naïve façade HTTPServer camelCase XMLHttpRequest ÀBCdef",
+    "e\u0301 combining marks, ǅungla titlecase",
     "<|start|>user<|message|>What is 2+2?<|end|><|start|>assistant<|channel|>analysis<|message|>x<|end|>",
     "tabs\t\tand  double  spaces", "", " ", "\n",
 ]
@@ -69,8 +73,9 @@ def reference(harmony_tok):
     spec = json.loads(harmony_tok.to_str())
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in spec["model"]["merges"]]
     ref = HFTokenizer(models.BPE(vocab=spec["model"]["vocab"], merges=merges))
-    ref.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(O200K), behavior="isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    split = pre_tokenizers.Split(Regex(O200K), behavior="isolated")
+    ref.pre_tokenizer = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                 use_regex=False)])
     ref.decoder = decoders.ByteLevel()
     added = sorted(spec["added_tokens"], key=lambda a: a["id"])
     ref.add_special_tokens([AddedToken(a["content"], special=True, normalized=False) for a in added])
@@ -171,14 +176,14 @@ def test_harmony_specials_end_generation_and_decode_as_llama_cpp(which, request,
     assert tok.decode(seq) == out  # the markers are written, the other control tokens left out
     stream = tok.incremental_decoder()
     assert "".join(stream.step(i) for i in seq) + stream.flush() == out
-    assert [tok.is_special(ids[t]) for t in ("<|channel|>", "<|message|>", "<|start|>", "<|end|>", "<|constrain|>")] \
-        == [False] * 5
-    assert all(tok.is_special(ids[t]) for t in ("<|startoftext|>", "<|return|>", "<|call|>", "<|endofprompt|>"))
+    written = ("<|channel|>", "<|message|>", "<|start|>", "<|end|>", "<|constrain|>")
+    assert not any(tok.is_special(ids[t]) for t in written)
+    assert all(tok.is_special(ids[t]) for t in set(HARMONY_SPECIALS) - set(written))
     assert tok.renders("<|channel|>") and not tok.renders("<|return|>")
 
 
 def test_gguf_carries_the_published_template(gguf_ours, gguf_converter, hf_folder):
-    published = (resources.files("moerun") / "data" / "templates" / "gpt-oss.jinja").read_text(encoding="utf-8")
+    published = (resources.files("moerun") / "data" / "templates" / "gpt-oss.jinja").read_text("utf-8")
     assert "<|channel|>" in published and published.startswith("{#-")
     for tok in (_open(gguf_ours), _open(gguf_converter), Tokenizer.from_hf_dir(hf_folder)):
         assert tok.chat_template == published
@@ -194,7 +199,7 @@ def test_styles_by_family(harmony_tok, hf_folder, tmp_path):
     assert meta["tokenizer.ggml.pre"] == "gpt-4o" and meta["tokenizer.ggml.model"] == "gpt2"
     assert meta["tokenizer.ggml.tokens"][-len(HARMONY_SPECIALS):] == list(HARMONY_SPECIALS)
     assert set(meta["tokenizer.ggml.token_type"][-len(HARMONY_SPECIALS):]) == {gguf.TokenType.CONTROL}
-    # moerun's converter reads a gpt-oss-like folder: o200k's regex is llama.cpp's "gpt-4o", chat_template.jinja
+    # moerun's converter on a gpt-oss-like folder: o200k's regex is llama.cpp's "gpt-4o"; chat_template.jinja
     mf = SimpleNamespace(format="safetensors", metadata={"dir": str(hf_folder)}, path=hf_folder)
     conv = tokenizer_metadata(mf, VOCAB)
     assert conv["tokenizer.ggml.pre"] == "gpt-4o" and conv["tokenizer.chat_template"] == HARMONY.chat_template
@@ -267,8 +272,10 @@ def test_harmony_template_renders_as_transformers(hf_ref, name, gen):
 
 
 def test_harmony_template_kwargs_and_the_training_render(hf_ref):
-    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "thinking": "Greet."}]
-    kw = {"reasoning_effort": "high", "model_identity": "You are a test.", "builtin_tools": ["browser", "python"]}
+    chat = [{"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!", "thinking": "Greet."}]
+    kw = {"reasoning_effort": "high", "model_identity": "You are a test.",
+          "builtin_tools": ["browser", "python"]}
     ours = ChatTemplate(HARMONY.chat_template).render(chat, **kw)
     assert ours == hf_ref.apply_chat_template(chat, chat_template=HARMONY.chat_template, tokenize=False, **kw)
     # the last assistant turn without a generation prompt is the training form: its reasoning, then <|return|>
@@ -280,11 +287,12 @@ def test_harmony_template_kwargs_and_the_training_render(hf_ref):
 def test_harmony_template_rejects_channels_in_content(hf_ref):
     from moerun.text import ChatTemplateError
 
-    bad = [{"role": "user", "content": "x"},
-           {"role": "assistant", "content": "<|channel|>final<|message|>hi"}, {"role": "user", "content": "y"}]
-    with pytest.raises(Exception, match="<|channel|> tags"):
+    wrote = "<|channel|>final<|message|>hi"
+    bad = [{"role": "user", "content": "x"}, {"role": "assistant", "content": wrote}, {"role": "user", "content": "y"}]
+    why = re.escape("You have passed a message containing <|channel|> tags in the content field.")
+    with pytest.raises(Exception, match=why):
         hf_ref.apply_chat_template(bad, chat_template=HARMONY.chat_template, tokenize=False)
-    with pytest.raises(ChatTemplateError, match="rejected the messages: .*<|channel|> tags"):
+    with pytest.raises(ChatTemplateError, match="rejected the messages: " + why):
         ChatTemplate(HARMONY.chat_template).render(bad)
 
 

@@ -93,7 +93,8 @@ def tokenizer_metadata(mf: ModelFile, vocab: int) -> dict[str, Any]:
     vocab_map = dict(tok_json["model"]["vocab"]) | {a["content"]: a["id"] for a in tok_json.get("added_tokens", [])}
     tc_path = folder / "tokenizer_config.json"
     templates = hf_chat_templates(folder, json.loads(tc_path.read_text()) if tc_path.is_file() else {})
-    meta = hf_tokenizer_to_gguf(tok_json, templates.pop("default", None), _special_ids(folder, vocab_map), pre)
+    meta = hf_tokenizer_to_gguf(tok_json, templates.pop("default", None), _special_ids(folder, vocab_map),
+                                pre)
     meta |= {f"tokenizer.chat_template.{name}": t for name, t in templates.items()}
     tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
     if len(tokens) > vocab:

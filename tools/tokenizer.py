@@ -70,7 +70,8 @@ O200K_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{L
                  r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
                  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
                  r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_PATTERNS = {QWEN2_PATTERN: "qwen2", O200K_PATTERN: "gpt-4o"}  # tokenizer.json's Split -> tokenizer.ggml.pre
+# tokenizer.json's Split regex -> tokenizer.ggml.pre
+PRE_PATTERNS = {QWEN2_PATTERN: "qwen2", O200K_PATTERN: "gpt-4o"}
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -104,18 +105,21 @@ class TextStyle:
     def chat_template(self) -> str:
         if self.template_file is None:
             return self.template
-        return (resources.files("moerun") / "data" / "templates" / self.template_file).read_text(encoding="utf-8")
+        path = resources.files("moerun") / "data" / "templates" / self.template_file
+        return path.read_text(encoding="utf-8")
 
     @property
     def min_vocab(self) -> int:
         return N_BYTES - len(NON_UTF8_BYTES) + len(self.specials)
 
 
-CHATML = TextStyle("chatml", SPECIAL_TOKENS, None, "<|im_end|>", "<|endoftext|>", QWEN2_PATTERN, nfc=True,
-                   template=CHAT_TEMPLATE)
-# gpt-oss's special tokens (o200k_harmony), in their order there; BOS, EOS and padding as its tokenizer_config.
-HARMONY = TextStyle("harmony", ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>",
-                                "<|start|>", "<|end|>", "<|message|>", "<|call|>", "<|endofprompt|>"),
+CHATML = TextStyle("chatml", SPECIAL_TOKENS, None, "<|im_end|>", "<|endoftext|>", QWEN2_PATTERN,
+                   nfc=True, template=CHAT_TEMPLATE)
+# gpt-oss's special tokens (o200k_harmony), in their order there; BOS, EOS and padding as its
+# tokenizer_config.json has them.
+HARMONY = TextStyle("harmony", ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>",
+                                "<|channel|>", "<|start|>", "<|end|>", "<|message|>", "<|call|>",
+                                "<|endofprompt|>"),
                     "<|startoftext|>", "<|return|>", "<|endoftext|>", O200K_PATTERN, nfc=False,
                     template_file="gpt-oss.jinja")
 _FAMILY_STYLES = {"gptoss": HARMONY}  # families whose models carry another text side than ChatML
@@ -218,8 +222,8 @@ def build_tokenizer(vocab: int, family: str | None = None) -> Tokenizer:
     disk after the first call."""
     style = style_for(family)
     if vocab < style.min_vocab:
-        raise ValueError(f"vocab {vocab} is too small: a byte-level tokenizer needs at least {style.min_vocab} "
-                         "tokens")
+        raise ValueError(f"vocab {vocab} is too small: a byte-level tokenizer needs at least "
+                         f"{style.min_vocab} tokens")
     texts = _corpus()
     h = hashlib.sha256(f"v{FORMAT_VERSION}\0".encode())
     for t in texts:
@@ -330,6 +334,6 @@ def hf_tokenizer_to_gguf(tok_json: dict[str, Any], chat_template: str | None = N
 
 
 def gguf_tokenizer_metadata(tok: Tokenizer) -> dict[str, Any]:
-    """GGUF `tokenizer.*` keys for a tokenizer made by build_tokenizer (its style's chat template included)."""
+    """GGUF `tokenizer.*` keys for a tokenizer made by build_tokenizer (its style's template included)."""
     style = style_of(tok)
     return hf_tokenizer_to_gguf(json.loads(tok.to_str()), style.chat_template, special_ids(tok), style.pre)

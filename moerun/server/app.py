@@ -302,11 +302,11 @@ def _say_reasoning(template: ChatTemplate, tokenizer: Any, fmt: str) -> None:
     if syntax is None:
         return
     if _usable_syntax(template, tokenizer, "auto") is None:
-        log.warning("the chat template writes %s reasoning, but the tokenizer leaves some of its markers out of "
-                    "the text: the reasoning stays in the content", syntax.name)
+        log.warning("the chat template writes %s reasoning, but the tokenizer leaves some of its markers out "
+                    "of the text: the reasoning stays in the content", syntax.name)
     elif fmt != "none":
-        log.info("chat completions return the model's %s reasoning as reasoning_content (--reasoning-format %s)",
-                 syntax.name, fmt)
+        log.info("chat completions return the model's %s reasoning as reasoning_content "
+                 "(--reasoning-format %s)", syntax.name, fmt)
 
 
 def _max_tokens(body: ChatRequest | CompletionRequest, n_predict: int | None, n_ctx: int, n_prompt: int) -> int:
@@ -410,7 +410,8 @@ def _routes(app: FastAPI, server: Server) -> None:
         server.check_model(body.model)
         body.refuse_unsupported()
         reasoning = body.reasoning(server.cfg.reasoning_format)
-        prompt, split = await run_in_threadpool(chat_prompt, ready, body.messages, body.template_kwargs(), reasoning)
+        prompt, split = await run_in_threadpool(chat_prompt, ready, body.messages, body.template_kwargs(),
+                                                reasoning)
         return await server.generate(http, body, prompt, "chat", split)
 
     @app.post("/v1/completions")

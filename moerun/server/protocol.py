@@ -62,7 +62,7 @@ class ChatRequest(_Sampling):
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    reasoning_format: str | None = None  # llama-server's: where the model's reasoning goes (REASONING_FORMATS)
+    reasoning_format: str | None = None  # llama-server's: where the reasoning goes (REASONING_FORMATS)
     reasoning_effort: str | None = None  # OpenAI's; given to the chat template (gpt-oss's "Reasoning: high")
 
     def template_kwargs(self) -> dict[str, Any]:

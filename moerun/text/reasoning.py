@@ -68,18 +68,21 @@ class ReasoningSyntax:
         return tuple(dict.fromkeys(m for s in self.states.values() for m, _ in s.on))
 
 
-# gpt-oss: <|start|>assistant<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...
+# gpt-oss: <|start|>assistant<|channel|>analysis<|message|>...<|end|>
+#          <|start|>assistant<|channel|>final<|message|>...
 # The analysis channel is reasoning; final and commentary (a preamble) are content; a message to a recipient
 # (" to=functions.f", a tool call) is dropped, as llama.cpp's parser drops calls no tools were given for.
 HARMONY = ReasoningSyntax(
     name="harmony", detect="<|channel|>", start="content",
     states=MappingProxyType({
-        "content": State(CONTENT, on=(("<|start|>", "header"), ("<|channel|>", "header"), ("<|end|>", "content"))),
+        "content": State(CONTENT, on=(("<|start|>", "header"), ("<|channel|>", "header"),
+                                      ("<|end|>", "content"))),
         "header": State(HEADER, on=(("<|message|>", ROUTE),)),
         "analysis": State(REASONING, on=(("<|end|>", "content"), ("<|start|>", "header"))),
         "recipient": State(DROP, on=(("<|end|>", "content"), ("<|start|>", "header"))),
     }),
-    routes=((r" to=(?!assistant\b)", "recipient"), (r"<\|channel\|>\s*analysis\b(?!.*<\|channel\|>)", "analysis")))
+    routes=((r" to=(?!assistant\b)", "recipient"),
+            (r"<\|channel\|>\s*analysis\b(?!.*<\|channel\|>)", "analysis")))
 
 # Qwen3, DeepSeek-R1, GLM-4.5 ...: an optional <think>...</think> first, then the answer; whitespace around
 # the tags is dropped, as llama.cpp's parser does.

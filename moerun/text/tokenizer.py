@@ -143,7 +143,8 @@ class Tokenizer:
                          if i is not None and f"{n}_token" not in specials})
         return cls(backend, kind=_decoder_kind(backend), vocab_size=backend.get_vocab_size(with_added_tokens=True),
                    bos_id=bos_id, eos_id=eos_id, eos_ids=(*_as_list(ends), *eot), add_bos=bool(add_bos),
-                   add_eos=bool(add_eos), special_tokens=specials, chat_templates=hf_chat_templates(folder, cfg))
+                   add_eos=bool(add_eos), special_tokens=specials,
+                   chat_templates=hf_chat_templates(folder, cfg))
 
     # -- text <-> ids ---------------------------------------------------------------------------------------
 
