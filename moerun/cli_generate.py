@@ -307,25 +307,30 @@ def reasoning_format_option(f):
 
 class ReplyDisplay:
     """One reply on the terminal, llama-cli style: the answer on stdout; the reasoning, unless hidden, on
-    stderr (dim on a terminal), ended by a line break before the answer goes on."""
+    stderr (dim on a terminal), ended by a line break before the answer goes on. `raw`: the text as the model
+    wrote it, reasoning markers and all, on stdout. Either way the reply is kept with its reasoning apart."""
 
-    def __init__(self, show_reasoning: bool):
-        self.show = show_reasoning
+    def __init__(self, show_reasoning: bool, raw: bool):
+        self.show, self.raw = show_reasoning, raw
         self.dim = sys.stderr.isatty()
         self.in_reasoning = False
         self.content, self.reasoning = [], []
 
-    def __call__(self, kind: str, text: str) -> None:
-        if kind == "reasoning":
-            self.reasoning.append(text)
-            if self.show:
-                click.echo(f"\x1b[2m{text}\x1b[0m" if self.dim else text, nl=False, err=True)
+    def __call__(self, text: str, pieces: list[tuple[str, str]]) -> None:
+        """`text` as generated, `pieces` its (kind, text) parts."""
+        for kind, part in pieces:
+            (self.reasoning if kind == "reasoning" else self.content).append(part)
+            if self.raw:
+                continue
+            if kind == "reasoning" and self.show:
+                click.echo(f"\x1b[2m{part}\x1b[0m" if self.dim else part, nl=False, err=True)
                 sys.stderr.flush()
                 self.in_reasoning = True
-            return
-        self.end_reasoning()
-        self.content.append(text)
-        click.echo(text, nl=False)
+            elif kind == "content":
+                self.end_reasoning()
+                click.echo(part, nl=False)
+        if self.raw:
+            click.echo(text, nl=False)
         sys.stdout.flush()
 
     def end_reasoning(self) -> None:
@@ -349,7 +354,9 @@ class ReplyDisplay:
               help="Show the model's reasoning (dim, on stderr) before its answer, or hide it.")
 def chat(system, reasoning_format, show_reasoning, trace_routing, verbose, **kw):
     """Interactive chat with the model's chat template. Ctrl-C stops a reply, Ctrl-D exits, /clear forgets the
-    conversation. When it outgrows the context (-c), its oldest turns are dropped; the system prompt stays."""
+    conversation. When it outgrows the context (-c), its oldest turns are dropped; the system prompt stays.
+    A reasoning model's reasoning is shown apart from its answer (--reasoning-format none: as written), and
+    the conversation keeps the two apart, as the chat template wants them back."""
     from moerun.text import ChatTemplate
     from moerun.text.conversation import Conversation
     from moerun.text.reasoning import ReasoningParser, syntax_for
@@ -359,7 +366,7 @@ def chat(system, reasoning_format, show_reasoning, trace_routing, verbose, **kw)
     eng = rt.engine
     tracer = _trace(eng, trace_routing)
     template = ChatTemplate.for_tokenizer(eng.tokenizer)
-    syntax = None if template.is_fallback else syntax_for(template.source, reasoning_format)
+    syntax = None if template.is_fallback else syntax_for(template.source)
     if syntax is not None and not all(map(eng.tokenizer.renders, syntax.markers)):
         syntax = None
     seq = eng.new_sequence()
@@ -399,18 +406,16 @@ def chat(system, reasoning_format, show_reasoning, trace_routing, verbose, **kw)
                            f"are dropped{stays} (/clear starts afresh)", err=True)
                 said_dropping = True
             gen = eng.generate(ids, params, seq)
-            show = ReplyDisplay(show_reasoning)
+            show = ReplyDisplay(show_reasoning, raw=reasoning_format == "none")
             parser = None if syntax is None else \
                 ReasoningParser(syntax, template.generation_prompt(conv.messages))
             try:
                 for piece in gen:
-                    for kind, text in [("content", piece)] if parser is None else parser.feed(piece):
-                        show(kind, text)
+                    show(piece, [("content", piece)] if parser is None else parser.feed(piece))
             except KeyboardInterrupt:
                 show.end_reasoning()
                 click.echo(" [interrupted]", nl=False)
-            for kind, text in [] if parser is None else parser.flush():
-                show(kind, text)
+            show("", [] if parser is None else parser.flush())
             show.end_reasoning()
             click.echo()
             sys.stdout.flush()

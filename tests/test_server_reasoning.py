@@ -1,5 +1,6 @@
-"""reasoning_content from `moerun serve`, through the `openai` client: a tiny model with gpt-oss's tokenizer
-and template (harmony channels), and one with a Qwen3-style template (<think>), whose output is forced.
+"""reasoning_content from `moerun serve`, through the `openai` client, and `moerun chat`'s display of it: a
+tiny model with gpt-oss's tokenizer and template (harmony channels), and one with a Qwen3-style template
+(<think>), whose output is forced.
 
 The forcing is the only thing not real: the scheduler's sampler runs as usual on the model's logits and then
 its pick is replaced by the next token of a script (what a gpt-oss or Qwen3 model writes). Everything after it
@@ -98,12 +99,17 @@ def serving(folder, **cfg):
 
 
 @pytest.fixture(scope="module")
-def harmony(tmp_path_factory):
+def harmony_model(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("harmony")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MOERUN_CACHE", str(tmp / "cache"))
         folder = _model(tmp, "gptoss")
-    tok = Tokenizer.from_hf_dir(folder)
+    return folder, Tokenizer.from_hf_dir(folder)
+
+
+@pytest.fixture(scope="module")
+def harmony(harmony_model):
+    folder, tok = harmony_model
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(scheduler, "Sampler", ScriptedSampler)
         with serving(folder) as client:
@@ -234,3 +240,35 @@ def test_think_closed_by_the_template(think, monkeypatch):
     msg = r.choices[0].message
     assert msg.content == "Four." and "reasoning_content" not in msg.model_extra
     assert tok.decode(ScriptedSampler.prompts[0], skip_special=False).endswith("<think>\n\n</think>\n\n")
+
+
+def test_chat_shows_reasoning_apart_and_keeps_only_the_answer(harmony_model, monkeypatch):
+    """`moerun chat`: the answer on stdout, the reasoning on stderr (or hidden, or all on stdout as written);
+    the next turn's prompt holds the answer as a final message and no reasoning (the template drops past
+    turns' reasoning)."""
+    from click.testing import CliRunner
+
+    from moerun.cli import main
+    from moerun.engine import engine
+
+    folder, tok = harmony_model
+    monkeypatch.setattr(engine, "Sampler", ScriptedSampler)
+
+    def chat(*flags):
+        _script(monkeypatch, tok, HARMONY_OUT, "<|return|>")
+        r = CliRunner().invoke(main, ["chat", "-m", str(folder), "-n", "100", "-t", "1", *flags],
+                               input="What is 2+2?\nAnd 3+3?\n", catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        return r
+
+    r = chat()
+    assert r.stdout.count("2 + 2 = **4**.") == 2 and "user asks" not in r.stdout and "<|" not in r.stdout
+    assert r.stderr.count("The user asks 2+2. Simple: 4. Answer briefly.\n") == 2
+    second = tok.decode(ScriptedSampler.prompts[1], skip_special=False)
+    assert "<|start|>assistant<|channel|>final<|message|>2 + 2 = **4**.<|end|><|start|>user<|message|>And 3+3?" \
+        in second and "The user asks" not in second
+    hidden = chat("--hide-reasoning")
+    assert hidden.stdout == r.stdout and "The user asks" not in hidden.stderr
+    raw = chat("--reasoning-format", "none")  # shown as written; kept apart for the template all the same
+    assert raw.stdout.count(HARMONY_OUT) == 2 and "The user asks" not in raw.stderr
+    assert tok.decode(ScriptedSampler.prompts[1], skip_special=False) == second
