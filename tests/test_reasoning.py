@@ -14,6 +14,7 @@ from importlib import resources
 
 import pytest
 
+from moerun.config import ServerConfig
 from moerun.text import ChatTemplate
 from moerun.text.reasoning import HARMONY, THINK, ReasoningParser, split_reasoning, syntax_for
 
@@ -145,6 +146,8 @@ def test_syntax_for_templates_and_formats():
     assert syntax_for("{% for m in messages %}{{ m.content }}{% endfor %}") is None
     with pytest.raises(ValueError, match="unknown reasoning format 'deepseek-legacy'"):
         syntax_for(QWEN3, "deepseek-legacy")
+    with pytest.raises(ValueError, match="reasoning_format must be one of none, auto, deepseek, got 'on'"):
+        ServerConfig(model_names=("m",), reasoning_format="on")
 
 
 def test_generation_prompts_prime_the_parser():

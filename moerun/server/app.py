@@ -409,7 +409,7 @@ def _routes(app: FastAPI, server: Server) -> None:
         ready = server.require()
         server.check_model(body.model)
         body.refuse_unsupported()
-        reasoning = body.reasoning(server.cfg.reasoning_format)
+        reasoning = body.reasoning_format_or(server.cfg.reasoning_format)
         prompt, split = await run_in_threadpool(chat_prompt, ready, body.messages, body.template_kwargs(),
                                                 reasoning)
         return await server.generate(http, body, prompt, "chat", split)

@@ -70,7 +70,7 @@ class ChatRequest(_Sampling):
         extra = {} if self.reasoning_effort is None else {"reasoning_effort": self.reasoning_effort}
         return {**extra, **(self.chat_template_kwargs or {})}
 
-    def reasoning(self, default: str) -> str:
+    def reasoning_format_or(self, default: str) -> str:
         """The request's reasoning format, else the server's."""
         fmt = default if self.reasoning_format is None else self.reasoning_format
         if fmt not in REASONING_FORMATS:

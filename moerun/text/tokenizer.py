@@ -172,7 +172,7 @@ class Tokenizer:
         """Text for `ids`; with skip_special, control tokens (BOS, <|im_end|>, ...) are left out, except the
         harmony markers (HARMONY_MARKERS), which are always written, as llama.cpp does."""
         ids = [int(i) for i in ids]
-        if not skip_special or self._rendered.isdisjoint(ids):
+        if not skip_special or not self._rendered or self._rendered.isdisjoint(ids):
             return self._tok.decode(ids, skip_special_tokens=skip_special)
         parts, run = [], []
         for i in ids:
