@@ -29,6 +29,7 @@ import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -71,7 +72,7 @@ O200K_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{L
                  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
                  r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # tokenizer.json's Split regex -> tokenizer.ggml.pre
-PRE_PATTERNS = {QWEN2_PATTERN: "qwen2", O200K_PATTERN: "gpt-4o"}
+PRE_PATTERNS = MappingProxyType({QWEN2_PATTERN: "qwen2", O200K_PATTERN: "gpt-4o"})
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -122,7 +123,7 @@ HARMONY = TextStyle("harmony", ("<|startoftext|>", "<|endoftext|>", "<|return|>"
                                 "<|endofprompt|>"),
                     "<|startoftext|>", "<|return|>", "<|endoftext|>", O200K_PATTERN, nfc=False,
                     template_file="gpt-oss.jinja")
-_FAMILY_STYLES = {"gptoss": HARMONY}  # families whose models carry another text side than ChatML
+_FAMILY_STYLES = MappingProxyType({"gptoss": HARMONY})  # families whose models' text side is not ChatML
 
 
 def style_for(family: str | None) -> TextStyle:

@@ -1,6 +1,6 @@
 """A chat model's reasoning, told apart from its answer: gpt-oss's harmony channels, `<think>...</think>`.
 
-    syntax = syntax_for_template(template.source)           # None: the template writes no reasoning
+    syntax = syntax_for(template.source)                    # None: the template writes no reasoning
     parser = ReasoningParser(syntax, prime=template.generation_prompt(messages))
     for piece in generated_text:
         for kind, text in parser.feed(piece): ...             # kind: "reasoning" or "content"
