@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from moerun.config import REASONING_FORMATS
 from moerun.errors import MoerunError
 
 
@@ -296,21 +297,78 @@ def run(prompt, prompt_file, no_display_prompt, as_json, trace_routing, verbose,
     rt.close()
 
 
+def reasoning_format_option(f):
+    return click.option("--reasoning-format", type=click.Choice(REASONING_FORMATS), default="auto",
+                        show_default=True,
+                        help="A chat model's reasoning (gpt-oss's analysis channel, <think>...</think>): "
+                             "told apart from the answer (auto, deepseek), or left in it as the model wrote "
+                             "it (none).")(f)
+
+
+class ReplyDisplay:
+    """One reply on the terminal, llama-cli style: the answer on stdout; the reasoning, unless hidden, on
+    stderr (dim on a terminal), ended by a line break before the answer goes on. `raw`: the text as the model
+    wrote it, reasoning markers and all, on stdout. Either way the reply is kept with its reasoning apart."""
+
+    def __init__(self, show_reasoning: bool, raw: bool):
+        self.show, self.raw = show_reasoning, raw
+        self.dim = sys.stderr.isatty()
+        self.in_reasoning = False
+        self.content, self.reasoning = [], []
+
+    def __call__(self, text: str, pieces: list[tuple[str, str]]) -> None:
+        """`text` as generated, `pieces` its (kind, text) parts."""
+        for kind, part in pieces:
+            (self.reasoning if kind == "reasoning" else self.content).append(part)
+            if self.raw:
+                continue
+            if kind == "reasoning" and self.show:
+                click.echo(f"\x1b[2m{part}\x1b[0m" if self.dim else part, nl=False, err=True)
+                sys.stderr.flush()
+                self.in_reasoning = True
+            elif kind == "content":
+                self.end_reasoning()
+                click.echo(part, nl=False)
+        if self.raw:
+            click.echo(text, nl=False)
+        sys.stdout.flush()
+
+    def end_reasoning(self) -> None:
+        if self.in_reasoning:
+            click.echo(err=True)
+            self.in_reasoning = False
+
+    def message(self) -> dict:
+        """The reply as the conversation keeps it (the template decides whether past reasoning is shown)."""
+        reasoning = "".join(self.reasoning)
+        return {"role": "assistant", "content": "".join(self.content),
+                **({"reasoning_content": reasoning} if reasoning else {})}
+
+
 @click.command()
 @model_options
 @sampling_options
 @click.option("--system", default=None, help="System prompt.")
-def chat(system, trace_routing, verbose, **kw):
+@reasoning_format_option
+@click.option("--show-reasoning/--hide-reasoning", default=True, show_default=True,
+              help="Show the model's reasoning (dim, on stderr) before its answer, or hide it.")
+def chat(system, reasoning_format, show_reasoning, trace_routing, verbose, **kw):
     """Interactive chat with the model's chat template. Ctrl-C stops a reply, Ctrl-D exits, /clear forgets the
-    conversation. When it outgrows the context (-c), its oldest turns are dropped; the system prompt stays."""
+    conversation. When it outgrows the context (-c), its oldest turns are dropped; the system prompt stays.
+    A reasoning model's reasoning is shown apart from its answer (--reasoning-format none: as written), and
+    the conversation keeps the two apart, as the chat template wants them back."""
     from moerun.text import ChatTemplate
     from moerun.text.conversation import Conversation
+    from moerun.text.reasoning import ReasoningParser, syntax_for
 
     params = sampling_params(kw)
     rt = _runtime(kw)
     eng = rt.engine
     tracer = _trace(eng, trace_routing)
     template = ChatTemplate.for_tokenizer(eng.tokenizer)
+    syntax = None if template.is_fallback else syntax_for(template.source)
+    if syntax is not None and not all(map(eng.tokenizer.renders, syntax.markers)):
+        syntax = None
     seq = eng.new_sequence()
     conv = Conversation(system or None)
     # room kept for the reply when turns must go: -n tokens, at most half the context (llama.cpp's context
@@ -348,21 +406,24 @@ def chat(system, trace_routing, verbose, **kw):
                            f"are dropped{stays} (/clear starts afresh)", err=True)
                 said_dropping = True
             gen = eng.generate(ids, params, seq)
-            reply = []
+            show = ReplyDisplay(show_reasoning, raw=reasoning_format == "none")
+            parser = None if syntax is None else \
+                ReasoningParser(syntax, template.generation_prompt(conv.messages))
             try:
                 for piece in gen:
-                    reply.append(piece)
-                    click.echo(piece, nl=False)
-                    sys.stdout.flush()
+                    show(piece, [("content", piece)] if parser is None else parser.feed(piece))
             except KeyboardInterrupt:
+                show.end_reasoning()
                 click.echo(" [interrupted]", nl=False)
+            show("", [] if parser is None else parser.flush())
+            show.end_reasoning()
             click.echo()
             sys.stdout.flush()
         except MoerunError as e:  # e.g. this message alone outgrows the context: say so, keep the history
             click.echo(f"error: {e}", err=True)
             conv.turns = before
             continue
-        conv.turns.append({"role": "assistant", "content": "".join(reply)})
+        conv.turns.append(show.message())
         _log(rt, gen.timings, verbose)
         if tracer is not None:
             tracer.request += 1

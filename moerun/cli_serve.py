@@ -10,7 +10,13 @@ import sys
 
 import click
 
-from moerun.cli_generate import model_options, runtime_config, sampling_options, sampling_params
+from moerun.cli_generate import (
+    model_options,
+    reasoning_format_option,
+    runtime_config,
+    sampling_options,
+    sampling_params,
+)
 from moerun.errors import MoerunError
 
 
@@ -104,8 +110,9 @@ def preflight(rcfg, parallel: int) -> None:
               help="Slots keep their KV cache after a request, so a request sharing a prefix skips it.")
 @click.option("--log-interval", type=click.FloatRange(min=0), default=5.0, show_default=True,
               help="Seconds between throughput lines while busy (0: none).")
+@reasoning_format_option
 def serve(host, port, api_key, parallel, max_queue, alias, max_body_size, cache_prompt, log_interval,
-          trace_routing, verbose, **kw):
+          reasoning_format, trace_routing, verbose, **kw):
     """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics."""
     import uvicorn
 
@@ -124,7 +131,8 @@ def serve(host, port, api_key, parallel, max_queue, alias, max_body_size, cache_
         cfg = ServerConfig(model_names=names, host=host, port=port, api_key=api_key, parallel=parallel,
                            max_queue=max_queue, max_body_bytes=parse_size(max_body_size),
                            n_predict=None if max_tokens < 0 else max_tokens, defaults=defaults,
-                           cache_prompt=cache_prompt, log_interval=log_interval)
+                           cache_prompt=cache_prompt, log_interval=log_interval,
+                           reasoning_format=reasoning_format)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if trace_routing is not None and trace_routing.exists():

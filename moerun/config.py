@@ -246,6 +246,9 @@ class RuntimeConfig:
 
 
 _MAX_BODY_DEFAULT = 16 * 2**20
+# llama-server's --reasoning-format choices: "none" leaves a chat model's reasoning in the content; "auto" and
+# "deepseek" return it as reasoning_content (moerun.text.reasoning)
+REASONING_FORMATS = ("none", "auto", "deepseek")
 
 
 @dataclass(frozen=True)
@@ -259,6 +262,8 @@ class ServerConfig:
     defaults      sampling for the fields a request leaves out (llama-server's command-line defaults).
     cache_prompt  a finished request's KV stays in its slot, so a request sharing its prefix skips it.
     log_interval  seconds between throughput lines while busy; 0 turns them off.
+    reasoning_format  REASONING_FORMATS: where chat completions put the model's reasoning (a request may
+                  name another in "reasoning_format").
     """
 
     model_names: tuple[str, ...]
@@ -272,6 +277,7 @@ class ServerConfig:
     defaults: SamplingParams = SamplingParams()
     cache_prompt: bool = True
     log_interval: float = 5.0
+    reasoning_format: str = "auto"
 
     def __post_init__(self) -> None:
         problems = []
@@ -296,6 +302,9 @@ class ServerConfig:
             problems.append(f"cache_prompt must be a bool, got {self.cache_prompt!r}")
         if not (_is_number(self.log_interval) and self.log_interval >= 0):
             problems.append(f"log_interval must be >= 0 seconds, got {self.log_interval!r}")
+        if self.reasoning_format not in REASONING_FORMATS:
+            problems.append(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, got "
+                            f"{self.reasoning_format!r}")
         if problems:
             raise ValueError("invalid server configuration: " + "; ".join(problems))
 

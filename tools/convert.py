@@ -30,11 +30,12 @@ from moerun.formats.names import gguf_name
 from moerun.formats.records import ModelFile, TensorRecord
 from moerun.quant.qtypes import QTensor, QType
 from moerun.quant.quantize import quantize
+from moerun.text.tokenizer import hf_chat_templates
 from moerun.tools.gguf_out import FTYPES, TensorOut, file_type, gguf_shape, qtype_for, write_gguf
 from moerun.tools.outputs import error_line
 from moerun.tools.parallel import ordered_map, worker_pool
 from moerun.tools.tokenizer import (
-    QWEN2_PATTERN,
+    PRE_PATTERNS,
     build_tokenizer,
     gguf_tokenizer_metadata,
     hf_tokenizer_to_gguf,
@@ -55,8 +56,7 @@ def _pre_tokenizer_name(tok_json: dict[str, Any]) -> str:
     split = next((s for s in steps if s.get("type") == "Split"), None)
     if split is None:
         return "gpt2"
-    pattern = (split.get("pattern") or {}).get("Regex")
-    return "qwen2" if pattern == QWEN2_PATTERN else "default"
+    return PRE_PATTERNS.get((split.get("pattern") or {}).get("Regex"), "default")
 
 
 def _special_ids(folder: Path, vocab: dict[str, int]) -> dict[str, int]:
@@ -92,10 +92,10 @@ def tokenizer_metadata(mf: ModelFile, vocab: int) -> dict[str, Any]:
     pre = _pre_tokenizer_name(tok_json)
     vocab_map = dict(tok_json["model"]["vocab"]) | {a["content"]: a["id"] for a in tok_json.get("added_tokens", [])}
     tc_path = folder / "tokenizer_config.json"
-    template = json.loads(tc_path.read_text()).get("chat_template") if tc_path.is_file() else None
-    meta = hf_tokenizer_to_gguf(tok_json, template if isinstance(template, str) else None,
-                                _special_ids(folder, vocab_map))
-    meta["tokenizer.ggml.pre"] = pre
+    templates = hf_chat_templates(folder, json.loads(tc_path.read_text()) if tc_path.is_file() else {})
+    meta = hf_tokenizer_to_gguf(tok_json, templates.pop("default", None), _special_ids(folder, vocab_map),
+                                pre)
+    meta |= {f"tokenizer.chat_template.{name}": t for name, t in templates.items()}
     tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
     if len(tokens) > vocab:
         raise ValueError(f"tokenizer has {len(tokens)} tokens but the model's vocabulary is {vocab}")

@@ -143,7 +143,7 @@ def model_metadata(spec: ModelSpec, ftype: str, name: str) -> dict:
     """GGUF metadata of a synthetic model: llama.cpp hyperparameters, general.*, tokenizer."""
     meta = gguf_metadata(FAMILIES[spec.family], spec)
     meta |= {"general.name": name, "general.file_type": file_type(ftype), "general.quantization_version": 2}
-    return meta | gguf_tokenizer_metadata(build_tokenizer(spec.vocab))
+    return meta | gguf_tokenizer_metadata(build_tokenizer(spec.vocab, spec.family))
 
 
 def gguf_tensors(spec: ModelSpec, ftype: str, seed: int = 0, pool: ThreadPoolExecutor | None = None,
@@ -200,7 +200,7 @@ def _write_hf(spec: ModelSpec, out_path: Path, ftype: str, seed: int, overwrite:
     dtype = _HF_DTYPES.get(ftype.upper())
     if dtype is None:
         raise ValueError(f"safetensors output holds float weights: ftype must be F32, F16 or BF16, not {ftype}")
-    tok = build_tokenizer(spec.vocab)
+    tok = build_tokenizer(spec.vocab, spec.family)
     config = hf_config(spec, dtype, special_ids(tok))
     back = spec_from_hf(FAMILIES[spec.family], config)
     if back != spec:

@@ -2,14 +2,21 @@
 
 Trained with the `tokenizers` library on a fixed, sorted selection of the Python standard library's
 top-level .py files (offline, ~2 MB, a second or two), to exactly the model's vocabulary size:
-256 byte tokens, then merges, then the special tokens `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`
-at the end (as in Qwen's vocabularies). Vocabularies below 259 (down to MIN_VOCAB = 246) leave out
-the 13 bytes that never occur in UTF-8 text; a corpus too small for a huge vocabulary is padded with
-`<|reserved_N|>` control tokens. Pre-tokenization is Qwen2's regex + ByteLevel, so the GGUF
-fields (`tokenizer.ggml.pre` = "qwen2") describe the same tokenizer llama.cpp would build.
+256 byte tokens, then merges, then the style's special tokens at the end. Vocabularies below 259
+leave out the 13 bytes that never occur in UTF-8 text; a corpus too small for a huge vocabulary is
+padded with `<|reserved_N|>` control tokens.
 
-The trained tokenizer.json is cached under $MOERUN_CACHE/tokenizers (default ~/.cache/moerun/tokenizers),
-keyed by vocabulary size and a hash of the corpus, so repeated calls are instant.
+Two styles, after the real models' tokenizers (a family's made models get its style, see `style_for`):
+
+- CHATML (every family but gpt-oss): `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` as in Qwen's
+  vocabularies, NFC, Qwen2's pre-tokenizer regex (`tokenizer.ggml.pre` = "qwen2"), a ChatML template.
+- HARMONY (gpt-oss): o200k's pre-tokenizer regex (`tokenizer.ggml.pre` = "gpt-4o"), no normalizer,
+  harmony's special tokens (`<|start|>`, `<|channel|>`, `<|message|>`, `<|end|>`, `<|return|>`, ...)
+  and OpenAI's published gpt-oss chat template (moerun/data/templates/gpt-oss.jinja).
+
+The GGUF fields describe the same tokenizer llama.cpp would build. The trained tokenizer.json is cached
+under $MOERUN_CACHE/tokenizers (default ~/.cache/moerun/tokenizers), keyed by style, vocabulary size and
+a hash of the corpus, so repeated calls are instant.
 """
 
 from __future__ import annotations
@@ -19,19 +26,29 @@ import json
 import os
 import sysconfig
 import tempfile
+from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 __all__ = [
+    "CHATML",
     "CHAT_TEMPLATE",
+    "HARMONY",
+    "O200K_PATTERN",
+    "PRE_PATTERNS",
     "SPECIAL_TOKENS",
+    "TextStyle",
     "build_tokenizer",
     "cache_dir",
     "gguf_tokenizer_metadata",
     "hf_tokenizer_to_gguf",
     "special_ids",
+    "style_for",
+    "style_of",
     "write_hf_tokenizer",
 ]
 
@@ -48,12 +65,75 @@ FORMAT_VERSION = 1  # bump when the recipe changes, so old cache entries are not
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
+# o200k's (GPT-4o's, gpt-oss's) regex as its tokenizer.json has it (llama.cpp's LLAMA_VOCAB_PRE_TYPE_GPT4O).
+O200K_PATTERN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tokenizer.json's Split regex -> tokenizer.ggml.pre
+PRE_PATTERNS = MappingProxyType({QWEN2_PATTERN: "qwen2", O200K_PATTERN: "gpt-4o"})
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+
+@dataclass(frozen=True)
+class TextStyle:
+    """What a synthetic tokenizer takes after a real model's: its special tokens (control tokens at the end of
+    the vocabulary, in this order), which of them are BOS / EOS / padding, the pre-tokenizer and the chat
+    template (`template_file`: a file in moerun/data/templates, else `template`)."""
+
+    name: str
+    specials: tuple[str, ...]
+    bos: str | None
+    eos: str
+    pad: str
+    pattern: str
+    nfc: bool
+    template: str = ""
+    template_file: str | None = None
+
+    @property
+    def pre(self) -> str:
+        return PRE_PATTERNS[self.pattern]
+
+    @property
+    def chat_template(self) -> str:
+        if self.template_file is None:
+            return self.template
+        path = resources.files("moerun") / "data" / "templates" / self.template_file
+        return path.read_text(encoding="utf-8")
+
+    @property
+    def min_vocab(self) -> int:
+        return N_BYTES - len(NON_UTF8_BYTES) + len(self.specials)
+
+
+CHATML = TextStyle("chatml", SPECIAL_TOKENS, None, "<|im_end|>", "<|endoftext|>", QWEN2_PATTERN,
+                   nfc=True, template=CHAT_TEMPLATE)
+# gpt-oss's special tokens (o200k_harmony), in their order there; BOS, EOS and padding as its
+# tokenizer_config.json has them.
+HARMONY = TextStyle("harmony", ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>",
+                                "<|channel|>", "<|start|>", "<|end|>", "<|message|>", "<|call|>",
+                                "<|endofprompt|>"),
+                    "<|startoftext|>", "<|return|>", "<|endoftext|>", O200K_PATTERN, nfc=False,
+                    template_file="gpt-oss.jinja")
+_FAMILY_STYLES = MappingProxyType({"gptoss": HARMONY})  # families whose models' text side is not ChatML
+
+
+def style_for(family: str | None) -> TextStyle:
+    """The text style of `family`'s made models."""
+    return _FAMILY_STYLES.get(family or "", CHATML)
+
+
+def style_of(tok: Tokenizer) -> TextStyle:
+    """The style a tokenizer made by build_tokenizer was made in (told by its special tokens)."""
+    return HARMONY if tok.token_to_id("<|channel|>") is not None else CHATML
 
 
 def cache_dir() -> Path:
@@ -80,10 +160,10 @@ def _corpus() -> list[str]:
     return texts
 
 
-def _alphabet(vocab: int) -> list[str]:
+def _alphabet(vocab: int, style: TextStyle) -> list[str]:
     """ByteLevel characters of the initial vocabulary: all 256 bytes, or the UTF-8 ones if vocab is tiny."""
     chars = pre_tokenizers.ByteLevel.alphabet()
-    if vocab >= N_BYTES + len(SPECIAL_TOKENS):
+    if vocab >= N_BYTES + len(style.specials):
         return chars
     dropped = {_BYTE_CHARS[b] for b in NON_UTF8_BYTES}
     return [c for c in chars if c not in dropped]
@@ -105,22 +185,23 @@ def _byte_chars() -> dict[int, str]:
 _BYTE_CHARS = _byte_chars()
 
 
-def _train(vocab: int, texts: list[str]) -> Tokenizer:
+def _train(vocab: int, texts: list[str], style: TextStyle) -> Tokenizer:
     tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
+    if style.nfc:
+        tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
+        pre_tokenizers.Split(Regex(style.pattern), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    n_regular = vocab - len(SPECIAL_TOKENS)
+    n_regular = vocab - len(style.specials)
     trainer = trainers.BpeTrainer(vocab_size=n_regular, min_frequency=2, show_progress=False,
-                                  initial_alphabet=_alphabet(vocab), special_tokens=[])
+                                  initial_alphabet=_alphabet(vocab, style), special_tokens=[])
     tok.train_from_iterator(texts, trainer=trainer)
     # A small corpus cannot fill a very large vocabulary: pad with reserved control tokens.
     short = n_regular - tok.get_vocab_size()
-    tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(short)] + list(SPECIAL_TOKENS))
+    tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(short)] + list(style.specials))
     if tok.get_vocab_size() != vocab:
         raise RuntimeError(f"trained tokenizer has {tok.get_vocab_size()} tokens, wanted {vocab}")
     return tok
@@ -137,19 +218,23 @@ def _load_cached(path: Path) -> Tokenizer | None:
     return tok
 
 
-def build_tokenizer(vocab: int) -> Tokenizer:
-    """The byte-level BPE tokenizer with exactly `vocab` tokens (cached on disk after the first call)."""
-    if vocab < MIN_VOCAB:
-        raise ValueError(f"vocab {vocab} is too small: a byte-level tokenizer needs at least {MIN_VOCAB} tokens")
+def build_tokenizer(vocab: int, family: str | None = None) -> Tokenizer:
+    """The byte-level BPE tokenizer with exactly `vocab` tokens, in `family`'s style (style_for), cached on
+    disk after the first call."""
+    style = style_for(family)
+    if vocab < style.min_vocab:
+        raise ValueError(f"vocab {vocab} is too small: a byte-level tokenizer needs at least "
+                         f"{style.min_vocab} tokens")
     texts = _corpus()
     h = hashlib.sha256(f"v{FORMAT_VERSION}\0".encode())
     for t in texts:
         h.update(t.encode("utf-8", errors="replace"))
-    path = cache_dir() / f"bpe-{vocab}-{h.hexdigest()[:16]}.json"
+    kind = "bpe" if style is CHATML else style.name
+    path = cache_dir() / f"{kind}-{vocab}-{h.hexdigest()[:16]}.json"
     tok = _load_cached(path)
     if tok is not None and tok.get_vocab_size() == vocab:
         return tok
-    tok = _train(vocab, texts)
+    tok = _train(vocab, texts, style)
     _save_cached(tok, path)
     return tok
 
@@ -170,14 +255,18 @@ def _save_cached(tok: Tokenizer, path: Path) -> None:
 
 
 def special_ids(tok: Tokenizer) -> dict[str, int]:
-    """bos / eos / pad token ids, Qwen's convention: bos = pad = <|endoftext|>, eos = <|im_end|>."""
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
-    return {"bos": ids["<|endoftext|>"], "eos": ids["<|im_end|>"], "pad": ids["<|endoftext|>"]}
+    """bos / eos / pad token ids. ChatML (Qwen's convention): bos = pad = <|endoftext|>, eos = <|im_end|>;
+    harmony (gpt-oss's): bos <|startoftext|>, eos <|return|>, pad <|endoftext|>."""
+    style = style_of(tok)
+    return {"bos": tok.token_to_id(style.bos or style.pad), "eos": tok.token_to_id(style.eos),
+            "pad": tok.token_to_id(style.pad)}
 
 
 def write_hf_tokenizer(tok: Tokenizer, folder: str | Path) -> None:
-    """Write tokenizer.json and tokenizer_config.json (ChatML chat template) into `folder`."""
+    """Write tokenizer.json and tokenizer_config.json into `folder`, and the chat template: in
+    tokenizer_config.json (ChatML), or as chat_template.jinja (harmony, as gpt-oss's repositories have it)."""
     folder = Path(folder)
+    style = style_of(tok)
     tok.save(str(folder / "tokenizer.json"))
     added = {
         str(i): {"content": t.content, "lstrip": False, "normalized": False,
@@ -187,23 +276,27 @@ def write_hf_tokenizer(tok: Tokenizer, folder: str | Path) -> None:
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": added,
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
+        "bos_token": style.bos,
+        "eos_token": style.eos,
+        "pad_token": style.pad,
         "unk_token": None,
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 131072,
-        "chat_template": CHAT_TEMPLATE,
     }
+    if style.template_file is None:
+        config["chat_template"] = style.chat_template
+    else:
+        (folder / "chat_template.jinja").write_text(style.chat_template, encoding="utf-8")
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def hf_tokenizer_to_gguf(tok_json: dict[str, Any], chat_template: str | None = None,
-                         specials: dict[str, int] | None = None) -> dict[str, Any]:
+                         specials: dict[str, int] | None = None, pre: str = "qwen2") -> dict[str, Any]:
     """GGUF `tokenizer.*` keys (llama.cpp's "gpt2" BPE) for a byte-level BPE tokenizer.json (parsed).
 
     `specials` maps "bos"/"eos"/"pad" to ids; missing ones are looked up by the usual token names.
+    `pre` is tokenizer.ggml.pre, the name llama.cpp knows the tokenizer.json's pre-tokenizer regex by.
     """
     model = tok_json.get("model") or {}
     if model.get("type") != "BPE":
@@ -227,7 +320,7 @@ def hf_tokenizer_to_gguf(tok_json: dict[str, Any], chat_template: str | None = N
             ids[key] = next((vocab[t] for t in names if t in vocab), None)
     meta: dict[str, Any] = {
         "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.pre": pre,
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": types,
         "tokenizer.ggml.merges": merges,
@@ -242,5 +335,6 @@ def hf_tokenizer_to_gguf(tok_json: dict[str, Any], chat_template: str | None = N
 
 
 def gguf_tokenizer_metadata(tok: Tokenizer) -> dict[str, Any]:
-    """GGUF `tokenizer.*` keys for a tokenizer made by build_tokenizer (ChatML template included)."""
-    return hf_tokenizer_to_gguf(json.loads(tok.to_str()), CHAT_TEMPLATE, special_ids(tok))
+    """GGUF `tokenizer.*` keys for a tokenizer made by build_tokenizer (its style's template included)."""
+    style = style_of(tok)
+    return hf_tokenizer_to_gguf(json.loads(tok.to_str()), style.chat_template, special_ids(tok), style.pre)

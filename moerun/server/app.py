@@ -12,6 +12,7 @@ next step and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import threading
@@ -48,6 +49,9 @@ if TYPE_CHECKING:  # torch and the model load on the loader thread, after the po
     from moerun.runtime import Runtime
     from moerun.server.trace import ServeRouteRecorder
     from moerun.text import ChatTemplate
+    from moerun.text.reasoning import ReasoningParser
+
+    Split = Callable[[], ReasoningParser]  # a new parser for one request's output
 
 log = logging.getLogger("moerun.server")
 
@@ -113,6 +117,8 @@ class Server:
             except ChatTemplateError as e:
                 error = str(e)
                 log.warning("chat completions are off: %s", e)
+            else:
+                _say_reasoning(template, eng.tokenizer, cfg.reasoning_format)
             if self.trace_routing is not None:
                 from moerun.server.trace import ServeRouteRecorder
 
@@ -166,7 +172,8 @@ class Server:
     # -- generation -----------------------------------------------------------------------------------
 
     async def generate(self, http: HTTPRequest, body: ChatRequest | CompletionRequest, prompt: list[int],
-                       kind: str):
+                       kind: str, split: Split | None = None):
+        """split: for chat completions whose reasoning is told apart, a new ReasoningParser."""
         from moerun.engine.kv_cache import ContextOverflowError
         from moerun.engine.scheduler import ModelUnavailableError, QueueFullError
         from moerun.engine.scheduler import Request as EngineRequest
@@ -197,17 +204,19 @@ class Server:
         reply = Reply(kind, req.id, model)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._sse(req, events, reply, include_usage), media_type="text/event-stream",
+            return StreamingResponse(self._sse(req, events, reply, include_usage, split),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                               "X-Request-Id": req.id})
-        return await self._whole(http, req, events, reply)
+        return await self._whole(http, req, events, reply, split)
 
     def _finals(self, req: Request) -> tuple[dict, dict]:
         timings = {**req.timings.to_dict(), "expert_cache_hits": req.cache_hits,
                    "expert_cache_queries": req.cache_queries}
         return usage(len(req.prompt), len(req.tokens), req.timings.cache_n), timings
 
-    async def _whole(self, http: HTTPRequest, req: Request, events: _Events, reply: Reply) -> JSONResponse:
+    async def _whole(self, http: HTTPRequest, req: Request, events: _Events, reply: Reply,
+                     split: Split | None) -> JSONResponse:
         async def collect() -> tuple[str, Event]:
             text = []
             while True:
@@ -228,24 +237,31 @@ class Server:
         if ev.finish_reason == "error":
             raise APIError(503 if self._stopping else 500, f"generation failed: {ev.error}")
         use, timings = self._finals(req)
-        return JSONResponse(reply.whole(text, ev.finish_reason, use, timings), headers={"X-Request-Id": req.id})
+        text, reasoning = (text, "") if split is None else split().whole(text)
+        return JSONResponse(reply.whole(text, ev.finish_reason, use, timings, reasoning),
+                            headers={"X-Request-Id": req.id})
 
-    async def _sse(self, req: Request, events: _Events, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
-        finished = False
+    async def _sse(self, req: Request, events: _Events, reply: Reply, include_usage: bool,
+                   split: Split | None) -> AsyncIterator[str]:
+        finished, parser = False, None if split is None else split()
         try:
             first = reply.first_chunk()
             if first is not None:
                 yield _sse(first)
             while True:
                 ev: Event = await events.queue.get()
-                if ev.text:
-                    yield _sse(reply.chunk(ev.text))
+                pieces = [("content", ev.text)] if parser is None else parser.feed(ev.text)
+                for kind, text in pieces:
+                    if text:
+                        yield _sse(reply.chunk(text, kind))
                 if ev.finish_reason is None:
                     continue
                 finished = True
                 if ev.finish_reason == "error":
                     yield _sse(APIError(503 if self._stopping else 500, f"generation failed: {ev.error}").body())
                 else:
+                    for kind, text in [] if parser is None else parser.flush():
+                        yield _sse(reply.chunk(text, kind))
                     use, timings = self._finals(req)
                     for chunk in reply.final_chunks(ev.finish_reason, use, timings, include_usage):
                         yield _sse(chunk)
@@ -268,6 +284,29 @@ def cache_summary(rt: Runtime) -> str:
     per_layer = str(slots[0]) if len(slots) == 1 else f"{slots[0]}-{slots[-1]}"
     mib = sum(st.cache.nbytes for st in stages) / 2**20
     return f"expert cache {mib:.1f} MiB ({per_layer} slots per layer)"
+
+
+def _usable_syntax(template: ChatTemplate, tokenizer: Any, fmt: str):
+    """The reasoning syntax of `template` under format `fmt`, when the tokenizer writes all its markers out
+    (a marker that is a control token decoding leaves out could not be seen); else None."""
+    from moerun.text.reasoning import syntax_for
+
+    syntax = None if template.is_fallback else syntax_for(template.source, fmt)
+    return syntax if syntax is not None and all(map(tokenizer.renders, syntax.markers)) else None
+
+
+def _say_reasoning(template: ChatTemplate, tokenizer: Any, fmt: str) -> None:
+    from moerun.text.reasoning import syntax_for
+
+    syntax = None if template.is_fallback else syntax_for(template.source)
+    if syntax is None:
+        return
+    if _usable_syntax(template, tokenizer, "auto") is None:
+        log.warning("the chat template writes %s reasoning, but the tokenizer leaves some of its markers out "
+                    "of the text: the reasoning stays in the content", syntax.name)
+    elif fmt != "none":
+        log.info("chat completions return the model's %s reasoning as reasoning_content "
+                 "(--reasoning-format %s)", syntax.name, fmt)
 
 
 def _max_tokens(body: ChatRequest | CompletionRequest, n_predict: int | None, n_ctx: int, n_prompt: int) -> int:
@@ -345,17 +384,24 @@ def _routes(app: FastAPI, server: Server) -> None:
         server.check_model(model)
         return model_object(model)
 
-    def chat_prompt(ready: Ready, messages: list[dict], kwargs: dict | None) -> list[int]:
-        """The chat template applied, then tokenized (the template writes BOS itself when the model wants it)."""
+    def chat_prompt(ready: Ready, messages: list[dict], kwargs: dict | None,
+                    reasoning: str = "none") -> tuple[list[int], Split | None]:
+        """The chat template applied, then tokenized (the template writes BOS itself when the model wants it);
+        and, when the template writes reasoning the `reasoning` format tells apart, the parser's factory."""
         from moerun.text import ChatTemplateError
+        from moerun.text.reasoning import ReasoningParser
 
         if ready.template is None:
             raise APIError(501, f"this model's chat template cannot be used: {ready.template_error}")
+        messages, tok = message_texts(messages), ready.runtime.engine.tokenizer
+        syntax = _usable_syntax(ready.template, tok, reasoning)
         try:
-            text = ready.template.render(message_texts(messages), add_generation_prompt=True, **(kwargs or {}))
+            text = ready.template.render(messages, add_generation_prompt=True, **(kwargs or {}))
+            prime = "" if syntax is None else ready.template.generation_prompt(messages, **(kwargs or {}))
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
-        return ready.runtime.engine.tokenizer.encode(text, add_special=False)
+        split = None if syntax is None else functools.partial(ReasoningParser, syntax, prime)
+        return tok.encode(text, add_special=False), split
 
     @app.post("/v1/chat/completions")
     @app.post("/chat/completions")
@@ -363,8 +409,10 @@ def _routes(app: FastAPI, server: Server) -> None:
         ready = server.require()
         server.check_model(body.model)
         body.refuse_unsupported()
-        prompt = await run_in_threadpool(chat_prompt, ready, body.messages, body.chat_template_kwargs)
-        return await server.generate(http, body, prompt, "chat")
+        reasoning = body.reasoning_format_or(server.cfg.reasoning_format)
+        prompt, split = await run_in_threadpool(chat_prompt, ready, body.messages, body.template_kwargs(),
+                                                reasoning)
+        return await server.generate(http, body, prompt, "chat", split)
 
     @app.post("/v1/completions")
     @app.post("/completions")
@@ -382,7 +430,7 @@ def _routes(app: FastAPI, server: Server) -> None:
         server.check_model(getattr(body, "model", None))
         tok = ready.runtime.engine.tokenizer
         if body.messages is not None:
-            ids = await run_in_threadpool(chat_prompt, ready, body.messages, None)
+            ids, _ = await run_in_threadpool(chat_prompt, ready, body.messages, None)
         else:
             text = body.content if body.content is not None else body.prompt
             if text is None:

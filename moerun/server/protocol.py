@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from moerun.config import SamplingParams
+from moerun.config import REASONING_FORMATS, SamplingParams
 from moerun.server.errors import APIError
 
 
@@ -62,6 +62,21 @@ class ChatRequest(_Sampling):
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_format: str | None = None  # llama-server's: where the reasoning goes (REASONING_FORMATS)
+    reasoning_effort: str | None = None  # OpenAI's; given to the chat template (gpt-oss's "Reasoning: high")
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's extra variables: chat_template_kwargs, and reasoning_effort when given."""
+        extra = {} if self.reasoning_effort is None else {"reasoning_effort": self.reasoning_effort}
+        return {**extra, **(self.chat_template_kwargs or {})}
+
+    def reasoning_format_or(self, default: str) -> str:
+        """The request's reasoning format, else the server's."""
+        fmt = default if self.reasoning_format is None else self.reasoning_format
+        if fmt not in REASONING_FORMATS:
+            raise APIError(400, f"reasoning_format {fmt!r} is not one of {', '.join(REASONING_FORMATS)}",
+                           param="reasoning_format")
+        return fmt
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -185,24 +200,30 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": "moerun", "choices": choices}
 
-    def _choice(self, text: str | None, finish_reason: str | None, delta: bool, role: bool = False) -> dict:
+    def _choice(self, text: str | None, finish_reason: str | None, delta: bool, role: bool = False,
+                field: str = "content") -> dict:
         if not self.chat:
             return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         body = {"role": "assistant"} if role else {}
         if text is not None:
-            body["content"] = text
+            body[field] = text
         return {"index": 0, ("delta" if delta else "message"): body, "logprobs": None, "finish_reason": finish_reason}
 
-    def whole(self, text: str, finish_reason: str, use: dict, timings: dict) -> dict:
-        return {**self._envelope([self._choice(text, finish_reason, delta=False, role=True)], chunk=False),
-                "usage": use, "timings": timings}
+    def whole(self, text: str, finish_reason: str, use: dict, timings: dict, reasoning: str = "") -> dict:
+        """The answer; the model's reasoning, when it was told apart, as the message's reasoning_content."""
+        choice = self._choice(text, finish_reason, delta=False, role=True)
+        if reasoning:
+            choice["message"]["reasoning_content"] = reasoning
+        return {**self._envelope([choice], chunk=False), "usage": use, "timings": timings}
 
     def first_chunk(self) -> dict | None:
         """Chat streams open with the assistant's role (OpenAI's first chunk)."""
         return self._envelope([self._choice("", None, delta=True, role=True)], chunk=True) if self.chat else None
 
-    def chunk(self, text: str) -> dict:
-        return self._envelope([self._choice(text, None, delta=True)], chunk=True)
+    def chunk(self, text: str, kind: str = "content") -> dict:
+        """A delta of the answer (kind "content") or of the reasoning ("reasoning": reasoning_content)."""
+        field = "reasoning_content" if kind == "reasoning" else "content"
+        return self._envelope([self._choice(text, None, delta=True, field=field)], chunk=True)
 
     def final_chunks(self, finish_reason: str, use: dict, timings: dict, include_usage: bool) -> list[dict]:
         """The chunk with finish_reason, then usage and timings: on it (llama-server), or on one more chunk

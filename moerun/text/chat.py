@@ -249,6 +249,22 @@ class ChatTemplate:
             text = text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
         return text
 
+    def generation_prompt(self, messages: Sequence[Any], **kwargs: Any) -> str:
+        """The text add_generation_prompt adds after `messages` (what the model's answer continues, e.g.
+        "<|im_start|>assistant\\n"), as llama.cpp finds it: the prompt with it, less the prompt without it.
+        "" when the template cannot render the messages without it."""
+        full = self.render(messages, add_generation_prompt=True, **kwargs)
+        try:
+            base = self.render(messages, add_generation_prompt=False, **kwargs)
+        except ChatTemplateError:
+            return ""
+        n = 0
+        for a, b in zip(full, base):
+            if a != b:
+                break
+            n += 1
+        return full[n:]
+
     def _render(self, **variables: Any) -> str:
         try:
             return guarded_render(lambda: self._template.render(**variables), self.limits)

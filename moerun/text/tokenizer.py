@@ -23,11 +23,16 @@ from tokenizers import Tokenizer as HFTokenizer
 from moerun.errors import ModelFormatError
 from moerun.text.gguf_vocab import CONTROL, build_from_metadata
 
-__all__ = ["EOT_TOKENS", "IncrementalDecoder", "Tokenizer"]
+__all__ = ["EOT_TOKENS", "HARMONY_MARKERS", "IncrementalDecoder", "Tokenizer", "hf_chat_templates"]
 
 # Tokens that end a turn when the vocabulary marks them control/special (llama.cpp's end-of-generation list).
 EOT_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
               "<|end_of_text|>", "<EOT>", "<｜end▁of▁sentence｜>", "<|return|>", "<|call|>")
+# gpt-oss's harmony format: the markers of a message's header, which llama.cpp always writes out in the text
+# (it makes them user-defined tokens) so that a reader can tell the channels apart; "<|end|>" too, where it
+# only ends a message (HARMONY_ENDS are in the vocabulary).
+HARMONY_MARKERS = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
+HARMONY_ENDS = ("<|return|>", "<|call|>")
 _STREAM_HOLD = 8  # tokens an unfinished UTF-8 sequence may wait before it is emitted as U+FFFD anyway
 
 
@@ -61,6 +66,7 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens or {})  # bos_token, eos_token, ... as text (for chat templates)
         self.chat_templates = dict(chat_templates or {})  # "default" and named ones ("tool_use", ...)
         self._added = {i: (t.content, t.special) for i, t in backend.get_added_tokens_decoder().items()}
+        self._rendered = frozenset(i for i in _harmony_markers(backend) if self._added.get(i, ("", False))[1])
         self._byte_of = _gpt2_byte_decoder() if kind == "byte_level" else {}
 
     # -- construction -------------------------------------------------------------------------------------
@@ -137,7 +143,8 @@ class Tokenizer:
                          if i is not None and f"{n}_token" not in specials})
         return cls(backend, kind=_decoder_kind(backend), vocab_size=backend.get_vocab_size(with_added_tokens=True),
                    bos_id=bos_id, eos_id=eos_id, eos_ids=(*_as_list(ends), *eot), add_bos=bool(add_bos),
-                   add_eos=bool(add_eos), special_tokens=specials, chat_templates=_hf_chat_templates(folder, cfg))
+                   add_eos=bool(add_eos), special_tokens=specials,
+                   chat_templates=hf_chat_templates(folder, cfg))
 
     # -- text <-> ids ---------------------------------------------------------------------------------------
 
@@ -162,8 +169,19 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
-        """Text for `ids`; with skip_special, control tokens (BOS, <|im_end|>, ...) are left out."""
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+        """Text for `ids`; with skip_special, control tokens (BOS, <|im_end|>, ...) are left out, except the
+        harmony markers (HARMONY_MARKERS), which are always written, as llama.cpp does."""
+        ids = [int(i) for i in ids]
+        if not skip_special or not self._rendered or self._rendered.isdisjoint(ids):
+            return self._tok.decode(ids, skip_special_tokens=skip_special)
+        parts, run = [], []
+        for i in ids:
+            if i in self._rendered:
+                parts += [self._tok.decode(run, skip_special_tokens=True), self._added[i][0]]
+                run = []
+            else:
+                run.append(i)
+        return "".join(parts) + self._tok.decode(run, skip_special_tokens=True)
 
     def incremental_decoder(self, skip_special: bool = True, prefix_ids: Sequence[int] = ()) -> IncrementalDecoder:
         """An IncrementalDecoder; `prefix_ids` (e.g. the prompt's last few tokens) give the first token context,
@@ -181,7 +199,12 @@ class Tokenizer:
 
     def is_special(self, token_id: int) -> bool:
         """True for control tokens (those decode(skip_special=True) leaves out)."""
-        return self._added.get(int(token_id), ("", False))[1]
+        return int(token_id) not in self._rendered and self._added.get(int(token_id), ("", False))[1]
+
+    def renders(self, text: str) -> bool:
+        """Whether `text` survives encode then decode: False for a control token that decoding leaves out."""
+        i = self._tok.token_to_id(text)
+        return i is None or not self.is_special(i)
 
     def token_to_bytes(self, token_id: int) -> bytes:
         """The bytes this token stands for (a byte-level token may be part of a UTF-8 character)."""
@@ -251,13 +274,23 @@ class IncrementalDecoder:
         return ""
 
 
+def _is_harmony(backend: HFTokenizer) -> bool:
+    return all(backend.token_to_id(t) is not None for t in HARMONY_ENDS)
+
+
 def _end_of_turn_ids(backend: HFTokenizer, is_control: Any) -> list[int]:
     """The EOT_TOKENS the vocabulary has as control tokens. As llama.cpp: when "<|return|>" and "<|call|>"
     exist (gpt-oss's harmony format), "<|end|>" only ends a message, not the answer."""
     ids = {t: i for t in EOT_TOKENS if (i := backend.token_to_id(t)) is not None and is_control(i)}
-    if backend.token_to_id("<|return|>") is not None and backend.token_to_id("<|call|>") is not None:
+    if _is_harmony(backend):
         ids.pop("<|end|>", None)
     return list(ids.values())
+
+
+def _harmony_markers(backend: HFTokenizer) -> list[int]:
+    """The ids of the harmony markers decoding always writes (llama.cpp's rule, by the tokens' text)."""
+    names = HARMONY_MARKERS + (("<|end|>",) if _is_harmony(backend) else ())
+    return [i for t in names if (i := backend.token_to_id(t)) is not None]
 
 
 # -- Hugging Face folder helpers ------------------------------------------------------------------------------
@@ -311,7 +344,7 @@ def _decoder_kind(backend: HFTokenizer) -> str:
     return "other"
 
 
-def _hf_chat_templates(folder: Path, cfg: dict[str, Any]) -> dict[str, str]:
+def hf_chat_templates(folder: Path, cfg: dict[str, Any]) -> dict[str, str]:
     """Chat templates as transformers finds them: chat_template.jinja (+ additional_chat_templates/*.jinja),
     else tokenizer_config.json's chat_template, a string or a list of {"name", "template"}."""
     templates: dict[str, str] = {}
