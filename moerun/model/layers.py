@@ -1,5 +1,6 @@
 """Layers every family shares: RMSNorm, RoPE (plain, partial, YaRN), attention (GQA with optional sinks and a
-sliding window). (Matrix products: moerun.model.ops; the router: moerun.model.moe.)"""
+sliding window; DeepSeek's multi-head latent attention over cached latents, absorbed or expanded). (Matrix
+products: moerun.model.ops; the router: moerun.model.moe.)"""
 
 from __future__ import annotations
 
@@ -103,3 +104,39 @@ def _attend_small(q, k, v, q_pos, k_pos, scale=None, sinks=None, window=0):
         p = torch.softmax(torch.cat((s, sink), dim=-1), dim=-1)[..., :S]
     o = torch.bmm(p, v.permute(1, 0, 2))  # [nkv, T*g, Dv]
     return o.view(nkv, T, g, Dv).permute(1, 0, 2, 3).reshape(T, nh * Dv)
+
+
+def mla_absorbs(T: int, S: int, rank: int, nope: int, dv: int) -> bool:
+    """Whether T queries over S cached latents multiply less in the absorbed form than in the expanded one,
+    per head: T*S*(2*rank + rope) + T*(nope + dv)*rank against S*(nope + dv)*rank + T*S*(nope + rope + dv).
+    Decode steps absorb; a prompt chunk over a short cache expands."""
+    return T * S * (2 * rank - nope - dv) + T * (nope + dv) * rank < S * (nope + dv) * rank
+
+
+def mla_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, wk_b: torch.Tensor,
+                 wv_b: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """Multi-head latent attention in the absorbed form: each head's query goes into the latent space through
+    its W_UK, attends over the latents as over one shared key and value head, and leaves through its W_UV.
+
+    q_nope [T, nh, nope], q_pe [T, nh, rope] (rotated); latent [S, rank + rope] (the normed compression, then
+    the rotated key); wk_b [nh, rank, nope], wv_b [nh, dv, rank] -> [T, nh * dv]."""
+    T, nh, _ = q_nope.shape
+    rank = wk_b.shape[1]
+    q_lat = torch.bmm(q_nope.transpose(0, 1), wk_b.transpose(1, 2)).transpose(0, 1)  # [T, nh, rank]
+    q = torch.cat((q_lat, q_pe), dim=-1)  # [T, nh, rank + rope]
+    o = attend(q, latent[:, None], latent[:, None, :rank], q_pos, k_pos, scale)  # [T, nh * rank]
+    o = torch.bmm(o.view(T, nh, rank).transpose(0, 1), wv_b.transpose(1, 2))  # [nh, T, dv]
+    return o.transpose(0, 1).flatten(1)
+
+
+def mla_expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, wk_b: torch.Tensor,
+                 wv_b: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """Multi-head latent attention in the expanded form: every head's keys and values are made from the
+    latents (as transformers computes), then plain attention. Shapes as mla_absorbed."""
+    nh, rank, _ = wk_b.shape
+    S = latent.shape[0]
+    c, k_pe = latent[:, :rank], latent[:, rank:]  # [S, rank], [S, rope]
+    k = torch.cat((torch.matmul(c, wk_b), k_pe.expand(nh, S, -1)), dim=-1)  # [nh, S, nope + rope]
+    v = torch.matmul(c, wv_b.transpose(1, 2))  # [nh, S, dv]
+    q = torch.cat((q_nope, q_pe), dim=-1)  # [T, nh, nope + rope]
+    return attend(q, k.transpose(0, 1), v.transpose(0, 1), q_pos, k_pos, scale)
