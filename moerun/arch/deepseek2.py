@@ -205,8 +205,8 @@ def _gguf_keys(spec: ModelSpec) -> dict[str, Any]:
         f"{a}.expert_weights_scale": float(spec.routed_scale),
         f"{a}.expert_weights_norm": spec.norm_topk,
     }
-    if spec.q_lora_rank:
-        kv[f"{a}.attention.q_lora_rank"] = spec.q_lora_rank
+    # llama.cpp needs the key but at V2-Lite's layer counts (its converter writes it only when set); 0: none
+    kv[f"{a}.attention.q_lora_rank"] = spec.q_lora_rank
     if spec.n_groups > 1:
         kv |= {f"{a}.expert_group_count": spec.n_groups, f"{a}.expert_group_used_count": spec.topk_groups}
     if spec.yarn is not None:
