@@ -23,18 +23,17 @@ from family_checks import (add_mtp_layer, check_estimate, check_expert_cache, ch
                            rewrite_gguf)
 from hf_models import build, reference_logits, save
 
-import moerun.model.model as model_module
 from moerun.cli import main
 from moerun.config import SamplingParams
 from moerun.engine.engine import Engine
 from moerun.engine.kv_cache import KVPool, SeqKV
 from moerun.formats import open_model
 from moerun.loading import load_model
+from moerun.model import layers
 from moerun.quant.qtypes import QType
 from moerun.text import Tokenizer
 from moerun.tools.convert import convert_hf_to_gguf
 
-PROMPT = [5, 17, 300, 42, 99, 7, 256, 11]
 H, V, ORIGINAL = 64, 512, 16  # YaRN's original context: the 32-token prompt runs past it
 
 
@@ -172,29 +171,30 @@ def test_variants_match_transformers(variant, tokens, tmp_path):
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
-def test_greedy_equals_transformers_generate(ds, source, monkeypatch):
-    """Greedy generation of 32 tokens, the prompt prefilled in chunks of 3: the first chunk in MLA's expanded
-    form, every decode step in the absorbed form (queries through W_UK into the latent space)."""
+def test_greedy_equals_transformers_generate(ds, tokens, source, monkeypatch):
+    """Greedy generation of 32 tokens after a 32-token prompt prefilled in chunks of 20 and 12: the first
+    chunk in MLA's expanded form, the second and every decode step in the absorbed form (queries through W_UK
+    into the latent space, over the cached latents)."""
     _, model, folder, path = ds
+    prompt = tokens.tolist()
     with torch.no_grad():
-        ref = model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=32, min_new_tokens=32,
-                             pad_token_id=0)[0, len(PROMPT):].tolist()
+        ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=32, min_new_tokens=32,
+                             pad_token_id=0)[0, len(prompt):].tolist()
     forms = {"absorbed": [], "expanded": []}
     for name, seen in forms.items():
-        real = getattr(model_module, f"mla_{name}")
+        real = getattr(layers, f"mla_{name}")
 
         def spy(q_nope, *a, real=real, seen=seen):
             seen.append(q_nope.shape[0])
             return real(q_nope, *a)
 
-        monkeypatch.setattr(model_module, f"mla_{name}", spy)
+        monkeypatch.setattr(layers, f"mla_{name}", spy)
     loaded = load_model(folder if source == "hf" else path)
-    eng = Engine(loaded.model, Tokenizer.from_model_file(loaded.file), ctx_size=256, ubatch=3)  # 3 chunks
-    gen = eng.generate(PROMPT, SamplingParams.greedy(max_tokens=32, ignore_eos=True)).run()
+    eng = Engine(loaded.model, Tokenizer.from_model_file(loaded.file), ctx_size=256, ubatch=20)
+    gen = eng.generate(prompt, SamplingParams.greedy(max_tokens=32, ignore_eos=True)).run()
     assert gen.tokens == ref
-    assert forms["expanded"] == [3] * 3  # the first chunk, in each layer
-    assert forms["absorbed"].count(1) == 31 * 3  # every decode step, in each layer
-    assert forms["absorbed"].count(3) + forms["absorbed"].count(2) == 2 * 3  # the later chunks
+    assert forms["expanded"] == [20] * 3  # the first chunk, in each layer
+    assert forms["absorbed"] == [12] * 3 + [1] * 31 * 3  # the second chunk, then every decode step
 
 
 # ------------------------------------------------------------------------------------------- KV cache

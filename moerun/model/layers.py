@@ -106,11 +106,12 @@ def _attend_small(q, k, v, q_pos, k_pos, scale=None, sinks=None, window=0):
     return o.view(nkv, T, g, Dv).permute(1, 0, 2, 3).reshape(T, nh * Dv)
 
 
-def mla_absorbs(T: int, S: int, rank: int, nope: int, dv: int) -> bool:
-    """Whether T queries over S cached latents multiply less in the absorbed form than in the expanded one,
-    per head: T*S*(2*rank + rope) + T*(nope + dv)*rank against S*(nope + dv)*rank + T*S*(nope + rope + dv).
-    Decode steps absorb; a prompt chunk over a short cache expands."""
-    return T * S * (2 * rank - nope - dv) + T * (nope + dv) * rank < S * (nope + dv) * rank
+def mla_form(T: int):
+    """The MLA form for T queries: absorbed for small steps (decode; it never expands the S cached latents
+    into S * heads keys and values), expanded for prompt chunks (per position and head it multiplies nope +
+    rope + v instead of 2 * rank + rope). Measured at V2-Lite's shape, one thread (bench/mla_forms.py,
+    bench/RESULTS.md): absorbed faster for every T <= 16, expanded for every T >= 64, at S from T to 4096."""
+    return mla_absorbed if T <= SMALL_T else mla_expanded
 
 
 def mla_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, wk_b: torch.Tensor,

@@ -16,15 +16,7 @@ from moerun.experts.prefetch import guess_ids
 from moerun.experts.store import ExpertReader, ExpertStore
 from moerun.formats.names import CName
 from moerun.model.fused import FusedAttention
-from moerun.model.layers import (
-    apply_rope,
-    attend,
-    mla_absorbed,
-    mla_absorbs,
-    mla_expanded,
-    rms_norm,
-    rope_tables,
-)
+from moerun.model.layers import apply_rope, attend, mla_form, rms_norm, rope_tables
 from moerun.model.moe import Experts, ResidentExperts, route
 from moerun.model.ops import Weight, make_ops
 from moerun.quant.qtypes import FLOAT_QTYPES, QTensor
@@ -218,7 +210,7 @@ class MoEModel:
                          kv: SeqKV | None) -> torch.Tensor:
         """DeepSeek's multi-head latent attention: the cache keeps one latent per position (the normed
         compression and the rotated key all heads share), absorbed into the queries for small steps, expanded
-        into keys and values for prompt chunks (layers.mla_absorbs)."""
+        into keys and values for prompt chunks (layers.mla_form)."""
         s, lw, T = self.spec, self.layers[i - self.first], x.shape[0]
         mm = self.ops.linear
         q = mm(x, lw.wq) if lw.wq_a is None else mm(rms_norm(mm(x, lw.wq_a), lw.q_a_norm, s.rms_eps), lw.wq)
@@ -232,9 +224,7 @@ class MoEModel:
             kv.write(i, int(pos[0]), latent)
             latent = kv.read(i, int(pos[-1]) + 1)[0]  # [S, rank + rope]
             k_pos = torch.arange(latent.shape[0], device=x.device)
-        form = mla_absorbed if mla_absorbs(T, latent.shape[0], s.kv_lora_rank, s.qk_nope_dim, s.v_head_dim) \
-            else mla_expanded
-        out = form(q_nope, q_pe, latent, lw.wk_b, lw.wv_b, pos, k_pos, s.softmax_scale)  # [T, nh * v]
+        out = mla_form(T)(q_nope, q_pe, latent, lw.wk_b, lw.wv_b, pos, k_pos, s.softmax_scale)  # [T, nh * v]
         return mm(out, lw.wo)  # [T, H]
 
     def _prefetch_next(self, i: int, resid: torch.Tensor) -> None:
