@@ -239,6 +239,25 @@ def test_kv_cache_holds_the_latent(ds, tokens):
     assert per_token(v3) == (140544, 9994240)
 
 
+def test_batched_decode_equals_one_sequence_at_a_time(ds, tokens):
+    """Two sequences of different lengths decoded together (each row attends over its own cached latents, in
+    scattered blocks of one pool) give each one's logits alone."""
+    _, _, _, path = ds
+    model = load_model(path).model
+    pool = KVPool(model.spec, 256, block_size=4)
+    a, b, alone = SeqKV(pool, 128), SeqKV(pool, 128), SeqKV(KVPool(model.spec, 128), 128)
+    model.forward(tokens[5:15], a)
+    model.forward(tokens[:5], b)  # between a's: a's blocks are scattered (read by gathering)
+    model.forward(tokens[15:], a)
+    assert a.blocks != list(range(a.blocks[0], a.blocks[0] + len(a.blocks)))
+    model.forward(tokens[5:], alone)
+    for t in tokens[:6]:
+        both = model.decode(torch.stack((t, tokens[0])), [a, b])
+        assert (both[0] - model.decode(t.view(1), [alone])[0]).abs().max().item() < 1e-5
+        b.truncate(b.length - 1)  # keep b's context as it was
+    assert a.length == alone.length == 27 + 6
+
+
 # ---------------------------------------------------------------------------------- GGUF: keys, names
 
 
