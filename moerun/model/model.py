@@ -88,11 +88,10 @@ class MoEModel:
             lw = LayerWeights(
                 attn_norm=vec("attn_norm.weight", i), ffn_norm=vec("ffn_norm.weight", i),
                 wq=mat("attn_q_b.weight" if CName("attn_q_b.weight", i) in weights else "attn_q.weight", i),
-                wk=mat("attn_k.weight", i),
-                wv=mat("attn_v.weight", i), wo=mat("attn_output.weight", i), bq=vec("attn_q.bias", i),
-                bk=vec("attn_k.bias", i), bv=vec("attn_v.bias", i), q_norm=vec("attn_q_norm.weight", i),
-                k_norm=vec("attn_k_norm.weight", i), bo=vec("attn_output.bias", i),
-                sinks=vec("attn_sinks.weight", i),
+                wk=mat("attn_k.weight", i), wv=mat("attn_v.weight", i), wo=mat("attn_output.weight", i),
+                bq=vec("attn_q.bias", i), bk=vec("attn_k.bias", i), bv=vec("attn_v.bias", i),
+                q_norm=vec("attn_q_norm.weight", i), k_norm=vec("attn_k_norm.weight", i),
+                bo=vec("attn_output.bias", i), sinks=vec("attn_sinks.weight", i),
                 wq_a=mat("attn_q_a.weight", i), q_a_norm=vec("attn_q_a_norm.weight", i),
                 wkv_a=mat("attn_kv_a_mqa.weight", i), kv_a_norm=vec("attn_kv_a_norm.weight", i),
                 wk_b=vec("attn_k_b.weight", i), wv_b=vec("attn_v_b.weight", i),  # floats: multiplied per head
