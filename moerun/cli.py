@@ -79,7 +79,7 @@ def inspect(model: Path, as_json: bool):
         "shared_experts": 1 if spec.shared_ffn else 0, "hidden": spec.hidden, "expert_ffn": spec.expert_ffn,
         "shared_ffn": spec.shared_ffn, "dense_ffn": spec.dense_ffn, "heads": spec.n_heads,
         "kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim, "vocab": spec.vocab,
-        "context_length": spec.context_length, "qtypes": qtypes, **s.to_dict(),
+        "context_length": spec.context_length, "attention": spec.attention, "qtypes": qtypes, **s.to_dict(),
     }
     if as_json:
         click.echo(json.dumps(info, indent=2))
@@ -90,8 +90,14 @@ def inspect(model: Path, as_json: bool):
     click.echo(f"experts          {spec.n_experts} routed, {spec.n_experts_used} active per token, "
                f"{info['shared_experts']} shared")
     click.echo(f"hidden           {spec.hidden}  (expert FFN {spec.expert_ffn}, shared FFN {spec.shared_ffn})")
-    click.echo(f"attention        {spec.n_heads} heads / {spec.n_kv_heads} KV heads x {spec.head_dim}, "
-               f"RoPE {spec.rope_style} theta {spec.rope_theta:g}")
+    if spec.attention == "mla":
+        q = f"q latent {spec.q_lora_rank}, " if spec.q_lora_rank else ""
+        click.echo(f"attention        {spec.n_heads} heads x {spec.head_dim} / {spec.v_head_dim}, MLA: {q}KV "
+                   f"latent {spec.kv_lora_rank} + RoPE {spec.qk_rope_dim} cached, RoPE {spec.rope_style} "
+                   f"theta {spec.rope_theta:g}")
+    else:
+        click.echo(f"attention        {spec.n_heads} heads / {spec.n_kv_heads} KV heads x {spec.head_dim}, "
+                   f"RoPE {spec.rope_style} theta {spec.rope_theta:g}")
     click.echo(f"vocab            {spec.vocab}, context {spec.context_length}")
     click.echo(f"parameters       {_fmt_count(s.total_params)} total ({s.total_params}), "
                f"{_fmt_count(s.active_params)} active per token ({s.active_params})")

@@ -1,22 +1,53 @@
 """Checks every family's acceptance test runs the same way (issue 16): llama.cpp's names and keys in our GGUF
-(gguf-py's own tables), the C kernels' call counts, greedy runs through the runtime (caches, stages, the
-stand-in), a real server answering the `openai` client, and the estimator's bytes per token."""
+(gguf-py's own tables), GGUF files rewritten as other converters write them, the quantized path through the C
+kernels against transformers on gguf.quants' weights, inspect's counts against transformers' tensors, greedy
+runs through the runtime (caches, stages, the stand-in, a GPU), a real server answering the `openai` client,
+and the estimator's bytes per token."""
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
+from click.testing import CliRunner
+from hf_models import reference_logits
 
+from moerun.cli import main
 from moerun.config import RuntimeConfig, SamplingParams
+from moerun.engine.kv_cache import KVPool, SeqKV
+from moerun.loading import load_model
 from moerun.runtime import build as build_runtime
 
 TEXT = "the quick brown fox jumps over the lazy dog, and then the quick brown fox"
+
+
+def add_mtp_layer(folder, config) -> None:
+    """Append a next-token-prediction (NextN / MTP) layer as GLM-4.5's and DeepSeek-V3's checkpoints store it:
+    a whole decoder layer at index num_hidden_layers plus eh_proj, enorm, hnorm, shared_head and its own
+    embeddings (random: running it would change every logit). transformers builds num_hidden_layers layers and
+    ignores it."""
+    from safetensors.torch import load_file, save_file
+
+    n, H, V = config.num_hidden_layers, config.hidden_size, config.vocab_size
+    state = load_file(str(folder / "model.safetensors"))
+    g = torch.Generator().manual_seed(7)
+    mtp = {}
+    for name, t in state.items():
+        if name.startswith(f"model.layers.{n - 1}."):
+            mtp[name.replace(f"layers.{n - 1}.", f"layers.{n}.")] = torch.randn(t.shape, generator=g)
+    p = f"model.layers.{n}."
+    mtp |= {p + "eh_proj.weight": torch.randn(H, 2 * H, generator=g), p + "enorm.weight": torch.ones(H),
+            p + "hnorm.weight": torch.ones(H), p + "shared_head.norm.weight": torch.ones(H),
+            p + "shared_head.head.weight": torch.randn(V, H, generator=g),
+            p + "embed_tokens.weight": torch.randn(V, H, generator=g)}
+    save_file(state | mtp, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 def gguf_fields(path, arch: str) -> dict:
@@ -175,3 +206,160 @@ def gguf_bytes_per_token(path: str, arch: str) -> int:
         else:
             dense += int(t.n_bytes)
     return dense + experts * k // E + row
+
+
+def rewrite_gguf(src, out, key: Callable | None = None, tensor: Callable | None = None,
+                 finish: Callable | None = None) -> None:
+    """Copy the GGUF `src` to `out` through gguf-py's reader and writer, as another converter would have
+    written it: key(name, value) -> the value (None drops the key) for each scalar key; tensor(name, data)
+    -> the [(name, data)] to write for each tensor (torch-order numpy arrays); finish(writer) adds the new."""
+    import gguf
+    import numpy as np
+
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(out), r.fields["general.architecture"].contents())
+    for k, f in r.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        vtype = f.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            sub = f.types[-1]
+            vals = [bytes(f.parts[i]).decode() if sub == gguf.GGUFValueType.STRING else f.parts[i].tolist()[0]
+                    for i in f.data]
+            w.add_key_value(k, vals, vtype, sub_type=sub)
+            continue
+        v = f.parts[f.data[0]]
+        v = bytes(v).decode() if vtype == gguf.GGUFValueType.STRING else v.tolist()[0]
+        v = v if key is None else key(k, v)
+        if v is not None:
+            w.add_key_value(k, v, vtype)
+    for t in r.tensors:
+        data = np.array(t.data).reshape([int(d) for d in reversed(t.shape)])
+        for name, d in [(t.name, data)] if tensor is None else tensor(t.name, data):
+            w.add_tensor(name, d)
+    if finish is not None:
+        finish(w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+
+
+def dequantized_reference(path, config, names: dict[str, str], join: Callable | None = None):
+    """transformers' model holding the GGUF's weights as gguf.quants dequantizes them (the independent
+    oracle). names: the family's GGUF kinds -> names within transformers' layer (written from the two
+    projects' conventions, not from moerun's table); the experts' gate and up go into gate_up_proj;
+    join(prefix, parts) -> {name: tensor} from the layer's other kinds (parts: kind -> tensor)."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    state, parts = {}, {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+        if t.name in _TOP:
+            state[_TOP[t.name]] = w
+            continue
+        _, layer, kind = t.name.split(".", 2)
+        if kind in names:
+            state[f"model.layers.{layer}.{names[kind]}"] = w
+        else:
+            parts.setdefault(layer, {})[kind] = w
+    for layer, p in parts.items():
+        prefix = f"model.layers.{layer}."
+        if "ffn_gate_exps.weight" in p:
+            state[prefix + "mlp.experts.gate_up_proj"] = torch.cat((p.pop("ffn_gate_exps.weight"),
+                                                                    p.pop("ffn_up_exps.weight")), dim=1)
+        if p:
+            state |= join(prefix, p)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def kernel_path_errors(path: str, oracle, model, tokens) -> tuple[dict[str, int], float, float]:
+    """A quantized GGUF through the torch reference (within 1e-4 of `oracle`, transformers on gguf.quants'
+    weights) and through the C kernels (the fused whole-layer path off: no family past the first four has it)
+    -> the kernels' call counts and the relative logit error against the oracle and against `model` (fp32)."""
+    pytest.importorskip("moerun.kernels._cpu")
+    want = reference_logits(oracle, tokens)
+    assert (load_model(path, kernels=False).model.forward(tokens) - want).abs().max().item() < 1e-4
+    fast = load_model(path)
+    assert fast.model.fused is None and fast.model.ops.name == "cpu-kernels"
+    calls = count_kernel_calls(fast.model.ops)
+    got = fast.model.forward(tokens)
+    return calls, rel_err(got, want), rel_err(got, reference_logits(model, tokens))
+
+
+def check_inspect_counts(path, model) -> dict:
+    """`moerun inspect --json`: total and active parameters equal a count over transformers' own tensors
+    (parameters and the saved buffers such as a correction bias; active = everything but the routed experts,
+    plus k/E of them) -> the JSON."""
+    r = CliRunner().invoke(main, ["inspect", str(path), "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    state = model.state_dict()
+    total = sum(t.numel() for t in state.values())
+    routed = sum(t.numel() for n, t in state.items() if ".mlp.experts." in n)
+    k, E = model.config.num_experts_per_tok, model.config.n_routed_experts
+    assert (d["total_params"], d["active_params"]) == (total, total - routed + routed * k // E)
+    return d
+
+
+def check_standin_hf_logits(folder, model, tokens) -> None:
+    """fp32 from the HF folder on the stand-in device, its experts behind 2 slots: transformers' logits."""
+    rt = build_runtime(RuntimeConfig(model=str(folder), devices=("standin:0",), expert_cache_slots=2,
+                                     threads=1))
+    assert rt.stages[0].model.dev.kind == "standin"
+    got = rt.engine.model.forward(tokens, rt.engine.new_sequence().kv).cpu()
+    assert (got - reference_logits(model, tokens)).abs().max().item() < 1e-4
+    rt.close()
+
+
+def check_triton_standin(path: str, tokens, monkeypatch) -> None:
+    """MOERUN_STANDIN_KERNELS=triton: the stand-in multiplies the GGUF's blocks with the Triton kernels
+    (interpreted), as a GPU does, within 1e-3 of the torch reference."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MOERUN_STANDIN_KERNELS", "triton")
+    model = load_model(path, kernels=False).model
+    ref = prompt_and_steps(model, SeqKV(KVPool(model.spec, 64), 64), tokens)
+    rt = build_runtime(RuntimeConfig(model=path, devices=("standin:0",), expert_cache_slots=2,
+                                     miss_path="fetch", threads=1))
+    assert type(rt.stages[0].model.ops).__name__ == "TritonOps"
+    got = prompt_and_steps(rt.engine.model, rt.engine.new_sequence().kv, tokens)
+    assert (got - ref).abs().max().item() < 1e-3
+    rt.close()
+
+
+def check_gpu_logits(folder, model, path: str, tokens, slots: int | None) -> None:
+    """On cuda:0: fp32 HF weights within 1e-4 of transformers; the GGUF's blocks through the Triton kernels
+    within 2e-3 of the torch reference on the CPU."""
+    rt = build_runtime(RuntimeConfig(model=str(folder), devices=("cuda:0",), expert_cache_slots=slots))
+    assert rt.stages[0].model.dev.is_cuda
+    got = prompt_and_steps(rt.engine.model, rt.engine.new_sequence().kv, tokens)[:len(tokens)]
+    assert (got - reference_logits(model, tokens)).abs().max().item() < 1e-4
+    ref_model = load_model(path, kernels=False).model
+    ref = prompt_and_steps(ref_model, SeqKV(KVPool(ref_model.spec, 64), 64), tokens)
+    rt = build_runtime(RuntimeConfig(model=path, devices=("cuda:0",), expert_cache_slots=slots))
+    assert type(rt.stages[0].model.ops).__name__ == "TritonOps"
+    got = prompt_and_steps(rt.engine.model, rt.engine.new_sequence().kv, tokens)
+    assert (got - ref).abs().max().item() < 2e-3
+
+
+def check_estimate(path: str, arch: str, tmp_path, monkeypatch) -> dict:
+    """`moerun estimate --json` on the CPU: bytes per token as gguf's reader counts them
+    (gguf_bytes_per_token), the shared experts and dense layers among them -> the JSON."""
+    monkeypatch.setenv("MOERUN_CACHE", str(tmp_path / "cache"))
+    res = CliRunner().invoke(main, ["estimate", path, "-t", "1", "--ram-bw", "10", "--device", "cpu",
+                                    "--json", "--no-measure"])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    assert d["bytes_per_token"] == pytest.approx(gguf_bytes_per_token(path, arch), abs=8)
+    by_class = d["bytes_per_token_by_class"]
+    assert by_class["shared_experts"] > 0 and by_class["dense_ffn"] > 0
+    assert d["decode"]["expected"]["tok_s"] > 0
+    return d

@@ -14,18 +14,19 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from family_checks import (check_expert_cache, check_server_completion, check_standin_miss_paths,
-                           check_two_cpu_stages, count_kernel_calls, gguf_bytes_per_token, gguf_fields,
-                           names_outside_llama_cpp, prompt_and_steps, rel_err)
+from family_checks import (add_mtp_layer, check_estimate, check_expert_cache, check_gpu_logits,
+                           check_inspect_counts, check_server_completion, check_standin_hf_logits,
+                           check_standin_miss_paths, check_triton_standin, check_two_cpu_stages,
+                           dequantized_reference, gguf_fields, kernel_path_errors, names_outside_llama_cpp,
+                           rewrite_gguf)
 from hf_models import build, reference_logits, save
 
 from moerun.cli import main
-from moerun.config import RuntimeConfig, SamplingParams
+from moerun.config import SamplingParams
 from moerun.engine.engine import Engine
 from moerun.formats import open_model
 from moerun.loading import load_model
 from moerun.quant.qtypes import QType
-from moerun.runtime import build as build_runtime
 from moerun.text import Tokenizer
 from moerun.tools.convert import convert_hf_to_gguf
 
@@ -53,27 +54,6 @@ def build_glm(config, seed: int = 0):
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.3 * torch.randn_like(b))
     return model
-
-
-def add_mtp_layer(folder, config) -> None:
-    """Append the NextN/MTP layer as GLM-4.5's checkpoints store it: a whole decoder layer at index
-    num_hidden_layers plus eh_proj, enorm, hnorm, shared_head and its own embeddings (random: running it would
-    change every logit). transformers builds num_hidden_layers layers and ignores it."""
-    from safetensors.torch import load_file, save_file
-
-    n = config.num_hidden_layers
-    state = load_file(str(folder / "model.safetensors"))
-    g = torch.Generator().manual_seed(7)
-    mtp = {}
-    for name, t in state.items():
-        if name.startswith(f"model.layers.{n - 1}."):
-            mtp[name.replace(f"layers.{n - 1}.", f"layers.{n}.")] = torch.randn(t.shape, generator=g)
-    p = f"model.layers.{n}."
-    mtp |= {p + "eh_proj.weight": torch.randn(H, 2 * H, generator=g), p + "enorm.weight": torch.ones(H),
-            p + "hnorm.weight": torch.ones(H), p + "shared_head.norm.weight": torch.ones(H),
-            p + "shared_head.head.weight": torch.randn(V, H, generator=g),
-            p + "embed_tokens.weight": torch.randn(V, H, generator=g)}
-    save_file(state | mtp, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module")
@@ -174,39 +154,24 @@ def test_greedy_equals_transformers_generate(glm, source):
 def write_with_nextn(src, out) -> None:
     """`src` as llama.cpp's converter writes GLM-4.5: block_count counts one more block, the NextN one (a whole
     layer's tensors plus blk.N.nextn.*, random), and nextn_predict_layers says so."""
-    import gguf
     import numpy as np
 
-    r = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(str(out), "glm4moe")
-    for k, f in r.fields.items():
-        if k.startswith("GGUF.") or k == "general.architecture":
-            continue
-        vtype = f.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            sub = f.types[-1]
-            vals = [bytes(f.parts[i]).decode() if sub == gguf.GGUFValueType.STRING else f.parts[i].tolist()[0]
-                    for i in f.data]
-            w.add_key_value(k, vals, vtype, sub_type=sub)
-        else:
-            v = f.parts[f.data[0]]
-            v = bytes(v).decode() if vtype == gguf.GGUFValueType.STRING else v.tolist()[0]
-            if k == "glm4moe.block_count":
-                v += 1
-            w.add_key_value(k, v, vtype)
-    w.add_nextn_predict_layers(1)
     rng = np.random.default_rng(3)
-    for t in r.tensors:
-        data = np.array(t.data).reshape([int(d) for d in reversed(t.shape)])
-        w.add_tensor(t.name, data)
-        if t.name.startswith("blk.2."):
-            w.add_tensor(t.name.replace("blk.2.", "blk.3."), rng.standard_normal(data.shape).astype(np.float32))
-    for name, shape in (("eh_proj", (H, 2 * H)), ("enorm", (H,)), ("hnorm", (H,)), ("shared_head_norm", (H,))):
-        w.add_tensor(f"blk.3.nextn.{name}.weight", rng.standard_normal(shape).astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+
+    def tensor(name, data):
+        if not name.startswith("blk.2."):
+            return [(name, data)]
+        nextn = rng.standard_normal(data.shape).astype(np.float32)
+        return [(name, data), (name.replace("blk.2.", "blk.3."), nextn)]
+
+    def finish(w):
+        w.add_nextn_predict_layers(1)
+        for name, shape in (("eh_proj", (H, 2 * H)), ("enorm", (H,)), ("hnorm", (H,)),
+                            ("shared_head_norm", (H,))):
+            w.add_tensor(f"blk.3.nextn.{name}.weight", rng.standard_normal(shape).astype(np.float32))
+
+    rewrite_gguf(src, out, key=lambda k, v: v + 1 if k == "glm4moe.block_count" else v, tensor=tensor,
+                 finish=finish)
 
 
 def test_gguf_with_a_nextn_block_runs_the_model_without_it(glm, tokens, tmp_path):
@@ -254,8 +219,8 @@ def test_bad_nextn_count_and_rope_scaling_are_one_line(glm, tmp_path):
 
 # ------------------------------------------------------------------------------------------- quantized
 
-# GGUF -> the in-memory transformers model's names (written here from the two projects' conventions, not from
-# moerun's table): per layer, then global.
+# GGUF -> the names in transformers' layer (written here from the two projects' conventions, not from moerun's
+# table)
 _HF = {"attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
        "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
        "ffn_gate_inp.weight": "mlp.gate.weight", "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
@@ -264,33 +229,6 @@ _HF |= {f"attn_{a}.{p}": f"self_attn.{b}_proj.{p}" for a, b in (("q", "q"), ("k"
         for p in ("weight", "bias")}
 _HF |= {f"ffn_{a}.weight": f"mlp.{a}_proj.weight" for a in ("gate", "up", "down")}
 _HF |= {f"ffn_{a}_shexp.weight": f"mlp.shared_experts.{a}_proj.weight" for a in ("gate", "up", "down")}
-_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
-
-
-def dequantized_reference(path, config):
-    """transformers' model holding the GGUF's weights as gguf.quants dequantizes them (the independent oracle)."""
-    import gguf
-    from transformers import AutoModelForCausalLM
-
-    state, gate_up = {}, {}
-    for t in gguf.GGUFReader(str(path)).tensors:
-        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
-        if t.name in _TOP:
-            state[_TOP[t.name]] = w
-            continue
-        _, layer, kind = t.name.split(".", 2)
-        prefix = f"model.layers.{layer}."
-        if kind in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):
-            gate_up.setdefault(layer, {})[kind] = w
-        else:
-            state[prefix + _HF[kind]] = w
-    for layer, parts in gate_up.items():
-        state[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat(
-            (parts["ffn_gate_exps.weight"], parts["ffn_up_exps.weight"]), dim=1)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    model.load_state_dict(state, strict=True)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -311,22 +249,15 @@ def test_quantized_conversion_runs_through_the_c_kernels(wide, tokens, tmp_path,
     itself is 80% off the float model) and 4.7% against the fp32 model; Q4_K 4.3% against the oracle and 52%
     against the fp32 model (Q4_K's own error: the oracle is 30-90% off fp32 per position, ~7% per weight). The
     bounds are loose so a broken path still fails."""
-    pytest.importorskip("moerun.kernels._cpu")
     model, config, folder = wide
     path = convert_hf_to_gguf(folder, tmp_path / "q.gguf", ftype=ftype, progress=False)
     with open_model(path) as mf:
         assert mf.records["blk.1.ffn_gate_exps.weight"].qtype == QType[ftype]
         assert mf.records["blk.0.ffn_gate.weight"].qtype == QType[ftype]
         assert mf.records["blk.1.ffn_gate_shexp.weight"].qtype == QType[ftype]
-    oracle = reference_logits(dequantized_reference(path, config), tokens)
-    ref_path = load_model(path, kernels=False).model.forward(tokens)
-    assert (ref_path - oracle).abs().max().item() < 1e-4
-    fast = load_model(path)
-    assert fast.model.fused is None and fast.model.ops.name == "cpu-kernels"
-    calls = count_kernel_calls(fast.model.ops)
-    got = fast.model.forward(tokens)
+    oracle = dequantized_reference(path, config, _HF)
+    calls, e_oracle, e_fp32 = kernel_path_errors(path, oracle, model, tokens)
     assert calls["moe_ffn_experts"] == 2 and calls["matmul"] >= 3 * 4 + 3 + 1, calls  # experts, q/k/v/o, FFNs, head
-    e_oracle, e_fp32 = rel_err(got, oracle), rel_err(got, reference_logits(model, tokens))
     print(f"{ftype}: kernel path relative error {e_oracle:.4f} against the oracle, {e_fp32:.4f} against fp32")
     assert e_oracle < 0.3 and e_fp32 < fp32_bound
 
@@ -334,23 +265,10 @@ def test_quantized_conversion_runs_through_the_c_kernels(wide, tokens, tmp_path,
 # ------------------------------------------------------------------------------------------ inspect
 
 
-def independent_counts(model) -> tuple[int, int]:
-    """Total and active parameters from transformers' own tensors (parameters and the saved correction-bias
-    buffers): active = everything but the routed experts, plus k/E of them (dense layer, shared experts in)."""
-    state = model.state_dict()
-    total = sum(t.numel() for t in state.values())
-    routed = sum(t.numel() for n, t in state.items() if ".mlp.experts." in n)
-    k, E = model.config.num_experts_per_tok, model.config.n_routed_experts
-    return total, total - routed + routed * k // E
-
-
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_inspect_counts_equal_an_independent_count(glm, source):
     model, folder, path = glm
-    r = CliRunner().invoke(main, ["inspect", str(folder if source == "hf" else path), "--json"])
-    assert r.exit_code == 0, r.output
-    d = json.loads(r.output)
-    assert (d["total_params"], d["active_params"]) == independent_counts(model)
+    d = check_inspect_counts(folder if source == "hf" else path, model)
     assert d["family"] == "glm4moe" and d["layers"] == 3 and d["moe_layers"] == 2 and d["dense_ffn"] == 96
 
 
@@ -393,51 +311,20 @@ def test_two_cpu_stages_give_the_same_tokens(preset_gguf, split):
 
 def test_standin_device_gives_the_same_tokens(preset_gguf, glm, tokens):
     check_standin_miss_paths(preset_gguf)
-    # fp32 from the HF folder: the stand-in's logits are transformers'
     model, folder, _ = glm
-    rt = build_runtime(RuntimeConfig(model=str(folder), devices=("standin:0",), expert_cache_slots=2, threads=1))
-    assert rt.stages[0].model.dev.kind == "standin"
-    got = rt.engine.model.forward(tokens, rt.engine.new_sequence().kv).cpu()
-    assert (got - reference_logits(model, tokens)).abs().max().item() < 1e-4
-    rt.close()
+    check_standin_hf_logits(folder, model, tokens)
 
 
 def test_triton_kernels_on_the_standin(preset_gguf, tokens, monkeypatch):
-    """MOERUN_STANDIN_KERNELS=triton: the stand-in multiplies GLM's Q8_0 blocks with the Triton kernels
-    (interpreted), as a GPU does, against the torch reference."""
-    pytest.importorskip("triton")
-    from moerun.engine.kv_cache import KVPool, SeqKV
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("MOERUN_STANDIN_KERNELS", "triton")
-    model = load_model(preset_gguf, kernels=False).model
-    ref = prompt_and_steps(model, SeqKV(KVPool(model.spec, 64), 64), tokens)
-    rt = build_runtime(RuntimeConfig(model=preset_gguf, devices=("standin:0",), expert_cache_slots=2,
-                                     miss_path="fetch", threads=1))
-    assert type(rt.stages[0].model.ops).__name__ == "TritonOps"
-    got = prompt_and_steps(rt.engine.model, rt.engine.new_sequence().kv, tokens)
-    assert (got - ref).abs().max().item() < 1e-3
-    rt.close()
+    check_triton_standin(preset_gguf, tokens, monkeypatch)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("slots", [2, None], ids=["2-slots", "all-in-vram"])
 def test_gpu_logits(glm, preset_gguf, tokens, slots):
-    """On cuda:0: fp32 HF weights within 1e-4 of transformers; the preset's Q8_0 blocks through the Triton
-    kernels within 2e-3 of the torch reference on the CPU (skipped without CUDA)."""
-    from moerun.engine.kv_cache import KVPool, SeqKV
-
+    """On cuda:0 (skipped without CUDA): family_checks.check_gpu_logits."""
     model, folder, _ = glm
-    rt = build_runtime(RuntimeConfig(model=str(folder), devices=("cuda:0",), expert_cache_slots=slots))
-    assert rt.stages[0].model.dev.is_cuda
-    got = prompt_and_steps(rt.engine.model, rt.engine.new_sequence().kv, tokens)[:32]
-    assert (got - reference_logits(model, tokens)).abs().max().item() < 1e-4
-    ref_model = load_model(preset_gguf, kernels=False).model
-    ref = prompt_and_steps(ref_model, SeqKV(KVPool(ref_model.spec, 64), 64), tokens)
-    rt = build_runtime(RuntimeConfig(model=preset_gguf, devices=("cuda:0",), expert_cache_slots=slots))
-    assert type(rt.stages[0].model.ops).__name__ == "TritonOps"
-    got = prompt_and_steps(rt.engine.model, rt.engine.new_sequence().kv, tokens)
-    assert (got - ref).abs().max().item() < 2e-3
+    check_gpu_logits(folder, model, preset_gguf, tokens, slots)
 
 
 def test_server_completion(preset_gguf, tmp_path):
@@ -448,11 +335,4 @@ def test_server_completion(preset_gguf, tmp_path):
 def test_estimate_bytes_per_token(preset_gguf, tmp_path, monkeypatch):
     """Bytes per token from gguf's reader: the dense layer and shared experts whole, k/E of the routed experts,
     one embedding row."""
-    monkeypatch.setenv("MOERUN_CACHE", str(tmp_path / "cache"))
-    res = CliRunner().invoke(main, ["estimate", preset_gguf, "-t", "1", "--ram-bw", "10", "--device", "cpu", "--json",
-                                     "--no-measure"])
-    assert res.exit_code == 0, res.output
-    d = json.loads(res.output)
-    assert d["bytes_per_token"] == pytest.approx(gguf_bytes_per_token(preset_gguf, "glm4moe"), abs=8)
-    assert d["bytes_per_token_by_class"]["shared_experts"] > 0 and d["bytes_per_token_by_class"]["dense_ffn"] > 0
-    assert d["decode"]["expected"]["tok_s"] > 0
+    check_estimate(preset_gguf, "glm4moe", tmp_path, monkeypatch)

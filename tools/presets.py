@@ -4,7 +4,8 @@
     preset("a3b-L4", n_layers=6)                 # Qwen3-30B-A3B's layer shape, 6 layers
     preset("tiny-mixtral", layers=3, vocab=1024) # short aliases: see ALIASES
 
-The tiny shapes are what the tests write on the fly; `a3b-*` is the benchmark shape (DESIGN.md).
+The tiny shapes are what the tests write on the fly; `a3b-*` is the benchmark shape (DESIGN.md), `v2lite-*`
+DeepSeek-V2-Lite's.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 from moerun.arch import FAMILIES, ModelSpec
+from moerun.arch.deepseek2 import yarn_softmax_scale
 from moerun.arch.family import with_family_defaults
+from moerun.arch.spec import Yarn
 
 __all__ = ["ALIASES", "PRESETS", "apply_overrides", "preset", "preset_names"]
 
@@ -63,6 +66,35 @@ def _tiny_glm4moe() -> ModelSpec:
     return dataclasses.replace(spec, qk_norm="head")  # GLM-4.5's q/k norm (GLM-4.5-Air has none)
 
 
+def _deepseek(v3: bool, **fields: Any) -> ModelSpec:
+    """DeepSeek's MLA with YaRN (factor and mscale_all_dim as V2-Lite / V3 set them), a leading dense layer
+    and two shared experts; V2: softmax routing, greedy, not renormalised; V3: the q latent, sigmoid routing
+    with a correction bias within the best groups, renormalised, a routed scale."""
+    head_dim = fields["qk_nope_dim"] + fields["qk_rope_dim"]
+    m_all = 1.0 if v3 else 0.707
+    yarn = Yarn(40.0, fields.pop("original_context"), attention_factor=1.0)
+    routing = {"router": "sigmoid", "score_bias": True, "norm_topk": True, "n_groups": 4, "topk_groups": 2,
+               "group_score": "top2", "routed_scale": 2.5} if v3 else {"norm_topk": False}
+    return _family_spec("deepseek2", n_kv_heads=1, head_dim=head_dim, attention="mla", yarn=yarn,
+                        attn_scale=yarn_softmax_scale(head_dim, yarn.factor, m_all), rms_eps=1e-6,
+                        rope_theta=10000.0, **(routing | fields))
+
+
+def _tiny_deepseek(v3: bool) -> ModelSpec:
+    return _deepseek(v3, n_layers=3, moe_layers=(False, True, True), hidden=64, n_heads=4, vocab=512,
+                     n_experts=8, n_experts_used=2, expert_ffn=32, shared_ffn=64, dense_ffn=96,
+                     context_length=4096, original_context=256, q_lora_rank=24 if v3 else 0, kv_lora_rank=32,
+                     qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16)
+
+
+def _v2_lite(n_layers: int) -> ModelSpec:
+    """DeepSeek-V2-Lite's shape (27 layers there), with its vocabulary."""
+    return _deepseek(False, n_layers=n_layers, moe_layers=(False,) + (True,) * (n_layers - 1), hidden=2048,
+                     n_heads=16, vocab=102400, n_experts=64, n_experts_used=6, expert_ffn=1408,
+                     shared_ffn=2816, dense_ffn=10944, context_length=163840, original_context=4096,
+                     kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128)
+
+
 def _a3b(n_layers: int) -> ModelSpec:
     return _family_spec("qwen3moe", n_layers=n_layers, hidden=2048, n_heads=32, n_kv_heads=4, head_dim=128,
                         vocab=1024, n_experts=128, n_experts_used=8, expert_ffn=768, rms_eps=1e-6,
@@ -75,8 +107,11 @@ PRESETS: dict[str, Callable[[], ModelSpec]] = {
     "tiny-mixtral": lambda: _tiny("mixtral"),
     "tiny-olmoe": lambda: _tiny("olmoe"),
     "tiny-glm4moe": _tiny_glm4moe,
+    "tiny-deepseek2": lambda: _tiny_deepseek(False),
+    "tiny-deepseek3": lambda: _tiny_deepseek(True),
     "a3b-L4": lambda: _a3b(4),
     "a3b-L12": lambda: _a3b(12),
+    "v2lite-L4": lambda: _v2_lite(4),
 }
 
 

@@ -4,16 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from moerun.arch import glm4moe, mixtral, olmoe, qwen2moe, qwen3moe
+from moerun.arch import deepseek2, glm4moe, mixtral, olmoe, qwen2moe, qwen3moe
 from moerun.arch.family import ConfigError, Family, gguf_metadata, spec_from_gguf, spec_from_hf
 from moerun.arch.spec import ModelSpec
-from moerun.arch.tensors import Source, TensorError, canonical_sources, check_sources, expected_shapes
+from moerun.arch.tensors import (
+    Source,
+    TensorError,
+    canonical_sources,
+    check_sources,
+    expected_shapes,
+    source_shape,
+)
 from moerun.errors import ModelFormatError
 from moerun.formats.names import CName
 from moerun.formats.records import ModelFile
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (qwen3moe.FAMILY, qwen2moe.FAMILY, mixtral.FAMILY, olmoe.FAMILY,
-                                                glm4moe.FAMILY)}
+                                                glm4moe.FAMILY, deepseek2.FAMILY)}
 
 __all__ = [
     "FAMILIES",
@@ -90,7 +97,25 @@ def resolve(mf: ModelFile) -> Arch:
                             sources[cn] = replace(sources[cn], permute_heads=heads)
         # layers past the model's (next-token-prediction blocks: GLM-4.5, DeepSeek-V3) are never run
         sources = {cn: src for cn, src in sources.items() if cn.layer is None or cn.layer < spec.n_layers}
+        if spec.attention == "mla":
+            _split_kv_b(spec, sources)
         check_sources(spec, sources)
     except (ConfigError, TensorError, ValueError) as e:
         raise ModelFormatError(mf.path, str(e)) from None
     return Arch(fam, spec, sources)
+
+
+def _split_kv_b(spec: ModelSpec, sources: dict[CName, Source]) -> None:
+    """MLA's latent up-projection stored whole (HF's kv_b_proj, older GGUFs' attn_kv_b) -> the key and value
+    parts llama.cpp's converter writes today (attn_k_b, attn_v_b), which the forward pass reads."""
+    for i in range(spec.n_layers):
+        cn = CName("attn_kv_b.weight", i)
+        src = sources.pop(cn, None)
+        if src is not None:
+            want = (spec.n_heads * (spec.qk_nope_dim + spec.v_head_dim), spec.kv_lora_rank)
+            if source_shape(src) != want:
+                got = list(source_shape(src))
+                raise TensorError(f"tensor '{cn.gguf}' has shape {got}, expected {list(want)}")
+            for part in ("k", "v"):
+                sources.setdefault(CName(f"attn_{part}_b.weight", i), replace(src, kv_b=(part, spec.n_heads,
+                                                                                        spec.qk_nope_dim)))

@@ -138,10 +138,14 @@ class ModelSpec:
             raise ValueError(f"expert groups: {self.topk_groups} of {self.n_groups} must divide {self.n_experts} "
                              "experts")
         if self.attention == "mla":
-            if min(self.kv_lora_rank, self.qk_rope_dim, self.v_head_dim) <= 0 or self.qk_rope_dim % 2 or \
-                    self.head_dim != self.qk_nope_dim + self.qk_rope_dim:
-                raise ValueError("MLA needs kv_lora_rank, an even qk_rope_dim, v_head_dim > 0 and head_dim = "
-                                 "qk_nope_dim + qk_rope_dim")
+            if min(self.kv_lora_rank, self.qk_nope_dim, self.qk_rope_dim, self.v_head_dim) <= 0 or \
+                    self.qk_rope_dim % 2 or self.head_dim != self.qk_nope_dim + self.qk_rope_dim or \
+                    self.q_lora_rank < 0:
+                raise ValueError("MLA needs kv_lora_rank, qk_nope_dim, an even qk_rope_dim, v_head_dim > 0, "
+                                 "q_lora_rank >= 0 and head_dim = qk_nope_dim + qk_rope_dim")
+            if self.n_kv_heads != 1 or self.qkv_bias or self.qk_norm != "none" or self.clip_qkv is not None:
+                raise ValueError("MLA has one latent KV head (n_kv_heads 1) and no q/k/v biases, norms or "
+                                 "clipping")
         if self.routed_scale <= 0 or self.attn_scale < 0:
             raise ValueError("routed_scale must be > 0 and attn_scale >= 0")
 
@@ -164,8 +168,16 @@ class ModelSpec:
     def softmax_scale(self) -> float:
         return self.attn_scale or self.head_dim ** -0.5
 
+    @property
+    def attn_out_dim(self) -> int:
+        """The output projection's input: every head's value."""
+        return self.n_heads * (self.v_head_dim if self.attention == "mla" else self.head_dim)
+
     def kv_layout(self, layer: int) -> KVLayout:
-        """What layer `layer`'s KV cache holds per position (moerun.engine.kv_cache)."""
+        """What layer `layer`'s KV cache holds per position (moerun.engine.kv_cache); MLA: one latent, the
+        normed compression and the rotated key that every head shares."""
+        if self.attention == "mla":
+            return KVLayout((self.kv_lora_rank + self.qk_rope_dim,), ())
         return KVLayout((self.n_kv_heads, self.head_dim), (self.n_kv_heads, self.head_dim))
 
     def kv_bytes(self, layer: int, positions: int, dtype_bytes: int) -> int:

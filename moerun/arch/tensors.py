@@ -17,12 +17,16 @@ class Source:
     records: one record, or one per expert (stacked along a new outer dimension).
     chunk:   take half `chunk` (0 or 1) of dimension -2 (HF fused gate_up_proj).
     permute_heads: reorder Q/K rows from rotate-half to interleaved RoPE layout, with this many heads.
+    kv_b:    MLA's latent up-projection stored whole ([heads * (nope + v), rank]: HF, older GGUFs): (part,
+             heads, nope) takes part "k" as llama.cpp's attn_k_b [heads, rank, nope] or "v" as attn_v_b
+             [heads, v, rank].
     """
 
     records: tuple[TensorRecord, ...]
     chunk: int | None = None
     permute_heads: int | None = None
     stacked: bool = False
+    kv_b: tuple[str, int, int] | None = None
 
 
 class TensorError(ValueError):
@@ -73,7 +77,39 @@ def source_shape(src: Source) -> tuple[int, ...]:
         shape = (len(src.records), *shape)
     if src.chunk is not None and len(shape) >= 2:
         shape = (*shape[:-2], shape[-2] // 2, shape[-1])
+    if src.kv_b is not None and len(shape) == 2:
+        part, heads, nope = src.kv_b
+        rank = shape[1]
+        shape = (heads, rank, nope) if part == "k" else (heads, shape[0] // heads - nope, rank)
     return tuple(shape)
+
+
+def _attention_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """One layer's attention tensors (canonical kinds) with their shapes."""
+    H, nh = spec.hidden, spec.n_heads
+    if spec.attention == "mla":
+        rank, rope = spec.kv_lora_rank, spec.qk_rope_dim
+        out = {"attn_kv_a_mqa.weight": (rank + rope, H), "attn_kv_a_norm.weight": (rank,),
+               "attn_k_b.weight": (nh, rank, spec.qk_nope_dim),
+               "attn_v_b.weight": (nh, spec.v_head_dim, rank), "attn_output.weight": (H, spec.attn_out_dim)}
+        if spec.q_lora_rank:
+            q = spec.q_lora_rank
+            return out | {"attn_q_a.weight": (q, H), "attn_q_a_norm.weight": (q,),
+                          "attn_q_b.weight": (spec.q_dim, q)}
+        return out | {"attn_q.weight": (spec.q_dim, H)}
+    out = {"attn_q.weight": (spec.q_dim, H), "attn_k.weight": (spec.kv_dim, H),
+           "attn_v.weight": (spec.kv_dim, H), "attn_output.weight": (H, spec.attn_out_dim)}
+    if spec.qkv_bias:
+        out |= {"attn_q.bias": (spec.q_dim,), "attn_k.bias": (spec.kv_dim,), "attn_v.bias": (spec.kv_dim,)}
+    if spec.attn_out_bias:
+        out["attn_output.bias"] = (H,)
+    if spec.attn_sinks:
+        out["attn_sinks.weight"] = (nh,)
+    if spec.qk_norm == "head":
+        out |= {"attn_q_norm.weight": (spec.head_dim,), "attn_k_norm.weight": (spec.head_dim,)}
+    elif spec.qk_norm == "full":
+        out |= {"attn_q_norm.weight": (spec.q_dim,), "attn_k_norm.weight": (spec.kv_dim,)}
+    return out
 
 
 def expected_shapes(spec: ModelSpec) -> dict[CName, tuple[int, ...]]:
@@ -83,21 +119,7 @@ def expected_shapes(spec: ModelSpec) -> dict[CName, tuple[int, ...]]:
     if not spec.tie_embeddings:
         want[CName("output.weight")] = (spec.vocab, H)
     for i in range(spec.n_layers):
-        layer = {
-            "attn_norm.weight": (H,), "ffn_norm.weight": (H,),
-            "attn_q.weight": (spec.q_dim, H), "attn_k.weight": (spec.kv_dim, H),
-            "attn_v.weight": (spec.kv_dim, H), "attn_output.weight": (H, spec.q_dim),
-        }
-        if spec.qkv_bias:
-            layer |= {"attn_q.bias": (spec.q_dim,), "attn_k.bias": (spec.kv_dim,), "attn_v.bias": (spec.kv_dim,)}
-        if spec.attn_out_bias:
-            layer["attn_output.bias"] = (H,)
-        if spec.attn_sinks:
-            layer["attn_sinks.weight"] = (spec.n_heads,)
-        if spec.qk_norm == "head":
-            layer |= {"attn_q_norm.weight": (spec.head_dim,), "attn_k_norm.weight": (spec.head_dim,)}
-        elif spec.qk_norm == "full":
-            layer |= {"attn_q_norm.weight": (spec.q_dim,), "attn_k_norm.weight": (spec.kv_dim,)}
+        layer = {"attn_norm.weight": (H,), "ffn_norm.weight": (H,)} | _attention_shapes(spec)
         if spec.moe_layers[i]:
             layer |= {"ffn_gate_inp.weight": (E, H), "ffn_gate_exps.weight": (E, I, H),
                       "ffn_up_exps.weight": (E, I, H), "ffn_down_exps.weight": (E, H, I)}

@@ -1,8 +1,9 @@
 """KV cache in fixed-size blocks: one pool per model, a block table per sequence (vLLM's PagedAttention layout).
 
 A pool holds the keys and values of a range of layers (all of the model's, or one pipeline rank's), cut into
-segments: consecutive layers on one device (a stage's), each [layers, blocks * block_size, kv_heads,
-head_dim]. Layers are the model's indices. A sequence's position p lives in slot
+segments: consecutive layers on one device (a stage's) and one layout (ModelSpec.kv_layout), each [layers,
+blocks * block_size, kv_heads, head_dim] (MLA: [layers, slots, kv_lora_rank + qk_rope_dim], no values). Layers
+are the model's indices. A sequence's position p lives in slot
 table[p // block_size] * block_size + p % block_size of every segment: one block table serves all devices.
 Blocks are handed out by a BlockAllocator, so sequences of different lengths share one preallocated pool
 and freeing a sequence returns its blocks.
@@ -139,12 +140,14 @@ class SeqKV:
             self._on[device] = self._slot_index.to(device)
         return self._on[device][start:end]
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k/v [T, kv_heads, head_dim] of model layer `layer` at positions start..start+T (reserved)."""
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
+        """Store k/v [T, kv_heads, head_dim] of model layer `layer` at positions start..start+T (reserved); v
+        None where the layer's layout keeps none (MLA's latent is k alone)."""
         kc, vc = self.pool.layer(layer)
         slots = self._slots(kc.device, start, start + k.shape[0])
         kc.index_copy_(0, slots, k.to(kc.dtype))
-        vc.index_copy_(0, slots, v.to(vc.dtype))
+        if v is not None:
+            vc.index_copy_(0, slots, v.to(vc.dtype))
 
     def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [end, kv_heads, head_dim] for positions 0..end: a view when the blocks are consecutive in

@@ -1,5 +1,6 @@
 """Layers every family shares: RMSNorm, RoPE (plain, partial, YaRN), attention (GQA with optional sinks and a
-sliding window). (Matrix products: moerun.model.ops; the router: moerun.model.moe.)"""
+sliding window; DeepSeek's multi-head latent attention over cached latents, absorbed or expanded). (Matrix
+products: moerun.model.ops; the router: moerun.model.moe.)"""
 
 from __future__ import annotations
 
@@ -103,3 +104,40 @@ def _attend_small(q, k, v, q_pos, k_pos, scale=None, sinks=None, window=0):
         p = torch.softmax(torch.cat((s, sink), dim=-1), dim=-1)[..., :S]
     o = torch.bmm(p, v.permute(1, 0, 2))  # [nkv, T*g, Dv]
     return o.view(nkv, T, g, Dv).permute(1, 0, 2, 3).reshape(T, nh * Dv)
+
+
+def mla_form(T: int):
+    """The MLA form for T queries: absorbed for small steps (decode; it never expands the S cached latents
+    into S * heads keys and values), expanded for prompt chunks (per position and head it multiplies nope +
+    rope + v instead of 2 * rank + rope). Measured at V2-Lite's shape, one thread (bench/mla_forms.py,
+    bench/RESULTS.md): absorbed faster for every T <= 16, expanded for every T >= 64, at S from T to 4096."""
+    return mla_absorbed if T <= SMALL_T else mla_expanded
+
+
+def mla_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, wk_b: torch.Tensor,
+                 wv_b: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """Multi-head latent attention in the absorbed form: each head's query goes into the latent space through
+    its W_UK, attends over the latents as over one shared key and value head, and leaves through its W_UV.
+
+    q_nope [T, nh, nope], q_pe [T, nh, rope] (rotated); latent [S, rank + rope] (the normed compression, then
+    the rotated key); wk_b [nh, rank, nope], wv_b [nh, dv, rank] -> [T, nh * dv]."""
+    T, nh, _ = q_nope.shape
+    rank = wk_b.shape[1]
+    q_lat = torch.bmm(q_nope.transpose(0, 1), wk_b.transpose(1, 2)).transpose(0, 1)  # [T, nh, rank]
+    q = torch.cat((q_lat, q_pe), dim=-1)  # [T, nh, rank + rope]
+    o = attend(q, latent[:, None], latent[:, None, :rank], q_pos, k_pos, scale)  # [T, nh * rank]
+    o = torch.bmm(o.view(T, nh, rank).transpose(0, 1), wv_b.transpose(1, 2))  # [nh, T, dv]
+    return o.transpose(0, 1).flatten(1)
+
+
+def mla_expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, wk_b: torch.Tensor,
+                 wv_b: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """Multi-head latent attention in the expanded form: every head's keys and values are made from the
+    latents (as transformers computes), then plain attention. Shapes as mla_absorbed."""
+    nh, rank, _ = wk_b.shape
+    S = latent.shape[0]
+    c, k_pe = latent[:, :rank], latent[:, rank:]  # [S, rank], [S, rope]
+    k = torch.cat((torch.matmul(c, wk_b), k_pe.expand(nh, S, -1)), dim=-1)  # [nh, S, nope + rope]
+    v = torch.matmul(c, wv_b.transpose(1, 2))  # [nh, S, dv]
+    q = torch.cat((q_nope, q_pe), dim=-1)  # [T, nh, nope + rope]
+    return attend(q, k.transpose(0, 1), v.transpose(0, 1), q_pos, k_pos, scale)

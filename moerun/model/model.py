@@ -16,7 +16,7 @@ from moerun.experts.prefetch import guess_ids
 from moerun.experts.store import ExpertReader, ExpertStore
 from moerun.formats.names import CName
 from moerun.model.fused import FusedAttention
-from moerun.model.layers import apply_rope, attend, rms_norm, rope_tables
+from moerun.model.layers import apply_rope, attend, mla_form, rms_norm, rope_tables
 from moerun.model.moe import Experts, ResidentExperts, route
 from moerun.model.ops import Weight, make_ops
 from moerun.quant.qtypes import FLOAT_QTYPES, QTensor
@@ -28,11 +28,11 @@ if TYPE_CHECKING:  # the engine owns the cache; the model only writes and reads 
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
-    wq: Weight
-    wk: Weight
-    wv: Weight
+    wq: Weight  # the query projection (MLA with q_lora_rank: from the normed q latent, attn_q_b)
     wo: Weight
     ffn_norm: torch.Tensor
+    wk: Weight | None = None  # GQA
+    wv: Weight | None = None
     bq: torch.Tensor | None = None
     bk: torch.Tensor | None = None
     bv: torch.Tensor | None = None
@@ -40,6 +40,12 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
     bo: torch.Tensor | None = None  # the output projection's bias
     sinks: torch.Tensor | None = None  # [n_heads] attention sink logits
+    wq_a: Weight | None = None  # MLA: x -> the q latent [q_lora_rank], normed by q_a_norm
+    q_a_norm: torch.Tensor | None = None
+    wkv_a: Weight | None = None  # MLA: x -> the KV latent [kv_lora_rank] (normed: kv_a_norm), the rotary key
+    kv_a_norm: torch.Tensor | None = None
+    wk_b: torch.Tensor | None = None  # MLA: [heads, kv_lora_rank, nope], the latent -> each head's key
+    wv_b: torch.Tensor | None = None  # MLA: [heads, v_head_dim, kv_lora_rank], the latent -> each value
     router: Weight | None = None  # MoE layers
     router_b: torch.Tensor | None = None  # the router's bias
     score_b: torch.Tensor | None = None  # the scores' correction bias, for choosing only
@@ -81,10 +87,14 @@ class MoEModel:
         for i in range(self.first, self.stop):
             lw = LayerWeights(
                 attn_norm=vec("attn_norm.weight", i), ffn_norm=vec("ffn_norm.weight", i),
-                wq=mat("attn_q.weight", i), wk=mat("attn_k.weight", i), wv=mat("attn_v.weight", i),
-                wo=mat("attn_output.weight", i), bq=vec("attn_q.bias", i), bk=vec("attn_k.bias", i),
-                bv=vec("attn_v.bias", i), q_norm=vec("attn_q_norm.weight", i), k_norm=vec("attn_k_norm.weight", i),
+                wq=mat("attn_q_b.weight" if CName("attn_q_b.weight", i) in weights else "attn_q.weight", i),
+                wk=mat("attn_k.weight", i), wv=mat("attn_v.weight", i), wo=mat("attn_output.weight", i),
+                bq=vec("attn_q.bias", i), bk=vec("attn_k.bias", i), bv=vec("attn_v.bias", i),
+                q_norm=vec("attn_q_norm.weight", i), k_norm=vec("attn_k_norm.weight", i),
                 bo=vec("attn_output.bias", i), sinks=vec("attn_sinks.weight", i),
+                wq_a=mat("attn_q_a.weight", i), q_a_norm=vec("attn_q_a_norm.weight", i),
+                wkv_a=mat("attn_kv_a_mqa.weight", i), kv_a_norm=vec("attn_kv_a_norm.weight", i),
+                wk_b=vec("attn_k_b.weight", i), wv_b=vec("attn_v_b.weight", i),  # floats: multiplied per head
             )
             if spec.moe_layers[i]:
                 lw.router = mat("ffn_gate_inp.weight", i)
@@ -172,6 +182,8 @@ class MoEModel:
         return rows.dequantize(self.dtype)  # [T, H]
 
     def attention(self, i: int, x: torch.Tensor, pos: torch.Tensor, rope, kv: SeqKV | None) -> torch.Tensor:
+        if self.spec.attention == "mla":
+            return self.latent_attention(i, x, pos, rope, kv)
         s, lw, T = self.spec, self.layers[i - self.first], x.shape[0]
         mm = self.ops.linear
         q, k, v = mm(x, lw.wq, lw.bq), mm(x, lw.wk, lw.bk), mm(x, lw.wv, lw.bv)  # [T, q_dim|kv_dim]
@@ -192,6 +204,27 @@ class MoEModel:
         out = attend(q, k, v, pos, k_pos, scale=s.softmax_scale, sinks=lw.sinks,
                      window=s.sliding_window if s.sliding(i) else 0)
         return mm(out, lw.wo, lw.bo)  # [T, H]
+
+    def latent_attention(self, i: int, x: torch.Tensor, pos: torch.Tensor, rope,
+                         kv: SeqKV | None) -> torch.Tensor:
+        """DeepSeek's multi-head latent attention: the cache keeps one latent per position (the normed
+        compression and the rotated key all heads share), absorbed into the queries for small steps, expanded
+        into keys and values for prompt chunks (layers.mla_form)."""
+        s, lw, T = self.spec, self.layers[i - self.first], x.shape[0]
+        mm = self.ops.linear
+        q = mm(x, lw.wq) if lw.wq_a is None else mm(rms_norm(mm(x, lw.wq_a), lw.q_a_norm, s.rms_eps), lw.wq)
+        q_nope, q_pe = q.view(T, s.n_heads, s.head_dim).split((s.qk_nope_dim, s.qk_rope_dim), dim=-1)
+        c, k_pe = mm(x, lw.wkv_a).split((s.kv_lora_rank, s.qk_rope_dim), dim=-1)  # [T, rank], [T, rope]
+        q_pe = apply_rope(q_pe, *rope, s.rope_style)  # [T, nh, rope]
+        latent = torch.cat((rms_norm(c, lw.kv_a_norm, s.rms_eps),
+                            apply_rope(k_pe[:, None], *rope, s.rope_style)[:, 0]), dim=-1)  # [T, rank + rope]
+        k_pos = pos
+        if kv is not None:
+            kv.write(i, int(pos[0]), latent)
+            latent = kv.read(i, int(pos[-1]) + 1)[0]  # [S, rank + rope]
+            k_pos = torch.arange(latent.shape[0], device=x.device)
+        out = mla_form(T)(q_nope, q_pe, latent, lw.wk_b, lw.wv_b, pos, k_pos, s.softmax_scale)  # [T, nh * v]
+        return mm(out, lw.wo)  # [T, H]
 
     def _prefetch_next(self, i: int, resid: torch.Tensor) -> None:
         """DESIGN decision 6: guess the next MoE layer's experts with its router on the hidden state after layer

@@ -42,7 +42,21 @@ def materialize(mf: ModelFile, src: Source) -> QTensor:
         shape = (*shape[:-2], half, shape[-1])
     if src.permute_heads:
         raw = _permute_rows(raw, src.permute_heads)
+    if src.kv_b is not None:
+        return _kv_b_part(QTensor(raw, qtype, tuple(shape)), *src.kv_b)
     return QTensor(raw, qtype, tuple(shape))
+
+
+def _kv_b_part(kv_b: QTensor, part: str, heads: int, nope: int) -> QTensor:
+    """MLA's kv_b [heads * (nope + v), rank] -> llama.cpp's attn_v_b [heads, v, rank] (whole rows: any qtype,
+    as stored) or attn_k_b [heads, rank, nope] (transposed: float32)."""
+    rows, rank = kv_b.shape
+    per = rows // heads
+    if part == "v":
+        raw = kv_b.data.reshape(heads, per, -1)[:, nope:].contiguous()
+        return QTensor(raw, kv_b.qtype, (heads, per - nope, rank))
+    w = kv_b.dequantize(torch.float32).view(heads, per, rank)[:, :nope]  # [heads, nope, rank]
+    return QTensor.from_float(w.transpose(1, 2).contiguous())
 
 
 def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False) -> dict[CName, QTensor]:
@@ -53,7 +67,7 @@ def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False) -> dict[
     """
     out = {}
     for cn, src in arch.sources.items():
-        built_by_copy = src.stacked or src.chunk is not None or src.permute_heads
+        built_by_copy = src.stacked or src.chunk is not None or src.permute_heads or src.kv_b is not None
         if not built_by_copy and (copy_experts or tensor_class(cn.kind) != "routed_experts"):
             rec = src.records[0]
             out[cn] = QTensor.from_bytes(mf.read(rec), rec.qtype, rec.shape)  # read, not copied via the map
