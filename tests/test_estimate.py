@@ -364,3 +364,25 @@ def test_gpus_without_a_gpu_is_one_line(tiny):
     r = estimate(tiny, "--gpus", "0,1")
     assert r.exit_code == 1 and "no CUDA device" in r.output and "--device cpu" in r.output
     assert "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("name", [n for n in __import__("moerun.tools.presets", fromlist=["x"]).preset_names()
+                                  if n.startswith("tiny-")])
+def test_the_layer_probe_runs_every_family(name, tmp_path):
+    """Every family's layers build and run in the probe (attention kinds, MLA, leading dense layers, shared
+    experts, biases): its figures are finite and not negative. No timing is asserted."""
+    import math
+
+    from moerun.arch import resolve
+    from moerun.formats import open_model
+    from moerun.placement import layer_probe as lp
+    from moerun.tools.make_model import make_model
+
+    path = make_model(name, tmp_path / f"{name}.gguf", ftype="Q8_0", progress=False, threads=1)
+    with open_model(path) as mf:
+        arch = resolve(mf)
+    lay = lp.probe_layout(arch)
+    assert lay["spec"]["family"] == arch.spec.family
+    rates = probes.gather_rates(probes.RateOptions(threads=1, qtypes=["Q8_0"]), cache=tmp_path / "hw.json")
+    r = lp.measure_layers(1, lay, rates, rounds=2, n_gen=2)
+    assert all(math.isfinite(r[k]) and r[k] >= 0 for k in ("layer_s", "token_s", "prefill_layer_token_s")), r
