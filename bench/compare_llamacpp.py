@@ -128,6 +128,13 @@ def moerun_commit() -> str:
         return "unknown"
 
 
+def append_section(text: str, path: Path = HERE / "RESULTS.md") -> None:
+    """Append a results section (its own paragraph) to bench/RESULTS.md."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("\n" + text)
+    print(f"appended to {path}", file=sys.stderr)
+
+
 def run(cmd: list[str]) -> str:
     print(f"$ {shlex.join(cmd)}", file=sys.stderr, flush=True)
     return subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
@@ -214,9 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     text = section(results, args)
     print(text)
     if not args.no_append:
-        with open(args.results, "a", encoding="utf-8") as f:
-            f.write("\n" + text)
-        print(f"appended to {args.results}", file=sys.stderr)
+        append_section(text, args.results)
     return 0
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from compare_llamacpp import machine, moerun_commit  # noqa: E402
+from compare_llamacpp import append_section, machine, moerun_commit  # noqa: E402
 
 
 def moerun(*args: str, cache: str | None = None) -> tuple[str, float]:
@@ -95,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, ""])
     print(text)
     if args.append:
-        with open(HERE / "RESULTS.md", "a", encoding="utf-8") as f:
-            f.write("\n" + text)
+        append_section(text)
     return 0
 
 

@@ -29,7 +29,7 @@ import psutil
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from compare_llamacpp import machine, moerun_commit  # noqa: E402
+from compare_llamacpp import append_section, machine, moerun_commit  # noqa: E402
 
 
 class Hogs:
@@ -155,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.append:
-        with open(HERE / "RESULTS.md", "a", encoding="utf-8") as f:
-            f.write("\n" + text)
+        append_section(text)
     return 0
 
 
