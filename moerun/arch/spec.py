@@ -14,6 +14,7 @@ LAYER_KINDS = ("full", "sliding")  # attention over the whole context, or over t
 ROUTERS = ("softmax", "topk_softmax", "sigmoid")
 GROUP_SCORES = ("max", "top2")  # a group's score for group-limited routing: its best expert (V2), its best two (V3)
 EXPERT_ACTS = ("swiglu", "swiglu_oai")  # silu(g) * u; gpt-oss: min(g, l) * sigmoid(a g) * (clamp(u, -l, l) + 1)
+RING_ROWS = 16  # the most positions of one sequence a step writes before attending (the fused decode path's rows)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,15 @@ class KVLayout:
 
     def elems(self) -> int:
         return math.prod(self.k) + (math.prod(self.v) if self.v else 0)
+
+    def ring_blocks(self, block_size: int) -> int:
+        """Blocks of a windowed layer's ring (per sequence): position p lives in block (p // block_size) % n of
+        it, so after RING_ROWS new positions are written each still finds the window - 1 before it."""
+        return -(-(self.window + RING_ROWS - 2) // block_size) + 1
+
+    def held(self, positions: int, block_size: int = 16) -> int:
+        """Positions of one sequence the cache keeps for a context of `positions`: all, or a window's ring."""
+        return min(positions, self.ring_blocks(block_size) * block_size) if self.window else positions
 
 
 @dataclass(frozen=True)
@@ -165,13 +175,15 @@ class ModelSpec:
         return self.attn_scale or self.head_dim ** -0.5
 
     def kv_layout(self, layer: int) -> KVLayout:
-        """What layer `layer`'s KV cache holds per position (moerun.engine.kv_cache)."""
-        return KVLayout((self.n_kv_heads, self.head_dim), (self.n_kv_heads, self.head_dim))
+        """What layer `layer`'s KV cache holds per position (moerun.engine.kv_cache): a sliding layer, the last
+        `sliding_window` positions only."""
+        return KVLayout((self.n_kv_heads, self.head_dim), (self.n_kv_heads, self.head_dim),
+                        self.sliding_window if self.sliding(layer) else 0)
 
     def kv_bytes(self, layer: int, positions: int, dtype_bytes: int) -> int:
         """Bytes of layer `layer`'s KV cache for `positions` positions (of one sequence)."""
         lay = self.kv_layout(layer)
-        return (min(positions, lay.window) if lay.window else positions) * lay.elems() * dtype_bytes
+        return lay.held(positions) * lay.elems() * dtype_bytes
 
     def sliding(self, layer: int) -> bool:
         """Whether `layer` attends to the last `sliding_window` positions only."""
