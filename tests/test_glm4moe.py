@@ -364,7 +364,7 @@ def preset_gguf(tmp_path_factory):
     from moerun.tools.presets import preset
 
     spec = preset("tiny-glm4moe", layers=4)
-    assert spec.moe_layers == (False, True, True, True) and spec.n_groups == 4 and not spec.plain
+    assert spec.moe_layers == (False, True, True, True) and spec.n_groups == 4 and not spec.fused_decode
     return str(make_model(spec, tmp_path_factory.mktemp("glm-preset") / "tiny-glm4moe.gguf", ftype="Q8_0",
                           progress=False, threads=1))
 

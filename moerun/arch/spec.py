@@ -190,10 +190,11 @@ class ModelSpec:
         return bool(self.layer_kinds) and self.layer_kinds[layer] == "sliding"
 
     @property
-    def plain(self) -> bool:
-        """Only the features the first four families have (what the fused C decode path implements)."""
-        return (self.attention == "gqa" and not (self.rope_dim and self.rope_dim != self.head_dim)
-                and self.yarn is None and not self.attn_out_bias and not self.attn_sinks
-                and "sliding" not in self.layer_kinds and not self.attn_scale and self.router == "softmax"
-                and not self.router_bias and not self.score_bias and self.n_groups == 1 and self.routed_scale == 1.0
-                and self.expert_act == "swiglu" and not self.expert_bias)
+    def fused_decode(self) -> bool:
+        """Whether the fused C decode path (moerun.model.fused) computes this model: GQA with RoPE on whole heads
+        (YaRN too: the tables are made here), the default softmax scale, sinks, windows, an output bias; softmax or
+        top-k-softmax routing, with a router bias but without groups, correction bias or scale; either expert
+        activation, with or without biases."""
+        return (self.attention == "gqa" and self.rotary_dim == self.head_dim and not self.attn_scale
+                and self.router in ("softmax", "topk_softmax") and not self.score_bias and self.n_groups == 1
+                and self.routed_scale == 1.0)

@@ -114,6 +114,10 @@ class KVPool:
         k, v = self.range(i, i + 1)
         return k[0], v[0]
 
+    def caches(self, a: int, b: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each of layers [a, b)'s k, v (views)."""
+        return [self.layer(i) for i in range(a, b)]
+
     def device(self, i: int) -> torch.device:
         return self.layer(i)[0].device
 
@@ -155,8 +159,7 @@ class SeqKV:
             table = torch.tensor(self.blocks, dtype=torch.long)
             pos = torch.arange(len(self.blocks) * bs)
             self._slot_index = table[pos // bs] * bs + pos % bs
-            if n:
-                self._ring_index = (self._ring * n + (pos // bs) % n) * bs + pos % bs
+            self._ring_index = (self._ring * n + (pos // bs) % n) * bs + pos % bs if n else self._slot_index
             self._on.clear()
             self._contiguous = self.blocks == list(range(self.blocks[0], self.blocks[0] + len(self.blocks)))
 

@@ -246,11 +246,11 @@ class MoEModel:
     def _layers_fused(self, x: torch.Tensor, kvs: list[SeqKV], pos: torch.Tensor, phase: str,
                       layers: range) -> torch.Tensor:
         """`layers` on rows x [B, H], row r at position pos[r] of kvs[r] (room reserved)."""
-        rows, pool = self.fused.rows([kv.slot_table for kv in kvs], pos), kvs[0].pool
+        rows, pool = self.fused.rows(kvs, pos), kvs[0].pool
         direct = self._direct()
         a, b = layers.start - self.first, layers.stop - self.first
         if direct and all(self.fused.whole(j) for j in range(a, b)):
-            return self.fused.decode_layers(a, b, x, rows, *pool.range(layers.start, layers.stop))  # x in place
+            return self.fused.decode_layers(a, b, x, rows, pool.caches(layers.start, layers.stop))  # x in place
         for i in layers:
             j = i - self.first
             lw = self.layers[j]
@@ -273,8 +273,7 @@ class MoEModel:
                 or not self._direct() or not all(f.whole(j) for j in range(n))):
             return None
         pool = kvs[0].pool
-        return f.decode_layers(0, n, x, f.rows([kv.slot_table for kv in kvs], pos), *pool.range(self.first, self.stop),
-                               logits=True)
+        return f.decode_layers(0, n, x, f.rows(kvs, pos), pool.caches(self.first, self.stop), logits=True)
 
     def _fused_ok(self, n_rows: int, kvs: list[SeqKV]) -> bool:
         pool = kvs[0].pool

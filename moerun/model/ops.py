@@ -167,19 +167,20 @@ class KernelOps(ReferenceOps):
 
     def moe(self, x, ids, w, experts, table=None, *, fn=PLAIN):
         ex = next(iter(experts.values()), None)
-        if fn.plain and ex is not None and all(self._ok(x, t.qtype) for t in (ex.gate, ex.up, ex.down)):
-            return self.cpu.moe_ffn_experts(x.contiguous(), ids, w, experts)
+        if ex is not None and all(self._ok(x, t.qtype) for t in (ex.gate, ex.up, ex.down)):
+            return self.cpu.moe_ffn_experts(x.contiguous(), ids, w, experts, fn=None if fn.plain else fn.to(x.device))
         return super().moe(x, ids, w, experts, fn=fn)
 
     def moe_pairs(self, x, ids, w, experts, out: torch.Tensor | None = None, *, fn=PLAIN):
         """As ReferenceOps.moe_pairs; out: a float32 [T * k, H] buffer for the kernels to write (pinned memory
         for a copy to a device)."""
         ex = next(iter(experts.values()), None)
-        if fn.plain and ex is not None and all(self._ok(x, t.qtype) for t in (ex.gate, ex.up, ex.down)):
+        if ex is not None and all(self._ok(x, t.qtype) for t in (ex.gate, ex.up, ex.down)):
             given = torch.zeros(max(experts) + 1, dtype=torch.bool)
             given[list(experts)] = True
             mine = torch.where(given[ids.clamp(0, len(given) - 1)] & (ids < len(given)), ids, -1)
-            return self.cpu.moe_ffn_experts(x.contiguous(), mine, w, experts, pairs=True, out=out)
+            return self.cpu.moe_ffn_experts(x.contiguous(), mine, w, experts, pairs=True, out=out,
+                                            fn=None if fn.plain else fn.to(x.device))
         return super().moe_pairs(x, ids, w, experts, out, fn=fn)
 
 
