@@ -42,9 +42,10 @@ def names_outside_llama_cpp(path, model_arch) -> list[str]:
     return [n for n in names if not any(rx.match(n) for rx in allowed)]
 
 
-def count_kernel_calls(ops) -> dict[str, int]:
-    """Count the C kernels' matmul and MoE calls made through `ops` (KernelOps) from now on."""
-    real, calls = ops.cpu, {"matmul": 0, "moe_ffn_experts": 0}
+def count_kernel_calls(ops, names: tuple[str, ...] = ("matmul", "moe_ffn_experts")) -> dict[str, int]:
+    """Count the C kernels' calls of `names` (moerun.kernels.cpu functions) made through `ops` (KernelOps) from
+    now on."""
+    real, calls = ops.cpu, dict.fromkeys(names, 0)
 
     class Spy:
         def __getattr__(self, name):
@@ -73,6 +74,7 @@ def run(path: str, **kw) -> tuple[list[int], torch.Tensor, int, int]:
     eng = rt.engine
     ids = eng.tokenizer.encode(TEXT)
     gen = eng.generate(ids, SamplingParams.greedy(max_tokens=24, ignore_eos=True)).run()
+    gen.seq.free()  # the engine's pool serves one sequence at a time (sliding-window rings)
     seq = eng.new_sequence()
     logits = torch.cat([eng.model.forward(torch.tensor(ids[:9]), seq.kv),
                         eng.model.forward(torch.tensor(ids[9:]), seq.kv)]).cpu()
