@@ -4,6 +4,7 @@ stand-in), a real server answering the `openai` client, and the estimator's byte
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import subprocess
@@ -83,6 +84,22 @@ def run(path: str, **kw) -> tuple[list[int], torch.Tensor, int, int]:
     return gen.tokens, logits, misses, len(rt.stages)
 
 
+def check_greedy_generate(model, path, prompt: list[int], ubatch: int, n: int = 32) -> None:
+    """Greedy tokens from the model file at `path` (the prompt prefilled in chunks of `ubatch`) equal transformers'
+    generate(do_sample=False) on `model`."""
+    from moerun.engine.engine import Engine
+    from moerun.loading import load_model
+    from moerun.text import Tokenizer
+
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                             pad_token_id=0)[0, len(prompt):].tolist()
+    loaded = load_model(path)
+    eng = Engine(loaded.model, Tokenizer.from_model_file(loaded.file), ctx_size=256, ubatch=ubatch)
+    gen = eng.generate(prompt, SamplingParams.greedy(max_tokens=n, ignore_eos=True)).run()
+    assert gen.tokens == ref
+
+
 def check_expert_cache(path: str) -> None:
     """Greedy tokens and every logit equal with caches of 1 and 3 slots, prefill through the cache, and a
     MiB-sized one, each of which missed."""
@@ -159,6 +176,37 @@ def check_server_completion(path: str, tmp_path) -> None:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+def independent_counts(model, n_experts: int) -> tuple[int, int]:
+    """Total and active parameters from a transformers model's own tensors (its state dict: parameters and saved
+    buffers): active = everything but the routed experts (`.mlp.experts.`, weights and biases), plus k/E of them."""
+    state = model.state_dict()
+    total = sum(t.numel() for t in state.values())
+    routed = sum(t.numel() for n, t in state.items() if ".mlp.experts." in n)
+    return total, total - routed + routed * model.config.num_experts_per_tok // n_experts
+
+
+def check_inspect_counts(path, model, n_experts: int) -> dict:
+    """`moerun inspect --json` on `path` reports independent_counts(model) -> its JSON."""
+    from click.testing import CliRunner
+
+    from moerun.cli import main
+
+    r = CliRunner().invoke(main, ["inspect", str(path), "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert (d["total_params"], d["active_params"]) == independent_counts(model, n_experts)
+    return d
+
+
+def dequantized_tensors(path) -> dict[str, torch.Tensor]:
+    """Every tensor of a GGUF file as gguf.quants dequantizes it (float32), by GGUF name: what the tests' oracles
+    (transformers models holding those weights) are built from."""
+    import gguf
+
+    return {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+            for t in gguf.GGUFReader(str(path)).tensors}
 
 
 def gguf_bytes_per_token(path: str, arch: str) -> int:

@@ -14,19 +14,18 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from family_checks import (check_expert_cache, check_server_completion, check_standin_miss_paths,
-                           check_two_cpu_stages, count_kernel_calls, gguf_bytes_per_token, gguf_fields,
+from family_checks import (check_expert_cache, check_greedy_generate, check_inspect_counts,
+                           check_server_completion, check_standin_miss_paths, check_two_cpu_stages,
+                           count_kernel_calls, dequantized_tensors, gguf_bytes_per_token, gguf_fields,
                            names_outside_llama_cpp, prompt_and_steps, rel_err)
 from hf_models import build, reference_logits, save
 
 from moerun.cli import main
-from moerun.config import RuntimeConfig, SamplingParams
-from moerun.engine.engine import Engine
+from moerun.config import RuntimeConfig
 from moerun.formats import open_model
 from moerun.loading import load_model
 from moerun.quant.qtypes import QType
 from moerun.runtime import build as build_runtime
-from moerun.text import Tokenizer
 from moerun.tools.convert import convert_hf_to_gguf
 
 PROMPT = [5, 17, 300, 42, 99, 7, 256, 11]
@@ -162,13 +161,7 @@ def test_gguf_logits_match_transformers_with_llama_cpp_keys_and_names(glm, token
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_greedy_equals_transformers_generate(glm, source):
     model, folder, path = glm
-    with torch.no_grad():
-        ref = model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=32, min_new_tokens=32,
-                             pad_token_id=0)[0, len(PROMPT):].tolist()
-    loaded = load_model(folder if source == "hf" else path)
-    eng = Engine(loaded.model, Tokenizer.from_model_file(loaded.file), ctx_size=256, ubatch=3)  # 3 prefill chunks
-    gen = eng.generate(PROMPT, SamplingParams.greedy(max_tokens=32, ignore_eos=True)).run()
-    assert gen.tokens == ref
+    check_greedy_generate(model, folder if source == "hf" else path, PROMPT, ubatch=3)  # 3 prefill chunks
 
 
 def write_with_nextn(src, out) -> None:
@@ -270,16 +263,14 @@ _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": 
 
 def dequantized_reference(path, config):
     """transformers' model holding the GGUF's weights as gguf.quants dequantizes them (the independent oracle)."""
-    import gguf
     from transformers import AutoModelForCausalLM
 
     state, gate_up = {}, {}
-    for t in gguf.GGUFReader(str(path)).tensors:
-        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
-        if t.name in _TOP:
-            state[_TOP[t.name]] = w
+    for name, w in dequantized_tensors(path).items():
+        if name in _TOP:
+            state[_TOP[name]] = w
             continue
-        _, layer, kind = t.name.split(".", 2)
+        _, layer, kind = name.split(".", 2)
         prefix = f"model.layers.{layer}."
         if kind in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):
             gate_up.setdefault(layer, {})[kind] = w
@@ -334,23 +325,12 @@ def test_quantized_conversion_runs_through_the_c_kernels(wide, tokens, tmp_path,
 # ------------------------------------------------------------------------------------------ inspect
 
 
-def independent_counts(model) -> tuple[int, int]:
-    """Total and active parameters from transformers' own tensors (parameters and the saved correction-bias
-    buffers): active = everything but the routed experts, plus k/E of them (dense layer, shared experts in)."""
-    state = model.state_dict()
-    total = sum(t.numel() for t in state.values())
-    routed = sum(t.numel() for n, t in state.items() if ".mlp.experts." in n)
-    k, E = model.config.num_experts_per_tok, model.config.n_routed_experts
-    return total, total - routed + routed * k // E
-
-
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_inspect_counts_equal_an_independent_count(glm, source):
+    """Counted over transformers' state dict (the saved correction-bias buffers too; dense layer, shared experts
+    in the active count)."""
     model, folder, path = glm
-    r = CliRunner().invoke(main, ["inspect", str(folder if source == "hf" else path), "--json"])
-    assert r.exit_code == 0, r.output
-    d = json.loads(r.output)
-    assert (d["total_params"], d["active_params"]) == independent_counts(model)
+    d = check_inspect_counts(folder if source == "hf" else path, model, model.config.n_routed_experts)
     assert d["family"] == "glm4moe" and d["layers"] == 3 and d["moe_layers"] == 2 and d["dense_ffn"] == 96
 
 

@@ -19,13 +19,14 @@ from dataclasses import replace
 import pytest
 import torch
 from click.testing import CliRunner
-from family_checks import (check_expert_cache, check_server_completion, check_standin_miss_paths,
-                           check_two_cpu_stages, count_kernel_calls, gguf_bytes_per_token, gguf_fields,
+from family_checks import (check_expert_cache, check_greedy_generate, check_inspect_counts,
+                           check_server_completion, check_standin_miss_paths, check_two_cpu_stages,
+                           count_kernel_calls, dequantized_tensors, gguf_bytes_per_token, gguf_fields,
                            names_outside_llama_cpp, rel_err)
 from hf_models import build, reference_logits, save
 
 from moerun.cli import main
-from moerun.config import RuntimeConfig, SamplingParams
+from moerun.config import RuntimeConfig
 from moerun.engine.engine import Engine
 from moerun.engine.kv_cache import ContextOverflowError, KVPool, SeqKV
 from moerun.formats import open_model
@@ -105,7 +106,9 @@ def test_every_feature_changes_the_reference(gptoss, tokens):
         rot.inv_freq.copy_(1.0 / 150000.0 ** (torch.arange(0, dim, 2).float() / dim))
         rot.attention_scaling = 1.0
 
-    layers = lambda m: m.model.layers  # noqa: E731
+    def layers(m):
+        return m.model.layers
+
     changes = {
         "sinks": lambda m: [la.self_attn.sinks.fill_(-1e4) for la in layers(m)],
         "window": lambda m: setattr(m.config, "layer_types", ["full_attention"] * len(layers(m))),
@@ -163,13 +166,7 @@ def test_gguf_logits_match_transformers_with_llama_cpp_keys_and_names(gptoss, to
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_greedy_equals_transformers_generate(gptoss, source):
     model, folder, path = gptoss
-    with torch.no_grad():
-        ref = model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=32, min_new_tokens=32,
-                             pad_token_id=0)[0, len(PROMPT):].tolist()
-    loaded = load_model(folder if source == "hf" else path)
-    eng = Engine(loaded.model, Tokenizer.from_model_file(loaded.file), ctx_size=256, ubatch=5)  # 3 prefill chunks
-    gen = eng.generate(PROMPT, SamplingParams.greedy(max_tokens=32, ignore_eos=True)).run()
-    assert gen.tokens == ref
+    check_greedy_generate(model, folder if source == "hf" else path, PROMPT, ubatch=5)  # 3 prefill chunks, two past the window
 
 
 # ----------------------------------------------------------------------------------------- MXFP4 as published
@@ -261,16 +258,14 @@ _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": 
 def dequantized_reference(path, config):
     """transformers' model holding the GGUF's weights as gguf.quants dequantizes them (the independent oracle):
     gate and up interleaved back into gate_up_proj [E, H, 2I], down_proj transposed to [E, I, H]."""
-    import gguf
     from transformers import AutoModelForCausalLM
 
     state, parts = {}, {}
-    for t in gguf.GGUFReader(str(path)).tensors:
-        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
-        if t.name in _TOP:
-            state[_TOP[t.name]] = w
+    for name, w in dequantized_tensors(path).items():
+        if name in _TOP:
+            state[_TOP[name]] = w
             continue
-        _, layer, kind = t.name.split(".", 2)
+        _, layer, kind = name.split(".", 2)
         if kind in _HF:
             state[f"model.layers.{layer}.{_HF[kind]}"] = w
         else:
@@ -436,7 +431,7 @@ def test_llama_cpp_runs_our_gguf(gptoss, tmp_path, ftype, bound):
     path = convert_hf_to_gguf(folder, tmp_path / "m.gguf", ftype=ftype, progress=False)
     toks = PROMPT + [9, 8, 7, 6, 5, 4]
     out = subprocess.run([sys.executable, "-c", LLAMA_SCRIPT, str(path), json.dumps(toks)], capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     theirs = torch.tensor(json.loads(out.stdout.strip().splitlines()[-1]))
     loaded = load_model(path, kernels=ftype != "F32")
@@ -449,23 +444,10 @@ def test_llama_cpp_runs_our_gguf(gptoss, tmp_path, ftype, bound):
 # ------------------------------------------------------------------------------------------ inspect
 
 
-def independent_counts(model) -> tuple[int, int]:
-    """Total and active parameters from transformers' own tensors: active = everything but the routed experts
-    (weights and biases), plus k/E of them."""
-    state = model.state_dict()
-    total = sum(t.numel() for t in state.values())
-    routed = sum(t.numel() for n, t in state.items() if ".mlp.experts." in n)
-    k, E = model.config.num_experts_per_tok, model.config.num_local_experts
-    return total, total - routed + routed * k // E
-
-
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_inspect_counts_equal_an_independent_count(gptoss, source):
     model, folder, path = gptoss
-    r = CliRunner().invoke(main, ["inspect", str(folder if source == "hf" else path), "--json"])
-    assert r.exit_code == 0, r.output
-    d = json.loads(r.output)
-    assert (d["total_params"], d["active_params"]) == independent_counts(model)
+    d = check_inspect_counts(folder if source == "hf" else path, model, model.config.num_local_experts)
     assert d["family"] == "gptoss" and d["layers"] == 3 and d["moe_layers"] == 3
 
 
@@ -473,7 +455,7 @@ def test_inspect_counts_equal_an_independent_count(gptoss, source):
 
 
 def test_bad_files_are_one_line(gptoss, mxfp4, tmp_path):
-    _, folder, path = gptoss
+    _, folder, _ = gptoss
     _, mx = mxfp4
     cases = []
     no_scales = tmp_path / "no-scales"

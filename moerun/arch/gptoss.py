@@ -23,8 +23,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from moerun.arch.family import ConfigError, Family, _float, _in_range, _int, rope_params, yarn_from_gguf, \
-    yarn_from_hf, yarn_gguf_keys
+from moerun.arch.family import (
+    ConfigError,
+    Family,
+    _float,
+    _in_range,
+    _int,
+    rope_params,
+    yarn_from_gguf,
+    yarn_from_hf,
+    yarn_gguf_keys,
+)
 from moerun.formats.names import HFLayout
 
 ALPHA, LIMIT = 1.702, 7.0  # llama.cpp's constants for gpt-oss's clamped SwiGLU
@@ -51,8 +60,8 @@ HF_ALIASES = (
 )
 
 # what every gpt-oss has, whichever file it comes from
-TRAITS = dict(attn_sinks=True, attn_out_bias=True, router="topk_softmax", router_bias=True, expert_act="swiglu_oai",
-              expert_bias=True, norm_topk=False)
+TRAITS = {"attn_sinks": True, "attn_out_bias": True, "router": "topk_softmax", "router_bias": True,
+          "expert_act": "swiglu_oai", "expert_bias": True, "norm_topk": False}
 
 
 def _pattern_kinds(n_layers: int, pattern: Any) -> tuple[str, ...]:
@@ -68,11 +77,11 @@ def _pattern_kinds(n_layers: int, pattern: Any) -> tuple[str, ...]:
 def _gguf_fields(get, meta: dict) -> dict[str, Any]:
     n_layers = _in_range(get("block_count"), "block_count", 1, 1 << 16)
     yarn = yarn_from_gguf(get, truncate=False)
-    return TRAITS | dict(
-        sliding_window=_in_range(get("attention.sliding_window"), "attention.sliding_window", 1, 1 << 30),
-        layer_kinds=_pattern_kinds(n_layers, get("attention.sliding_window_pattern", 2)),
-        yarn=yarn,
-    )
+    return TRAITS | {
+        "sliding_window": _in_range(get("attention.sliding_window"), "attention.sliding_window", 1, 1 << 30),
+        "layer_kinds": _pattern_kinds(n_layers, get("attention.sliding_window_pattern", 2)),
+        "yarn": yarn,
+    }
 
 
 def _hf_fields(cfg: dict) -> dict[str, Any]:
@@ -87,17 +96,17 @@ def _hf_fields(cfg: dict) -> dict[str, Any]:
         raise ConfigError(f"'layer_types' must give one of {sorted(KINDS)} for each of {n_layers} layers")
     window = cfg.get("sliding_window")
     bias = bool(cfg.get("attention_bias", True))
-    return TRAITS | dict(
-        layer_kinds=tuple(KINDS[t] for t in types),
-        sliding_window=_int(window, "sliding_window") if "sliding_attention" in types else 0,
-        yarn=yarn_from_hf(cfg),
-        rope_theta=_float(rp.get("rope_theta") or DEFAULT_THETA, "rope_theta"),
-        rms_eps=_float(cfg.get("rms_norm_eps", 1e-5), "rms_norm_eps"),
-        qkv_bias=bias,
-        attn_out_bias=bias,
-        swiglu_alpha=_float(cfg.get("swiglu_alpha", ALPHA), "swiglu_alpha"),
-        swiglu_limit=_float(cfg.get("swiglu_limit", LIMIT), "swiglu_limit"),
-    )
+    return TRAITS | {
+        "layer_kinds": tuple(KINDS[t] for t in types),
+        "sliding_window": _int(window, "sliding_window") if "sliding_attention" in types else 0,
+        "yarn": yarn_from_hf(cfg),
+        "rope_theta": _float(rp.get("rope_theta") or DEFAULT_THETA, "rope_theta"),
+        "rms_eps": _float(cfg.get("rms_norm_eps", 1e-5), "rms_norm_eps"),
+        "qkv_bias": bias,
+        "attn_out_bias": bias,
+        "swiglu_alpha": _float(cfg.get("swiglu_alpha", ALPHA), "swiglu_alpha"),
+        "swiglu_limit": _float(cfg.get("swiglu_limit", LIMIT), "swiglu_limit"),
+    }
 
 
 def _gguf_keys(spec) -> dict[str, Any]:
