@@ -121,7 +121,7 @@ def get_threads() -> int:
 
 
 def can_interleave(w: QTensor) -> bool:
-    """Whether `interleave` takes w: a CPU Q4_K or Q8_0 matrix (or stack of them) in GGUF's layout, rows a
+    """Whether `interleave` takes w: a CPU Q4_K, Q8_0 or MXFP4 matrix (or stack of them) in GGUF's layout, rows a
     multiple of 8."""
     return (_cpu is not None and isinstance(w, QTensor) and 8 in INTERLEAVABLE.get(w.qtype, ())
             and w.interleave == 1 and len(w.shape) in (2, 3) and w.shape[-2] % 8 == 0 and w.data.is_cpu)
@@ -133,7 +133,7 @@ def interleave(w: QTensor) -> QTensor:
     bounds it (bench/RESULTS.md). Only these kernels read it; `deinterleave` (and QTensor.dequantize) undo it."""
     _need()
     if not can_interleave(w):
-        raise ValueError(f"cannot interleave {w.qtype.name}{tuple(w.shape)} (want a CPU Q4_K or Q8_0 matrix, "
+        raise ValueError(f"cannot interleave {w.qtype.name}{tuple(w.shape)} (want a CPU Q4_K, Q8_0 or MXFP4 matrix, "
                          "rows a multiple of 8, in GGUF's layout)")
     return _relayout(_cpu.repack, w, 8)
 
