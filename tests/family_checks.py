@@ -127,6 +127,35 @@ def check_standin_miss_paths(path: str) -> None:
         assert got[0] == ref[0] and got[2] > 0, mode
 
 
+def check_standin_hf_logits(folder, model, tokens, logits=None) -> None:
+    """fp32 weights of an HF folder on the stand-in device with 2 expert slots: transformers' logits (`model`)
+    within 1e-4. logits(model, tokens, kv): how the tokens run (default: one forward)."""
+    from hf_models import reference_logits
+
+    rt = build_runtime(RuntimeConfig(model=str(folder), devices=("standin:0",), expert_cache_slots=2, threads=1))
+    assert rt.stages[0].model.dev.kind == "standin"
+    kv = rt.engine.new_sequence().kv
+    got = (logits(rt.engine.model, tokens, kv) if logits else rt.engine.model.forward(tokens, kv)).cpu()
+    assert (got - reference_logits(model, tokens)).abs().max().item() < 1e-4
+    rt.close()
+
+
+def check_triton_standin(path: str, tokens) -> None:
+    """The stand-in device's Triton kernels (the caller sets MOERUN_STANDIN_KERNELS=triton and TRITON_INTERPRET=1)
+    give the torch reference's logits on the CPU within 1e-3 (prompt_and_steps)."""
+    from moerun.engine.kv_cache import KVPool, SeqKV
+    from moerun.loading import load_model
+
+    model = load_model(path, kernels=False).model
+    ref = prompt_and_steps(model, SeqKV(KVPool(model.spec, 64), 64), tokens)
+    rt = build_runtime(RuntimeConfig(model=path, devices=("standin:0",), expert_cache_slots=2, miss_path="fetch",
+                                     threads=1))
+    assert type(rt.stages[0].model.ops).__name__ == "TritonOps"
+    got = prompt_and_steps(rt.engine.model, rt.engine.new_sequence().kv, tokens)
+    assert (got - ref).abs().max().item() < 1e-3
+    rt.close()
+
+
 def prompt_and_steps(model, kv, tokens) -> torch.Tensor:
     """Logits of a prefill in two chunks, then four single-token steps."""
     out = [model.forward(tokens[:20], kv), model.forward(tokens[20:], kv)]

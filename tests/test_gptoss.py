@@ -20,9 +20,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 from family_checks import (check_expert_cache, check_greedy_generate, check_inspect_counts,
-                           check_server_completion, check_standin_miss_paths, check_two_cpu_stages,
-                           count_kernel_calls, dequantized_tensors, gguf_bytes_per_token, gguf_fields,
-                           names_outside_llama_cpp, prompt_and_steps, rel_err)
+                           check_server_completion, check_standin_hf_logits, check_standin_miss_paths,
+                           check_triton_standin, check_two_cpu_stages, count_kernel_calls,
+                           dequantized_tensors, gguf_bytes_per_token, gguf_fields, names_outside_llama_cpp,
+                           rel_err)
 from hf_models import build, reference_logits, save
 
 from moerun.cli import main
@@ -515,11 +516,7 @@ def test_two_cpu_stages_give_the_same_tokens(preset_gguf, split):
 def test_standin_device_gives_the_same_tokens(preset_gguf, gptoss, tokens):
     check_standin_miss_paths(preset_gguf)
     model, folder, _ = gptoss  # fp32 from the HF folder: the stand-in's logits are transformers'
-    rt = build_runtime(RuntimeConfig(model=str(folder), devices=("standin:0",), expert_cache_slots=2, threads=1))
-    assert rt.stages[0].model.dev.kind == "standin"
-    got = chunked(rt.engine.model, tokens, rt.engine.new_sequence().kv).cpu()
-    assert (got - reference_logits(model, tokens)).abs().max().item() < 1e-4
-    rt.close()
+    check_standin_hf_logits(folder, model, tokens, chunked)
 
 
 def test_triton_kernels_on_the_standin(preset_gguf, tokens, monkeypatch):
@@ -529,14 +526,7 @@ def test_triton_kernels_on_the_standin(preset_gguf, tokens, monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("MOERUN_STANDIN_KERNELS", "triton")
-    model = load_model(preset_gguf, kernels=False).model
-    ref = prompt_and_steps(model, SeqKV(KVPool(model.spec, 64), 64), tokens)
-    rt = build_runtime(RuntimeConfig(model=preset_gguf, devices=("standin:0",), expert_cache_slots=2,
-                                     miss_path="fetch", threads=1))
-    assert type(rt.stages[0].model.ops).__name__ == "TritonOps"
-    got = prompt_and_steps(rt.engine.model, rt.engine.new_sequence().kv, tokens)
-    assert (got - ref).abs().max().item() < 1e-3
-    rt.close()
+    check_triton_standin(preset_gguf, tokens)
 
 
 @pytest.mark.gpu
