@@ -1,7 +1,10 @@
 """One-token GEMV (and a few-token GEMM) over Q4_K weights: GGUF's layout vs the kernels' interleaved one
 (Q4_K_R8), on 4 KiB pages vs transparent huge pages, from L2 and from DRAM.
 
-    python bench/gemv_layouts.py [--threads 1,2] [--reps 7]
+    python bench/gemv_layouts.py [--threads 1,2] [--reps 7] [--qtype Q4_K|Q8_0|MXFP4] [--k 2048]
+                                 [--tokens 1,4]
+
+(`--qtype MXFP4 --k 2880 --tokens 1,4,64`: gpt-oss's expert rows, MXFP4 vs MXFP4_R8.)
 
 Prints GB/s of weight bytes (median of --reps passes) per case, and the ratios within each row, so a noisy
 machine is compared with itself. Run it with nothing else busy.
@@ -17,15 +20,15 @@ import torch
 
 from moerun.hostmem import host_empty
 from moerun.kernels import _cpu, cpu
-from moerun.quant.qtypes import QTensor, QType
+from moerun.quant.qtypes import QTensor, QType, tensor_bytes
 from moerun.quant.quantize import quantize
 
 
-def weights(rows: int, K: int, layout: str, pages: str) -> QTensor:
-    """rows x K Q4_K (1024 distinct rows tiled) in `layout` ("gguf" | "r8") on `pages` ("4k" | "huge")."""
-    base = quantize(torch.randn(min(rows, 1024), K) * 0.05, QType.Q4_K)
+def weights(rows: int, K: int, layout: str, pages: str, qtype: QType = QType.Q4_K) -> QTensor:
+    """rows x K of `qtype` (1024 distinct rows tiled) in `layout` ("gguf" | "r8") on `pages` ("4k" | "huge")."""
+    base = quantize(torch.randn(min(rows, 1024), K) * 0.05, qtype)
     raw = base.repeat(rows // base.shape[0], 1)
-    t = QTensor.from_bytes(raw, QType.Q4_K, (rows, K))
+    t = QTensor.from_bytes(raw, qtype, (rows, K))
     if layout == "r8":
         t = cpu.interleave(t)  # on huge pages (host_empty)
     if pages == "4k" or layout == "gguf":
@@ -52,11 +55,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--qtype", default="Q4_K", choices=("Q4_K", "Q8_0", "MXFP4"))
+    ap.add_argument("--k", type=int, default=2048, help="row length (a multiple of the type's block)")
+    ap.add_argument("--tokens", default="1,4", help="token counts of the DRAM cases")
     a = ap.parse_args()
-    K = 2048
-    cases = [("L2 (288 KB)", 256, 1), ("DRAM (604 MB)", 524288, 1), ("DRAM (604 MB)", 524288, 4)]
+    K, qtype = a.k, QType[a.qtype]
+    l2, dram = 256, 524288 * 2048 // K // 1024 * 1024  # whole tiles of the 1024 distinct rows
+    mb = [tensor_bytes(qtype, (n, K)) / 1e6 for n in (l2, dram)]
+    cases = [(f"L2 ({mb[0] * 1000:.0f} KB)", l2, 1)] + [(f"DRAM ({mb[1]:.0f} MB)", dram, int(t))
+                                                         for t in a.tokens.split(",")]
     combos = [("gguf", "4k"), ("gguf", "huge"), ("r8", "4k"), ("r8", "huge")]
-    print(f"isa {cpu.features()['isa']}; GB/s of Q4_K weight bytes; K = {K}")
+    print(f"isa {cpu.features()['isa']}; GB/s of {qtype.name} weight bytes; K = {K}")
     print("| threads | weights | tokens | " + " | ".join(f"{lay} {pg}" for lay, pg in combos) + " | r8 huge / gguf 4k |")
     print("| ---: | --- | ---: | " + " | ".join("---:" for _ in combos) + " | ---: |")
     for th in (int(t) for t in a.threads.split(",")):
@@ -64,7 +73,7 @@ def main() -> None:
         for name, rows, T in cases:
             r = []
             for lay, pg in combos:
-                w = weights(rows, K, lay, pg)
+                w = weights(rows, K, lay, pg, qtype)
                 r.append(gbps(w, T, a.reps))
                 del w
             print(f"| {th} | {name} | {T} | " + " | ".join(f"{v:.1f}" for v in r) + f" | {r[3] / r[0]:.2f} |",

@@ -128,7 +128,7 @@ def get_threads() -> int:
 
 
 def can_interleave(w: QTensor) -> bool:
-    """Whether `interleave` takes w: a CPU Q4_K or Q8_0 matrix (or stack of them) in GGUF's layout, rows a
+    """Whether `interleave` takes w: a CPU Q4_K, Q8_0 or MXFP4 matrix (or stack of them) in GGUF's layout, rows a
     multiple of 8."""
     return (_cpu is not None and isinstance(w, QTensor) and 8 in INTERLEAVABLE.get(w.qtype, ())
             and w.interleave == 1 and len(w.shape) in (2, 3) and w.shape[-2] % 8 == 0 and w.data.is_cpu)
@@ -140,7 +140,7 @@ def interleave(w: QTensor) -> QTensor:
     bounds it (bench/RESULTS.md). Only these kernels read it; `deinterleave` (and QTensor.dequantize) undo it."""
     _need()
     if not can_interleave(w):
-        raise ValueError(f"cannot interleave {w.qtype.name}{tuple(w.shape)} (want a CPU Q4_K or Q8_0 matrix, "
+        raise ValueError(f"cannot interleave {w.qtype.name}{tuple(w.shape)} (want a CPU Q4_K, Q8_0 or MXFP4 matrix, "
                          "rows a multiple of 8, in GGUF's layout)")
     return _relayout(_cpu.repack, w, 8)
 
@@ -217,12 +217,14 @@ def dequant_rows(w: QTensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def moe_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: QTensor, up: QTensor,
-            down: QTensor, *, isa: str | None = None) -> torch.Tensor:
+            down: QTensor, *, isa: str | None = None, fn=None) -> torch.Tensor:
     """One MoE layer's routed experts: out[t] = sum_j weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t),
     e = ids[t, j], summed in the order of j.
 
     x [T, H] float32; ids [T, k] int32/int64 in [0, E); weights [T, k] float; gate, up QTensor [E, I, H];
     down QTensor [E, H, I] (each of any supported qtype). Returns [T, H] float32.
+    fn: another activation and biases (an object with `act` "swiglu" | "swiglu_oai", `alpha`, `limit`, `biases`
+    None or float32 (gate [E, I], up [E, I], down [E, H]); moerun.model.ops.ExpertFn), or None: plain SwiGLU.
     """
     isa_id = _isa(isa)
     for name, q in (("gate", gate), ("up", up), ("down", down)):
@@ -232,11 +234,12 @@ def moe_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: QTe
         raise ValueError(f"expert shapes gate {gate.shape}, up {up.shape}, down {down.shape}: want gate = up = "
                          f"(E, I, H) and down = (E, H, I)")
     mats = [(q.data.data_ptr(), q.nbytes // E, _type(q)) for q in (gate, up, down)]
-    return _moe(isa_id, x, ids, weights, mats, E, I, H)
+    return _moe(isa_id, x, ids, weights, mats, E, I, H, fn=_fn_args(fn, E, I, H))
 
 
 def moe_ffn_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Mapping[int, object], *,
-                    isa: str | None = None, pairs: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+                    isa: str | None = None, pairs: bool = False, out: torch.Tensor | None = None,
+                    fn=None) -> torch.Tensor:
     """moe_ffn over experts held one by one: `experts` maps expert id -> an object with QTensors `gate`,
     `up` [I, H] and `down` [H, I] (moerun.experts.store.Expert), wherever their buffers lie (a memory map,
     owned RAM, a cache slot). Every id in `ids` must be a key, or negative (that pair is skipped); all experts
@@ -244,7 +247,8 @@ def moe_ffn_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, e
 
     pairs: return [T * k, H], row t * k + j = weights[t, j] * expert(x_t) for e = ids[t, j] (0 where skipped),
     instead of the sum per token: pairs computed by separate calls, summed in the order of j, equal one
-    call's sum exactly. out: a float32 buffer of the result's shape to write into (e.g. pinned memory)."""
+    call's sum exactly. out: a float32 buffer of the result's shape to write into (e.g. pinned memory). fn: as
+    moe_ffn's (biases by expert id, for every id given)."""
     isa_id = _isa(isa)
     if not experts:
         raise ValueError("experts is empty")
@@ -276,11 +280,32 @@ def moe_ffn_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, e
                          f"laid out like experts[{items[0][0]}]") from None
     base = table.buffer_info()[0]
     mats = [(base + 8 * m * E, 0, _type(q)) for m, q in enumerate((first.gate, first.up, first.down))]
-    return _moe(isa_id, x, ids, weights, mats, E, I, H, pairs=pairs, out=out)
+    return _moe(isa_id, x, ids, weights, mats, E, I, H, pairs=pairs, out=out, fn=_fn_args(fn, E, I, H))
+
+
+ACTS = {"swiglu": 0, "swiglu_oai": 1}  # matmul.h QK_ACT_*
+
+
+def _fn_args(fn, E: int, I: int, H: int) -> tuple:
+    """(act, alpha, limit, gate_b, up_b, down_b) for the C call, from an ExpertFn-like `fn` (None: plain), its
+    biases checked to cover experts 0..E-1."""
+    if fn is None:
+        return ()
+    if fn.act not in ACTS:
+        raise ValueError(f"activation {fn.act!r} not in {list(ACTS)}")
+    ptrs = [0, 0, 0]
+    if fn.biases is not None:
+        for m, (b, n) in enumerate(zip(fn.biases, (I, I, H))):
+            if not (isinstance(b, torch.Tensor) and b.dtype == torch.float32 and b.is_cpu and b.is_contiguous()
+                    and b.dim() == 2 and b.shape[0] >= E and b.shape[1] == n):
+                raise ValueError(f"expert biases must be contiguous float32 CPU [>= {E}, {n}], got "
+                                 f"{getattr(b, 'dtype', type(b))} {tuple(getattr(b, 'shape', ()))}")
+            ptrs[m] = b.data_ptr()
+    return (ACTS[fn.act], float(fn.alpha), float(fn.limit), *ptrs)
 
 
 def _moe(isa_id: int, x, ids, weights, mats, E: int, I: int, H: int, pairs: bool = False,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, fn: tuple = ()) -> torch.Tensor:
     _check_x(x, "x")
     T = x.shape[0]
     if x.shape[1] != H:
@@ -305,7 +330,7 @@ def _moe(isa_id: int, x, ids, weights, mats, E: int, I: int, H: int, pairs: bool
     w32 = weights.to(torch.float32).contiguous()
     (g, gs, gt), (u, us, ut), (d, ds, dt) = mats
     _cpu.moe_ffn(isa_id, x.data_ptr(), T, H, ids32.data_ptr(), w32.data_ptr(), k, g, gs, gt, u, us, ut, d, ds, dt,
-                 E, I, out.data_ptr(), int(pairs))
+                 E, I, out.data_ptr(), int(pairs), *fn)
     return out
 
 
@@ -321,24 +346,33 @@ class AttnLayer:
     vectors. The object keeps references to everything it points to. router=None: a dense layer.
     experts: the routed experts' stacked (gate [E, I, H], up [E, I, H], down [E, H, I]) QTensors, for calls
     that finish the whole layer (attn_block(..., moe=True), decode_layers).
+    gpt-oss's additions: bo the output projection's bias; sinks [n_heads] logits in the softmax's denominator;
+    window > 0: attend to the last `window` positions (the rows' ring tables, AttnRows); router_b the router's
+    bias; gating "softmax" (then top-k, renormalised with norm_topk) or "topk_softmax"; fn the experts'
+    activation and biases (as moe_ffn's).
     """
 
     def __init__(self, *, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: str | None,
                  rope_style: str, attn_norm, ffn_norm, wq, wk, wv, wo, q_norm=None, k_norm=None, bq=None,
-                 bk=None, bv=None, router=None, n_used: int = 0, norm_topk: bool = False, experts=None):
+                 bk=None, bv=None, router=None, n_used: int = 0, norm_topk: bool = False, experts=None, bo=None,
+                 sinks=None, window: int = 0, router_b=None, gating: str = "softmax", fn=None):
         _need()
         q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
         if n_heads % n_kv_heads or head_dim % 2:
             raise ValueError(f"{n_heads} heads over {n_kv_heads} KV heads of dim {head_dim}: not supported")
+        if gating not in GATINGS or window < 0:
+            raise ValueError(f"gating {gating!r} not in {list(GATINGS)}, or a negative window {window}")
         f = {"hidden": hidden, "n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim,
-             "qk_norm": {None: 0, "full": 1, "head": 2}[qk_norm], "neox": int(rope_style == "neox")}
+             "qk_norm": {None: 0, "full": 1, "head": 2}[qk_norm], "neox": int(rope_style == "neox"),
+             "window": window, "gating": GATINGS[gating]}
         self._keep = []
         norm_len = {"full": (q_dim, kv_dim), "head": (head_dim, head_dim)}.get(qk_norm, (None, None))
+        n_experts = 0 if router is None else router.shape[0]
         for name, t, n in (("attn_norm", attn_norm, hidden), ("ffn_norm", ffn_norm, hidden),
                            ("q_norm", q_norm, norm_len[0]), ("k_norm", k_norm, norm_len[1]),
-                           ("bq", bq, q_dim), ("bk", bk, kv_dim), ("bv", bv, kv_dim)):
+                           ("bq", bq, q_dim), ("bk", bk, kv_dim), ("bv", bv, kv_dim), ("bo", bo, hidden),
+                           ("sinks", sinks, n_heads), ("router_b", router_b, n_experts or None)):
             f[name] = self._vector(name, t, n)
-        n_experts = 0 if router is None else router.shape[0]
         for name, w, shape in (("wq", wq, (q_dim, hidden)), ("wk", wk, (kv_dim, hidden)),
                                ("wv", wv, (kv_dim, hidden)), ("wo", wo, (hidden, q_dim)),
                                ("router", router, (n_experts, hidden))):
@@ -347,9 +381,19 @@ class AttnLayer:
             raise ValueError(f"n_used {n_used} out of 1..{n_experts}")
         f.update(n_experts=n_experts, n_used=n_used, norm_topk=int(norm_topk))
         f.update(self._experts(experts, n_experts, hidden))
+        f.update(self._fn(fn, n_experts, f["n_ff"], hidden))
         self.desc = torch.tensor([f[name] for name in _cpu.attn_fields()], dtype=torch.int64)
         self.hidden, self.kv_dim, self.n_used, self.routed = hidden, kv_dim, n_used, router is not None
         self.whole = experts is not None  # the call can run the routed experts too
+        self.window = window
+
+    def _fn(self, fn, E: int, I: int, H: int) -> dict[str, int]:
+        if fn is None:
+            return {"act": 0, "act_params": 0, "gate_b": 0, "up_b": 0, "down_b": 0}
+        act, alpha, limit, gb, ub, db = _fn_args(fn, E, I, H)
+        params = torch.tensor([alpha, limit], dtype=torch.float32)
+        self._keep += [params, *(fn.biases or ())]
+        return {"act": act, "act_params": params.data_ptr(), "gate_b": gb, "up_b": ub, "down_b": db}
 
     def _experts(self, experts, E: int, H: int) -> dict[str, int]:
         if experts is None:
@@ -411,32 +455,45 @@ class Head:
         self.norm, self.rows, self.hidden = norm, rows, hidden
 
 
+GATINGS = {"softmax": 0, "topk_softmax": 1}  # attn.h's gating
+
+
 class AttnRows:
     """The rows of one step for attn_block, checked once and shared by every layer.
 
     Row r is the token at position pos[r] of a sequence whose position p lives in cache slot
-    slot_tables[r][p] (int64; positions 0..pos[r] reserved, earlier ones filled); rope_cos / rope_sin
-    [positions > max(pos), head_dim / 2] float32.
+    slot_tables[r][p] (int64; positions 0..pos[r] reserved, earlier ones filled), and in windowed layers in
+    slot ring_tables[r][p] (default: the same tables); rope_cos / rope_sin [positions > max(pos), head_dim / 2]
+    float32.
     """
 
     def __init__(self, slot_tables: list[torch.Tensor], pos: torch.Tensor, rope_cos: torch.Tensor,
-                 rope_sin: torch.Tensor):
+                 rope_sin: torch.Tensor, ring_tables: list[torch.Tensor] | None = None):
         B = len(slot_tables)
         if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or pos.shape != (B,) or B == 0:
             raise ValueError(f"pos must be int64 [{B}] (one position per slot table)")
         plist = pos.tolist()
-        for t, p in zip(slot_tables, plist):
+        ring_tables = slot_tables if ring_tables is None else ring_tables
+        if len(ring_tables) != B:
+            raise ValueError(f"{len(ring_tables)} ring tables for {B} rows")
+        for t, p in zip(slot_tables + ring_tables, plist + plist):
             if t.dtype != torch.int64 or not t.is_cpu or not t.is_contiguous() or t.dim() != 1 or not 0 <= p < len(t):
                 raise ValueError("slot tables must be contiguous int64 CPU vectors covering their row's position")
         for name, t in (("rope_cos", rope_cos), ("rope_sin", rope_sin)):
             if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or t.shape[0] <= max(plist):
                 raise ValueError(f"{name} must be a contiguous float32 CPU table past position {max(plist)}")
-        self.B, self.pos, self.cos, self.sin, self.tables = B, pos.contiguous(), rope_cos, rope_sin, slot_tables
+        self.B, self.pos, self.cos, self.sin = B, pos.contiguous(), rope_cos, rope_sin
+        self.tables = slot_tables, ring_tables
         self.slots = torch.tensor([t.data_ptr() for t in slot_tables], dtype=torch.int64)
-        used = [t[: p + 1] for t, p in zip(slot_tables, plist)]
-        self.max_slot = max(int(u.max()) for u in used)
-        if min(int(u.min()) for u in used) < 0:
-            raise ValueError("negative cache slot")
+        self.wslots = torch.tensor([t.data_ptr() for t in ring_tables], dtype=torch.int64)
+        self.max_slot, self.max_wslot = (_max_slot(tables, plist) for tables in (slot_tables, ring_tables))
+
+
+def _max_slot(tables: list[torch.Tensor], plist: list[int]) -> int:
+    used = [t[: p + 1] for t, p in zip(tables, plist)]
+    if min(int(u.min()) for u in used) < 0:
+        raise ValueError("negative cache slot")
+    return max(int(u.max()) for u in used)
 
 
 def attn_block(layer: AttnLayer, x: torch.Tensor, rows: AttnRows, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -448,14 +505,15 @@ def attn_block(layer: AttnLayer, x: torch.Tensor, rows: AttnRows, k_cache: torch
     the routed experts' output, so the whole layer is done."""
     isa_id = _isa(isa)
     _check_step(layer.hidden, x, rows, k_cache, v_cache)
-    _check_cache(layer.kv_dim, rows, k_cache, v_cache)
+    _check_cache(layer.kv_dim, rows, k_cache, v_cache, layer.window)
     if moe and not layer.whole:
         raise ValueError("moe=True needs a layer built with its experts")
     B = rows.B
     xn = torch.empty_like(x)
     k = layer.n_used if layer.routed else 1
     ids, w = torch.empty((B, k), dtype=torch.int64), torch.empty((B, k), dtype=torch.float32)
-    _cpu.attn_block(isa_id, layer.desc.data_ptr(), x.data_ptr(), B, rows.slots.data_ptr(), rows.pos.data_ptr(),
+    slots = rows.wslots if layer.window else rows.slots
+    _cpu.attn_block(isa_id, layer.desc.data_ptr(), x.data_ptr(), B, slots.data_ptr(), rows.pos.data_ptr(),
                     k_cache.data_ptr(), v_cache.data_ptr(), rows.cos.data_ptr(), rows.sin.data_ptr(), eps,
                     clip or 0.0, xn.data_ptr(), ids.data_ptr(), w.data_ptr(), int(moe))
     return (xn, ids, w) if layer.routed else (xn, None, None)
@@ -474,18 +532,22 @@ class LayerStack:
         self.addrs = torch.tensor([la.desc.data_ptr() for la in layers], dtype=torch.int64)
 
 
-def decode_layers(stack: LayerStack, x: torch.Tensor, rows: AttnRows, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def decode_layers(stack: LayerStack, x: torch.Tensor, rows: AttnRows, caches: list[tuple[torch.Tensor, torch.Tensor]],
                   eps: float, clip: float | None = None, head: Head | None = None, *,
                   isa: str | None = None) -> torch.Tensor:
     """Every layer of the stack, whole (attention and routed experts), on rows.B rows: x [B, hidden] updated in
     place and returned, or with `head` the logits [B, head.rows] float32 of the result.
-    k_cache / v_cache: [len(stack), slots, kv_heads, head_dim] float32, layer l's at [l]."""
+    caches: layer l's (k, v) [slots, kv_heads, head_dim] float32 (a windowed layer's indexed by the rows' ring
+    tables)."""
     isa_id = _isa(isa)
     n = len(stack.layers)
-    if k_cache.dim() < 2 or k_cache.shape[0] != n or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache and v_cache must hold the stack's {n} layers")
-    _check_step(stack.hidden, x, rows, k_cache, v_cache)
-    _check_cache(stack.kv_dim, rows, k_cache[0], v_cache[0])
+    if len(caches) != n:
+        raise ValueError(f"{len(caches)} caches for the stack's {n} layers")
+    for la, (kc, vc) in zip(stack.layers, caches):
+        _check_step(stack.hidden, x, rows, kc, vc)
+        _check_cache(stack.kv_dim, rows, kc, vc, la.window)
+    kcs = torch.tensor([kc.data_ptr() for kc, _ in caches], dtype=torch.int64)
+    vcs = torch.tensor([vc.data_ptr() for _, vc in caches], dtype=torch.int64)
     B = rows.B
     xn, w = torch.empty_like(x), torch.empty((B, stack.n_used), dtype=torch.float32)
     ids = torch.empty((B, stack.n_used), dtype=torch.int64)
@@ -496,7 +558,7 @@ def decode_layers(stack: LayerStack, x: torch.Tensor, rows: AttnRows, k_cache: t
         logits = torch.empty((B, head.rows), dtype=torch.float32)
         tail = (head.norm.data_ptr(), head.data.data_ptr(), head.type, head.rows, logits.data_ptr())
     _cpu.decode_layers(isa_id, n, stack.addrs.data_ptr(), x.data_ptr(), B, rows.slots.data_ptr(),
-                       rows.pos.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache[0].numel(),
+                       rows.wslots.data_ptr(), rows.pos.data_ptr(), kcs.data_ptr(), vcs.data_ptr(),
                        rows.cos.data_ptr(), rows.sin.data_ptr(), eps, clip or 0.0, xn.data_ptr(), ids.data_ptr(),
                        w.data_ptr(), *tail)
     return x if head is None else logits
@@ -526,12 +588,13 @@ def _check_step(hidden: int, x, rows: AttnRows, k_cache, v_cache) -> None:
             raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
 
 
-def _check_cache(kv_dim: int, rows: AttnRows, k_cache, v_cache) -> None:
-    """One layer's caches: kv_dim values for each of more than rows.max_slot slots."""
+def _check_cache(kv_dim: int, rows: AttnRows, k_cache, v_cache, window: int = 0) -> None:
+    """One layer's caches: kv_dim values for each slot its tables (a windowed layer's: the rings) name."""
+    top = rows.max_wslot if window else rows.max_slot
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dim() < 1 or t[0].numel() != kv_dim or t.shape[0] <= rows.max_slot:
+        if t.dim() < 1 or t[0].numel() != kv_dim or t.shape[0] <= top:
             raise ValueError(f"{name} must be a contiguous float32 CPU tensor of {kv_dim} values for each "
-                             f"of > {rows.max_slot} slots")
+                             f"of > {top} slots")
 
 
 # ------------------------------------------------------------------------------------------ checks

@@ -94,10 +94,10 @@ def inspect(model: Path, as_json: bool):
         q = f"q latent {spec.q_lora_rank}, " if spec.q_lora_rank else ""
         click.echo(f"attention        {spec.n_heads} heads x {spec.head_dim} / {spec.v_head_dim}, MLA: {q}KV "
                    f"latent {spec.kv_lora_rank} + RoPE {spec.qk_rope_dim} cached, RoPE {spec.rope_style} "
-                   f"theta {spec.rope_theta:g}")
+                   f"theta {spec.rope_theta:g}{_attention_extras(spec)}")
     else:
         click.echo(f"attention        {spec.n_heads} heads / {spec.n_kv_heads} KV heads x {spec.head_dim}, "
-                   f"RoPE {spec.rope_style} theta {spec.rope_theta:g}")
+                   f"RoPE {spec.rope_style} theta {spec.rope_theta:g}{_attention_extras(spec)}")
     click.echo(f"vocab            {spec.vocab}, context {spec.context_length}")
     click.echo(f"parameters       {_fmt_count(s.total_params)} total ({s.total_params}), "
                f"{_fmt_count(s.active_params)} active per token ({s.active_params})")
@@ -107,6 +107,17 @@ def inspect(model: Path, as_json: bool):
     for cls, by_q in sorted(s.by_class.items()):
         parts = ", ".join(f"{q} {_fmt_bytes(b)}" for q, b in sorted(by_q.items()))
         click.echo(f"  {cls:<16} {_fmt_bytes(sum(by_q.values())):>12}   ({parts})")
+
+
+def _attention_extras(spec) -> str:
+    """YaRN, sliding windows and sinks, where the model has them."""
+    out = ""
+    if spec.yarn is not None:
+        out += f", YaRN x{spec.yarn.factor:g} over {spec.yarn.original_context}"
+    n = sum(spec.sliding(i) for i in range(spec.n_layers))
+    if n:
+        out += f"; window {spec.sliding_window} on {n} of {spec.n_layers} layers"
+    return out + ("; sinks" if spec.attn_sinks else "")
 
 
 _PASSTHROUGH = {"ignore_unknown_options": True, "help_option_names": []}

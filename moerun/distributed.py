@@ -173,8 +173,10 @@ def stage_weights(path: str | Path, layers: tuple[int, int], dtype: torch.dtype,
 
 
 def stage_pool(model: MoEModel, n_tokens: int) -> KVPool:
-    """A KV pool for the model's own layers only."""
-    return KVPool(model.spec, n_tokens, dtype=model.dtype, segments=[(model.first, model.stop, "cpu")])
+    """A KV pool for the model's own layers only. Sliding-window layers keep every position here: the ranks
+    share rank 0's block tables, which say nothing of windows' rings."""
+    return KVPool(model.spec, n_tokens, dtype=model.dtype, segments=[(model.first, model.stop, "cpu")],
+                  windows=False)
 
 
 class StageEngine(Engine):
@@ -185,7 +187,7 @@ class StageEngine(Engine):
         self.pool = None  # the full-depth pool Engine made goes before the stage's is allocated
         self.pool = stage_pool(model.model, self.ctx_size)
 
-    def resize_pool(self, n_tokens: int) -> None:
+    def resize_pool(self, n_tokens: int, seqs: int = 1) -> None:
         if self.pool.allocator.n_free != self.pool.allocator.n_blocks:
             raise RuntimeError("resize_pool with sequences still holding KV blocks")
         self.pool = None

@@ -60,7 +60,7 @@ def expert_reader(arch: Arch) -> ExpertReader | None:
         parts = []
         for kind in ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"):
             src = arch.sources[CName(kind, layer)]
-            if src.stacked or src.chunk is not None or src.permute_heads or len(src.records) != 1:
+            if not src.direct:
                 return None
             rec = src.records[0]
             parts.append(FileSpan(str(rec.file), rec.offset, rec.nbytes // arch.spec.n_experts))

@@ -73,9 +73,10 @@ def names_outside_llama_cpp(path, model_arch) -> list[str]:
     return [n for n in names if not any(rx.match(n) for rx in allowed)]
 
 
-def count_kernel_calls(ops) -> dict[str, int]:
-    """Count the C kernels' matmul and MoE calls made through `ops` (KernelOps) from now on."""
-    real, calls = ops.cpu, {"matmul": 0, "moe_ffn_experts": 0}
+def count_kernel_calls(ops, names: tuple[str, ...] = ("matmul", "moe_ffn_experts")) -> dict[str, int]:
+    """Count the C kernels' calls of `names` (moerun.kernels.cpu functions) made through `ops` (KernelOps) from
+    now on."""
+    real, calls = ops.cpu, dict.fromkeys(names, 0)
 
     class Spy:
         def __getattr__(self, name):
@@ -104,12 +105,29 @@ def run(path: str, **kw) -> tuple[list[int], torch.Tensor, int, int]:
     eng = rt.engine
     ids = eng.tokenizer.encode(TEXT)
     gen = eng.generate(ids, SamplingParams.greedy(max_tokens=24, ignore_eos=True)).run()
+    gen.seq.free()  # the engine's pool serves one sequence at a time (sliding-window rings)
     seq = eng.new_sequence()
     logits = torch.cat([eng.model.forward(torch.tensor(ids[:9]), seq.kv),
                         eng.model.forward(torch.tensor(ids[9:]), seq.kv)]).cpu()
     misses = eng.expert_cache.stats.get().misses if eng.expert_cache is not None else 0
     rt.close()
     return gen.tokens, logits, misses, len(rt.stages)
+
+
+def check_greedy_generate(model, path, prompt: list[int], ubatch: int, n: int = 32) -> None:
+    """Greedy tokens from the model file at `path` (the prompt prefilled in chunks of `ubatch`) equal transformers'
+    generate(do_sample=False) on `model`."""
+    from moerun.engine.engine import Engine
+    from moerun.loading import load_model
+    from moerun.text import Tokenizer
+
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                             pad_token_id=0)[0, len(prompt):].tolist()
+    loaded = load_model(path)
+    eng = Engine(loaded.model, Tokenizer.from_model_file(loaded.file), ctx_size=256, ubatch=ubatch)
+    gen = eng.generate(prompt, SamplingParams.greedy(max_tokens=n, ignore_eos=True)).run()
+    assert gen.tokens == ref
 
 
 def check_expert_cache(path: str) -> None:
@@ -137,6 +155,40 @@ def check_standin_miss_paths(path: str) -> None:
     for mode in ("fetch", "home", "auto"):
         got = run(path, devices=("standin:0",), expert_cache_slots=2, miss_path=mode)
         assert got[0] == ref[0] and got[2] > 0, mode
+
+
+def check_standin_hf_logits(folder, model, tokens, logits=None) -> None:
+    """fp32 weights of an HF folder on the stand-in device with 2 expert slots: transformers' logits (`model`)
+    within 1e-4. logits(model, tokens, kv): how the tokens run (default: one forward)."""
+    from hf_models import reference_logits
+
+    rt = build_runtime(RuntimeConfig(model=str(folder), devices=("standin:0",), expert_cache_slots=2, threads=1))
+    assert rt.stages[0].model.dev.kind == "standin"
+    kv = rt.engine.new_sequence().kv
+    got = (logits(rt.engine.model, tokens, kv) if logits else rt.engine.model.forward(tokens, kv)).cpu()
+    assert (got - reference_logits(model, tokens)).abs().max().item() < 1e-4
+    rt.close()
+
+
+def check_triton_standin(path: str, tokens, monkeypatch=None) -> None:
+    """The stand-in device's Triton kernels (MOERUN_STANDIN_KERNELS=triton, TRITON_INTERPRET=1: set here through
+    `monkeypatch`, else by the caller) give the torch reference's logits on the CPU within 1e-3
+    (prompt_and_steps)."""
+    pytest.importorskip("triton")
+    if monkeypatch is not None:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setenv("MOERUN_STANDIN_KERNELS", "triton")
+    from moerun.engine.kv_cache import KVPool, SeqKV
+    from moerun.loading import load_model
+
+    model = load_model(path, kernels=False).model
+    ref = prompt_and_steps(model, SeqKV(KVPool(model.spec, 64), 64), tokens)
+    rt = build_runtime(RuntimeConfig(model=path, devices=("standin:0",), expert_cache_slots=2, miss_path="fetch",
+                                     threads=1))
+    assert type(rt.stages[0].model.ops).__name__ == "TritonOps"
+    got = prompt_and_steps(rt.engine.model, rt.engine.new_sequence().kv, tokens)
+    assert (got - ref).abs().max().item() < 1e-3
+    rt.close()
 
 
 def prompt_and_steps(model, kv, tokens) -> torch.Tensor:
@@ -188,6 +240,39 @@ def check_server_completion(path: str, tmp_path) -> None:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+def independent_counts(model, n_experts: int) -> tuple[int, int]:
+    """Total and active parameters from a transformers model's own tensors (its state dict: parameters and saved
+    buffers): active = everything but the routed experts (`.mlp.experts.`, weights and biases), plus k/E of them."""
+    state = model.state_dict()
+    total = sum(t.numel() for t in state.values())
+    routed = sum(t.numel() for n, t in state.items() if ".mlp.experts." in n)
+    return total, total - routed + routed * model.config.num_experts_per_tok // n_experts
+
+
+def check_inspect_counts(path, model, n_experts: int | None = None) -> dict:
+    """`moerun inspect --json` on `path` reports independent_counts(model) (n_experts: the model's routed
+    experts, by default from its config) -> its JSON."""
+    n_experts = n_experts or getattr(model.config, "n_routed_experts", None) or model.config.num_local_experts
+    from click.testing import CliRunner
+
+    from moerun.cli import main
+
+    r = CliRunner().invoke(main, ["inspect", str(path), "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert (d["total_params"], d["active_params"]) == independent_counts(model, n_experts)
+    return d
+
+
+def dequantized_tensors(path) -> dict[str, torch.Tensor]:
+    """Every tensor of a GGUF file as gguf.quants dequantizes it (float32), by GGUF name: what the tests' oracles
+    (transformers models holding those weights) are built from."""
+    import gguf
+
+    return {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
+            for t in gguf.GGUFReader(str(path)).tensors}
 
 
 def gguf_bytes_per_token(path: str, arch: str) -> int:
@@ -254,16 +339,14 @@ def dequantized_reference(path, config, names: dict[str, str], join: Callable | 
     oracle). names: the family's GGUF kinds -> names within transformers' layer (written from the two
     projects' conventions, not from moerun's table); the experts' gate and up go into gate_up_proj;
     join(prefix, parts) -> {name: tensor} from the layer's other kinds (parts: kind -> tensor)."""
-    import gguf
     from transformers import AutoModelForCausalLM
 
     state, parts = {}, {}
-    for t in gguf.GGUFReader(str(path)).tensors:
-        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).float()
-        if t.name in _TOP:
-            state[_TOP[t.name]] = w
+    for name, w in dequantized_tensors(path).items():
+        if name in _TOP:
+            state[_TOP[name]] = w
             continue
-        _, layer, kind = t.name.split(".", 2)
+        _, layer, kind = name.split(".", 2)
         if kind in names:
             state[f"model.layers.{layer}.{names[kind]}"] = w
         else:
@@ -292,47 +375,6 @@ def kernel_path_errors(path: str, oracle, model, tokens) -> tuple[dict[str, int]
     calls = count_kernel_calls(fast.model.ops)
     got = fast.model.forward(tokens)
     return calls, rel_err(got, want), rel_err(got, reference_logits(model, tokens))
-
-
-def check_inspect_counts(path, model) -> dict:
-    """`moerun inspect --json`: total and active parameters equal a count over transformers' own tensors
-    (parameters and the saved buffers such as a correction bias; active = everything but the routed experts,
-    plus k/E of them) -> the JSON."""
-    r = CliRunner().invoke(main, ["inspect", str(path), "--json"])
-    assert r.exit_code == 0, r.output
-    d = json.loads(r.output)
-    state = model.state_dict()
-    total = sum(t.numel() for t in state.values())
-    routed = sum(t.numel() for n, t in state.items() if ".mlp.experts." in n)
-    k, E = model.config.num_experts_per_tok, model.config.n_routed_experts
-    assert (d["total_params"], d["active_params"]) == (total, total - routed + routed * k // E)
-    return d
-
-
-def check_standin_hf_logits(folder, model, tokens) -> None:
-    """fp32 from the HF folder on the stand-in device, its experts behind 2 slots: transformers' logits."""
-    rt = build_runtime(RuntimeConfig(model=str(folder), devices=("standin:0",), expert_cache_slots=2,
-                                     threads=1))
-    assert rt.stages[0].model.dev.kind == "standin"
-    got = rt.engine.model.forward(tokens, rt.engine.new_sequence().kv).cpu()
-    assert (got - reference_logits(model, tokens)).abs().max().item() < 1e-4
-    rt.close()
-
-
-def check_triton_standin(path: str, tokens, monkeypatch) -> None:
-    """MOERUN_STANDIN_KERNELS=triton: the stand-in multiplies the GGUF's blocks with the Triton kernels
-    (interpreted), as a GPU does, within 1e-3 of the torch reference."""
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("MOERUN_STANDIN_KERNELS", "triton")
-    model = load_model(path, kernels=False).model
-    ref = prompt_and_steps(model, SeqKV(KVPool(model.spec, 64), 64), tokens)
-    rt = build_runtime(RuntimeConfig(model=path, devices=("standin:0",), expert_cache_slots=2,
-                                     miss_path="fetch", threads=1))
-    assert type(rt.stages[0].model.ops).__name__ == "TritonOps"
-    got = prompt_and_steps(rt.engine.model, rt.engine.new_sequence().kv, tokens)
-    assert (got - ref).abs().max().item() < 1e-3
-    rt.close()
 
 
 def check_gpu_logits(folder, model, path: str, tokens, slots: int | None) -> None:

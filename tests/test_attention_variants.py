@@ -72,3 +72,30 @@ def test_sliding_window_sees_the_last_positions_only(T):
         lo = max(0, p - W + 1)
         ref = attend(q[t:t + 1], k[lo:p + 1], v[lo:p + 1], q_pos[t:t + 1], k_pos[lo:p + 1])
         assert torch.allclose(got[t:t + 1], ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 50])
+def test_long_prompt_with_sinks_in_query_blocks_matches_gpt_oss(window):
+    """Past QUERY_BLOCK queries with sinks, attention goes a block of queries at a time against the keys the block
+    sees: transformers' eager gpt-oss attention with its causal (and sliding) mask, 300 queries after 20 cached."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from moerun.model.layers import QUERY_BLOCK
+
+    T, S, nh, nkv, D = 300, 320, 4, 2, 8
+    assert T > 2 * QUERY_BLOCK
+    torch.manual_seed(2)
+    q, k, v = torch.randn(T, nh, D), torch.randn(S, nkv, D), torch.randn(S, nkv, D)
+    sinks = torch.randn(nh)
+    q_pos, k_pos = torch.arange(S - T, S), torch.arange(S)
+    seen = k_pos[None, :] <= q_pos[:, None]
+    if window:
+        seen &= k_pos[None, :] > q_pos[:, None] - window
+    mask = torch.zeros(T, S).masked_fill(~seen, float("-inf"))[None, None]
+    module = SimpleNamespace(num_key_value_groups=nh // nkv, sinks=sinks, training=False)
+    ref, _ = eager_attention_forward(module, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                     v.transpose(0, 1)[None], mask, scaling=D**-0.5)
+    got = attend(q, k, v, q_pos, k_pos, sinks=sinks, window=window)
+    assert torch.allclose(got, ref[0].reshape(T, nh * D), atol=1e-5)

@@ -433,7 +433,7 @@ def test_quantized_conversion_runs_through_the_c_kernels(wide, tokens, tmp_path,
     """Q8_0 and Q4_K GGUFs: the torch reference path equals transformers on the gguf.quants-dequantized
     weights (1e-4); the C kernels (experts, shared experts, dense FFN, the q / q_a / q_b / kv_a / output
     projections, the head; attn_k_b and attn_v_b are held as floats and multiplied per head in torch; the
-    fused whole-layer path falls back, spec not plain) are close to that oracle and to the float model.
+    fused whole-layer path falls back, spec not fused_decode) are close to that oracle and to the float model.
     Measured relative logit error of the kernel path (`pytest tests/test_deepseek2.py -k quantized -s`, 3
     layers, hidden 256, rank 256): V2 Q8_0 4.8% against the oracle (2-4% per position; 12-19% at two positions
     where a near-tie in the router flips an expert) and 6.1% against fp32; V2 Q4_K 8.7% / 48% (the oracle
@@ -476,7 +476,7 @@ def preset_gguf(tmp_path_factory):
     from moerun.tools.presets import preset
 
     spec = preset("tiny-deepseek3", layers=4)
-    assert spec.moe_layers == (False, True, True, True) and spec.q_lora_rank and not spec.plain
+    assert spec.moe_layers == (False, True, True, True) and spec.q_lora_rank and not spec.fused_decode
     return str(make_model(spec, tmp_path_factory.mktemp("ds-preset") / "tiny-deepseek3.gguf", ftype="Q8_0",
                           progress=False, threads=1))
 

@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from family_checks import (add_mtp_layer, check_estimate, check_expert_cache, check_gpu_logits,
+from family_checks import (add_mtp_layer, check_estimate, check_expert_cache, check_gpu_logits, check_greedy_generate,
                            check_inspect_counts, check_server_completion, check_standin_hf_logits,
                            check_standin_miss_paths, check_triton_standin, check_two_cpu_stages,
                            dequantized_reference, gguf_fields, kernel_path_errors, names_outside_llama_cpp,
@@ -22,12 +22,9 @@ from family_checks import (add_mtp_layer, check_estimate, check_expert_cache, ch
 from hf_models import build, reference_logits, save
 
 from moerun.cli import main
-from moerun.config import SamplingParams
-from moerun.engine.engine import Engine
 from moerun.formats import open_model
 from moerun.loading import load_model
 from moerun.quant.qtypes import QType
-from moerun.text import Tokenizer
 from moerun.tools.convert import convert_hf_to_gguf
 
 PROMPT = [5, 17, 300, 42, 99, 7, 256, 11]
@@ -142,13 +139,7 @@ def test_gguf_logits_match_transformers_with_llama_cpp_keys_and_names(glm, token
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_greedy_equals_transformers_generate(glm, source):
     model, folder, path = glm
-    with torch.no_grad():
-        ref = model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=32, min_new_tokens=32,
-                             pad_token_id=0)[0, len(PROMPT):].tolist()
-    loaded = load_model(folder if source == "hf" else path)
-    eng = Engine(loaded.model, Tokenizer.from_model_file(loaded.file), ctx_size=256, ubatch=3)  # 3 prefill chunks
-    gen = eng.generate(PROMPT, SamplingParams.greedy(max_tokens=32, ignore_eos=True)).run()
-    assert gen.tokens == ref
+    check_greedy_generate(model, folder if source == "hf" else path, PROMPT, ubatch=3)  # 3 prefill chunks
 
 
 def write_with_nextn(src, out) -> None:
@@ -267,6 +258,8 @@ def test_quantized_conversion_runs_through_the_c_kernels(wide, tokens, tmp_path,
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 def test_inspect_counts_equal_an_independent_count(glm, source):
+    """Counted over transformers' state dict (the saved correction-bias buffers too; dense layer, shared experts
+    in the active count)."""
     model, folder, path = glm
     d = check_inspect_counts(folder if source == "hf" else path, model)
     assert d["family"] == "glm4moe" and d["layers"] == 3 and d["moe_layers"] == 2 and d["dense_ffn"] == 96
@@ -282,7 +275,7 @@ def preset_gguf(tmp_path_factory):
     from moerun.tools.presets import preset
 
     spec = preset("tiny-glm4moe", layers=4)
-    assert spec.moe_layers == (False, True, True, True) and spec.n_groups == 4 and not spec.plain
+    assert spec.moe_layers == (False, True, True, True) and spec.n_groups == 4 and not spec.fused_decode
     return str(make_model(spec, tmp_path_factory.mktemp("glm-preset") / "tiny-glm4moe.gguf", ftype="Q8_0",
                           progress=False, threads=1))
 

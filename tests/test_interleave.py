@@ -1,4 +1,4 @@
-"""The CPU kernels' interleaved layouts (Q4_K_R8 and Q8_0_R8: kernels/csrc/r8.c, dot_x86_r8.inc).
+"""The CPU kernels' interleaved layouts (Q4_K_R8, Q8_0_R8, MXFP4_R8: kernels/csrc/r8.c, dot_x86_r8.inc).
 
 The layout only reorders bytes, so it is checked three ways: the round trip gives the file's bytes back for
 any bytes; a matmul over it equals x @ W^T with W dequantized by gguf.quants from the original bytes (the
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="moerun.kernels._cpu
 
 ISAS = cpu.features()["isas"]
 Q4K = QType.Q4_K
-QTYPES = pytest.mark.parametrize("qt", [QType.Q4_K, QType.Q8_0], ids=lambda q: q.name)
+QTYPES = pytest.mark.parametrize("qt", [QType.Q4_K, QType.Q8_0, QType.MXFP4], ids=lambda q: q.name)
 
 
 def q4k(rows: int, cols: int, seed: int = 0, random_bytes: bool = False, lead: tuple[int, ...] = (),

@@ -101,13 +101,13 @@ def test_layer_stacks_and_caches_are_checked(q8_model, tokens32):
         cpu.LayerStack([plain])
     kv = SeqKV(KVPool(model.spec, 64), 64)
     kv.reserve(1)
-    rows = f.rows([kv.slot_table], torch.tensor([0]))
+    rows = f.rows([kv], torch.tensor([0]))
     x = torch.zeros(1, model.spec.hidden)
     pool = kv.pool
     with pytest.raises(ValueError, match="layers"):  # one layer's caches for two layers
-        f.decode_layers(0, 2, x, rows, *pool.range(0, 1))
+        f.decode_layers(0, 2, x, rows, pool.caches(0, 1))
     with pytest.raises(ValueError):
-        f.decode_layers(0, 1, torch.zeros(2, model.spec.hidden), rows, *pool.range(0, 1))
+        f.decode_layers(0, 1, torch.zeros(2, model.spec.hidden), rows, pool.caches(0, 1))
 
 
 def test_head_logits_match_the_reference(q8_model, tokens32):

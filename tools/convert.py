@@ -140,7 +140,7 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, ftype: str = "F
                        progress: bool = True, name: str | None = None, threads: int | None = None) -> Path:
     """Convert the model at `hf_dir` (Hugging Face folder; a GGUF file works too) to a GGUF file.
 
-    ftype: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K or Q4_K_M (see gguf_out.qtype_for for the mix).
+    ftype: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K, Q4_K_M or MXFP4_MOE (see gguf_out.qtype_for for the mixes).
     overwrite: replace an existing `out_path` (otherwise FileExistsError; nothing is touched).
     name: general.name (default: the input's folder or file name).
     threads: experts converted at once (default: one per CPU); torch runs single-threaded meanwhile.

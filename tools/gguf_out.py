@@ -37,11 +37,13 @@ FTYPES: dict[str, tuple[int, QType]] = {
     "Q4_K": (gguf.LlamaFileType.MOSTLY_Q4_K_S, QType.Q4_K),
     "Q6_K": (gguf.LlamaFileType.MOSTLY_Q6_K, QType.Q6_K),
     "Q4_K_M": (gguf.LlamaFileType.MOSTLY_Q4_K_M, QType.Q4_K),
+    "MXFP4_MOE": (gguf.LlamaFileType.MOSTLY_MXFP4_MOE, QType.Q8_0),  # routed experts MXFP4 (llama.cpp's mix)
 }
 
 # Fallbacks when a row is not a whole number of blocks. llama.cpp uses Q5_0 for Q4_K; moerun does not
 # quantize Q5_0, so Q4_K falls back to Q8_0 (bigger, never less precise). Q6_K -> Q8_0 as in llama.cpp.
-_FALLBACK = {QType.Q4_K: QType.Q8_0, QType.Q6_K: QType.Q8_0, QType.Q4_0: QType.F16, QType.Q8_0: QType.F16}
+_FALLBACK = {QType.Q4_K: QType.Q8_0, QType.Q6_K: QType.Q8_0, QType.Q4_0: QType.F16, QType.Q8_0: QType.F16,
+             QType.MXFP4: QType.Q8_0}
 
 
 def file_type(ftype: str) -> int:
@@ -65,7 +67,8 @@ def qtype_for(cn: CName, shape: Sequence[int], ftype: str, *, n_layers: int = 0,
               tied_embeddings: bool = False) -> QType:
     """The GGUF type a canonical tensor gets in a file of `ftype` (llama.cpp's rules, simplified).
 
-    1-D tensors, norms and routers (ffn_gate_inp*) stay F32. Other weights get the ftype's type.
+    1-D tensors, biases, norms and routers (ffn_gate_inp*) stay F32. Other weights get the ftype's type.
+    MXFP4_MOE: the routed experts' matrices MXFP4, everything else Q8_0 (as llama-quantize's MXFP4_MOE).
     Q4_K_M: Q4_K, except Q6_K for output.weight (token_embd.weight when the embeddings are tied)
     and for attn_v / ffn_down / ffn_down_exps / ffn_down_shexp on the layers `use_more_bits(i,
     n_layers)` selects (so Q4_K_M needs `n_layers`). llama.cpp's extra rules for 8-expert models
@@ -73,9 +76,12 @@ def qtype_for(cn: CName, shape: Sequence[int], ftype: str, *, n_layers: int = 0,
     Q4_K and Q6_K -> Q8_0 (llama.cpp: Q4_K -> Q5_0, which moerun does not quantize), Q8_0/Q4_0 -> F16.
     """
     _, base = _ftype(ftype)
-    if len(shape) < 2 or cn.kind.startswith("ffn_gate_inp") or "norm" in cn.kind or shape[0] == 1:
+    if (len(shape) < 2 or cn.kind.startswith("ffn_gate_inp") or "norm" in cn.kind or shape[0] == 1
+            or cn.kind.endswith(".bias")):
         return QType.F32
     qtype = base
+    if ftype.upper() == "MXFP4_MOE" and cn.kind.endswith("_exps.weight"):
+        qtype = QType.MXFP4
     if ftype.upper() == "Q4_K_M":
         head = cn.kind == "output.weight" or (tied_embeddings and cn.kind == "token_embd.weight")
         more = cn.kind == "attn_v.weight" or cn.kind.startswith("ffn_down")

@@ -228,7 +228,7 @@ def make_model(preset_or_spec: str | ModelSpec, out_path: str | Path, fmt: str =
     preset_or_spec: a preset name (see moerun.tools.presets) or a ModelSpec.
     out_path: the .gguf file, or the folder of a Hugging Face model (fmt="safetensors").
     fmt: "gguf" or "safetensors".
-    ftype: GGUF: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K or Q4_K_M (llama.cpp's mix);
+    ftype: GGUF: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K, Q4_K_M or MXFP4_MOE (llama.cpp's mixes);
            safetensors: F32, F16 or BF16.
     seed: weights are a deterministic function of (seed, tensor name).
     overwrite: replace an existing output (otherwise FileExistsError; nothing is touched).

@@ -11,10 +11,11 @@ DeepSeek-V2-Lite's.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
-from moerun.arch import FAMILIES, ModelSpec
+from moerun.arch import FAMILIES, ModelSpec, gptoss
 from moerun.arch.deepseek2 import yarn_softmax_scale
 from moerun.arch.family import with_family_defaults
 from moerun.arch.spec import Yarn
@@ -95,6 +96,29 @@ def _v2_lite(n_layers: int) -> ModelSpec:
                      kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128)
 
 
+def _gptoss(n_layers: int, window: int, yarn: Yarn, **dims: Any) -> ModelSpec:
+    """gpt-oss's traits: sinks, biases everywhere, sliding windows on even layers, YaRN, top-k-softmax routing,
+    the clamped SwiGLU."""
+    kinds = tuple("sliding" if i % 2 == 0 else "full" for i in range(n_layers))
+    return _family_spec("gptoss", n_layers=n_layers, qkv_bias=True, rms_eps=1e-5, rope_theta=150000.0,
+                        sliding_window=window, layer_kinds=kinds, yarn=yarn, **(gptoss.TRAITS | dims))
+
+
+def _tiny_gptoss() -> ModelSpec:
+    """gpt-oss at the tiny size: a window of 8 (shorter than the tests' prompts), YaRN x4 over 512 positions."""
+    return _gptoss(2, 8, Yarn(4.0, 512, attention_factor=0.1 * math.log(4.0) + 1, truncate=False), hidden=64,
+                   n_heads=4, n_kv_heads=2, head_dim=16, vocab=512, n_experts=8, n_experts_used=2, expert_ffn=32,
+                   context_length=2048)
+
+
+def _gptoss_20b(n_layers: int = 24) -> ModelSpec:
+    """gpt-oss-20b's shape (openai/gpt-oss-20b's config.json): 64 query heads, 8 KV heads of 64, 32 experts top-4 of
+    width 2880, vocabulary 201088, window 128 on even layers, YaRN x32 over 4096."""
+    return _gptoss(n_layers, 128, Yarn(32.0, 4096, attention_factor=0.1 * math.log(32.0) + 1, truncate=False),
+                   hidden=2880, n_heads=64, n_kv_heads=8, head_dim=64, vocab=201088, n_experts=32, n_experts_used=4,
+                   expert_ffn=2880, context_length=131072)
+
+
 def _a3b(n_layers: int) -> ModelSpec:
     return _family_spec("qwen3moe", n_layers=n_layers, hidden=2048, n_heads=32, n_kv_heads=4, head_dim=128,
                         vocab=1024, n_experts=128, n_experts_used=8, expert_ffn=768, rms_eps=1e-6,
@@ -109,6 +133,9 @@ PRESETS: dict[str, Callable[[], ModelSpec]] = {
     "tiny-glm4moe": _tiny_glm4moe,
     "tiny-deepseek2": lambda: _tiny_deepseek(False),
     "tiny-deepseek3": lambda: _tiny_deepseek(True),
+    "tiny-gptoss": _tiny_gptoss,
+    "gptoss-20b": _gptoss_20b,
+    "gptoss-20b-L4": lambda: _gptoss_20b(4),
     "a3b-L4": lambda: _a3b(4),
     "a3b-L12": lambda: _a3b(12),
     "v2lite-L4": lambda: _v2_lite(4),
@@ -123,7 +150,8 @@ def apply_overrides(spec: ModelSpec, **overrides: Any) -> ModelSpec:
     """`spec` with fields replaced. Keys are ModelSpec field names or ALIASES; None values are ignored.
 
     Changing `family` re-applies that family's fixed traits; changing `n_layers` without giving
-    `moe_layers` keeps the leading dense layers and makes every other layer a MoE layer.
+    `moe_layers` keeps the leading dense layers and makes every other layer a MoE layer, and without giving
+    `layer_kinds` repeats the attention pattern (sliding / full) from the first layer on.
     """
     fields = {f.name for f in dataclasses.fields(ModelSpec)}
     changes: dict[str, Any] = {}
@@ -138,6 +166,8 @@ def apply_overrides(spec: ModelSpec, **overrides: Any) -> ModelSpec:
         n = changes["n_layers"]
         lead = min(n, next((i for i, moe in enumerate(spec.moe_layers) if moe), spec.n_layers))
         changes["moe_layers"] = (False,) * lead + (True,) * (n - lead)
+    if "n_layers" in changes and "layer_kinds" not in changes and spec.layer_kinds:
+        changes["layer_kinds"] = tuple(spec.layer_kinds[i % len(spec.layer_kinds)] for i in range(changes["n_layers"]))
     if "family" in changes:
         if changes["family"] not in FAMILIES:
             raise ValueError(f"unknown family '{changes['family']}' (known: {', '.join(FAMILIES)})")

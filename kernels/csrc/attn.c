@@ -155,8 +155,8 @@ static const attn_kernels *attn_kernels_for(int isa) {
 
 typedef struct {
     const attn_kernels *k;
-    int64_t nh, nkv, D, maxkeys, items;
-    const float *q, *kc, *vc;
+    int64_t nh, nkv, D, maxkeys, items, window;
+    const float *q, *kc, *vc, *sinks;
     float *att, *scores, scale;
     const int64_t *const *slots;
     const int64_t *pos;
@@ -168,16 +168,21 @@ static void attn_task(void *p, int tid, int nth) {
     (void)tid, (void)nth;
     const int64_t g = c->nh / c->nkv, kd = c->nkv * c->D, qd = c->nh * c->D;
     for (int64_t it; (it = atomic_fetch_add(&c->next, 1)) < c->items;) {
-        const int64_t r = it / c->nkv, h = it % c->nkv, n = c->pos[r] + 1;
+        const int64_t r = it / c->nkv, h = it % c->nkv;
+        const int64_t first = c->window && c->pos[r] >= c->window ? c->pos[r] - c->window + 1 : 0;
+        const int64_t n = c->pos[r] + 1 - first;
+        const int64_t *slot = c->slots[r] + first;
         for (int64_t gi = 0; gi < g; gi++) {
             const int64_t head = h * g + gi;
             float *s = c->scores + (r * c->nh + head) * c->maxkeys;
-            c->k->scores(s, c->q + r * qd + head * c->D, n, c->kc + h * c->D, c->slots[r], kd, c->D, c->scale);
-            float max = -INFINITY;
+            c->k->scores(s, c->q + r * qd + head * c->D, n, c->kc + h * c->D, slot, kd, c->D, c->scale);
+            float max = c->sinks ? c->sinks[head] : -INFINITY;
             for (int64_t j = 0; j < n; j++) max = s[j] > max ? s[j] : max;
-            const float inv = 1.0f / c->k->exp_sum(s, n, max);
+            float sum = c->k->exp_sum(s, n, max);
+            if (c->sinks) sum += expf(c->sinks[head] - max);  /* the sink's share of the softmax, no value */
+            const float inv = 1.0f / sum;
             for (int64_t j = 0; j < n; j++) s[j] *= inv;
-            c->k->wsum(c->att + r * qd + head * c->D, s, n, c->vc + h * c->D, c->slots[r], kd, c->D);
+            c->k->wsum(c->att + r * qd + head * c->D, s, n, c->vc + h * c->D, slot, kd, c->D);
         }
     }
 }
@@ -228,22 +233,37 @@ static void finish_qkv(const qk_attn_desc *d, float *q, float *k, float *v, cons
     for (int64_t h = 0; h < d->n_kv_heads; h++) rope(k + h * D, cos, sin, D, (int)d->neox);
 }
 
-/* softmax(logits) -> the top n_used (ties: the lower id first), renormalised if asked. */
-static void route(const float *logits, int64_t E, int64_t k, int norm, float *p, int64_t *ids, float *w) {
-    float max = -INFINITY, sum = 0.0f;
-    for (int64_t e = 0; e < E; e++) max = logits[e] > max ? logits[e] : max;
-    for (int64_t e = 0; e < E; e++) sum += p[e] = expf(logits[e] - max);
-    for (int64_t e = 0; e < E; e++) p[e] /= sum;
-    float chosen = 0.0f;
+/* The top k of p (ties: the lower id first), best first: ids, and p's values in w; p is used up. */
+static void top_k(float *p, int64_t E, int64_t k, int64_t *ids, float *w) {
     for (int64_t j = 0; j < k; j++) {
         int64_t best = -1;
         for (int64_t e = 0; e < E; e++)
-            if (p[e] >= 0.0f && (best < 0 || p[e] > p[best])) best = e;
+            if (p[e] != -INFINITY && (best < 0 || p[e] > p[best])) best = e;
         ids[j] = best;
         w[j] = p[best];
-        chosen += p[best];
-        p[best] = -1.0f; /* taken */
+        p[best] = -INFINITY; /* taken */
     }
+}
+
+/* gating 0: softmax(logits) -> the top n_used, renormalised if asked; 1 (gpt-oss): the top n_used logits ->
+ * a softmax over them. */
+static void route(const float *logits, int64_t E, int64_t k, int norm, int gating, float *p, int64_t *ids,
+                  float *w) {
+    float max = -INFINITY, sum = 0.0f;
+    if (gating == 1) {
+        for (int64_t e = 0; e < E; e++) p[e] = logits[e];
+        top_k(p, E, k, ids, w);
+        max = w[0];
+        for (int64_t j = 0; j < k; j++) sum += w[j] = expf(w[j] - max);
+        for (int64_t j = 0; j < k; j++) w[j] /= sum;
+        return;
+    }
+    for (int64_t e = 0; e < E; e++) max = logits[e] > max ? logits[e] : max;
+    for (int64_t e = 0; e < E; e++) sum += p[e] = expf(logits[e] - max);
+    for (int64_t e = 0; e < E; e++) p[e] /= sum;
+    top_k(p, E, k, ids, w);
+    float chosen = 0.0f;
+    for (int64_t j = 0; j < k; j++) chosen += w[j];
     if (norm)
         for (int64_t j = 0; j < k; j++) w[j] /= chosen;
 }
@@ -288,30 +308,38 @@ int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int
     }
     if (!rc) {
         attn_ctx c = {.k = attn_kernels_for(isa), .nh = nh, .nkv = nkv, .D = D, .maxkeys = maxkeys,
-                      .items = B * nkv, .q = q, .kc = kc, .vc = vc, .att = att, .scores = scores,
-                      .scale = (float)(1.0 / sqrt((double)D)), .slots = slots, .pos = pos};
+                      .items = B * nkv, .window = d->window, .q = q, .kc = kc, .vc = vc, .sinks = fptr(d->sinks),
+                      .att = att, .scores = scores, .scale = (float)(1.0 / sqrt((double)D)), .slots = slots,
+                      .pos = pos};
         atomic_init(&c.next, 0);
         qk_pool_run(attn_task, &c);
         const qk_wmat wo = {(const uint8_t *)(uintptr_t)d->wo, (int)d->wo_type, H};
         rc = qk_matmuls(isa, 1, &wo, qd, att, B, &o);
     }
+    const float *bo = fptr(d->bo), *br = fptr(d->router_b);
     for (int64_t r = 0; !rc && r < B; r++) {
-        for (int64_t i = 0; i < H; i++) x[r * H + i] += o[r * H + i];
+        for (int64_t i = 0; i < H; i++) x[r * H + i] += bo ? o[r * H + i] + bo[i] : o[r * H + i];
         rms_norm(x + r * H, fptr(d->ffn_norm), H, eps, xn_out + r * H);
     }
     if (!rc && E) {
         const qk_wmat wr = {(const uint8_t *)(uintptr_t)d->router, (int)d->router_type, E};
         rc = qk_matmuls(isa, 1, &wr, H, xn_out, B, &logits);
-        for (int64_t r = 0; !rc && r < B; r++)
-            route(logits + r * E, E, d->n_used, (int)d->norm_topk, probs + r * E, ids_out + r * d->n_used,
-                  w_out + r * d->n_used);
+        for (int64_t r = 0; !rc && r < B; r++) {
+            if (br)
+                for (int64_t e = 0; e < E; e++) logits[r * E + e] += br[e];
+            route(logits + r * E, E, d->n_used, (int)d->norm_topk, (int)d->gating, probs + r * E,
+                  ids_out + r * d->n_used, w_out + r * d->n_used);
+        }
     }
     if (!rc && moe) {
         for (int64_t p = 0; p < B * d->n_used; p++) ids32[p] = (int32_t)ids_out[p];
         const qk_expert_mats g = {(const uint8_t *)(uintptr_t)d->gate, d->gate_stride, (int)d->gate_type};
         const qk_expert_mats u = {(const uint8_t *)(uintptr_t)d->up, d->up_stride, (int)d->up_type};
         const qk_expert_mats dn = {(const uint8_t *)(uintptr_t)d->down, d->down_stride, (int)d->down_type};
-        rc = qk_moe_ffn(isa, xn_out, B, H, ids32, w_out, (int)d->n_used, g, u, dn, E, d->n_ff, moe_out, 0);
+        const float *ap = fptr(d->act_params);
+        const qk_expert_fn fn = {(int)d->act, ap ? ap[0] : 0.0f, ap ? ap[1] : 0.0f, fptr(d->gate_b), fptr(d->up_b),
+                                 fptr(d->down_b)};
+        rc = qk_moe_ffn(isa, xn_out, B, H, ids32, w_out, (int)d->n_used, g, u, dn, E, d->n_ff, moe_out, 0, &fn);
         for (int64_t i = 0; !rc && i < B * H; i++) x[i] += moe_out[i];
     }
     free(mem);
@@ -319,13 +347,14 @@ int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int
 }
 
 int qk_decode_layers(int isa, int64_t n, const qk_attn_desc *const *descs, float *x, int64_t B,
-                     const int64_t *const *slots, const int64_t *pos, float *kc, float *vc, int64_t kv_stride,
-                     const float *rope_cos, const float *rope_sin, float eps, float clip, float *xn_out,
-                     int64_t *ids_out, float *w_out, const float *out_norm, const qk_wmat *head, float *logits) {
+                     const int64_t *const *slots, const int64_t *const *wslots, const int64_t *pos,
+                     float *const *kcs, float *const *vcs, const float *rope_cos, const float *rope_sin, float eps,
+                     float clip, float *xn_out, int64_t *ids_out, float *w_out, const float *out_norm,
+                     const qk_wmat *head, float *logits) {
     for (int64_t l = 0; l < n; l++) {
         const qk_attn_desc *d = descs[l];
         if (!d->router || !d->gate || !d->up || !d->down) return QK_EMISSING;
-        const int rc = qk_attn_block(isa, d, x, B, slots, pos, kc + l * kv_stride, vc + l * kv_stride, rope_cos,
+        const int rc = qk_attn_block(isa, d, x, B, d->window ? wslots : slots, pos, kcs[l], vcs[l], rope_cos,
                                      rope_sin, eps, clip, xn_out, ids_out, w_out, 1);
         if (rc) return rc;
     }

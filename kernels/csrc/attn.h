@@ -12,14 +12,20 @@
  * qk_norm: 0 none, 1 over the whole q / k vector, 2 per head. rope: 0 interleaved pairs, 1 neox halves.
  * router == 0: a dense layer (no routing outputs). gate/up/down (0: not given): the routed experts as
  * qk_expert_mats (base, stride, type), n_ff their intermediate size; with them the call can finish the
- * whole layer (see `moe` below). */
+ * whole layer (see `moe` below).
+ * gpt-oss's additions (0: absent): bo the output projection's bias [hidden]; sinks [n_heads], a logit per head
+ * in the softmax's denominator; window > 0: each row attends to its last `window` positions only; router_b the
+ * router's bias; gating 0: softmax over the experts then the top n_used (renormalised when norm_topk), 1: the
+ * top n_used logits then a softmax over them; act a QK_ACT_* with act_params -> float [alpha, limit]; gate_b,
+ * up_b [n_experts, n_ff], down_b [n_experts, hidden] the experts' biases (qk_expert_fn). */
 #define QK_ATTN_FIELDS(X)                                                                          \
     X(hidden) X(n_heads) X(n_kv_heads) X(head_dim) X(qk_norm) X(neox)                               \
     X(attn_norm) X(ffn_norm) X(q_norm) X(k_norm) X(bq) X(bk) X(bv)                                  \
     X(wq) X(wq_type) X(wk) X(wk_type) X(wv) X(wv_type) X(wo) X(wo_type)                             \
     X(router) X(router_type) X(n_experts) X(n_used) X(norm_topk)                                    \
     X(gate) X(gate_stride) X(gate_type) X(up) X(up_stride) X(up_type) X(down) X(down_stride)         \
-    X(down_type) X(n_ff)
+    X(down_type) X(n_ff)                                                                            \
+    X(bo) X(sinks) X(window) X(router_b) X(gating) X(act) X(act_params) X(gate_b) X(up_b) X(down_b)
 
 #define QK_ATTN_MEMBER(name) int64_t name;
 typedef struct {
@@ -31,8 +37,9 @@ typedef struct {
  *   xn = attn_norm(x); q, k, v = xn Wq, xn Wk, xn Wv (+ biases, clamped to +-clip when clip > 0, q/k norms,
  *   RoPE from the tables cos/sin [positions, head_dim / 2]); k, v stored at the row's slot of kc, vc
  *   ([slots, n_kv_heads * head_dim] of this layer); o = softmax(q k^T / sqrt(head_dim)) v over positions
- *   0..pos[r]; x += o Wo (in place); xn_out = ffn_norm(x); for MoE layers ids_out / w_out [B, n_used] =
- *   the top experts of softmax(xn_out Wr) (renormalised when norm_topk), best first.
+ *   0..pos[r] (the last `window` of them; with sinks in the denominator); x += o Wo + bo (in place);
+ *   xn_out = ffn_norm(x); for MoE layers ids_out / w_out [B, n_used] = the chosen experts of xn_out Wr + br
+ *   as `gating` says, best first.
  * Rows of one sequence see each other's keys (the causal mask within the step). With moe != 0 and the
  * experts given, the routed experts' output (qk_moe_ffn of xn_out) is added to x too: the whole layer.
  * Returns 0 or QK_E*. */
@@ -41,14 +48,16 @@ int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int
                   float eps, float clip, float *xn_out, int64_t *ids_out, float *w_out, int moe);
 
 /* n whole layers (descs[l], each with its experts) one after the other on the same rows: layer l's caches
- * at kc + l * kv_stride and vc + l * kv_stride (floats). xn_out, ids_out, w_out: the last layer's.
+ * kcs[l], vcs[l], its slot tables wslots for a windowed layer (its ring), else slots. xn_out, ids_out, w_out:
+ * the last layer's.
  * head (or NULL): then logits [B, head->N] = rms_norm(x, out_norm) head^T as well, so a decode step is one
  * call from the embeddings to the logits (no torch operation between kernel calls: after a step has
  * streamed the weights through the caches, the first torch operation alone took ~0.1 ms, cold code). */
 int qk_decode_layers(int isa, int64_t n, const qk_attn_desc *const *descs, float *x, int64_t B,
-                     const int64_t *const *slots, const int64_t *pos, float *kc, float *vc, int64_t kv_stride,
-                     const float *rope_cos, const float *rope_sin, float eps, float clip, float *xn_out,
-                     int64_t *ids_out, float *w_out, const float *out_norm, const qk_wmat *head, float *logits);
+                     const int64_t *const *slots, const int64_t *const *wslots, const int64_t *pos,
+                     float *const *kcs, float *const *vcs, const float *rope_cos, const float *rope_sin, float eps,
+                     float clip, float *xn_out, int64_t *ids_out, float *w_out, const float *out_norm,
+                     const qk_wmat *head, float *logits);
 
 /* logits [B, head->N] = rms_norm(x [B, H], out_norm) head^T (xn: B * H floats of scratch). */
 int qk_head(int isa, const float *x, int64_t B, int64_t H, const float *out_norm, float eps, const qk_wmat *head,

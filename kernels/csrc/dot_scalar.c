@@ -23,6 +23,7 @@ const qtype_info QK_TYPES[QT_COUNT] = {
     [QT_IQ4_XS] = {GGML_IQ4_XS, "IQ4_XS", 256, 136, ACT_Q8_0, 1},
     [QT_Q4_K_R8] = {GGML_Q4_K_R8, "Q4_K_R8", 256, 8 * 144, ACT_Q8K, 8},
     [QT_Q8_0_R8] = {GGML_Q8_0_R8, "Q8_0_R8", 32, 8 * 34, ACT_Q8_0, 8},
+    [QT_MXFP4_R8] = {GGML_MXFP4_R8, "MXFP4_R8", 32, 8 * 17, ACT_Q8_0, 8},
 };
 
 int qk_qtype_index(int ggml) {
@@ -225,7 +226,7 @@ static const kernel_set SCALAR = {
     {[QT_Q4_0] = qk_dot_scalar_q4_0, [QT_Q8_0] = qk_dot_scalar_q8_0, [QT_MXFP4] = qk_dot_scalar_mxfp4,
      [QT_Q4_K] = qk_dot_scalar_q4_k, [QT_Q5_K] = qk_dot_scalar_q5_k, [QT_Q6_K] = qk_dot_scalar_q6_k,
      [QT_IQ4_XS] = qk_dot_scalar_iq4_xs, [QT_Q4_K_R8] = qk_dot_scalar_q4_k_r8,
-     [QT_Q8_0_R8] = qk_dot_scalar_q8_0_r8},
+     [QT_Q8_0_R8] = qk_dot_scalar_q8_0_r8, [QT_MXFP4_R8] = qk_dot_scalar_mxfp4_r8},
 };
 
 #if QK_X86
@@ -235,7 +236,7 @@ static const kernel_set SCALAR = {
      {[QT_Q4_0] = qk_dot_q4_0##SUFFIX, [QT_Q8_0] = qk_dot_q8_0##SUFFIX, [QT_MXFP4] = qk_dot_mxfp4##SUFFIX, \
       [QT_Q4_K] = qk_dot_q4_k##SUFFIX, [QT_Q5_K] = qk_dot_q5_k##SUFFIX, [QT_Q6_K] = qk_dot_q6_k##SUFFIX,  \
       [QT_IQ4_XS] = qk_dot_iq4_xs##SUFFIX, [QT_Q4_K_R8] = qk_dot_q4_k_r8##SUFFIX,                \
-      [QT_Q8_0_R8] = qk_dot_q8_0_r8##SUFFIX}}
+      [QT_Q8_0_R8] = qk_dot_q8_0_r8##SUFFIX, [QT_MXFP4_R8] = qk_dot_mxfp4_r8##SUFFIX}}
 static const kernel_set AVX2 = X86_SET("avx2", _avx2);
 static const kernel_set VNNI = X86_SET("avx512vnni", _vnni);
 
@@ -256,7 +257,8 @@ static const kernel_set NEON = {
     {[ACT_Q8K] = qk_quant_q8k_scalar, [ACT_Q8_0] = qk_quant_q8_0_scalar},
     {[QT_Q4_0] = qk_dot_q4_0_neon, [QT_Q8_0] = qk_dot_q8_0_neon, [QT_MXFP4] = qk_dot_scalar_mxfp4,
      [QT_Q4_K] = qk_dot_q4_k_neon, [QT_Q5_K] = qk_dot_scalar_q5_k, [QT_Q6_K] = qk_dot_q6_k_neon,
-     [QT_IQ4_XS] = qk_dot_scalar_iq4_xs, [QT_Q4_K_R8] = qk_dot_q4_k_r8_neon, [QT_Q8_0_R8] = qk_dot_q8_0_r8_neon},
+     [QT_IQ4_XS] = qk_dot_scalar_iq4_xs, [QT_Q4_K_R8] = qk_dot_q4_k_r8_neon, [QT_Q8_0_R8] = qk_dot_q8_0_r8_neon,
+     [QT_MXFP4_R8] = qk_dot_scalar_mxfp4_r8},
 };
 
 static int neon_dotprod(void) {

@@ -10,7 +10,7 @@
  * Within an item, tokens are taken four at a time (one weight-row load serves four activation rows)
  * and the item's weight rows, which stay in L1/L2, are walked once per group of four tokens.
  *
- * moe_ffn runs two pool jobs: (A) gate and up rows of every routed expert, h = silu(g) * u, and, by
+ * moe_ffn runs two pool jobs: (A) gate and up rows of every routed expert, h = act(g, u), and, by
  * whichever thread finishes an expert's last item, h quantized for the down projection; (B) per block
  * of output rows, the down rows of every routed expert, then the weighted combine of those rows. */
 #include "matmul.h"
@@ -247,10 +247,18 @@ typedef struct {
     float *out, *scratch;     /* scratch: rows_b floats per pair, for each of nscratch threads */
     int64_t nscratch, T;
     int pairs;                /* out holds one weighted row per pair instead of their sum per token */
+    qk_expert_fn fn;
     workq qa, qb;
 } moe_ctx;
 
 static float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+/* gpt-oss's clamped SwiGLU (transformers' GptOssExperts._apply_gate). */
+static float swiglu_oai(float g, float u, float alpha, float limit) {
+    g = g > limit ? limit : g;
+    u = u < -limit ? -limit : u > limit ? limit : u;
+    return g / (1.0f + expf(-alpha * g)) * (u + 1.0f);
+}
 
 /* Rows [r, r + n) of a matrix of `rows` rows per dot call (n a multiple of it; each call reads rowb bytes)
  * against nt activation rows: o[t * n + j] = row r + j . x[t]. */
@@ -272,6 +280,9 @@ static void moe_gate_up_task(void *p, int tid, int nth) {
         const int64_t a = it / c->items_per_expert;
         const int64_t r0 = it % c->items_per_expert * c->rows_a, r1 = min64(r0 + c->rows_a, c->I);
         const uint8_t *gw = c->gate[a], *uw = c->up[a];
+        const qk_expert_fn *fn = &c->fn;
+        const float *gb = fn->gate_b ? fn->gate_b + c->act_e[a] * c->I : NULL;
+        const float *ub = fn->up_b ? fn->up_b + c->act_e[a] * c->I : NULL;
         for (int64_t s = c->first[a]; s < c->first[a + 1]; s += DOT_MAX_NT) {
             const int nt = (int)min64(DOT_MAX_NT, c->first[a + 1] - s);
             const void *xg[DOT_MAX_NT], *xu[DOT_MAX_NT];
@@ -285,8 +296,20 @@ static void moe_gate_up_task(void *p, int tid, int nth) {
                 float g[DOT_MAX_NT * DOT_MAX_ROWS], u[DOT_MAX_NT * DOT_MAX_ROWS];
                 dot_span(c->dot_g, c->rows_g, c->nb_g, gw, c->rowb_g, r, n, xg, nt, g);
                 dot_span(c->dot_u, c->rows_u, c->nb_u, uw, c->rowb_u, r, n, xu, nt, u);
-                for (int j = 0; j < nt; j++)
-                    for (int q = 0; q < n; q++) c->h[(s + j) * c->I + r + q] = silu_mul(g[j * n + q], u[j * n + q]);
+                if (gb || ub)
+                    for (int j = 0; j < nt; j++)
+                        for (int q = 0; q < n; q++) {
+                            g[j * n + q] += gb ? gb[r + q] : 0.0f;
+                            u[j * n + q] += ub ? ub[r + q] : 0.0f;
+                        }
+                float *h = c->h + s * c->I + r;
+                if (fn->act == QK_ACT_SWIGLU_OAI)
+                    for (int j = 0; j < nt; j++)
+                        for (int q = 0; q < n; q++)
+                            h[j * c->I + q] = swiglu_oai(g[j * n + q], u[j * n + q], fn->alpha, fn->limit);
+                else
+                    for (int j = 0; j < nt; j++)
+                        for (int q = 0; q < n; q++) h[j * c->I + q] = silu_mul(g[j * n + q], u[j * n + q]);
             }
         }
         /* The last item of an expert quantizes its h rows (acq_rel: sees the others' writes). */
@@ -307,6 +330,7 @@ static void moe_down_task(void *p, int tid, int nth) {
         const int64_t r0 = it * c->rows_b, r1 = min64(r0 + c->rows_b, c->H);
         for (int64_t a = 0; a < c->nact; a++) {
             const uint8_t *dw = c->down[a];
+            const float *db = c->fn.down_b ? c->fn.down_b + c->act_e[a] * c->H : NULL;
             for (int64_t s = c->first[a]; s < c->first[a + 1]; s += DOT_MAX_NT) {
                 const int nt = (int)min64(DOT_MAX_NT, c->first[a + 1] - s);
                 const void *xs[DOT_MAX_NT];
@@ -316,7 +340,8 @@ static void moe_down_task(void *p, int tid, int nth) {
                     float o[DOT_MAX_NT * DOT_MAX_ROWS];
                     c->dot_d(c->nb_d, dw + r / n * c->rowb_d, xs, nt, o);
                     for (int j = 0; j < nt; j++)
-                        for (int q = 0; q < n; q++) y[(s + j) * c->rows_b + (r - r0) + q] = o[j * n + q];
+                        for (int q = 0; q < n; q++)
+                            y[(s + j) * c->rows_b + (r - r0) + q] = o[j * n + q] + (db ? db[r + q] : 0.0f);
                 }
             }
         }
@@ -349,7 +374,7 @@ static const uint8_t *expert_ptr(qk_expert_mats m, int64_t e) {
 
 int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts, int k,
                qk_expert_mats gate, qk_expert_mats up, qk_expert_mats down, int64_t E, int64_t I, float *out,
-               int pairs) {
+               int pairs, const qk_expert_fn *fn) {
     const kernel_set *ks = qk_kernels(isa);
     const int qg = qk_qtype_index(gate.type), qu = qk_qtype_index(up.type), qd = qk_qtype_index(down.type);
     if (!ks) return QK_EISA;
@@ -440,6 +465,7 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
         .dot_d = ks->dot[qd], .down = pd, .nb_d = I / td->blk_elems,
         .rowb_d = I / td->blk_elems * td->blk_bytes, .H = H, .rows_b = rows_b,
         .wts = wts, .out = out, .scratch = scratch, .nscratch = nth, .T = T, .pairs = pairs,
+        .fn = fn ? *fn : (qk_expert_fn){QK_ACT_SWIGLU, 0.0f, 0.0f, NULL, NULL, NULL},
     };
     c.rows_a = rows_per_item(nact * I, nth);
     c.rows_a = (c.rows_a + step_a - 1) / step_a * step_a;

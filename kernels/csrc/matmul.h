@@ -29,14 +29,25 @@ typedef struct {
     int type;
 } qk_expert_mats;
 
+/* What each expert computes around its three matrices: the activation (QK_ACT_SWIGLU: silu(g) * u;
+ * QK_ACT_SWIGLU_OAI, gpt-oss: g' = min(g, limit), g' * sigmoid(alpha g') * (clamp(u, -limit, limit) + 1)) and
+ * optional biases by expert id (gate_b, up_b: E x I floats, down_b: E x H; NULL: none). */
+enum { QK_ACT_SWIGLU = 0, QK_ACT_SWIGLU_OAI = 1 };
+typedef struct {
+    int act;
+    float alpha, limit;
+    const float *gate_b, *up_b, *down_b;
+} qk_expert_fn;
+
 /* out[T, H] = sum_j wts[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, j], j < k, summed in
- * the order of j. gate/up: [I, H] per expert, down: [H, I], each matrix kind of its own ggml type.
+ * the order of j (fn: another activation and biases, or NULL). gate/up: [I, H] per expert, down: [H, I], each
+ * matrix kind of its own ggml type.
  * A pair whose id is negative is skipped (it adds nothing). pairs != 0: no sum; out is [T * k, H] and row
  * t * k + j holds wts[t, j] * down_e(...) for that pair (0 for a skipped pair), so pairs computed by several
  * calls, summed in the order of j afterwards, give exactly the sum one call gives. */
 int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts, int k,
                qk_expert_mats gate, qk_expert_mats up, qk_expert_mats down, int64_t E, int64_t I, float *out,
-               int pairs);
+               int pairs, const qk_expert_fn *fn);
 
 /* W[N, K] of GGUF type Q4_K into the interleaved layout `to` (GGML_Q4_K_R8; N a multiple of 8), and back
  * (qk_unpack, `from` the interleaved type). src and dst must not overlap; same byte count both ways (r8.c). */

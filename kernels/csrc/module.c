@@ -131,24 +131,27 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
 }
 
 /* moe_ffn(isa, x, T, H, ids, wts, k, gate, gate_stride, gate_type, up, up_stride, up_type, down, down_stride,
- *         down_type, E, I, out, pairs=0): see qk_moe_ffn; each matrix kind is (base, stride, type) as
- *         qk_expert_mats. */
+ *         down_type, E, I, out, pairs=0, act=0, alpha=0, limit=0, gate_b=0, up_b=0, down_b=0): see qk_moe_ffn;
+ *         each matrix kind is (base, stride, type) as qk_expert_mats; act .. down_b: its qk_expert_fn. */
 static PyObject *py_moe_ffn(PyObject *self, PyObject *args) {
     (void)self;
-    int isa, k, gt, ut, dt, pairs = 0;
-    unsigned long long x, ids, wts, gate, up, down, out;
+    int isa, k, gt, ut, dt, pairs = 0, act = QK_ACT_SWIGLU;
+    unsigned long long x, ids, wts, gate, up, down, out, gb = 0, ub = 0, db = 0;
     long long T, H, E, I, gs, us, ds;
-    if (!PyArg_ParseTuple(args, "iKLLKKiKLiKLiKLiLLK|i", &isa, &x, &T, &H, &ids, &wts, &k, &gate, &gs, &gt, &up,
-                          &us, &ut, &down, &ds, &dt, &E, &I, &out, &pairs))
+    float alpha = 0.0f, limit = 0.0f;
+    if (!PyArg_ParseTuple(args, "iKLLKKiKLiKLiKLiLLK|iiffKKK", &isa, &x, &T, &H, &ids, &wts, &k, &gate, &gs, &gt,
+                          &up, &us, &ut, &down, &ds, &dt, &E, &I, &out, &pairs, &act, &alpha, &limit, &gb, &ub, &db))
         return NULL;
-    if (gs < 0 || us < 0 || ds < 0) return raise_code(QK_ESHAPE);
+    if (gs < 0 || us < 0 || ds < 0 || (act != QK_ACT_SWIGLU && act != QK_ACT_SWIGLU_OAI)) return raise_code(QK_ESHAPE);
     const qk_expert_mats g = {(const uint8_t *)(uintptr_t)gate, gs, gt};
     const qk_expert_mats u = {(const uint8_t *)(uintptr_t)up, us, ut};
     const qk_expert_mats d = {(const uint8_t *)(uintptr_t)down, ds, dt};
+    const qk_expert_fn fn = {act, alpha, limit, (const float *)(uintptr_t)gb, (const float *)(uintptr_t)ub,
+                             (const float *)(uintptr_t)db};
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = qk_moe_ffn(isa, (const float *)(uintptr_t)x, T, H, (const int32_t *)(uintptr_t)ids,
                                           (const float *)(uintptr_t)wts, k, g, u, d, E, I, (float *)(uintptr_t)out,
-                                          pairs);
+                                          pairs, &fn);
     Py_END_ALLOW_THREADS return raise_code(rc);
 }
 
@@ -225,26 +228,28 @@ static PyObject *py_attn_block(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS return raise_code(rc);
 }
 
-/* decode_layers(isa, n, descs, x, B, slots, pos, kc, vc, kv_stride, cos, sin, eps, clip, xn_out, ids_out, w_out,
+/* decode_layers(isa, n, descs, x, B, slots, wslots, pos, kcs, vcs, cos, sin, eps, clip, xn_out, ids_out, w_out,
  *               out_norm=0, head=0, head_type=0, head_rows=0, logits=0):
- * see qk_decode_layers; descs is the address of n qk_attn_desc addresses; head 0: no logits. */
+ * see qk_decode_layers; descs, kcs and vcs are addresses of n addresses each, slots and wslots of B; head 0: no
+ * logits. */
 static PyObject *py_decode_layers(PyObject *self, PyObject *args) {
     (void)self;
     int isa, head_type = 0;
-    unsigned long long descs, x, slots, pos, kc, vc, cs, sn, xn, ids, w, norm = 0, head = 0, logits = 0;
-    long long n, B, stride, head_rows = 0;
+    unsigned long long descs, x, slots, wslots, pos, kcs, vcs, cs, sn, xn, ids, w, norm = 0, head = 0, logits = 0;
+    long long n, B, head_rows = 0;
     float eps, clip;
-    if (!PyArg_ParseTuple(args, "iLKKLKKKKLKKffKKK|KKiLK", &isa, &n, &descs, &x, &B, &slots, &pos, &kc, &vc, &stride,
-                          &cs, &sn, &eps, &clip, &xn, &ids, &w, &norm, &head, &head_type, &head_rows, &logits))
+    if (!PyArg_ParseTuple(args, "iLKKLKKKKKKKffKKK|KKiLK", &isa, &n, &descs, &x, &B, &slots, &wslots, &pos, &kcs,
+                          &vcs, &cs, &sn, &eps, &clip, &xn, &ids, &w, &norm, &head, &head_type, &head_rows, &logits))
         return NULL;
     const qk_wmat hw = {(const uint8_t *)(uintptr_t)head, head_type, head_rows};
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = qk_decode_layers(
         isa, n, (const qk_attn_desc *const *)(uintptr_t)descs, (float *)(uintptr_t)x, B,
-        (const int64_t *const *)(uintptr_t)slots, (const int64_t *)(uintptr_t)pos, (float *)(uintptr_t)kc,
-        (float *)(uintptr_t)vc, stride, (const float *)(uintptr_t)cs, (const float *)(uintptr_t)sn, eps, clip,
-        (float *)(uintptr_t)xn, (int64_t *)(uintptr_t)ids, (float *)(uintptr_t)w, (const float *)(uintptr_t)norm,
-        head ? &hw : NULL, (float *)(uintptr_t)logits);
+        (const int64_t *const *)(uintptr_t)slots, (const int64_t *const *)(uintptr_t)wslots,
+        (const int64_t *)(uintptr_t)pos, (float *const *)(uintptr_t)kcs, (float *const *)(uintptr_t)vcs,
+        (const float *)(uintptr_t)cs, (const float *)(uintptr_t)sn, eps, clip, (float *)(uintptr_t)xn,
+        (int64_t *)(uintptr_t)ids, (float *)(uintptr_t)w, (const float *)(uintptr_t)norm, head ? &hw : NULL,
+        (float *)(uintptr_t)logits);
     Py_END_ALLOW_THREADS return raise_code(rc);
 }
 
@@ -277,14 +282,14 @@ static PyMethodDef methods[] = {
     {"matmul", py_matmul, METH_VARARGS, "matmul(isa, ggml, w, N, K, x, T, out)"},
     {"moe_ffn", py_moe_ffn, METH_VARARGS,
      "moe_ffn(isa, x, T, H, ids, wts, k, gate, gate_stride, gate_type, up, up_stride, up_type, down, "
-     "down_stride, down_type, E, I, out, pairs=0)"},
+     "down_stride, down_type, E, I, out, pairs=0, act=0, alpha=0, limit=0, gate_b=0, up_b=0, down_b=0)"},
     {"dequant_rows", py_dequant_rows, METH_VARARGS, "dequant_rows(ggml, w, N, K, rows, n, out)"},
     {"attn_fields", py_attn_fields, METH_NOARGS, "Field names of the attention block's layer descriptor."},
     {"attn_block", py_attn_block, METH_VARARGS,
      "attn_block(isa, desc, x, B, slots, pos, kc, vc, cos, sin, eps, clip, xn_out, ids_out, w_out, moe=0)"},
     {"head", py_head, METH_VARARGS, "head(isa, x, B, H, norm, eps, head, head_type, head_rows, xn, logits)"},
     {"decode_layers", py_decode_layers, METH_VARARGS,
-     "decode_layers(isa, n, descs, x, B, slots, pos, kc, vc, kv_stride, cos, sin, eps, clip, xn_out, ids_out, w_out)"},
+     "decode_layers(isa, n, descs, x, B, slots, wslots, pos, kcs, vcs, cos, sin, eps, clip, xn_out, ids_out, w_out)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -41,6 +41,9 @@
  *          qs[256g + 32c + 4r + i] = source row r's qs[32g + 4c + i] (g < 4, c < 8, i < 4): low nibble
  *          = el 64g + 4c + i, high nibble = el 64g + 32 + 4c + i.
  *   Q8_0_R8 @0 d[8] f16 | @16 qs[256]: qs[32c + 4r + i] = row r's element 4c + i (c < 8, i < 4). 272 B.
+ *   MXFP4_R8 @0 e[8] (E8M0) | @8 qs[128]: qs[32g + 4r + i] = row r's qs[4g + i] (g < 4, i < 4): low nibble = el
+ *          4g + i, high nibble = el 16 + 4g + i, so the low and high nibbles of one 32-byte load are two 4-weight
+ *          chunks of the 8 rows. 136 B.
  *
  * Activation formats (ours, internal; f32 scales, values in [-127, 127], never -128):
  *   act_q8k  per 256: f32 d | int8 qs[256] | int16 bsums[16] (sums of each 16 qs), 292 B.
@@ -69,14 +72,16 @@
 enum { GGML_Q4_0 = 2, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14,
        GGML_IQ4_XS = 23, GGML_MXFP4 = 39 };
 /* Our interleaved layouts (see above): type id = source ggml id + QK_R8. */
-enum { QK_R8 = 1000, GGML_Q4_K_R8 = QK_R8 + GGML_Q4_K, GGML_Q8_0_R8 = QK_R8 + GGML_Q8_0 };
+enum { QK_R8 = 1000, GGML_Q4_K_R8 = QK_R8 + GGML_Q4_K, GGML_Q8_0_R8 = QK_R8 + GGML_Q8_0,
+       GGML_MXFP4_R8 = QK_R8 + GGML_MXFP4 };
 
 /* Float weight types, read by the fused decode path's matmuls (fdot.c). */
 enum { GGML_F32 = 0, GGML_F16 = 1 };
 enum { FT_F32, FT_F16, FT_COUNT };
 
 /* Our dense indices for those types. */
-enum { QT_Q4_0, QT_Q8_0, QT_MXFP4, QT_Q4_K, QT_Q5_K, QT_Q6_K, QT_IQ4_XS, QT_Q4_K_R8, QT_Q8_0_R8, QT_COUNT };
+enum { QT_Q4_0, QT_Q8_0, QT_MXFP4, QT_Q4_K, QT_Q5_K, QT_Q6_K, QT_IQ4_XS, QT_Q4_K_R8, QT_Q8_0_R8, QT_MXFP4_R8,
+       QT_COUNT };
 
 /* Activation formats. */
 enum { ACT_Q8K, ACT_Q8_0, ACT_COUNT };
@@ -143,6 +148,7 @@ void qk_dot_scalar_q6_k(int64_t, const uint8_t *, const void *const *, int, floa
 void qk_dot_scalar_iq4_xs(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_q4_k_r8(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_q8_0_r8(int64_t, const uint8_t *, const void *const *, int, float *);
+void qk_dot_scalar_mxfp4_r8(int64_t, const uint8_t *, const void *const *, int, float *);
 /* The four 32-value scale vectors V0..V3 of a Q4_K_R8 block (r8.c). */
 void qk_r8_vectors(const uint8_t *b, uint8_t v[4][32]);
 #if QK_X86
@@ -157,7 +163,8 @@ void qk_quant_q8_0_avx2(const float *x, void *out, int64_t k);
     void qk_dot_q5_k##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
     void qk_dot_q6_k##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
     void qk_dot_q4_k_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);  \
-    void qk_dot_q8_0_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);
+    void qk_dot_q8_0_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);  \
+    void qk_dot_mxfp4_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);
 QK_DECLARE_X86_DOTS(_avx2)
 QK_DECLARE_X86_DOTS(_vnni)
 #endif

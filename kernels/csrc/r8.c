@@ -1,4 +1,4 @@
-/* The interleaved layouts Q4_K_R8 and Q8_0_R8 (qk.h): repacking from and back to GGUF's blocks, and the
+/* The interleaved layouts Q4_K_R8, Q8_0_R8 and MXFP4_R8 (qk.h): repacking from and back to GGUF's blocks, and the
  * portable dots.
  *
  * qk_repack and qk_unpack are exact inverses on any bytes (the 12-byte packed scales map one to one onto
@@ -13,6 +13,7 @@
 #define Q4K_BYTES 144
 #define R8_BYTES (8 * Q4K_BYTES)
 #define Q80_BYTES 34
+#define MXFP4_BYTES 17
 
 /* The four 32-value scale vectors of an R8 block (layout: qk.h). */
 void qk_r8_vectors(const uint8_t *b, uint8_t v[4][32]) {
@@ -85,6 +86,21 @@ static void q8_unpack_block(const uint8_t *b, uint8_t *const dst[8]) {
     }
 }
 
+/* One MXFP4_R8 block from 8 MXFP4 blocks, and back: the 8 exponents, then 4-byte chunks g of the 8 rows. */
+static void mxfp4_pack_block(const uint8_t *const src[8], uint8_t *b) {
+    for (int r = 0; r < 8; r++) {
+        b[r] = src[r][0];
+        for (int g = 0; g < 4; g++) memcpy(b + 8 + 32 * g + 4 * r, src[r] + 1 + 4 * g, 4);
+    }
+}
+
+static void mxfp4_unpack_block(const uint8_t *b, uint8_t *const dst[8]) {
+    for (int r = 0; r < 8; r++) {
+        dst[r][0] = b[r];
+        for (int g = 0; g < 4; g++) memcpy(dst[r] + 1 + 4 * g, b + 8 + 32 * g + 4 * r, 4);
+    }
+}
+
 typedef struct {
     int type, src_type, blk_elems, blk_bytes; /* the interleaved type, its GGUF source and that's block */
     void (*pack)(const uint8_t *const src[8], uint8_t *b);
@@ -94,6 +110,7 @@ typedef struct {
 static const relayout_kind KINDS[] = {
     {GGML_Q4_K_R8, GGML_Q4_K, 256, Q4K_BYTES, r8_pack_block, r8_unpack_block},
     {GGML_Q8_0_R8, GGML_Q8_0, 32, Q80_BYTES, q8_pack_block, q8_unpack_block},
+    {GGML_MXFP4_R8, GGML_MXFP4, 32, MXFP4_BYTES, mxfp4_pack_block, mxfp4_unpack_block},
 };
 
 static const relayout_kind *kind_of(int type) {
@@ -192,6 +209,27 @@ void qk_dot_scalar_q8_0_r8(int64_t nb, const uint8_t *w, const void *const *xv, 
                 int32_t s = 0;
                 for (int e = 0; e < 32; e++) s += (int8_t)b[16 + 32 * (e / 4) + 4 * r + e % 4] * x[i].qs[e];
                 acc[r] += qk_f16_at(b + 2 * r) * x[i].d * (float)s;
+            }
+        }
+        for (int r = 0; r < 8; r++) out[8 * t + r] = acc[r];
+    }
+}
+
+/* Portable MXFP4_R8 dot: out[8t + r] = sum_i 2^(e_r - 128) * x.d * (q_r . x.qs), the code book doubled as in
+ * the GGUF-layout kernels, the integer sums as the x86 kernels. */
+void qk_dot_scalar_mxfp4_r8(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {
+    for (int t = 0; t < nt; t++) {
+        const act_q8_0 *x = xv[t];
+        float acc[8] = {0};
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *b = w + i * 8 * MXFP4_BYTES;
+            for (int r = 0; r < 8; r++) {
+                int32_t s = 0;
+                for (int e = 0; e < 16; e++) {
+                    const uint8_t q = b[8 + 32 * (e / 4) + 4 * r + e % 4];
+                    s += QK_KV_MXFP4[q & 15] * x[i].qs[e] + QK_KV_MXFP4[q >> 4] * x[i].qs[e + 16];
+                }
+                acc[r] += qk_e8m0_half(b[r]) * x[i].d * (float)s;
             }
         }
         for (int r = 0; r < 8; r++) out[8 * t + r] = acc[r];

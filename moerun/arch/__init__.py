@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from moerun.arch import deepseek2, glm4moe, mixtral, olmoe, qwen2moe, qwen3moe
+from moerun.arch import deepseek2, glm4moe, gptoss, mixtral, olmoe, qwen2moe, qwen3moe
 from moerun.arch.family import ConfigError, Family, gguf_metadata, spec_from_gguf, spec_from_hf
 from moerun.arch.spec import ModelSpec
 from moerun.arch.tensors import (
@@ -20,7 +20,8 @@ from moerun.formats.names import CName
 from moerun.formats.records import ModelFile
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (qwen3moe.FAMILY, qwen2moe.FAMILY, mixtral.FAMILY, olmoe.FAMILY,
-                                                glm4moe.FAMILY, deepseek2.FAMILY)}
+                                                glm4moe.FAMILY, deepseek2.FAMILY,
+                                                gptoss.FAMILY)}
 
 __all__ = [
     "FAMILIES",
@@ -73,7 +74,7 @@ def resolve(mf: ModelFile) -> Arch:
     """Family, hyperparameters and canonical tensor sources of an opened model file, checked for consistency."""
     fam = family_of(mf)
     try:
-        sources = canonical_sources(mf, dict(fam.gguf_aliases))
+        sources = canonical_sources(mf, dict(fam.gguf_aliases), fam.hf_aliases)
         if mf.format == "gguf":
             n_layers = mf.metadata.get(f"{fam.gguf_arch}.block_count")
             n_layers = n_layers if isinstance(n_layers, int) and 0 < n_layers < 1 << 16 else 0

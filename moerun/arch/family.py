@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from moerun.arch.spec import ModelSpec, Yarn
+from moerun.formats.names import HFLayout
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class Family:
     # (canonical kind, ModelSpec field, value): in a GGUF file that holds that tensor, the field takes the value
     # (llama.cpp's optional tensors: GLM-4.5's q/k norms and q/k/v biases)
     gguf_optional: tuple[tuple[str, str, Any], ...] = ()
+    hf_aliases: tuple[tuple[str, str, HFLayout], ...] = ()  # (canonical kind, HF pattern, layout): names.parse_hf
     gguf_fields: Callable[[Callable[[str, Any], Any], dict], dict] | None = None
     hf_fields: Callable[[dict], dict] | None = None
     gguf_keys: Callable[[ModelSpec], dict] | None = None
@@ -177,6 +179,40 @@ def yarn_from_hf(cfg: dict[str, Any]) -> Yarn | None:
     return Yarn(factor, original, _float(rp.get("beta_fast") or 32.0, "beta_fast"),
                 _float(rp.get("beta_slow") or 1.0, "beta_slow"), _float(attn, "attention_factor"),
                 bool(rp.get("truncate", True)))
+
+
+YARN_KEYS = ("rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
+             "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow", "rope.scaling.yarn_attn_factor")
+
+
+def yarn_from_gguf(get: Callable[[str, Any], Any], truncate: bool = True) -> Yarn | None:
+    """YaRN from llama.cpp's `rope.scaling.*` keys (None unless the type is yarn). The attention factor is
+    `yarn_attn_factor` when given, else 0.1 ln(factor) + 1 (what llama.cpp and transformers compute); GGUF has no
+    key for truncation, so the family says (`truncate`)."""
+    kind, factor, original, fast, slow, attn = (get(k, None) for k in YARN_KEYS)
+    if kind != "yarn":
+        if kind not in (None, "none", "linear") or (kind == "linear" and factor not in (None, 0.0, 1.0)):
+            raise ConfigError(f"RoPE scaling {_short(kind)} is not supported yet")
+        return None
+    factor = _float(factor, "rope.scaling.factor")
+    return Yarn(factor, _int(original, "rope.scaling.original_context_length"),
+                _float(fast if fast is not None else 32.0, "rope.scaling.yarn_beta_fast"),
+                _float(slow if slow is not None else 1.0, "rope.scaling.yarn_beta_slow"),
+                _float(attn, "rope.scaling.yarn_attn_factor") if attn is not None else _mscale(factor), truncate)
+
+
+def yarn_gguf_keys(arch: str, yarn: Yarn | None) -> dict[str, Any]:
+    """llama.cpp's `rope.scaling.*` keys for `yarn` (the inverse of yarn_from_gguf; none without YaRN)."""
+    if yarn is None:
+        return {}
+    kv: dict[str, Any] = {f"{arch}.rope.scaling.type": "yarn", f"{arch}.rope.scaling.factor": float(yarn.factor),
+                          f"{arch}.rope.scaling.original_context_length": yarn.original_context}
+    if yarn.beta_fast != 32.0 or yarn.beta_slow != 1.0:
+        kv |= {f"{arch}.rope.scaling.yarn_beta_fast": float(yarn.beta_fast),
+               f"{arch}.rope.scaling.yarn_beta_slow": float(yarn.beta_slow)}
+    if abs(yarn.attention_factor - _mscale(yarn.factor)) > 1e-6:
+        kv[f"{arch}.rope.scaling.yarn_attn_factor"] = float(yarn.attention_factor)
+    return kv
 
 
 def spec_from_hf(fam: Family, cfg: dict[str, Any]) -> ModelSpec:

@@ -14,6 +14,7 @@ LAYER_KINDS = ("full", "sliding")  # attention over the whole context, or over t
 ROUTERS = ("softmax", "topk_softmax", "sigmoid")
 GROUP_SCORES = ("max", "top2")  # a group's score for group-limited routing: its best expert (V2), its best two (V3)
 EXPERT_ACTS = ("swiglu", "swiglu_oai")  # silu(g) * u; gpt-oss: min(g, l) * sigmoid(a g) * (clamp(u, -l, l) + 1)
+RING_ROWS = 16  # the most positions of one sequence a step writes before attending (the fused decode path's rows)
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,15 @@ class KVLayout:
 
     def elems(self) -> int:
         return math.prod(self.k) + (math.prod(self.v) if self.v else 0)
+
+    def ring_blocks(self, block_size: int) -> int:
+        """Blocks of a windowed layer's ring (per sequence): position p lives in block (p // block_size) % n of
+        it, so after RING_ROWS new positions are written each still finds the window - 1 before it."""
+        return -(-(self.window + RING_ROWS - 2) // block_size) + 1
+
+    def held(self, positions: int, block_size: int = 16) -> int:
+        """Positions of one sequence the cache keeps for a context of `positions`: all, or a window's ring."""
+        return min(positions, self.ring_blocks(block_size) * block_size) if self.window else positions
 
 
 @dataclass(frozen=True)
@@ -175,25 +185,28 @@ class ModelSpec:
 
     def kv_layout(self, layer: int) -> KVLayout:
         """What layer `layer`'s KV cache holds per position (moerun.engine.kv_cache); MLA: one latent, the
-        normed compression and the rotated key that every head shares."""
+        normed compression and the rotated key that every head shares; a sliding layer: the last
+        `sliding_window` positions only."""
         if self.attention == "mla":
             return KVLayout((self.kv_lora_rank + self.qk_rope_dim,), ())
-        return KVLayout((self.n_kv_heads, self.head_dim), (self.n_kv_heads, self.head_dim))
+        return KVLayout((self.n_kv_heads, self.head_dim), (self.n_kv_heads, self.head_dim),
+                        self.sliding_window if self.sliding(layer) else 0)
 
     def kv_bytes(self, layer: int, positions: int, dtype_bytes: int) -> int:
         """Bytes of layer `layer`'s KV cache for `positions` positions (of one sequence)."""
         lay = self.kv_layout(layer)
-        return (min(positions, lay.window) if lay.window else positions) * lay.elems() * dtype_bytes
+        return lay.held(positions) * lay.elems() * dtype_bytes
 
     def sliding(self, layer: int) -> bool:
         """Whether `layer` attends to the last `sliding_window` positions only."""
         return bool(self.layer_kinds) and self.layer_kinds[layer] == "sliding"
 
     @property
-    def plain(self) -> bool:
-        """Only the features the first four families have (what the fused C decode path implements)."""
-        return (self.attention == "gqa" and not (self.rope_dim and self.rope_dim != self.head_dim)
-                and self.yarn is None and not self.attn_out_bias and not self.attn_sinks
-                and "sliding" not in self.layer_kinds and not self.attn_scale and self.router == "softmax"
-                and not self.router_bias and not self.score_bias and self.n_groups == 1 and self.routed_scale == 1.0
-                and self.expert_act == "swiglu" and not self.expert_bias)
+    def fused_decode(self) -> bool:
+        """Whether the fused C decode path (moerun.model.fused) computes this model: GQA with RoPE on whole heads
+        (YaRN too: the tables are made here), the default softmax scale, sinks, windows, an output bias; softmax or
+        top-k-softmax routing, with a router bias but without groups, correction bias or scale; either expert
+        activation, with or without biases."""
+        return (self.attention == "gqa" and self.rotary_dim == self.head_dim and not self.attn_scale
+                and self.router in ("softmax", "topk_softmax") and not self.score_bias and self.n_groups == 1
+                and self.routed_scale == 1.0)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moerun.arch.spec import ModelSpec
-from moerun.formats.names import CName, parse_gguf, parse_hf
+from moerun.formats.names import CName, HFLayout, parse_gguf, parse_hf
 from moerun.formats.records import ModelFile, TensorRecord
+from moerun.quant.ggml_types import QType
 
 
 @dataclass(frozen=True)
@@ -15,7 +16,10 @@ class Source:
     """How to build one canonical tensor from stored records.
 
     records: one record, or one per expert (stacked along a new outer dimension).
-    chunk:   take half `chunk` (0 or 1) of dimension -2 (HF fused gate_up_proj).
+    chunk:   take part `chunk` (0 or 1) of dimension `dim`: a half, or the even / odd entries when
+             `interleaved` (HF fused gate_up_proj; names.HFLayout).
+    transposed: the record is stored [.., in, out]; it is transposed first.
+    scales: the E8M0 exponents of an HF MXFP4 pair, whose blocks are the record (read as GGUF MXFP4).
     permute_heads: reorder Q/K rows from rotate-half to interleaved RoPE layout, with this many heads.
     kv_b:    MLA's latent up-projection stored whole ([heads * (nope + v), rank]: HF, older GGUFs): (part,
              heads, nope) takes part "k" as llama.cpp's attn_k_b [heads, rank, nope] or "v" as attn_v_b
@@ -27,15 +31,26 @@ class Source:
     permute_heads: int | None = None
     stacked: bool = False
     kv_b: tuple[str, int, int] | None = None
+    dim: int = -2
+    interleaved: bool = False
+    transposed: bool = False
+    scales: TensorRecord | None = None
+
+    @property
+    def direct(self) -> bool:
+        """One record, read as stored (no stacking, halving, transposing, repacking, permuting or splitting)."""
+        return (len(self.records) == 1 and not self.stacked and self.chunk is None and not self.transposed
+                and self.scales is None and not self.permute_heads and self.kv_b is None)
 
 
 class TensorError(ValueError):
     pass
 
 
-def canonical_sources(mf: ModelFile, aliases: dict[str, str] | None = None) -> dict[CName, Source]:
-    """Map the file's tensors to canonical names (without hyperparameter-dependent transforms); `aliases`: the
-    family's own GGUF names (Family.gguf_aliases)."""
+def canonical_sources(mf: ModelFile, aliases: dict[str, str] | None = None,
+                      hf_aliases: tuple[tuple[str, str, HFLayout], ...] = ()) -> dict[CName, Source]:
+    """Map the file's tensors to canonical names (without hyperparameter-dependent transforms); `aliases` and
+    `hf_aliases`: the family's own GGUF and HF names (Family.gguf_aliases, Family.hf_aliases)."""
     out: dict[CName, Source] = {}
     if mf.format == "gguf":
         for name, rec in mf.records.items():
@@ -44,12 +59,24 @@ def canonical_sources(mf: ModelFile, aliases: dict[str, str] | None = None) -> d
                 out[cn] = Source((rec,))
         return out
     per_expert: dict[CName, dict[int, TensorRecord]] = defaultdict(dict)
+    scales: dict[CName, TensorRecord] = {}
     for name, rec in mf.records.items():
-        for m in parse_hf(name):
+        for m in parse_hf(name, hf_aliases):
+            lay = m.layout
             if m.name.expert is not None:
                 per_expert[CName(m.name.kind, m.name.layer)][m.name.expert] = rec
+            elif lay.mxfp4 == "scales":
+                scales[m.name] = rec
             else:
-                out[m.name] = Source((rec,), chunk=m.chunk)
+                out[m.name] = Source((rec,), chunk=lay.chunk, dim=lay.dim, interleaved=lay.interleaved,
+                                     transposed=lay.transposed, scales=rec if lay.mxfp4 == "blocks" else None)
+    for cn, src in list(out.items()):  # MXFP4 pairs: the blocks' record stood in for its scales until here
+        if src.scales is not None:
+            if cn not in scales:
+                raise TensorError(f"{src.records[0].name}: MXFP4 blocks without their scales")
+            out[cn] = _mxfp4_pair(replace(src, scales=scales.pop(cn)))
+    if scales:
+        raise TensorError(f"{next(iter(scales.values())).name}: MXFP4 scales without their blocks")
     for cn, by_e in per_expert.items():
         if cn in out:
             raise TensorError(f"{cn.gguf} is stored both fused and per expert")
@@ -57,6 +84,14 @@ def canonical_sources(mf: ModelFile, aliases: dict[str, str] | None = None) -> d
             raise TensorError(f"{cn.gguf}: experts {_first_missing(by_e)} are missing")
         out[cn] = Source(tuple(by_e[e] for e in range(len(by_e))), stacked=True)
     return out
+
+
+def _mxfp4_pair(src: Source) -> Source:
+    blocks, scales = src.records[0], src.scales
+    if len(blocks.shape) < 3 or blocks.shape[-1] != 16 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+        raise TensorError(f"{blocks.name} {list(blocks.shape)} and {scales.name} {list(scales.shape)} are not "
+                          "MXFP4 blocks [.., G, 16] and their scales [.., G]")
+    return src
 
 
 def _first_missing(present: dict[int, TensorRecord], limit: int = 8) -> str:
@@ -72,11 +107,16 @@ def _first_missing(present: dict[int, TensorRecord], limit: int = 8) -> str:
 
 
 def source_shape(src: Source) -> tuple[int, ...]:
-    shape = src.records[0].shape
+    shape = tuple(src.records[0].shape)
+    if src.scales is not None:  # MXFP4 blocks [.., G, 16] hold G * 32 values per row
+        shape = (*shape[:-2], shape[-2] * 32)
     if src.stacked:
         shape = (len(src.records), *shape)
-    if src.chunk is not None and len(shape) >= 2:
-        shape = (*shape[:-2], shape[-2] // 2, shape[-1])
+    if src.transposed and len(shape) >= 2:
+        shape = (*shape[:-2], shape[-1], shape[-2])
+    if src.chunk is not None and len(shape) >= -src.dim:
+        d = len(shape) + src.dim
+        shape = (*shape[:d], shape[d] // 2, *shape[d + 1:])
     if src.kv_b is not None and len(shape) == 2:
         part, heads, nope = src.kv_b
         rank = shape[1]
@@ -125,6 +165,8 @@ def expected_shapes(spec: ModelSpec) -> dict[CName, tuple[int, ...]]:
                       "ffn_up_exps.weight": (E, I, H), "ffn_down_exps.weight": (E, H, I)}
             if spec.router_bias:
                 layer["ffn_gate_inp.bias"] = (E,)
+            if spec.expert_bias:
+                layer |= {"ffn_gate_exps.bias": (E, I), "ffn_up_exps.bias": (E, I), "ffn_down_exps.bias": (E, H)}
             if spec.score_bias:
                 layer["exp_probs_b.bias"] = (E,)
             if spec.shared_ffn:
@@ -160,6 +202,12 @@ def check_sources(spec: ModelSpec, sources: dict[CName, Source]) -> None:
     for cn, src in sources.items():
         if src.stacked:
             _check_stacked(cn, src)
+        raw = [r for r in (*src.records, src.scales) if r is not None and r.qtype == QType.I8]
+        if raw and src.scales is None:
+            raise TensorError(f"tensor '{raw[0].name}' is U8 (raw bytes): only MXFP4 blocks and scales may be")
+        if src.scales is not None and len(raw) != 2:
+            raise TensorError(f"MXFP4 blocks and scales must be U8: '{src.records[0].name}' is "
+                              f"{src.records[0].qtype.name}, '{src.scales.name}' {src.scales.qtype.name}")
     for cn, shape in expected_shapes(spec).items():
         if cn not in sources:
             raise TensorError(f"missing tensor '{cn.gguf}'")

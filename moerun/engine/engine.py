@@ -61,13 +61,14 @@ class Engine:
     def new_sequence(self) -> Sequence:
         return Sequence(SeqKV(self.pool, self.ctx_size))
 
-    def resize_pool(self, n_tokens: int) -> None:
-        """A KV pool of n_tokens positions in all (e.g. room for several sequences of ctx_size each).
-        Only before any sequence holds blocks of the current pool."""
+    def resize_pool(self, n_tokens: int, seqs: int = 1) -> None:
+        """A KV pool of n_tokens positions in all, for `seqs` sequences at once (e.g. room for several sequences
+        of ctx_size each). Only before any sequence holds blocks of the current pool."""
         if self.pool.allocator.n_free != self.pool.allocator.n_blocks:
             raise RuntimeError("resize_pool with sequences still holding KV blocks")
         self.pool = None  # the old pool's memory goes before the new one is allocated
-        self.pool = KVPool(self.model.spec, n_tokens, dtype=self.model.dtype, segments=self.model.kv_segments)
+        self.pool = KVPool(self.model.spec, n_tokens, dtype=self.model.dtype, segments=self.model.kv_segments,
+                           seqs=seqs)
 
     def reuse_prefix(self, seq: Sequence, prompt: list[int]) -> list[int]:
         """Cut `seq` back to its longest common prefix with `prompt` -> the prompt tokens still to run
@@ -79,9 +80,9 @@ class Engine:
                 f"the prompt has {len(prompt)} tokens but the context size is {self.ctx_size}")
         keep = common_prefix(seq.tokens, prompt)
         keep = min(keep, len(prompt) - 1)
-        seq.kv.truncate(keep)
-        seq.tokens = seq.tokens[:keep]
-        return prompt[keep:]
+        seq.kv.truncate(keep)  # may keep less: a sliding-window ring that no longer holds the window before keep
+        seq.tokens = seq.tokens[:seq.kv.length]
+        return prompt[seq.kv.length:]
 
     def prefill(self, seq: Sequence, prompt: list[int]) -> tuple[torch.Tensor, int]:
         """Bring `seq` to exactly `prompt`, reusing the cached common prefix.

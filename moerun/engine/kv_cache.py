@@ -7,9 +7,18 @@ are the model's indices. A sequence's position p lives in slot
 table[p // block_size] * block_size + p % block_size of every segment: one block table serves all devices.
 Blocks are handed out by a BlockAllocator, so sequences of different lengths share one preallocated pool
 and freeing a sequence returns its blocks.
+
+A sliding-window layer (gpt-oss) keeps only its window: its segment holds one ring of blocks per sequence the
+pool serves at once (`seqs`), position p in block (p // block_size) % n of the sequence's ring (n from
+KVLayout.ring_blocks), so its memory does not grow with the context. A step attends to a ring layer's window
+as it was before the step (`read` before `write`); the fused C path writes at most RING_ROWS positions of a
+sequence before attending, which the ring leaves room for. `windows=False` keeps every position of such layers
+too (the window is then only a mask).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -41,31 +50,58 @@ class BlockAllocator:
 
 class KVPool:
     """segments: (first layer, stop layer, torch device) of each consecutive range the pool holds, in order;
-    default: every layer of the model on `device`."""
+    default: every layer of the model on `device`. seqs: sequences holding blocks at once, for the rings of
+    sliding-window layers (module docstring); windows=False: those layers keep every position."""
 
     def __init__(self, spec: ModelSpec, n_tokens: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu",
-                 segments: list[tuple[int, int, str | torch.device]] | None = None):
+                 segments: list[tuple[int, int, str | torch.device]] | None = None, seqs: int = 1,
+                 windows: bool = True):
         self.block_size = block_size
         n_blocks = -(-n_tokens // block_size)
         self.n_slots = n_blocks * block_size
         segments = segments or [(0, spec.n_layers, device)]
         if any(b <= a for a, b, _ in segments) or any(s[1] != t[0] for s, t in zip(segments, segments[1:])):
             raise ValueError(f"KV segments must be consecutive non-empty layer ranges, got {segments}")
+        if seqs < 1:
+            raise ValueError(f"seqs must be at least 1, got {seqs}")
         self.first, self.stop = segments[0][0], segments[-1][1]
+
+        def layout(i: int):
+            lay = spec.kv_layout(i)
+            return lay if windows else replace(lay, window=0)
+
+        rings = {layout(i).ring_blocks(block_size) for i in range(self.first, self.stop) if layout(i).window}
+        self.ring = max(rings, default=0)  # blocks of one sequence's ring (0: no windowed layer here)
+        self.window = max((layout(i).window for i in range(self.first, self.stop)), default=0)
+        self.seqs = seqs
+        self._free_rings = list(range(seqs - 1, -1, -1)) if self.ring else []
+        self.windowed: set[int] = set()  # layers whose cache is a ring per sequence
         self.segments = []  # (first, stop, k, v): consecutive layers of one device and one layout, stacked
         for a, b, dev in segments:
             start = a
             for i in range(a + 1, b + 1):  # cut where the layout changes (spec.kv_layout)
-                if i == b or spec.kv_layout(i) != spec.kv_layout(start):
-                    lay = spec.kv_layout(start)
-                    k = torch.zeros((i - start, self.n_slots, *lay.k), dtype=dtype, device=dev)
-                    v = torch.zeros((i - start, self.n_slots, *lay.v), dtype=dtype, device=dev) if lay.v else \
-                        torch.zeros((i - start, self.n_slots, 0), dtype=dtype, device=dev)
+                if i == b or layout(i) != layout(start):
+                    lay = layout(start)
+                    slots = self.n_slots if not lay.window else seqs * self.ring * block_size
+                    if lay.window:
+                        self.windowed |= set(range(start, i))
+                    k = torch.zeros((i - start, slots, *lay.k), dtype=dtype, device=dev)
+                    v = torch.zeros((i - start, slots, *lay.v), dtype=dtype, device=dev) if lay.v else \
+                        torch.zeros((i - start, slots, 0), dtype=dtype, device=dev)
                     self.segments.append((start, i, k, v))
                     start = i
         self.dtype = dtype
         self.allocator = BlockAllocator(n_blocks)
+
+    def take_ring(self) -> int:
+        if not self._free_rings:
+            raise ContextOverflowError(f"KV cache full: its sliding-window layers hold {self.seqs} sequence(s) at "
+                                       "once, all in use")
+        return self._free_rings.pop()
+
+    def give_ring(self, r: int) -> None:
+        self._free_rings.append(r)
 
     def range(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [b - a, slots, ...] of layers [a, b), which lie in one segment (one device, one layout): views."""
@@ -78,6 +114,10 @@ class KVPool:
         """k, v [slots, kv_heads, head_dim] of layer i."""
         k, v = self.range(i, i + 1)
         return k[0], v[0]
+
+    def caches(self, a: int, b: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each of layers [a, b)'s k, v (views)."""
+        return [self.layer(i) for i in range(a, b)]
 
     def device(self, i: int) -> torch.device:
         return self.layer(i)[0].device
@@ -93,14 +133,17 @@ class KVPool:
 
 
 class SeqKV:
-    """One sequence's slice of the pool: its block table and how many positions are filled."""
+    """One sequence's slice of the pool: its block table (and its ring in windowed layers) and how many
+    positions are filled."""
 
     def __init__(self, pool: KVPool, max_len: int):
         self.pool, self.max_len = pool, max_len
         self.blocks: list[int] = []
         self.length = 0
+        self._ring: int | None = None  # which ring of the windowed layers is this sequence's
         self._slot_index = torch.empty(0, dtype=torch.long)  # pool slot of each reserved position (host)
-        self._on: dict[torch.device, torch.Tensor] = {}  # the slot index copied to each device that reads it
+        self._ring_index = self._slot_index  # windowed layers' slot of each reserved position (host)
+        self._on: dict[tuple[torch.device, bool], torch.Tensor] = {}  # the indexes copied to devices that read them
         self._contiguous = False  # blocks consecutive in the pool: reads are views
 
     def reserve(self, n_new: int) -> None:
@@ -110,22 +153,35 @@ class SeqKV:
             raise ContextOverflowError(f"{need} tokens exceed the context size of {self.max_len}")
         more = -(-need // self.pool.block_size) - len(self.blocks)
         if more > 0:
+            if self._ring is None and self.pool.ring:
+                self._ring = self.pool.take_ring()
             self.blocks += self.pool.allocator.allocate(more)
-            bs = self.pool.block_size
+            bs, n = self.pool.block_size, self.pool.ring
             table = torch.tensor(self.blocks, dtype=torch.long)
             pos = torch.arange(len(self.blocks) * bs)
             self._slot_index = table[pos // bs] * bs + pos % bs
+            self._ring_index = (self._ring * n + (pos // bs) % n) * bs + pos % bs if n else self._slot_index
             self._on.clear()
             self._contiguous = self.blocks == list(range(self.blocks[0], self.blocks[0] + len(self.blocks)))
 
     def truncate(self, length: int) -> None:
-        """Forget positions >= length (e.g. to re-prefill from where a new chat prompt diverges)."""
-        self.length = min(self.length, length)
+        """Forget positions >= length (e.g. to re-prefill from where a new chat prompt diverges). Where the
+        windowed layers' rings no longer hold the window before `length`, everything is forgotten (length 0)."""
+        old, length = self.length, min(self.length, length)
+        if self.pool.ring and length < old:
+            bs = self.pool.block_size
+            held_from = max(0, ((old - 1) // bs - self.pool.ring + 1) * bs)  # the rings' oldest position
+            if max(0, length - self.pool.window + 1) < held_from:
+                length = 0
+        self.length = length
 
     def free(self) -> None:
         self.pool.allocator.free(self.blocks)
-        self.blocks, self.length = [], 0
+        if self._ring is not None:
+            self.pool.give_ring(self._ring)
+        self.blocks, self.length, self._ring = [], 0, None
         self._slot_index, self._contiguous = self._slot_index[:0], False
+        self._ring_index = self._slot_index
         self._on.clear()
 
     @property
@@ -133,28 +189,42 @@ class SeqKV:
         """int64 [reserved positions] on the host: the pool slot of each position (what fused kernels index with)."""
         return self._slot_index
 
-    def _slots(self, device: torch.device, start: int, end: int) -> torch.Tensor:
+    @property
+    def ring_table(self) -> torch.Tensor:
+        """int64 [reserved positions] on the host: each position's slot in the windowed layers' rings."""
+        return self._ring_index
+
+    def _slots(self, device: torch.device, start: int, end: int, ring: bool = False) -> torch.Tensor:
+        index = self._ring_index if ring else self._slot_index
         if device.type == "cpu":
-            return self._slot_index[start:end]
-        if device not in self._on:
-            self._on[device] = self._slot_index.to(device)
-        return self._on[device][start:end]
+            return index[start:end]
+        if (device, ring) not in self._on:
+            self._on[device, ring] = index.to(device)
+        return self._on[device, ring][start:end]
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
         """Store k/v [T, kv_heads, head_dim] of model layer `layer` at positions start..start+T (reserved); v
-        None where the layer's layout keeps none (MLA's latent is k alone)."""
+        None where the layer's layout keeps none (MLA's latent is k alone); a windowed layer keeps the last of
+        them its ring holds."""
         kc, vc = self.pool.layer(layer)
-        slots = self._slots(kc.device, start, start + k.shape[0])
+        ring = layer in self.pool.windowed
+        end = start + k.shape[0]
+        if ring and k.shape[0] > self.pool.ring * self.pool.block_size:
+            cut = k.shape[0] - self.pool.ring * self.pool.block_size
+            k, v, start = k[cut:], None if v is None else v[cut:], start + cut
+        slots = self._slots(kc.device, start, end, ring)
         kc.index_copy_(0, slots, k.to(kc.dtype))
         if v is not None:
             vc.index_copy_(0, slots, v.to(vc.dtype))
 
-    def read(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [end, kv_heads, head_dim] for positions 0..end: a view when the blocks are consecutive in
-        the pool (the usual case for a single sequence), else a gather."""
+    def read(self, layer: int, end: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [end - start, kv_heads, head_dim] for positions start..end: a view when the blocks are
+        consecutive in the pool (the usual case for a single sequence), else a gather. A windowed layer's ring
+        holds the positions of the last window only."""
         kc, vc = self.pool.layer(layer)
-        if end and self._contiguous:
-            start = self.blocks[0] * self.pool.block_size
-            return kc[start:start + end], vc[start:start + end]
-        slots = self._slots(kc.device, 0, end)
+        ring = layer in self.pool.windowed
+        if end > start and self._contiguous and not ring:
+            first = self.blocks[0] * self.pool.block_size
+            return kc[first + start:first + end], vc[first + start:first + end]
+        slots = self._slots(kc.device, start, end, ring)
         return kc.index_select(0, slots), vc.index_select(0, slots)

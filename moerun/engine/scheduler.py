@@ -155,7 +155,7 @@ class Scheduler:
         self.engine, self.max_queue = engine, max_queue
         self.observer = observer or Observer()
         bs = engine.pool.block_size
-        engine.resize_pool(parallel * -(-engine.ctx_size // bs) * bs)  # every slot can fill the context
+        engine.resize_pool(parallel * -(-engine.ctx_size // bs) * bs, seqs=parallel)  # every slot can fill the context
         self.slots = [Slot(i, engine.new_sequence(), engine.ctx_size) for i in range(parallel)]
         self._waiting: deque[Request] = deque()
         self._active = 0  # admitted, not finished

@@ -2,7 +2,9 @@
 
 Canonical kinds are llama.cpp's GGUF names without the `blk.N.` prefix. Routed experts are canonical
 as stacked 3-D tensors (`ffn_gate_exps` [E, I, H], `ffn_up_exps` [E, I, H], `ffn_down_exps` [E, H, I]);
-Hugging Face stores them per expert (`{E}` in the pattern) or fused (`gate_up_proj`, split in two).
+Hugging Face stores them per expert (`{E}` in the pattern) or fused (`gate_up_proj`, split in two). A family
+whose checkpoints hold a tensor in another layout names it in its own file with an `HFLayout`
+(Family.hf_aliases: gpt-oss's transposed, interleaved and MXFP4 experts).
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ TABLE: list[tuple[str, str, tuple[str, ...]]] = [
     ("attn_k_b.weight",           "blk.{L}.attn_k_b.weight",      ()),
     ("attn_v_b.weight",           "blk.{L}.attn_v_b.weight",      ()),
     ("ffn_norm.weight",           "blk.{L}.ffn_norm.weight",      (L + "post_attention_layernorm.weight",)),
-    ("ffn_gate_inp.weight",       "blk.{L}.ffn_gate_inp.weight",  (L + "mlp.gate.weight", L + "block_sparse_moe.gate.weight")),
-    ("ffn_gate_inp.bias",         "blk.{L}.ffn_gate_inp.bias",    ()),
+    ("ffn_gate_inp.weight",       "blk.{L}.ffn_gate_inp.weight",  (L + "mlp.gate.weight", L + "block_sparse_moe.gate.weight",
+                                                                   L + "mlp.router.weight")),
+    ("ffn_gate_inp.bias",         "blk.{L}.ffn_gate_inp.bias",    (L + "mlp.router.bias",)),
     ("exp_probs_b.bias",          "blk.{L}.exp_probs_b.bias",     (L + "mlp.gate.e_score_correction_bias",)),
     ("ffn_gate_exps.weight",      "blk.{L}.ffn_gate_exps.weight", (L + "mlp.experts.{E}.gate_proj.weight",
                                                                    L + "block_sparse_moe.experts.{E}.w1.weight",
@@ -52,6 +55,10 @@ TABLE: list[tuple[str, str, tuple[str, ...]]] = [
     ("ffn_down_exps.weight",      "blk.{L}.ffn_down_exps.weight", (L + "mlp.experts.{E}.down_proj.weight",
                                                                    L + "block_sparse_moe.experts.{E}.w2.weight",
                                                                    L + "mlp.experts.down_proj")),
+    # per-expert biases [E, I] / [E, H] (gpt-oss; its HF names: arch/gptoss.py)
+    ("ffn_gate_exps.bias",        "blk.{L}.ffn_gate_exps.bias",   ()),
+    ("ffn_up_exps.bias",          "blk.{L}.ffn_up_exps.bias",     ()),
+    ("ffn_down_exps.bias",        "blk.{L}.ffn_down_exps.bias",   ()),
     ("ffn_gate_shexp.weight",     "blk.{L}.ffn_gate_shexp.weight", (L + "mlp.shared_expert.gate_proj.weight",
                                                                    L + "mlp.shared_experts.gate_proj.weight")),
     ("ffn_up_shexp.weight",       "blk.{L}.ffn_up_shexp.weight",   (L + "mlp.shared_expert.up_proj.weight",
@@ -73,7 +80,8 @@ CLASSES = {
     "ffn_gate_inp.weight": "router", "ffn_gate_inp.bias": "router",
     "exp_probs_b.bias": "router", "ffn_gate_inp_shexp.weight": "shared_experts",
     "ffn_gate_exps.weight": "routed_experts", "ffn_up_exps.weight": "routed_experts",
-    "ffn_down_exps.weight": "routed_experts", "ffn_gate_shexp.weight": "shared_experts",
+    "ffn_down_exps.weight": "routed_experts", "ffn_gate_exps.bias": "routed_experts",
+    "ffn_up_exps.bias": "routed_experts", "ffn_down_exps.bias": "routed_experts", "ffn_gate_shexp.weight": "shared_experts",
     "ffn_up_shexp.weight": "shared_experts", "ffn_down_shexp.weight": "shared_experts",
     "ffn_gate.weight": "dense_ffn", "ffn_up.weight": "dense_ffn", "ffn_down.weight": "dense_ffn",
 }  # everything else (attn_*) is "attention"
@@ -97,11 +105,27 @@ class CName:
 
 
 @dataclass(frozen=True)
+class HFLayout:
+    """How a Hugging Face tensor holds a canonical one, beyond its name.
+
+    chunk: the canonical tensor is part `chunk` (0 or 1) of dimension `dim` (-2: a matrix's rows, -1: a
+    bias), the first or second half, or with `interleaved` the even or odd entries (gpt-oss's gate_up_proj:
+    gate 0::2, up 1::2). transposed: stored [in, out] (x @ W), transposed to [out, in] first. mxfp4: "blocks"
+    or "scales" of an MXFP4 pair (uint8 [.., rows, G, 16] nibbles, and [.., rows, G] E8M0 exponents)."""
+
+    chunk: int | None = None
+    dim: int = -2
+    interleaved: bool = False
+    transposed: bool = False
+    mxfp4: str | None = None
+
+
+@dataclass(frozen=True)
 class HFMatch:
-    """An HF tensor name resolved: canonical name, and for fused gate_up which half (0 gate, 1 up)."""
+    """An HF tensor name resolved: canonical name and layout (for fused gate_up, which half: chunk 0 gate, 1 up)."""
 
     name: CName
-    chunk: int | None = None
+    layout: HFLayout = HFLayout()
 
 
 def gguf_name(kind: str, layer: int | None = None, aliases: dict[str, str] | None = None) -> str:
@@ -141,13 +165,19 @@ def parse_gguf(name: str, aliases: dict[str, str] | None = None) -> CName | None
     return None
 
 
-def parse_hf(name: str) -> list[HFMatch]:
-    """All canonical tensors an HF name feeds (two for a fused gate_up tensor); [] when unknown."""
-    out = []
-    for kind, rx, chunk in _HF:
-        m = rx.match(name)
-        if m:
-            layer = int(m["L"]) if "L" in rx.groupindex else None
-            expert = int(m["E"]) if "E" in rx.groupindex else None
-            out.append(HFMatch(CName(kind, layer, expert), chunk))
-    return out
+def parse_hf(name: str, aliases: tuple[tuple[str, str, HFLayout], ...] = ()) -> list[HFMatch]:
+    """All canonical tensors an HF name feeds (two for a fused gate_up tensor); [] when unknown. A family's
+    `aliases` ((kind, pattern, layout), Family.hf_aliases) are tried first and, when one matches, alone."""
+    own = [(kind, _regex(p)[0], layout) for kind, p, layout in aliases]
+    generic = [(kind, rx, HFLayout(chunk)) for kind, rx, chunk in _HF]
+    for table in (own, generic):
+        out = []
+        for kind, rx, layout in table:
+            m = rx.match(name)
+            if m:
+                layer = int(m["L"]) if "L" in rx.groupindex else None
+                expert = int(m["E"]) if "E" in rx.groupindex else None
+                out.append(HFMatch(CName(kind, layer, expert), layout))
+        if out:
+            return out
+    return []

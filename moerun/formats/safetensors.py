@@ -23,8 +23,10 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit
 
-_DTYPES = {"F32": QType.F32, "F16": QType.F16, "BF16": QType.BF16}
-_OTHER_DTYPES = frozenset({"BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64", "F64", "F8_E4M3",
+# U8: raw bytes, read as ggml's I8 (one byte per element); only MXFP4 blocks and scales may be used that way
+# (arch.tensors.check_sources says so for any other)
+_DTYPES = {"F32": QType.F32, "F16": QType.F16, "BF16": QType.BF16, "U8": QType.I8}
+_OTHER_DTYPES = frozenset({"BOOL", "I8", "I16", "U16", "I32", "U32", "I64", "U64", "F64", "F8_E4M3",
                            "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C64"})
 
 
@@ -67,7 +69,7 @@ def _qtype(name: str, dtype: Any) -> QType:
     if dtype in _DTYPES:
         return _DTYPES[dtype]
     if dtype in _OTHER_DTYPES:
-        raise _Bad(f"unsupported dtype {dtype} for tensor {_q(name)} (F32, F16 and BF16 are supported)")
+        raise _Bad(f"unsupported dtype {dtype} for tensor {_q(name)} (F32, F16 and BF16 are supported, and U8 for MXFP4 blocks and scales)")
     raise _Bad(f"unknown dtype {dtype!r} for tensor {_q(name)}")
 
 

@@ -18,14 +18,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from moerun.arch.spec import RING_ROWS
 from moerun.model.layers import rope_tables
+from moerun.model.ops import ExpertFn
 
 if TYPE_CHECKING:
+    from moerun.engine.kv_cache import SeqKV
     from moerun.model.model import MoEModel
 
 
 class FusedAttention:
-    MAX_ROWS = 16  # above this (prefill chunks) torch's attention and GEMM paths are faster
+    # above this (prefill chunks) torch's attention and GEMM paths are faster; a windowed layer's ring leaves room
+    # for this many positions of one sequence written before they are attended to
+    MAX_ROWS = RING_ROWS
 
     def __init__(self, model: MoEModel, cpu):
         s = model.spec
@@ -33,11 +38,14 @@ class FusedAttention:
         qk_norm = None if s.qk_norm == "none" else s.qk_norm
 
         def layer(i: int, lw):
+            fn = ExpertFn(s.expert_act, s.swiglu_alpha, s.swiglu_limit, lw.exp_b)
             make = partial(cpu.AttnLayer, hidden=s.hidden, n_heads=s.n_heads, n_kv_heads=s.n_kv_heads,
                            head_dim=s.head_dim, qk_norm=qk_norm, rope_style=s.rope_style, attn_norm=lw.attn_norm,
                            ffn_norm=lw.ffn_norm, wq=lw.wq, wk=lw.wk, wv=lw.wv, wo=lw.wo, q_norm=lw.q_norm,
                            k_norm=lw.k_norm, bq=lw.bq, bk=lw.bk, bv=lw.bv, router=lw.router,
-                           n_used=s.n_experts_used, norm_topk=s.norm_topk)
+                           n_used=s.n_experts_used, norm_topk=s.norm_topk, bo=lw.bo, sinks=lw.sinks,
+                           window=s.sliding_window if s.sliding(i) else 0, router_b=lw.router_b, gating=s.router,
+                           fn=None if fn.plain else fn)
             stacks = model.store.stacks(i) if lw.router is not None and lw.shexp is None else None
             if stacks is not None:
                 try:
@@ -59,8 +67,8 @@ class FusedAttention:
     @staticmethod
     def build(model: MoEModel) -> FusedAttention | None:
         cpu = getattr(model.ops, "cpu", None)  # KernelOps carries the CPU kernels
-        if cpu is None or model.dtype != torch.float32 or not hasattr(cpu, "AttnLayer") or not model.spec.plain:
-            return None  # the C block implements the first four families' attention and routing only
+        if cpu is None or model.dtype != torch.float32 or not hasattr(cpu, "AttnLayer") or not model.spec.fused_decode:
+            return None  # attention or routing the C block does not implement (ModelSpec.fused_decode)
         try:
             return FusedAttention(model, cpu)
         except ValueError:  # a weight type or layout the fused block does not take
@@ -74,12 +82,14 @@ class FusedAttention:
         if self._cos.shape[0] <= top:
             n = max(2 * self._cos.shape[0], top + 1, 256)
             self._cos, self._sin = (t.contiguous() for t in
-                                    rope_tables(torch.arange(n), self.spec.head_dim, self.spec.rope_theta))
+                                    rope_tables(torch.arange(n), self.spec.head_dim, self.spec.rope_theta,
+                                                self.spec.yarn))
         return self._cos, self._sin
 
-    def rows(self, slot_tables: list[torch.Tensor], pos: torch.Tensor):
-        """One step's rows (row r at position pos[r] of the sequence with slot table slot_tables[r])."""
-        return self.cpu.AttnRows(slot_tables, pos, *self._rope(int(pos.max())))
+    def rows(self, kvs: list[SeqKV], pos: torch.Tensor):
+        """One step's rows (row r at position pos[r] of the sequence cached in kvs[r])."""
+        return self.cpu.AttnRows([kv.slot_table for kv in kvs], pos, *self._rope(int(pos.max())),
+                                 ring_tables=[kv.ring_table for kv in kvs])
 
     def whole(self, i: int) -> bool:
         """Whether layer i (an index into the model's layers) can run with its experts in one call."""
@@ -96,12 +106,12 @@ class FusedAttention:
         """rms_norm(x) @ head^T -> [T, V] float32, as decode_layers(..., logits=True) ends."""
         return self.cpu.head_logits(self.head, x.contiguous(), self.spec.rms_eps)
 
-    def decode_layers(self, a: int, b: int, x: torch.Tensor, rows, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, logits: bool = False) -> torch.Tensor:
-        """Layers [a, b) (indices into the model's layers, all whole) on x in place, in one call; k_cache /
-        v_cache: their [b - a, slots, ...] caches. -> x, or with `logits` (needs self.head) the logits [B, V]."""
+    def decode_layers(self, a: int, b: int, x: torch.Tensor, rows, caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      logits: bool = False) -> torch.Tensor:
+        """Layers [a, b) (indices into the model's layers, all whole) on x in place, in one call; caches: each
+        layer's (k, v). -> x, or with `logits` (needs self.head) the logits [B, V]."""
         stack = self._stacks.get((a, b))
         if stack is None:
             stack = self._stacks[a, b] = self.cpu.LayerStack(self.layers[a:b])
-        return self.cpu.decode_layers(stack, x, rows, k_cache, v_cache, self.spec.rms_eps, self.spec.clip_qkv,
+        return self.cpu.decode_layers(stack, x, rows, caches, self.spec.rms_eps, self.spec.clip_qkv,
                                       self.head if logits else None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from moerun.experts.store import Expert
-from moerun.model.ops import ReferenceOps, Weight
+from moerun.model.ops import PLAIN, ExpertFn, ReferenceOps, Weight
 from moerun.quant.qtypes import QTensor
 
 
@@ -53,17 +53,17 @@ class TritonOps(ReferenceOps):
         return self.tq.ExpertTable(experts)
 
     def moe(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: dict[int, Expert],
-            table=None) -> torch.Tensor:
-        if self._moe_ok(x, experts):
+            table=None, *, fn: ExpertFn = PLAIN) -> torch.Tensor:
+        if fn.plain and self._moe_ok(x, experts):
             return self.tq.moe_ffn(x, ids, w, experts, table=table)
-        return super().moe(x, ids, w, experts)
+        return super().moe(x, ids, w, experts, fn=fn)  # other activations: each expert's matmuls here
 
     def moe_pairs(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: dict[int, Expert],
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-        if self._moe_ok(x, experts):
+                  out: torch.Tensor | None = None, *, fn: ExpertFn = PLAIN) -> torch.Tensor:
+        if fn.plain and self._moe_ok(x, experts):
             res = self.tq.moe_ffn(x, ids, w, experts, pairs=True)
             return res if out is None else out.copy_(res)
-        return super().moe_pairs(x, ids, w, experts, out)
+        return super().moe_pairs(x, ids, w, experts, out, fn=fn)
 
 
 def _kind(e: Expert) -> tuple:

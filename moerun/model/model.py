@@ -18,7 +18,7 @@ from moerun.formats.names import CName
 from moerun.model.fused import FusedAttention
 from moerun.model.layers import apply_rope, attend, mla_form, rms_norm, rope_tables
 from moerun.model.moe import Experts, ResidentExperts, route
-from moerun.model.ops import Weight, make_ops
+from moerun.model.ops import ExpertFn, Weight, make_ops
 from moerun.quant.qtypes import FLOAT_QTYPES, QTensor
 
 if TYPE_CHECKING:  # the engine owns the cache; the model only writes and reads through it
@@ -48,6 +48,7 @@ class LayerWeights:
     wv_b: torch.Tensor | None = None  # MLA: [heads, v_head_dim, kv_lora_rank], the latent -> each value
     router: Weight | None = None  # MoE layers
     router_b: torch.Tensor | None = None  # the router's bias
+    exp_b: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # routed experts' biases by expert id
     score_b: torch.Tensor | None = None  # the scores' correction bias, for choosing only
     shexp: tuple[Weight, Weight, Weight] | None = None  # shared expert gate, up, down
     shexp_gate: Weight | None = None
@@ -99,6 +100,8 @@ class MoEModel:
             if spec.moe_layers[i]:
                 lw.router = mat("ffn_gate_inp.weight", i)
                 lw.router_b = vec("ffn_gate_inp.bias", i)
+                if spec.expert_bias:
+                    lw.exp_b = tuple(vec(f"ffn_{m}_exps.bias", i) for m in ("gate", "up", "down"))
                 score_b = weights.get(CName("exp_probs_b.bias", i))  # float32 always: it only ranks the scores
                 lw.score_b = None if score_b is None else score_b.dequantize(torch.float32)
                 if spec.shared_ffn:
@@ -195,14 +198,20 @@ class MoEModel:
         if s.qk_norm == "head":
             q, k = rms_norm(q, lw.q_norm, s.rms_eps), rms_norm(k, lw.k_norm, s.rms_eps)
         q, k = apply_rope(q, *rope, s.rope_style), apply_rope(k, *rope, s.rope_style)
-        k_pos = pos
-        if kv is not None:  # append to the cache, attend over everything cached so far
+        window, k_pos = s.sliding_window if s.sliding(i) else 0, pos
+        if kv is not None and i in kv.pool.windowed:  # a ring of the last window: read what it held, then write
+            start, end = int(pos[0]), int(pos[-1]) + 1
+            lo = max(0, start - window + 1)
+            k_old, v_old = kv.read(i, start, lo)  # [start - lo, kv_heads, D]
+            kv.write(i, start, k, v)
+            k, v = torch.cat((k_old, k.to(k_old.dtype))), torch.cat((v_old, v.to(v_old.dtype)))
+            k_pos = torch.arange(lo, end, device=x.device)
+        elif kv is not None:  # append to the cache, attend over everything cached so far
             start, end = int(pos[0]), int(pos[-1]) + 1
             kv.write(i, start, k, v)
             k, v = kv.read(i, end)  # [end, kv_heads, D]
             k_pos = torch.arange(end, device=x.device)
-        out = attend(q, k, v, pos, k_pos, scale=s.softmax_scale, sinks=lw.sinks,
-                     window=s.sliding_window if s.sliding(i) else 0)
+        out = attend(q, k, v, pos, k_pos, scale=s.softmax_scale, sinks=lw.sinks, window=window)
         return mm(out, lw.wo, lw.bo)  # [T, H]
 
     def latent_attention(self, i: int, x: torch.Tensor, pos: torch.Tensor, rope,
@@ -249,16 +258,17 @@ class MoEModel:
     def moe(self, i: int, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, phase: str, pos: torch.Tensor,
             resid: torch.Tensor | None = None) -> torch.Tensor:
         """The routed experts (ids, w [T, k]) and the shared expert of MoE layer i on the normed x [T, H]."""
-        lw, ops = self.layers[i - self.first], self.ops
+        lw, ops, s = self.layers[i - self.first], self.ops, self.spec
+        fn = ExpertFn(s.expert_act, s.swiglu_alpha, s.swiglu_limit, lw.exp_b)
         if self.on_route is not None:
             self.on_route(i, phase, pos, ids, w)
         if hasattr(self.experts, "run"):  # a device stage's experts: hits, page-ins and home misses (offload.py)
-            out = self.experts.run(i, x, ids, w, phase)
+            out = self.experts.run(i, x, ids, w, phase, fn)
         else:
             experts = self.experts.fetch(i, sorted(set(ids.view(-1).tolist())), phase)
             if resid is not None and phase == "decode" and getattr(self.experts, "prefetching", False):
                 self._prefetch_next(i, resid)  # after this layer's fetch, so it never competes with its loads
-            out = ops.moe(x, ids, w, experts)
+            out = ops.moe(x, ids, w, experts, fn=fn)
         if lw.shexp is not None:
             sh = ops.swiglu(x, *lw.shexp)
             if lw.shexp_gate is not None:
@@ -269,11 +279,11 @@ class MoEModel:
     def _layers_fused(self, x: torch.Tensor, kvs: list[SeqKV], pos: torch.Tensor, phase: str,
                       layers: range) -> torch.Tensor:
         """`layers` on rows x [B, H], row r at position pos[r] of kvs[r] (room reserved)."""
-        rows, pool = self.fused.rows([kv.slot_table for kv in kvs], pos), kvs[0].pool
+        rows, pool = self.fused.rows(kvs, pos), kvs[0].pool
         direct = self._direct()
         a, b = layers.start - self.first, layers.stop - self.first
         if direct and all(self.fused.whole(j) for j in range(a, b)):
-            return self.fused.decode_layers(a, b, x, rows, *pool.range(layers.start, layers.stop))  # x in place
+            return self.fused.decode_layers(a, b, x, rows, pool.caches(layers.start, layers.stop))  # x in place
         for i in layers:
             j = i - self.first
             lw = self.layers[j]
@@ -296,8 +306,7 @@ class MoEModel:
                 or not self._direct() or not all(f.whole(j) for j in range(n))):
             return None
         pool = kvs[0].pool
-        return f.decode_layers(0, n, x, f.rows([kv.slot_table for kv in kvs], pos), *pool.range(self.first, self.stop),
-                               logits=True)
+        return f.decode_layers(0, n, x, f.rows(kvs, pos), pool.caches(self.first, self.stop), logits=True)
 
     def _fused_ok(self, n_rows: int, kvs: list[SeqKV]) -> bool:
         pool = kvs[0].pool

@@ -27,7 +27,7 @@ import torch
 from moerun import device
 from moerun.experts.cache import ExpertCache
 from moerun.experts.store import Expert, ExpertStore
-from moerun.model.ops import ReferenceOps, sum_pairs
+from moerun.model.ops import PLAIN, ExpertFn, ReferenceOps, sum_pairs
 
 MISS_MODES = ("auto", "fetch", "home")  # the cost model's choice, or every miss paged in / computed at home
 
@@ -47,38 +47,50 @@ class DeviceExperts:
         self.choose, self.resident, self.home_layers = choose, resident or {}, set(home_layers)
         self._pinned = pinned or []  # page-locked regions of the home tier: kept as long as copies read them
         self._tables: dict[int, object] = {}  # resident layers' prebuilt kernel tables (Triton), by layer
+        self._host_fns: dict[int, ExpertFn] = {}  # layers' expert biases copied to the host, for home misses
 
     prefetching = False
 
-    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, phase: str) -> torch.Tensor:
-        """x [T, H], ids / w [T, k] on the device -> the routed experts' output [T, H] on the device."""
+    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, phase: str,
+            fn: ExpertFn = PLAIN) -> torch.Tensor:
+        """x [T, H], ids / w [T, k] on the device -> the routed experts' output [T, H] on the device. fn: the
+        experts' activation and biases (on the device; the host's copy for home misses)."""
         if layer in self.resident:
             if layer not in self._tables:
                 self._tables[layer] = self.ops.moe_table(self.resident[layer])
-            return self.ops.moe(x, ids, w, self.resident[layer], table=self._tables[layer])
+            return self.ops.moe(x, ids, w, self.resident[layer], table=self._tables[layer], fn=fn)
         x_h, ids_h, w_h = device.to_host([x, ids, w])  # the step's one wait for the device
         need = Counter(ids_h.view(-1).tolist())
         if layer in self.home_layers or self.cache is None:
             home = {e: self.store.get(layer, e) for e in sorted(need)}
-            out = self.home_ops.moe(x_h.float().contiguous(), ids_h, w_h, home)
+            out = self.home_ops.moe(x_h.float().contiguous(), ids_h, w_h, home, fn=self._host_fn(layer, fn))
             return device.upload(out, self.dev.torch).to(x.dtype)
-        return self._hybrid(layer, x, ids, w, x_h, ids_h, w_h, need, phase)
+        return self._hybrid(layer, x, ids, w, x_h, ids_h, w_h, need, phase, fn)
 
-    def _hybrid(self, layer, x, ids, w, x_h, ids_h, w_h, need, phase) -> torch.Tensor:
+    def _host_fn(self, layer: int, fn: ExpertFn) -> ExpertFn:
+        """fn with its biases in host memory (copied once per layer)."""
+        if fn.biases is None or fn.biases[0].is_cpu:
+            return fn
+        if layer not in self._host_fns:
+            self._host_fns[layer] = fn.to(torch.device("cpu"))
+        return self._host_fns[layer]
+
+    def _hybrid(self, layer, x, ids, w, x_h, ids_h, w_h, need, phase, fn) -> torch.Tensor:
         T, k = ids.shape
         cache, ops = self.cache, self.ops
         pl = cache.place(layer, dict(need), phase, lambda e, n: self.choose(layer, e, n))
         pairs = torch.zeros(T * k, x.shape[1], dtype=torch.float32, device=x.device)  # [T*k, H]
         if pl.on_device:
-            pairs += ops.moe_pairs(x, ids, w, pl.on_device)
+            pairs += ops.moe_pairs(x, ids, w, pl.on_device, fn=fn)
         if pl.paged:
             cache.wait_ready(pl, layer, phase)
-            pairs += ops.moe_pairs(x, ids, w, pl.paged)
+            pairs += ops.moe_pairs(x, ids, w, pl.paged, fn=fn)
         for chunk in cache.stream(layer, pl.streamed, phase):
-            pairs += ops.moe_pairs(x, ids, w, chunk)
+            pairs += ops.moe_pairs(x, ids, w, chunk, fn=fn)
         cache.computed(layer)
         if pl.home:  # on the CPU while the device works through what was queued above
             rows = device.pinned_empty(T * k * x.shape[1] * 4, self.dev).view(torch.float32).view(T * k, -1)
-            self.home_ops.moe_pairs(x_h.float().contiguous(), ids_h, w_h, pl.home, out=rows)
+            self.home_ops.moe_pairs(x_h.float().contiguous(), ids_h, w_h, pl.home, out=rows,
+                                    fn=self._host_fn(layer, fn))
             pairs += device.upload(rows, self.dev.torch)
         return sum_pairs(pairs, k).to(x.dtype)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,40 @@ Weight = torch.Tensor | QTensor
 def as_float(w: QTensor, dtype: torch.dtype) -> torch.Tensor:
     """A float-typed QTensor as a tensor of `dtype`: a view (plus a cast), no reference dequantizer."""
     return w.data.view(FLOAT_QTYPES[w.qtype]).reshape(w.shape).to(dtype)
+
+
+@dataclass(frozen=True)
+class ExpertFn:
+    """What a layer's routed experts compute around their three matrices: the activation (ModelSpec.expert_act:
+    swiglu silu(g) * u, or swiglu_oai min(g, limit) * sigmoid(alpha min(g, limit)) * (clamp(u, +-limit) + 1)) and
+    the projections' biases by expert id (gate [E, I], up [E, I], down [E, H]; gpt-oss)."""
+
+    act: str = "swiglu"
+    alpha: float = 1.702
+    limit: float = 7.0
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.act == "swiglu" and self.biases is None
+
+    def glu(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        if self.act == "swiglu":
+            return F.silu(g) * u
+        g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
+        return g * torch.sigmoid(self.alpha * g) * (u + 1)
+
+    def bias(self, m: int, e: int) -> torch.Tensor | None:
+        """Expert e's bias of matrix m (0 gate, 1 up, 2 down), or None."""
+        return None if self.biases is None else self.biases[m][e]
+
+    def to(self, dev: torch.device) -> ExpertFn:
+        if self.biases is None or self.biases[0].device == dev:
+            return self
+        return ExpertFn(self.act, self.alpha, self.limit, tuple(b.to(dev) for b in self.biases))
+
+
+PLAIN = ExpertFn()
 
 
 class ReferenceOps:
@@ -42,26 +77,32 @@ class ReferenceOps:
         """down(silu(gate x) * up x). x [T, H] -> [T, H]."""
         return self.linear(F.silu(self.linear(x, gate)) * self.linear(x, up), down)
 
+    def expert(self, x: torch.Tensor, ex: Expert, fn: ExpertFn = PLAIN, e: int = 0) -> torch.Tensor:
+        """Expert e (weights ex) on x [T, H] -> [T, H]: down(glu(gate x + b, up x + b)) + b, as fn says."""
+        if fn.plain:
+            return self.swiglu(x, ex.gate, ex.up, ex.down)
+        h = fn.glu(self.linear(x, ex.gate, fn.bias(0, e)), self.linear(x, ex.up, fn.bias(1, e)))
+        return self.linear(h, ex.down, fn.bias(2, e))
+
     def moe_table(self, experts: dict[int, Expert]):
         """What `moe` can prepare once for experts that stay put (a GPU stage's resident layers); None here."""
         return None
 
     def moe(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: dict[int, Expert],
-            table=None) -> torch.Tensor:
+            table=None, *, fn: ExpertFn = PLAIN) -> torch.Tensor:
         """sum over each token's k choices of w * expert(x). x [T, H], ids/w [T, k] -> [T, H].
 
         Experts run in ascending id order, so the result does not depend on where their weights live.
-        table: `moe_table(experts)`, when the ops make one.
+        table: `moe_table(experts)`, when the ops make one. fn: the experts' activation and biases.
         """
         out = torch.zeros_like(x)
         for e in sorted(experts):
             tok, slot = torch.where(ids == e)  # tokens routed to e, and which of their k choices it was
-            ex = experts[e]
-            out.index_add_(0, tok, self.swiglu(x[tok], ex.gate, ex.up, ex.down) * w[tok, slot, None])
+            out.index_add_(0, tok, self.expert(x[tok], experts[e], fn, e) * w[tok, slot, None])
         return out
 
     def moe_pairs(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: dict[int, Expert],
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, *, fn: ExpertFn = PLAIN) -> torch.Tensor:
         """Each (token, choice) pair's weighted expert output, unsummed: [T * k, H], row t * k + j =
         w[t, j] * expert_e(x_t) for e = ids[t, j] in `experts`, 0 for pairs whose expert is not given. Pairs
         split over several calls (and devices) and combined by `sum_pairs` give the same result as one call.
@@ -71,8 +112,7 @@ class ReferenceOps:
         for e in sorted(experts):
             tok, slot = torch.where(ids == e)
             if len(tok):
-                ex = experts[e]
-                res[tok * k + slot] = self.swiglu(x[tok], ex.gate, ex.up, ex.down) * w[tok, slot, None]
+                res[tok * k + slot] = self.expert(x[tok], experts[e], fn, e) * w[tok, slot, None]
         return res if out is None else out.copy_(res)
 
     def step(self, n_tokens: int):
@@ -123,13 +163,13 @@ class KernelOps(ReferenceOps):
             return y if b is None else y + b
         return super().linear(x, w, b)
 
-    def moe(self, x, ids, w, experts, table=None):
+    def moe(self, x, ids, w, experts, table=None, *, fn=PLAIN):
         ex = next(iter(experts.values()), None)
         if ex is not None and all(self._ok(x, t.qtype) for t in (ex.gate, ex.up, ex.down)):
-            return self.cpu.moe_ffn_experts(x.contiguous(), ids, w, experts)
-        return super().moe(x, ids, w, experts)
+            return self.cpu.moe_ffn_experts(x.contiguous(), ids, w, experts, fn=None if fn.plain else fn.to(x.device))
+        return super().moe(x, ids, w, experts, fn=fn)
 
-    def moe_pairs(self, x, ids, w, experts, out: torch.Tensor | None = None):
+    def moe_pairs(self, x, ids, w, experts, out: torch.Tensor | None = None, *, fn=PLAIN):
         """As ReferenceOps.moe_pairs; out: a float32 [T * k, H] buffer for the kernels to write (pinned memory
         for a copy to a device)."""
         ex = next(iter(experts.values()), None)
@@ -137,8 +177,9 @@ class KernelOps(ReferenceOps):
             given = torch.zeros(max(experts) + 1, dtype=torch.bool)
             given[list(experts)] = True
             mine = torch.where(given[ids.clamp(0, len(given) - 1)] & (ids < len(given)), ids, -1)
-            return self.cpu.moe_ffn_experts(x.contiguous(), mine, w, experts, pairs=True, out=out)
-        return super().moe_pairs(x, ids, w, experts, out)
+            return self.cpu.moe_ffn_experts(x.contiguous(), mine, w, experts, pairs=True, out=out,
+                                            fn=None if fn.plain else fn.to(x.device))
+        return super().moe_pairs(x, ids, w, experts, out, fn=fn)
 
 
 class FreeCpus:

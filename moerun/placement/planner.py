@@ -225,8 +225,8 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
         info[name] = (cn.layer, tensor_class(cn.kind) == "routed_experts", nbytes, ov, cn.kind)
     exp_bytes = [0] * L  # routed expert bytes per layer, counted only where served by a cache
     cached_layer = [False] * L
-    for i in range(L):
-        names = [n for n, v in info.items() if v[0] == i and v[1]]
+    for i in range(L):  # a slot holds an expert's matrices; their biases (gpt-oss) stay with the layer
+        names = [n for n, v in info.items() if v[0] == i and v[1] and v[4].endswith(".weight")]
         cached_layer[i] = bool(names) and all(info[n][3] is None for n in names)
         exp_bytes[i] = sum(info[n][2] for n in names) if cached_layer[i] else 0
     slot_b = [b // E if E else 0 for b in exp_bytes]

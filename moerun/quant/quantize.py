@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from moerun.quant.dequant import KV_MXFP4, e8m0_to_fp32_half
 from moerun.quant.qtypes import QType, block_size
 
 __all__ = ["quantize"]
@@ -93,6 +94,25 @@ def _q4_0(x: torch.Tensor) -> torch.Tensor:
     d = signed_absmax(x) / -8  # [n, 1]
     q = torch.trunc(x * safe_inv(d) + 8.5).to(_U8).clamp_(0, 15)  # [n, 32]
     return torch.cat([f16_bytes(d), pack_nibbles(q.view(-1, 2, 16))], dim=-1)
+
+
+def _mxfp4(x: torch.Tensor) -> torch.Tensor:
+    """[n, 32] -> [n, 17]: E8M0 e = floor(log2 absmax) - 2 + 127 (0 for an all-zero block), then each value's
+    nearest of the (doubled) code book times 2^(e - 128) (the first on ties), nibbles as Q4_0 (gguf.quants' choice)."""
+    d = x.abs().amax(-1, keepdim=True)  # [n, 1]
+    e = torch.where(d > 0, torch.floor(torch.log2(d)) - 2 + 127, 0.0).to(torch.int32).to(_U8)
+    scale = e8m0_to_fp32_half(e)  # [n, 1]
+    err = (scale[..., None] * KV_MXFP4 - x[..., None]).abs()  # [n, 32, 16]
+    q = err.argmin(-1).to(_U8)  # [n, 32]: argmin takes the first of equal errors, as numpy's
+    return torch.cat([e, pack_nibbles(q.view(-1, 2, 16))], dim=-1)
+
+
+def mxfp4_from_hf(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Hugging Face MXFP4 (gpt-oss's `*_blocks` [.., G, 16] uint8, value 2i in byte i's low nibble and 2i + 1 in its
+    high one; `*_scales` [.., G] uint8 E8M0) -> GGUF MXFP4 bytes [.., G * 17] (the same exponent byte, the
+    same 4-bit codes; byte j holds values j and j + 16). Lossless."""
+    codes = torch.stack((blocks & 15, blocks >> 4), dim=-1).flatten(-2)  # [.., G, 32] in value order
+    return torch.cat((scales[..., None], pack_nibbles(codes.unflatten(-1, (2, 16)))), dim=-1).flatten(-2)
 
 
 # ---------------------------------------------------------------------------------------- Q4_K
@@ -196,7 +216,7 @@ def _q6_k(x: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------- dispatch
 
-BLOCK_QUANTIZERS = {QType.Q8_0: _q8_0, QType.Q4_0: _q4_0, QType.Q4_K: _q4_k, QType.Q6_K: _q6_k}
+BLOCK_QUANTIZERS = {QType.Q8_0: _q8_0, QType.Q4_0: _q4_0, QType.Q4_K: _q4_k, QType.Q6_K: _q6_k, QType.MXFP4: _mxfp4}
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 
 

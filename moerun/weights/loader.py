@@ -10,7 +10,8 @@ from moerun.arch import Arch, Source
 from moerun.formats.names import CName, tensor_class
 from moerun.formats.records import ModelFile
 from moerun.hostmem import host_empty
-from moerun.quant.qtypes import QTensor, row_bytes
+from moerun.quant.qtypes import FLOAT_QTYPES, QTensor, QType, row_bytes
+from moerun.quant.quantize import mxfp4_from_hf
 
 
 def _permute_rows(raw: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -29,22 +30,39 @@ def materialize(mf: ModelFile, src: Source) -> QTensor:
         if r.qtype != qtype or r.shape != rec0.shape:
             raise ValueError(f"experts of '{rec0.name}' differ in type or shape")
     shape = rec0.shape
-    raws = [mf.raw(r).reshape(*shape[:-1], row_bytes(qtype, shape[-1])) for r in src.records]
+    if src.scales is not None:  # an HF MXFP4 pair: GGUF MXFP4 rows
+        raw = mxfp4_from_hf(mf.raw(rec0).view(shape), mf.raw(src.scales).view(src.scales.shape))
+        qtype, shape = QType.MXFP4, (*shape[:-2], shape[-2] * 32)
+        raws = [raw]
+    else:
+        raws = [mf.raw(r).reshape(*shape[:-1], row_bytes(qtype, shape[-1])) for r in src.records]
     if src.stacked:
         raw = torch.stack(raws, out=host_empty(sum(r.numel() for r in raws)).view(len(raws), *raws[0].shape))
         # [E, rows, row_bytes]: one contiguous buffer per expert
         shape = (len(raws), *shape)
     else:
         raw = raws[0]
+    if src.transposed:  # [.., in, out] floats -> [.., out, in]
+        t = raw.view(FLOAT_QTYPES[qtype]).transpose(-1, -2).contiguous()
+        raw, shape = t.view(torch.uint8), (*shape[:-2], shape[-1], shape[-2])
     if src.chunk is not None:
-        half = shape[-2] // 2
-        raw = raw[..., src.chunk * half:(src.chunk + 1) * half, :].contiguous()
-        shape = (*shape[:-2], half, shape[-1])
+        raw, shape = _chunk(raw, qtype, shape, src)
     if src.permute_heads:
         raw = _permute_rows(raw, src.permute_heads)
     if src.kv_b is not None:
-        return _kv_b_part(QTensor(raw, qtype, tuple(shape)), *src.kv_b)
-    return QTensor(raw, qtype, tuple(shape))
+        return _kv_b_part(QTensor(raw.contiguous(), qtype, tuple(shape)), *src.kv_b)
+    return QTensor(raw.contiguous(), qtype, tuple(shape))
+
+
+def _chunk(raw: torch.Tensor, qtype, shape: tuple[int, ...], src: Source) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """Part src.chunk of dimension src.dim: a half, or every other entry (src.interleaved)."""
+    d = len(shape) + src.dim
+    if d == len(shape) - 1:  # the last (contiguous) dimension: whole values, so float types only
+        raw = raw.view(FLOAT_QTYPES[qtype])
+    half = shape[d] // 2
+    parts = slice(src.chunk, None, 2) if src.interleaved else slice(src.chunk * half, (src.chunk + 1) * half)
+    raw = raw[(slice(None),) * d + (parts,)].contiguous()
+    return raw.view(torch.uint8), (*shape[:d], half, *shape[d + 1:])
 
 
 def _kv_b_part(kv_b: QTensor, part: str, heads: int, nope: int) -> QTensor:
@@ -67,8 +85,7 @@ def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False) -> dict[
     """
     out = {}
     for cn, src in arch.sources.items():
-        built_by_copy = src.stacked or src.chunk is not None or src.permute_heads or src.kv_b is not None
-        if not built_by_copy and (copy_experts or tensor_class(cn.kind) != "routed_experts"):
+        if src.direct and (copy_experts or tensor_class(cn.kind) != "routed_experts"):
             rec = src.records[0]
             out[cn] = QTensor.from_bytes(mf.read(rec), rec.qtype, rec.shape)  # read, not copied via the map
         else:
