@@ -278,7 +278,7 @@ def test_the_layer_probe_builds_the_models_own_layers(tiny):
     lay = lp.probe_layout(arch)
     assert lay["qtypes"]["ffn_gate_exps.weight"] == "Q8_0" and lay["qtypes"]["attn_norm.weight"] == "F32"
     assert lay["experts"] == arch.spec.n_experts  # tiny: every expert fits the byte cap
-    assert lay["prompt"] == 512
+    assert lay["prompt"] == lp.PROBE_PROMPT and lay["prefill_k"] == 2  # 128 tokens per expert at 512: k caps it
     assert lp.layout_key(lay) == lp.layout_key(lp.probe_layout(arch)) and lp.layout_key(lay).startswith("qwen3moe-")
     spec = lp.probe_spec(lay, 3)
     assert (spec.n_layers, spec.moe_layers, spec.vocab) == (3, (True,) * 3, lp.PROBE_VOCAB)

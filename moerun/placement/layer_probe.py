@@ -11,8 +11,10 @@ the same terms.
 
 The probe keeps the model's routing width (top-k) and caps its experts so that a layer's expert bytes stay
 near PROBE_EXPERT_BYTES, and never fewer than k: a token reads k experts either way, from a working set far
-larger than the CPU's caches. Its prompt holds as many tokens per expert as a 512-token prompt has in the
-model, so prefill's matrix shapes match too.
+larger than the CPU's caches. Prefill runs a PROBE_PROMPT-token prompt, so the dense projections see the long
+products a real prompt gives them, on the same weights routed to fewer experts per token (`prefill_k`) so
+that each expert gets as many tokens as a 512-token prompt gives it in the model: both kinds of product keep
+their real shapes.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ from moerun.formats.names import CName
 PROBE_EXPERT_BYTES = 64 << 20  # a probe layer's routed experts, about: far beyond any L3
 PROBE_VOCAB = 256
 MODEL_PROMPT = 512  # the prompt whose tokens-per-expert the probe's prompt matches
+PROBE_PROMPT = 256
 
 
 def probe_layout(arch) -> dict:
     """What the probe builds for `arch`, as JSON-able data: the spec of its layers (every field but the layer
     count and what depends on it), the qtype of each tensor kind (the most common over the file's layers),
-    how many experts and how long a prompt. `layout_key` names it in the cache."""
+    how many experts and, for prefill, how many of them a token takes. `layout_key` names it in the cache."""
     spec = arch.spec
     kinds: dict[str, Counter] = {}
     for cn, src in arch.sources.items():
@@ -53,8 +56,10 @@ def probe_layout(arch) -> dict:
     k = max(spec.n_experts_used, 1)
     expert_bytes = _expert_bytes(spec, qtypes)
     experts = min(spec.n_experts, max(k, math.ceil(PROBE_EXPERT_BYTES / max(expert_bytes, 1))))
-    prompt = max(16, min(MODEL_PROMPT, round(MODEL_PROMPT * experts / spec.n_experts)))
-    return {"spec": fields, "qtypes": qtypes, "experts": experts, "prompt": prompt, "layer_kinds": kinds_from}
+    per_expert = MODEL_PROMPT * k / spec.n_experts  # tokens each expert gets from a 512-token prompt
+    prefill_k = max(1, min(k, round(per_expert * experts / PROBE_PROMPT)))
+    return {"spec": fields, "qtypes": qtypes, "experts": experts, "prompt": PROBE_PROMPT, "prefill_k": prefill_k,
+            "layer_kinds": kinds_from}
 
 
 def layout_key(layout: dict) -> str:
@@ -71,11 +76,14 @@ def _expert_bytes(spec: ModelSpec, qtypes: dict[str, str]) -> int:
                (("ffn_gate_exps.weight", (I, H)), ("ffn_up_exps.weight", (I, H)), ("ffn_down_exps.weight", (H, I))))
 
 
-def probe_spec(layout: dict, n_layers: int) -> ModelSpec:
+def probe_spec(layout: dict, n_layers: int, k: int | None = None) -> ModelSpec:
     """The probe model's spec: `n_layers` MoE layers of the layout's kind (its attention kinds in turn), no
-    expert groups (they choose which experts, not how many), a small vocabulary."""
+    expert groups (they choose which experts, not how many), a small vocabulary; k: experts per token (default:
+    the model's)."""
     kinds = layout["layer_kinds"]
     fields = dict(layout["spec"], yarn=Yarn(**layout["spec"]["yarn"]) if layout["spec"]["yarn"] else None)
+    if k:
+        fields["n_experts_used"] = k
     return ModelSpec(**fields, n_layers=n_layers, moe_layers=(True,) * n_layers,
                      layer_kinds=tuple(kinds[i % len(kinds)] for i in range(n_layers)) if kinds else (),
                      vocab=PROBE_VOCAB, context_length=4 * MODEL_PROMPT, n_experts=layout["experts"])
@@ -166,13 +174,14 @@ def measure_layers(threads: int, layout: dict, rates, *, rounds: int = 8, n_gen:
     P = layout["prompt"]
     tokens = torch.randint(0, PROBE_VOCAB, (P,), generator=torch.Generator().manual_seed(0))
     w3 = build_weights(layout, probe_spec(layout, 3))
-    probes = {}
+    probes = {}  # (layers, "decode" | "prefill") -> (model, pool, workload): the same weights, k or prefill_k
     for n in (1, 3):
-        spec = probe_spec(layout, n)
         w = {cn: t for cn, t in w3.items() if cn.layer is None or cn.layer < n}  # one layer: the first's weights
-        work = Workload(n, spec.n_experts, spec.n_experts_used, spec.hidden, spec.n_heads, spec.head_dim,
-                        _parts(spec, w), (1.0,) * n, "resident")
-        probes[n] = (MoEModel(spec, w), KVPool(spec, P + n_gen + 16), work)
+        for phase, k in (("decode", None), ("prefill", layout["prefill_k"])):
+            spec = probe_spec(layout, n, k)
+            work = Workload(n, spec.n_experts, spec.n_experts_used, spec.hidden, spec.n_heads, spec.head_dim,
+                            _parts(spec, w), (1.0,) * n, "resident")
+            probes[n, phase] = (MoEModel(spec, w), KVPool(spec, P + n_gen + 16), work)
 
     def timed(fn, model, pool, n_tokens, *args) -> float:
         seq = SeqKV(pool, n_tokens + 4)
@@ -182,19 +191,21 @@ def measure_layers(threads: int, layout: dict, rates, *, rounds: int = 8, n_gen:
             seq.free()
 
     dec: dict[int, list[float]] = {1: [], 3: []}
+    pre: dict[int, list[float]] = {1: [], 3: []}
     with thread_budget(threads):
         for _ in range(rounds):
-            for n, (model, pool, _) in probes.items():
+            for n in (1, 3):
+                model, pool, _ = probes[n, "decode"]
                 dec[n].append(timed(time_gen, model, pool, n_gen, 1, n_gen) / n_gen)
-        pre: dict[int, list[float]] = {1: [], 3: []}
         for _ in range(prompt_runs):
-            for n, (model, pool, _) in probes.items():
+            for n in (1, 3):
+                model, pool, _ = probes[n, "prefill"]
                 pre[n].append(timed(time_prompt, model, pool, P, tokens, P))
-    pred = {n: decode_time(work, bare).total for n, (_, _, work) in probes.items()}
+    pred = {n: decode_time(probes[n, "decode"][2], bare).total for n in (1, 3)}
     slope = [((t3 - pred[3]) - (t1 - pred[1])) / 2 for t1, t3 in zip(dec[1][1:], dec[3][1:])]
     layer = statistics.median(slope)
     one = statistics.median(dec[1][1:]) - pred[1]
-    ppred = {n: prefill_time(work, bare, P, P).seconds for n, (_, _, work) in probes.items()}
+    ppred = {n: prefill_time(probes[n, "prefill"][2], bare, P, P).seconds for n in (1, 3)}
     pslope = [((t3 - ppred[3]) - (t1 - ppred[1])) / 2 / P for t1, t3 in zip(pre[1], pre[3])]
     return {"layer_s": max(layer, 0.0), "token_s": max(one - layer, 0.0),
             "prefill_layer_token_s": max(statistics.median(pslope), 0.0),
