@@ -1,6 +1,6 @@
 """`moerun estimate MODEL`: the cost model printed (moerun/placement/costmodel.py). Reads metadata and tensor
 sizes only; no weights, no GPU libraries needed. The first estimate on a machine (or for a new layer shape)
-probes it for a second or two and caches what it measured; later ones read the cache (no torch import)."""
+probes it for a few seconds and caches what it measured; later ones read the cache (no torch import)."""
 
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def default_figures(rates, qtypes: list[str], reads_file: bool) -> list[str]:
               help="Host-to-GPU copy bandwidth in GB/s (default: from NVML's PCIe generation and width).")
 @click.option("--measure/--no-measure", default=None,
               help="--measure: run every probe now, thoroughly (~15 s), and cache it; --no-measure: metadata only, "
-                   "the cached figures or the defaults. Default: probe what the cache lacks, quickly (~2 s), "
+                   "the cached figures or the defaults. Default: probe what the cache lacks, quickly (a few seconds), "
                    "then use the cache.")
 @click.option("--trace", "trace_path", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
               help="Routing trace (moerun run --trace-routing) for the expected cache hit rate.")

@@ -183,7 +183,7 @@ class RateOptions:
 
 @dataclass(frozen=True)
 class Effort:
-    """How hard the probes work: `quick` is estimate's default (~2 s for a3b-L4 on 2 cores), `full` --measure."""
+    """How hard the probes work: `quick` is estimate's default (3-6 s for the a3b files on 2 cores), `full` --measure."""
 
     ram_bytes: int
     ram_runs: int
