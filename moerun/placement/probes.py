@@ -183,7 +183,8 @@ class RateOptions:
 
 @dataclass(frozen=True)
 class Effort:
-    """How hard the probes work: `quick` is estimate's default (3-6 s for the a3b files on 2 cores), `full` --measure."""
+    """How hard the probes work: `quick` is estimate's default (3-6 s for the a3b files on 2 cores), `full`
+    --measure."""
 
     ram_bytes: int
     ram_runs: int
