@@ -87,15 +87,32 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
         return torch.cat(out)
     if q.shape[0] <= SMALL_T or sinks is not None:
         return _attend_small(q, k, v, q_pos, k_pos, scale, sinks, window)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=visible(q_pos, k_pos, window),
-        enable_gqa=True, scale=scale,
-    )  # [nh, T, Dv]
-    return out.transpose(0, 1).flatten(1)
+    return _attend_blocks(q, k, v, q_pos, k_pos, scale, window)
 
 
 SMALL_T = 16  # decode steps: two batched matmuls beat SDPA's CPU path 7-30x (measured, S = 16..1024)
-QUERY_BLOCK = 128  # with sinks (no SDPA), a prompt's queries go in blocks: a window's block reads only its keys
+QUERY_BLOCK = 128  # a prompt's queries go in blocks: each block reads only the keys it sees (causal, window)
+
+
+def _attend_blocks(q, k, v, q_pos, k_pos, scale=None, window=0):
+    """A prompt's attention through SDPA, QUERY_BLOCK queries at a time against the keys each block sees, the g
+    query heads of a KV head folded into the query length (SDPA's own GQA path and a mask over every key
+    were 3.5x slower: 118 vs 34 ms for 512 tokens, 32 heads on 4 KV heads of 128, 2 threads)."""
+    T, nh, D = q.shape
+    S, nkv, Dv = v.shape
+    g = nh // nkv
+    kt, vt = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()  # [nkv, S, D]
+    out = []
+    for a in range(0, T, QUERY_BLOCK):
+        qp = q_pos[a:a + QUERY_BLOCK]
+        tb = len(qp)
+        lo = int(torch.searchsorted(k_pos, qp[0] - window + 1)) if window else 0
+        hi = int(torch.searchsorted(k_pos, qp[-1], right=True))
+        qb = q[a:a + tb].view(tb, nkv, g, D).permute(1, 2, 0, 3).reshape(nkv, g * tb, D)  # [nkv, g*tb, D]
+        mask = visible(qp, k_pos[lo:hi], window).repeat(g, 1)  # [g*tb, hi-lo]
+        o = F.scaled_dot_product_attention(qb, kt[:, lo:hi], vt[:, lo:hi], attn_mask=mask, scale=scale)
+        out.append(o.view(nkv, g, tb, Dv).permute(2, 0, 1, 3).reshape(tb, nh * Dv))  # [tb, nh*Dv]
+    return torch.cat(out)
 
 
 def _attend_small(q, k, v, q_pos, k_pos, scale=None, sinks=None, window=0):
