@@ -14,16 +14,16 @@
 #endif
 
 const qtype_info QK_TYPES[QT_COUNT] = {
-    [QT_Q4_0] = {GGML_Q4_0, "Q4_0", 32, 18, ACT_Q8_0, 1},
-    [QT_Q8_0] = {GGML_Q8_0, "Q8_0", 32, 34, ACT_Q8_0, 1},
-    [QT_MXFP4] = {GGML_MXFP4, "MXFP4", 32, 17, ACT_Q8_0, 1},
-    [QT_Q4_K] = {GGML_Q4_K, "Q4_K", 256, 144, ACT_Q8K, 1},
-    [QT_Q5_K] = {GGML_Q5_K, "Q5_K", 256, 176, ACT_Q8K, 1},
-    [QT_Q6_K] = {GGML_Q6_K, "Q6_K", 256, 210, ACT_Q8K, 1},
-    [QT_IQ4_XS] = {GGML_IQ4_XS, "IQ4_XS", 256, 136, ACT_Q8_0, 1},
-    [QT_Q4_K_R8] = {GGML_Q4_K_R8, "Q4_K_R8", 256, 8 * 144, ACT_Q8K, 8},
-    [QT_Q8_0_R8] = {GGML_Q8_0_R8, "Q8_0_R8", 32, 8 * 34, ACT_Q8_0, 8},
-    [QT_MXFP4_R8] = {GGML_MXFP4_R8, "MXFP4_R8", 32, 8 * 17, ACT_Q8_0, 8},
+    [QT_Q4_0] = {GGML_Q4_0, "Q4_0", 32, 18, ACT_Q8_0, 1, 4},
+    [QT_Q8_0] = {GGML_Q8_0, "Q8_0", 32, 34, ACT_Q8_0, 1, 4},
+    [QT_MXFP4] = {GGML_MXFP4, "MXFP4", 32, 17, ACT_Q8_0, 1, 4},
+    [QT_Q4_K] = {GGML_Q4_K, "Q4_K", 256, 144, ACT_Q8K, 1, 4},
+    [QT_Q5_K] = {GGML_Q5_K, "Q5_K", 256, 176, ACT_Q8K, 1, 4},
+    [QT_Q6_K] = {GGML_Q6_K, "Q6_K", 256, 210, ACT_Q8K, 1, 4},
+    [QT_IQ4_XS] = {GGML_IQ4_XS, "IQ4_XS", 256, 136, ACT_Q8_0, 1, 4},
+    [QT_Q4_K_R8] = {GGML_Q4_K_R8, "Q4_K_R8", 256, 8 * 144, ACT_Q8K, 8, 4},
+    [QT_Q8_0_R8] = {GGML_Q8_0_R8, "Q8_0_R8", 32, 8 * 34, ACT_Q8_0, 8, 8},
+    [QT_MXFP4_R8] = {GGML_MXFP4_R8, "MXFP4_R8", 32, 8 * 17, ACT_Q8_0, 8, 8},
 };
 
 int qk_qtype_index(int ggml) {
@@ -63,7 +63,8 @@ void qk_quant_q8_0_scalar(const float *x, void *out, int64_t k) {
         for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
         const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
         y[i].d = amax / 127.0f;
-        for (int j = 0; j < 32; j++) y[i].qs[j] = (int8_t)lrintf(x[j] * id);
+        y[i].s = 0;
+        for (int j = 0; j < 32; j++) y[i].s += y[i].qs[j] = (int8_t)lrintf(x[j] * id);
     }
 }
 

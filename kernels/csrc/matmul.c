@@ -106,6 +106,7 @@ typedef struct {
     const uint8_t *w;
     int64_t N, nb, row_bytes; /* row_bytes: per dot call (a group of `rows` rows) */
     int rows;
+    int nt;                /* tokens per dot call at most */
     int act;               /* activation format, or -1: float weights read the float rows of x */
     const uint8_t *xq;     /* activation rows in that format */
     int64_t xq_row;
@@ -120,14 +121,14 @@ typedef struct {
     workq q;
 } mm_ctx;
 
-/* Rows [r0, r1) of one matrix against all T tokens, four tokens per pass over the rows (r0 and r1 are
+/* Rows [r0, r1) of one matrix against all T tokens, m->nt tokens per pass over the rows (r0 and r1 are
  * multiples of the matrix's rows per dot call). */
 static void mm_rows(const mm_mat *m, int64_t T, int64_t r0, int64_t r1) {
     const dot_fn dot = m->dot;
     const int64_t nb = m->nb, rb = m->row_bytes, N = m->N;
     const int rows = m->rows;
-    for (int64_t t = 0; t < T; t += DOT_MAX_NT) {
-        const int nt = (int)min64(DOT_MAX_NT, T - t);
+    for (int64_t t = 0; t < T; t += m->nt) {
+        const int nt = (int)min64(m->nt, T - t);
         const void *xs[DOT_MAX_NT];
         for (int j = 0; j < nt; j++) xs[j] = m->xq + (t + j) * m->xq_row;
         for (int64_t r = r0; r < r1; r += rows) {
@@ -165,7 +166,7 @@ int qk_matmuls(int isa, int n, const qk_wmat *w, int64_t K, const float *x, int6
         rows += m->N;
         const dot_fn fd = qk_fdot(isa, w[j].ggml);
         if (fd) {
-            *m = (mm_mat){fd, w[j].w, w[j].N, K, K * (w[j].ggml == GGML_F32 ? 4 : 2), 1, -1,
+            *m = (mm_mat){fd, w[j].w, w[j].N, K, K * (w[j].ggml == GGML_F32 ? 4 : 2), 1, 4, -1,
                           (const uint8_t *)x, K * (int64_t)sizeof(float), out[j], 0};
             continue;
         }
@@ -177,6 +178,7 @@ int qk_matmuls(int isa, int n, const qk_wmat *w, int64_t K, const float *x, int6
         m->nb = K / ti->blk_elems;
         m->row_bytes = m->nb * ti->blk_bytes;
         m->rows = ti->rows;
+        m->nt = ti->max_nt;
         if (ti->rows > group) group = ti->rows;
         m->act = ti->act;
         need[ti->act] = 1;
@@ -231,6 +233,7 @@ typedef struct {
     const uint8_t **gate, **up, *xg, *xu; /* per active expert */
     int64_t nb_g, nb_u, rowb_g, rowb_u, xrow_g, xrow_u, I;
     int rows_g, rows_u, step_a; /* rows per dot call; gate and up rows are taken step_a at a time */
+    int nt_a, nt_d;             /* tokens per dot call at most: gate and up, down */
     /* h = silu(gate x) * up x per pair (sorted order), quantized per expert when complete */
     float *h;
     quant_fn quant_h;
@@ -283,8 +286,8 @@ static void moe_gate_up_task(void *p, int tid, int nth) {
         const qk_expert_fn *fn = &c->fn;
         const float *gb = fn->gate_b ? fn->gate_b + c->act_e[a] * c->I : NULL;
         const float *ub = fn->up_b ? fn->up_b + c->act_e[a] * c->I : NULL;
-        for (int64_t s = c->first[a]; s < c->first[a + 1]; s += DOT_MAX_NT) {
-            const int nt = (int)min64(DOT_MAX_NT, c->first[a + 1] - s);
+        for (int64_t s = c->first[a]; s < c->first[a + 1]; s += c->nt_a) {
+            const int nt = (int)min64(c->nt_a, c->first[a + 1] - s);
             const void *xg[DOT_MAX_NT], *xu[DOT_MAX_NT];
             for (int j = 0; j < nt; j++) {
                 const int64_t tok = c->order[s + j] / c->k;
@@ -331,8 +334,8 @@ static void moe_down_task(void *p, int tid, int nth) {
         for (int64_t a = 0; a < c->nact; a++) {
             const uint8_t *dw = c->down[a];
             const float *db = c->fn.down_b ? c->fn.down_b + c->act_e[a] * c->H : NULL;
-            for (int64_t s = c->first[a]; s < c->first[a + 1]; s += DOT_MAX_NT) {
-                const int nt = (int)min64(DOT_MAX_NT, c->first[a + 1] - s);
+            for (int64_t s = c->first[a]; s < c->first[a + 1]; s += c->nt_d) {
+                const int nt = (int)min64(c->nt_d, c->first[a + 1] - s);
                 const void *xs[DOT_MAX_NT];
                 for (int j = 0; j < nt; j++) xs[j] = c->hq + (s + j) * c->hrow;
                 const int n = c->rows_d;
@@ -461,6 +464,7 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
         .nb_g = H / tg->blk_elems, .nb_u = H / tu->blk_elems, .rowb_g = H / tg->blk_elems * tg->blk_bytes,
         .rowb_u = H / tu->blk_elems * tu->blk_bytes, .xrow_g = xrow_g, .xrow_u = xrow_u, .I = I,
         .rows_g = tg->rows, .rows_u = tu->rows, .step_a = step_a, .rows_d = td->rows,
+        .nt_a = tg->max_nt < tu->max_nt ? tg->max_nt : tu->max_nt, .nt_d = td->max_nt,
         .h = h, .quant_h = ks->quant[ad], .hq = hq, .hrow = hrow, .done = done,
         .dot_d = ks->dot[qd], .down = pd, .nb_d = I / td->blk_elems,
         .rowb_d = I / td->blk_elems * td->blk_bytes, .H = H, .rows_b = rows_b,

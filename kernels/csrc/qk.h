@@ -47,7 +47,7 @@
  *
  * Activation formats (ours, internal; f32 scales, values in [-127, 127], never -128):
  *   act_q8k  per 256: f32 d | int8 qs[256] | int16 bsums[16] (sums of each 16 qs), 292 B.
- *   act_q8_0 per 32:  f32 d | int8 qs[32], 36 B.
+ *   act_q8_0 per 32:  f32 d | int32 s (the sum of qs) | int8 qs[32], 40 B.
  * K-quants pair with act_q8k; Q4_0, Q8_0, MXFP4 and IQ4_XS with act_q8_0.
  */
 #ifndef MOERUN_QK_H
@@ -92,15 +92,15 @@ enum { ACT_Q8K, ACT_Q8_0, ACT_COUNT };
 enum { ISA_SCALAR, ISA_AVX2, ISA_VNNI, ISA_NEON, ISA_COUNT };
 
 typedef struct { float d; int8_t qs[256]; int16_t bsums[16]; } act_q8k;
-typedef struct { float d; int8_t qs[32]; } act_q8_0;
+typedef struct { float d; int32_t s; int8_t qs[32]; } act_q8_0;
 
 /* Quantize k floats (k a multiple of the format's block) into `out`. */
 typedef void (*quant_fn)(const float *x, void *out, int64_t k);
 
-/* out[t] = dot(weight row w of nb blocks, activation row x[t]) for t < nt, 1 <= nt <= 4.
+/* out[t] = dot(weight row w of nb blocks, activation row x[t]) for t < nt, 1 <= nt <= the type's max_nt.
  * Each x[t] points to the first activation block of the row (act_q8k or act_q8_0).
  * Interleaved types (rows = 8): w is a group of 8 rows, out[8t + r] = dot(row r, x[t]). */
-#define DOT_MAX_NT 4
+#define DOT_MAX_NT 8
 #define DOT_MAX_ROWS 8
 typedef void (*dot_fn)(int64_t nb, const uint8_t *w, const void *const *x, int nt, float *out);
 
@@ -111,6 +111,7 @@ typedef struct {
     int blk_bytes;  /* bytes per weight block */
     int act;        /* ACT_Q8K or ACT_Q8_0 */
     int rows;       /* rows per block (and per dot call): 1, or 8 for the interleaved layouts */
+    int max_nt;     /* tokens per dot call at most (<= DOT_MAX_NT): more tokens per pass over the weights */
 } qtype_info;
 
 typedef struct {

@@ -35,7 +35,12 @@ QK_AVX2 void qk_quant_q8_0_avx2(const float *x, void *out, int64_t k) {
         const float amax = hmax(absmax8(x, 32, _mm256_setzero_ps()));
         const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
         y[i].d = amax / 127.0f;
-        _mm256_storeu_si256((__m256i *)y[i].qs, quant32(x, _mm256_set1_ps(id)));
+        const __m256i q = quant32(x, _mm256_set1_ps(id));
+        _mm256_storeu_si256((__m256i *)y[i].qs, q);
+        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
+        const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        const __m128i h2 = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+        y[i].s = _mm_cvtsi128_si32(_mm_add_epi32(h2, _mm_shuffle_epi32(h2, 0xb1)));
     }
 }
 

@@ -80,6 +80,28 @@ QK_AVX2_INLINE __m256i avx2_nibbles32(const uint8_t *p) {
 
 /* Instantiate a kernel body for a compile-time token count, so its per-token arrays live in
  * registers and its token loops unroll. */
+/* Up to 8 tokens (the interleaved kernels' max_nt): in one call with VNNI (32 vector registers), in calls of
+ * at most 4 without. out holds 8 rows per token. */
+#if QK_VNNI
+#define QK_NT_DISPATCH8(IMPL, nb, w, x, nt, out) \
+    switch (nt) {                                \
+    case 1: IMPL(nb, w, x, 1, out); break;       \
+    case 2: IMPL(nb, w, x, 2, out); break;       \
+    case 3: IMPL(nb, w, x, 3, out); break;       \
+    case 4: IMPL(nb, w, x, 4, out); break;       \
+    case 5: IMPL(nb, w, x, 5, out); break;       \
+    case 6: IMPL(nb, w, x, 6, out); break;       \
+    case 7: IMPL(nb, w, x, 7, out); break;       \
+    default: IMPL(nb, w, x, 8, out); break;      \
+    }
+#else
+#define QK_NT_DISPATCH8(IMPL, nb, w, x, nt, out)                                   \
+    for (int t0_ = 0; t0_ < (nt); t0_ += 4) {                                      \
+        const int n_ = (nt) - t0_ < 4 ? (nt) - t0_ : 4;                           \
+        QK_NT_DISPATCH(IMPL, nb, w, (x) + t0_, n_, (out) + 8 * t0_)                 \
+    }
+#endif
+
 #define QK_NT_DISPATCH(IMPL, nb, w, x, nt, out)  \
     switch (nt) {                                \
     case 1: IMPL(nb, w, x, 1, out); break;       \
