@@ -112,6 +112,16 @@ def set_threads(n: int, spin_us: int | None = None) -> None:
     _cpu.set_threads(n, -1 if spin_us is None else spin_us)
 
 
+def read_bw(buf: torch.Tensor, streams: int = 1, prefetch: int = 0) -> int:
+    """Read every byte of `buf` (a contiguous CPU uint8 tensor, 64-byte aligned, at least 4 KiB) on the pool,
+    each thread its share as `streams` interleaved streams, prefetching `prefetch` bytes ahead (0: none): the
+    read-bandwidth probe (moerun.placement.bandwidth). -> the xor of the data (so the reads happen)."""
+    _need()
+    if buf.dtype != torch.uint8 or not buf.is_cpu or not buf.is_contiguous() or buf.data_ptr() % 64:
+        raise ValueError("buf must be a contiguous, 64-byte aligned CPU uint8 tensor")
+    return _cpu.read_bw(buf.data_ptr(), buf.numel(), streams, prefetch)
+
+
 def set_active(n: int) -> None:
     """Run the pool's jobs on min(n, threads) threads until told otherwise (0: all of them): the cores other
     processes leave free (moerun.model.ops.free_cpus). Results do not depend on it."""

@@ -13,6 +13,7 @@ import functools
 import importlib
 
 import pytest
+import numpy as np
 import torch
 import torch.nn.functional as F
 from qblocks import random_blocks
@@ -341,3 +342,24 @@ def test_environment_switch(monkeypatch, mode):
     finally:
         monkeypatch.delenv("MOERUN_KERNELS")
         importlib.reload(cpu)
+
+
+@pytest.mark.parametrize("streams,prefetch", [(1, 0), (3, 0), (8, 512)])
+def test_read_bw_reads_every_byte(streams, prefetch):
+    """The read-bandwidth probe's pattern covers each thread's share: its xor is the data's (up to the tail that
+    does not fill a 64-byte line of every stream, which these sizes leave empty)."""
+    from moerun.hostmem import host_empty
+
+    threads = cpu.get_threads()
+    n = 2 * streams * 64 * 100
+    buf = host_empty(n)
+    buf.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(streams)))
+    cpu.set_threads(2)
+    try:
+        words = buf.view(torch.int64).numpy()
+        want = int(np.bitwise_xor.reduce(words).astype(np.uint64))
+        assert cpu.read_bw(buf, streams, prefetch) == want
+    finally:
+        cpu.set_threads(threads)
+    with pytest.raises(ValueError):
+        cpu.read_bw(buf[1:], 1, 0)

@@ -57,4 +57,8 @@ int qk_unpack(int from, const uint8_t *src, uint8_t *dst, int64_t N, int64_t K);
 /* out[n, K] = rows[i] of W[N, K] (ggml type `ggml`) as floats, the values gguf.quants gives. */
 int qk_dequant_rows(int ggml, const uint8_t *w, int64_t N, int64_t K, const int64_t *rows, int64_t n, float *out);
 
+/* The read-bandwidth probe (readbw.c): read nbytes of buf (64-byte aligned) on the kernel pool, each thread its
+ * share as `streams` interleaved streams, prefetching `prefetch` bytes ahead (0: none); *xor_out: the data's xor. */
+int qk_read_bw(const uint8_t *buf, int64_t nbytes, int streams, int64_t prefetch, uint64_t *xor_out);
+
 #endif

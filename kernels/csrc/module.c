@@ -85,6 +85,19 @@ static PyObject *py_get_threads(PyObject *self, PyObject *args) {
     return PyLong_FromLong(qk_pool_threads());
 }
 
+/* read_bw(buf, nbytes, streams, prefetch) -> the xor of the bytes read (see qk_read_bw). */
+static PyObject *py_read_bw(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long buf;
+    long long n, prefetch;
+    int streams, rc;
+    uint64_t x = 0;
+    if (!PyArg_ParseTuple(args, "KLiL", &buf, &n, &streams, &prefetch)) return NULL;
+    Py_BEGIN_ALLOW_THREADS rc = qk_read_bw((const uint8_t *)(uintptr_t)buf, n, streams, prefetch, &x);
+    Py_END_ALLOW_THREADS if (rc) return raise_code(rc);
+    return PyLong_FromUnsignedLongLong(x);
+}
+
 /* act_row_bytes(ggml, K): bytes of one quantized activation row paired with that weight type. */
 static PyObject *py_act_row_bytes(PyObject *self, PyObject *args) {
     (void)self;
@@ -278,6 +291,7 @@ static PyMethodDef methods[] = {
     {"get_threads", py_get_threads, METH_NOARGS, "Threads of the pool (caller included)."},
     {"set_active", py_set_active, METH_VARARGS, "set_active(n): jobs run on min(n, threads) threads (0: all)."},
     {"act_row_bytes", py_act_row_bytes, METH_VARARGS, "act_row_bytes(ggml, K)"},
+    {"read_bw", py_read_bw, METH_VARARGS, "read_bw(buf, nbytes, streams, prefetch): the read-bandwidth probe."},
     {"quantize_act", py_quantize_act, METH_VARARGS, "quantize_act(isa, ggml, x, T, K, out)"},
     {"matmul", py_matmul, METH_VARARGS, "matmul(isa, ggml, w, N, K, x, T, out)"},
     {"moe_ffn", py_moe_ffn, METH_VARARGS,

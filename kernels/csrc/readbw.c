@@ -1,0 +1,77 @@
+/* The read-bandwidth probe (issue 21): how fast this machine's cores can stream memory, the way the kernels read
+ * weights, so that "% of the bound" is against what the hardware gives rather than what one summing loop gets.
+ *
+ * qk_read_bw reads `nbytes` of `buf` on the kernel pool: each thread takes its own contiguous share and reads it
+ * as `streams` interleaved sequential streams (the share cut into `streams` parts, one 64-byte line of each in
+ * turn), with 32-byte loads folded into xor accumulators (integer, no float dependency chains), optionally with
+ * a software prefetch `prefetch` bytes ahead in each stream. The result (xor of everything) keeps the loads. */
+#include <stdint.h>
+#include <string.h>
+
+#include "matmul.h"
+#include "pool.h"
+#include "qk.h"
+
+#if QK_X86
+#include <immintrin.h>
+#define QK_RD_TARGET __attribute__((target("avx2")))
+#else
+#define QK_RD_TARGET
+#endif
+
+typedef struct {
+    const uint8_t *buf;
+    int64_t nbytes;
+    int streams;
+    int64_t prefetch;
+    uint64_t xors[64];
+} rd_ctx;
+
+QK_RD_TARGET static uint64_t read_range(const uint8_t *p, int64_t n, int streams, int64_t prefetch) {
+    const int64_t part = n / streams / 64 * 64;
+#if QK_X86
+    __m256i acc[8];
+    for (int s = 0; s < 8; s++) acc[s] = _mm256_setzero_si256();
+    for (int64_t off = 0; off < part; off += 64) {
+        for (int s = 0; s < streams; s++) {
+            const uint8_t *q = p + s * part + off;
+            if (prefetch) _mm_prefetch((const char *)(q + prefetch), _MM_HINT_T0);
+            acc[s & 7] = _mm256_xor_si256(acc[s & 7], _mm256_load_si256((const __m256i *)q));
+            acc[s & 7] = _mm256_xor_si256(acc[s & 7], _mm256_load_si256((const __m256i *)(q + 32)));
+        }
+    }
+    __m256i a = acc[0];
+    for (int s = 1; s < 8; s++) a = _mm256_xor_si256(a, acc[s]);
+    uint64_t out[4];
+    _mm256_storeu_si256((__m256i *)out, a);
+    return out[0] ^ out[1] ^ out[2] ^ out[3];
+#else
+    uint64_t x = 0;
+    for (int64_t off = 0; off < part; off += 64)
+        for (int s = 0; s < streams; s++) {
+            uint64_t v[8];
+            memcpy(v, p + s * part + off, 64);
+            for (int j = 0; j < 8; j++) x ^= v[j];
+        }
+    (void)prefetch;
+    return x;
+#endif
+}
+
+static void rd_task(void *p, int tid, int nth) {
+    rd_ctx *c = p;
+    const int64_t share = c->nbytes / nth / 64 * 64;
+    const uint64_t x = read_range(c->buf + tid * share, share, c->streams, c->prefetch);
+    if (tid < 64) c->xors[tid] = x;
+}
+
+int qk_read_bw(const uint8_t *buf, int64_t nbytes, int streams, int64_t prefetch, uint64_t *xor_out) {
+    if (!buf || nbytes < 4096 || streams < 1 || streams > 64 || prefetch < 0 || ((uintptr_t)buf & 63))
+        return QK_ESHAPE;
+    rd_ctx c = {.buf = buf, .nbytes = nbytes, .streams = streams, .prefetch = prefetch};
+    const int rc = qk_pool_run(rd_task, &c);
+    uint64_t x = 0;
+    for (int i = 0; i < 64; i++) x ^= c.xors[i];
+    *xor_out = x;
+    return rc ? QK_ENOMEM : 0;
+}
