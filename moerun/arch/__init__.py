@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from moerun.arch import deepseek2, glm4moe, gptoss, mixtral, olmoe, qwen2moe, qwen3moe
+from moerun.arch import deepseek2, glm4moe, gptoss, mixtral, olmoe, qwen2moe, qwen3moe, qwen3next, qwen35moe
 from moerun.arch.family import ConfigError, Family, gguf_metadata, spec_from_gguf, spec_from_hf
 from moerun.arch.spec import ModelSpec
 from moerun.arch.tensors import (
@@ -21,7 +21,7 @@ from moerun.formats.records import ModelFile
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (qwen3moe.FAMILY, qwen2moe.FAMILY, mixtral.FAMILY, olmoe.FAMILY,
                                                 glm4moe.FAMILY, deepseek2.FAMILY,
-                                                gptoss.FAMILY)}
+                                                gptoss.FAMILY, qwen3next.FAMILY, qwen35moe.FAMILY)}
 
 __all__ = [
     "FAMILIES",
@@ -41,6 +41,7 @@ class Arch:
     family: Family
     spec: ModelSpec
     sources: dict[CName, Source]
+    notes: tuple[str, ...] = ()  # what a user should know about how the file was read (a tower skipped)
 
 
 def family_of(mf: ModelFile) -> Family:
@@ -74,7 +75,10 @@ def resolve(mf: ModelFile) -> Arch:
     """Family, hyperparameters and canonical tensor sources of an opened model file, checked for consistency."""
     fam = family_of(mf)
     try:
-        sources = canonical_sources(mf, dict(fam.gguf_aliases), fam.hf_aliases)
+        sources = canonical_sources(mf, dict(fam.gguf_aliases), fam.hf_aliases, fam.hf_rename)
+        notes = tuple(f"the checkpoint's {what} ({prefix}*) is skipped: moerun runs the language model"
+                      for prefix, what in fam.hf_skipped
+                      if mf.format != "gguf" and any(n.startswith(prefix) for n in mf.records))
         if mf.format == "gguf":
             n_layers = mf.metadata.get(f"{fam.gguf_arch}.block_count")
             n_layers = n_layers if isinstance(n_layers, int) and 0 < n_layers < 1 << 16 else 0
@@ -87,7 +91,8 @@ def resolve(mf: ModelFile) -> Arch:
             present = {cn.kind for cn in sources}
             spec = replace(spec, **{f: v for kind, f, v in fam.gguf_optional if kind in present})
         else:
-            spec = spec_from_hf(fam, mf.metadata["config"])
+            cfg = mf.metadata["config"]
+            spec = spec_from_hf(fam, fam.hf_config(cfg) if fam.hf_config is not None else cfg)
             if spec.tie_embeddings:
                 sources.pop(CName("output.weight"), None)
             if fam.hf_permute_qk:
@@ -100,10 +105,12 @@ def resolve(mf: ModelFile) -> Arch:
         sources = {cn: src for cn, src in sources.items() if cn.layer is None or cn.layer < spec.n_layers}
         if spec.attention == "mla":
             _split_kv_b(spec, sources)
+        if fam.fix_sources is not None:
+            fam.fix_sources(spec, sources, mf.format)
         check_sources(spec, sources)
     except (ConfigError, TensorError, ValueError) as e:
         raise ModelFormatError(mf.path, str(e)) from None
-    return Arch(fam, spec, sources)
+    return Arch(fam, spec, sources, notes)
 
 
 def _split_kv_b(spec: ModelSpec, sources: dict[CName, Source]) -> None:

@@ -40,6 +40,15 @@ class Family:
     gguf_fields: Callable[[Callable[[str, Any], Any], dict], dict] | None = None
     hf_fields: Callable[[dict], dict] | None = None
     gguf_keys: Callable[[ModelSpec], dict] | None = None
+    # the language model's part of config.json (a multimodal checkpoint nests it: Qwen3.5's text_config)
+    hf_config: Callable[[dict], dict] | None = None
+    # (prefix, replacement) of HF tensor names before the name table reads them (a multimodal checkpoint's
+    # model.language_model. -> model.), and prefixes of towers that are skipped with a note
+    hf_rename: tuple[tuple[str, str], ...] = ()
+    hf_skipped: tuple[tuple[str, str], ...] = ()  # (prefix, what it is)
+    # the family's own rewrite of the canonical sources once the spec is known, called with (spec, sources,
+    # file format): split fused projections, reorder heads, map stored values (arch/qwen3next.py)
+    fix_sources: Callable[[ModelSpec, dict, str], None] | None = None
 
 
 class ConfigError(ValueError):

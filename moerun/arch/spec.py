@@ -8,7 +8,10 @@ from dataclasses import dataclass
 ROPE_STYLES = ("neox", "interleaved")  # neox: rotate halves; interleaved: rotate pairs (GPT-J / llama.cpp "norm")
 QK_NORMS = ("none", "head", "full")  # per head (qwen3moe) or over the whole projection (olmoe)
 ATTENTIONS = ("gqa", "mla")  # grouped-query attention; DeepSeek's multi-head latent attention
-LAYER_KINDS = ("full", "sliding")  # attention over the whole context, or over the last `sliding_window` positions
+# attention over the whole context, over the last `sliding_window` positions, or linear attention (gated DeltaNet:
+# a fixed-size recurrent state per sequence instead of a KV cache)
+LAYER_KINDS = ("full", "sliding", "linear")
+SSM_V_ORDERS = ("grouped", "tiled")  # value head j of a linear layer reads key head j // (nv / nk), or j % nk
 # softmax: softmax over all experts, top-k (renormalised with norm_topk); topk_softmax: top-k of the logits, softmax
 # over those k (gpt-oss); sigmoid: sigmoid scores, chosen by score + correction bias, group-limited (DeepSeek-V3, GLM)
 ROUTERS = ("softmax", "topk_softmax", "sigmoid")
@@ -37,6 +40,18 @@ class KVLayout:
     def held(self, positions: int, block_size: int = 16) -> int:
         """Positions of one sequence the cache keeps for a context of `positions`: all, or a window's ring."""
         return min(positions, self.ring_blocks(block_size) * block_size) if self.window else positions
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """What one linear-attention layer keeps per sequence, whatever the context: the causal conv1d's last
+    inputs [channels, kernel - 1] and the delta rule's matrix per value head [heads, k_dim, v_dim]."""
+
+    conv: tuple[int, int]
+    ssm: tuple[int, int, int]
+
+    def elems(self) -> int:
+        return math.prod(self.conv) + math.prod(self.ssm)
 
 
 @dataclass(frozen=True)
@@ -91,6 +106,15 @@ class ModelSpec:
     sliding_window: int = 0
     layer_kinds: tuple[str, ...] = ()  # per layer, LAYER_KINDS; () means every layer attends to everything
     attn_scale: float = 0.0  # the softmax scale; 0: head_dim ** -0.5
+    attn_gate: bool = False  # the q projection also gives a per-head output gate: out * sigmoid(gate) (Qwen3-Next)
+    # linear-attention layers (layer kind "linear": gated DeltaNet, Qwen3-Next / Qwen3.5)
+    ssm_conv: int = 0  # the causal conv1d's kernel width over q, k and v
+    ssm_k_heads: int = 0  # key (and query) heads
+    ssm_v_heads: int = 0  # value heads, a multiple of the key heads
+    ssm_k_dim: int = 0  # per-head key dims (the state's rows)
+    ssm_v_dim: int = 0  # per-head value dims (the state's columns)
+    ssm_v_order: str = "grouped"  # how value heads map to key heads (SSM_V_ORDERS): HF's order, or llama.cpp's
+    ssm_ba: bool = False  # beta and alpha from one projection, per key head [b (r), a (r)] (Qwen3-Next's in_proj_ba)
     q_lora_rank: int = 0  # MLA (attention == "mla"): q through a rank-q_lora_rank bottleneck (0: direct)
     kv_lora_rank: int = 0  # MLA: the compressed latent the KV cache holds
     qk_nope_dim: int = 0  # MLA: per-head query/key dims without RoPE
@@ -141,6 +165,13 @@ class ModelSpec:
                 raise ValueError(f"layer_kinds must give one of {LAYER_KINDS} for each of {self.n_layers} layers")
             if "sliding" in self.layer_kinds and self.sliding_window <= 0:
                 raise ValueError("sliding layers need sliding_window > 0")
+            if "linear" in self.layer_kinds:
+                if min(self.ssm_conv, self.ssm_k_heads, self.ssm_v_heads, self.ssm_k_dim, self.ssm_v_dim) <= 0 \
+                        or self.ssm_v_heads % self.ssm_k_heads:
+                    raise ValueError("linear layers need ssm_conv, ssm_k_heads, ssm_v_heads (a multiple of the "
+                                     "key heads), ssm_k_dim and ssm_v_dim > 0")
+                if self.ssm_v_order not in SSM_V_ORDERS:
+                    raise ValueError(f"ssm_v_order {self.ssm_v_order!r} not in {SSM_V_ORDERS}")
         if not 0 <= self.rope_dim <= self.head_dim or self.rope_dim % 2:
             raise ValueError(f"rope_dim {self.rope_dim} must be even and at most head_dim {self.head_dim}")
         if self.n_groups < 1 or not 1 <= self.topk_groups <= self.n_groups or (
@@ -183,17 +214,51 @@ class ModelSpec:
         """The output projection's input: every head's value."""
         return self.n_heads * (self.v_head_dim if self.attention == "mla" else self.head_dim)
 
-    def kv_layout(self, layer: int) -> KVLayout:
+    def linear(self, layer: int) -> bool:
+        """Whether `layer` is a linear-attention (gated DeltaNet) layer: a recurrent state, no KV cache."""
+        return bool(self.layer_kinds) and self.layer_kinds[layer] == "linear"
+
+    @property
+    def hybrid(self) -> bool:
+        """Some layers are linear attention (a fixed-size state per sequence), the others attention."""
+        return "linear" in self.layer_kinds
+
+    @property
+    def ssm_conv_dim(self) -> int:
+        """Channels of a linear layer's conv1d: q, k (key heads) and v (value heads)."""
+        return 2 * self.ssm_k_heads * self.ssm_k_dim + self.ssm_v_heads * self.ssm_v_dim
+
+    @property
+    def ssm_value_dim(self) -> int:
+        return self.ssm_v_heads * self.ssm_v_dim
+
+    def state_layout(self, layer: int) -> StateLayout | None:
+        """What linear layer `layer` keeps per sequence (None for an attention layer)."""
+        if not self.linear(layer):
+            return None
+        return StateLayout((self.ssm_conv_dim, self.ssm_conv - 1), (self.ssm_v_heads, self.ssm_k_dim, self.ssm_v_dim))
+
+    def state_bytes(self, dtype_bytes: int = 4) -> int:
+        """Bytes of one sequence's recurrent state over every linear layer (fixed: it does not grow)."""
+        return sum(self.state_layout(i).elems() for i in range(self.n_layers) if self.linear(i)) * dtype_bytes
+
+    def kv_layout(self, layer: int) -> KVLayout | None:
         """What layer `layer`'s KV cache holds per position (moerun.engine.kv_cache); MLA: one latent, the
         normed compression and the rotated key that every head shares; a sliding layer: the last
-        `sliding_window` positions only."""
+        `sliding_window` positions only; a linear layer: none (None; its state: state_layout)."""
+        if self.linear(layer):
+            return None
         if self.attention == "mla":
             return KVLayout((self.kv_lora_rank + self.qk_rope_dim,), ())
         return KVLayout((self.n_kv_heads, self.head_dim), (self.n_kv_heads, self.head_dim),
                         self.sliding_window if self.sliding(layer) else 0)
 
     def kv_bytes(self, layer: int, positions: int, dtype_bytes: int) -> int:
-        """Bytes of layer `layer`'s KV cache for `positions` positions (of one sequence)."""
+        """Bytes of layer `layer`'s KV cache for `positions` positions (of one sequence); a linear layer's
+        recurrent state (float32 always, whatever the KV type) for any positions > 0."""
+        st = self.state_layout(layer)
+        if st is not None:
+            return st.elems() * 4 if positions > 0 else 0
         lay = self.kv_layout(layer)
         return lay.held(positions) * lay.elems() * dtype_bytes
 
@@ -208,5 +273,6 @@ class ModelSpec:
         top-k-softmax routing, with a router bias but without groups, correction bias or scale; either expert
         activation, with or without biases."""
         return (self.attention == "gqa" and self.rotary_dim == self.head_dim and not self.attn_scale
+                and not self.attn_gate and not self.hybrid
                 and self.router in ("softmax", "topk_softmax") and not self.score_bias and self.n_groups == 1
                 and self.routed_scale == 1.0)

@@ -20,6 +20,12 @@ class Source:
              `interleaved` (HF fused gate_up_proj; names.HFLayout).
     transposed: the record is stored [.., in, out]; it is transposed first.
     scales: the E8M0 exponents of an HF MXFP4 pair, whose blocks are the record (read as GGUF MXFP4).
+    reshape: the record's shape read as this one (same elements: HF's conv1d [C, 1, K] as [C, K]).
+    rows:    these rows of the matrix (whole rows: any qtype), in this order (a family's split of a fused
+             projection, or its reordering of heads: arch/qwen3next.py).
+    cols:    these columns (float tensors only), in this order.
+    values:  an elementwise map of a float tensor, by name (VALUE_MAPS: Qwen3-Next's norms stored as w - 1,
+             its decay stored as A_log), the result float32.
     permute_heads: reorder Q/K rows from rotate-half to interleaved RoPE layout, with this many heads.
     kv_b:    MLA's latent up-projection stored whole ([heads * (nope + v), rank]: HF, older GGUFs): (part,
              heads, nope) takes part "k" as llama.cpp's attn_k_b [heads, rank, nope] or "v" as attn_v_b
@@ -35,22 +41,39 @@ class Source:
     interleaved: bool = False
     transposed: bool = False
     scales: TensorRecord | None = None
+    reshape: tuple[int, ...] | None = None
+    rows: tuple[int, ...] | None = None
+    cols: tuple[int, ...] | None = None
+    values: str | None = None
 
     @property
     def direct(self) -> bool:
         """One record, read as stored (no stacking, halving, transposing, repacking, permuting or splitting)."""
         return (len(self.records) == 1 and not self.stacked and self.chunk is None and not self.transposed
-                and self.scales is None and not self.permute_heads and self.kv_b is None)
+                and self.scales is None and not self.permute_heads and self.kv_b is None and self.reshape is None
+                and self.rows is None and self.cols is None and self.values is None)
+
+
+VALUE_MAPS = {"plus_one": lambda t: t + 1.0, "neg_exp": lambda t: -t.exp()}
 
 
 class TensorError(ValueError):
     pass
 
 
+def _renamed(name: str, rename: tuple[tuple[str, str], ...]) -> str:
+    for prefix, to in rename:
+        if name.startswith(prefix):
+            return to + name[len(prefix):]
+    return name
+
+
 def canonical_sources(mf: ModelFile, aliases: dict[str, str] | None = None,
-                      hf_aliases: tuple[tuple[str, str, HFLayout], ...] = ()) -> dict[CName, Source]:
+                      hf_aliases: tuple[tuple[str, str, HFLayout], ...] = (),
+                      hf_rename: tuple[tuple[str, str], ...] = ()) -> dict[CName, Source]:
     """Map the file's tensors to canonical names (without hyperparameter-dependent transforms); `aliases` and
-    `hf_aliases`: the family's own GGUF and HF names (Family.gguf_aliases, Family.hf_aliases)."""
+    `hf_aliases`: the family's own GGUF and HF names (Family.gguf_aliases, Family.hf_aliases); `hf_rename`:
+    its HF name prefixes to rewrite first (Family.hf_rename)."""
     out: dict[CName, Source] = {}
     if mf.format == "gguf":
         for name, rec in mf.records.items():
@@ -61,7 +84,7 @@ def canonical_sources(mf: ModelFile, aliases: dict[str, str] | None = None,
     per_expert: dict[CName, dict[int, TensorRecord]] = defaultdict(dict)
     scales: dict[CName, TensorRecord] = {}
     for name, rec in mf.records.items():
-        for m in parse_hf(name, hf_aliases):
+        for m in parse_hf(_renamed(name, hf_rename), hf_aliases):
             lay = m.layout
             if m.name.expert is not None:
                 per_expert[CName(m.name.kind, m.name.layer)][m.name.expert] = rec
@@ -107,7 +130,7 @@ def _first_missing(present: dict[int, TensorRecord], limit: int = 8) -> str:
 
 
 def source_shape(src: Source) -> tuple[int, ...]:
-    shape = tuple(src.records[0].shape)
+    shape = tuple(src.records[0].shape) if src.reshape is None else src.reshape
     if src.scales is not None:  # MXFP4 blocks [.., G, 16] hold G * 32 values per row
         shape = (*shape[:-2], shape[-2] * 32)
     if src.stacked:
@@ -121,6 +144,10 @@ def source_shape(src: Source) -> tuple[int, ...]:
         part, heads, nope = src.kv_b
         rank = shape[1]
         shape = (heads, rank, nope) if part == "k" else (heads, shape[0] // heads - nope, rank)
+    if src.rows is not None:
+        shape = (len(src.rows), *shape[1:])
+    if src.cols is not None:
+        shape = (*shape[:-1], len(src.cols))
     return tuple(shape)
 
 
@@ -137,7 +164,7 @@ def _attention_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             return out | {"attn_q_a.weight": (q, H), "attn_q_a_norm.weight": (q,),
                           "attn_q_b.weight": (spec.q_dim, q)}
         return out | {"attn_q.weight": (spec.q_dim, H)}
-    out = {"attn_q.weight": (spec.q_dim, H), "attn_k.weight": (spec.kv_dim, H),
+    out = {"attn_q.weight": (spec.q_dim * (2 if spec.attn_gate else 1), H), "attn_k.weight": (spec.kv_dim, H),
            "attn_v.weight": (spec.kv_dim, H), "attn_output.weight": (H, spec.attn_out_dim)}
     if spec.qkv_bias:
         out |= {"attn_q.bias": (spec.q_dim,), "attn_k.bias": (spec.kv_dim,), "attn_v.bias": (spec.kv_dim,)}
@@ -152,6 +179,17 @@ def _attention_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def _linear_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """One linear-attention (gated DeltaNet) layer's tensors: q/k/v into the conv1d, the output gate z, the
+    per-head decay (ssm_a = -exp(A_log), ssm_dt the softplus bias) and beta, the gated norm, the output."""
+    H, C, V, nv = spec.hidden, spec.ssm_conv_dim, spec.ssm_value_dim, spec.ssm_v_heads
+    out = {"attn_qkv.weight": (C, H), "attn_gate.weight": (V, H), "ssm_conv1d.weight": (C, spec.ssm_conv),
+           "ssm_dt.bias": (nv,), "ssm_a": (nv,), "ssm_norm.weight": (spec.ssm_v_dim,), "ssm_out.weight": (H, V)}
+    if spec.ssm_ba:
+        return out | {"ssm_ba.weight": (2 * nv, H)}
+    return out | {"ssm_beta.weight": (nv, H), "ssm_alpha.weight": (nv, H)}
+
+
 def expected_shapes(spec: ModelSpec) -> dict[CName, tuple[int, ...]]:
     """Every tensor the forward pass reads, with its canonical torch shape."""
     H, E, I = spec.hidden, spec.n_experts, spec.expert_ffn
@@ -159,7 +197,8 @@ def expected_shapes(spec: ModelSpec) -> dict[CName, tuple[int, ...]]:
     if not spec.tie_embeddings:
         want[CName("output.weight")] = (spec.vocab, H)
     for i in range(spec.n_layers):
-        layer = {"attn_norm.weight": (H,), "ffn_norm.weight": (H,)} | _attention_shapes(spec)
+        layer = {"attn_norm.weight": (H,), "ffn_norm.weight": (H,)} | (
+            _linear_shapes(spec) if spec.linear(i) else _attention_shapes(spec))
         if spec.moe_layers[i]:
             layer |= {"ffn_gate_inp.weight": (E, H), "ffn_gate_exps.weight": (E, I, H),
                       "ffn_up_exps.weight": (E, I, H), "ffn_down_exps.weight": (E, H, I)}

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from moerun.arch import Arch, Source
+from moerun.arch.tensors import VALUE_MAPS
 from moerun.formats.names import CName, tensor_class
 from moerun.formats.records import ModelFile
 from moerun.hostmem import host_empty
@@ -51,6 +52,22 @@ def materialize(mf: ModelFile, src: Source) -> QTensor:
         raw = _permute_rows(raw, src.permute_heads)
     if src.kv_b is not None:
         return _kv_b_part(QTensor(raw.contiguous(), qtype, tuple(shape)), *src.kv_b)
+    if src.reshape is not None:
+        raw, shape = raw.reshape(*src.reshape[:-1], raw.shape[-1] * src.reshape[-1] // shape[-1]), src.reshape
+    if src.rows is not None:  # whole rows: any qtype
+        flat = raw.reshape(-1, raw.shape[-1])
+        raw = flat.index_select(0, torch.tensor(src.rows, dtype=torch.long))
+        shape = (len(src.rows), *shape[1:])
+    if src.cols is not None or src.values is not None:
+        if qtype not in FLOAT_QTYPES:
+            raise ValueError(f"'{rec0.name}' is {qtype.name}: its columns or values can only be changed in a float type")
+        t = QTensor(raw.contiguous(), qtype, tuple(shape)).dequantize(torch.float32)
+        if src.cols is not None:
+            t = t.index_select(-1, torch.tensor(src.cols, dtype=torch.long))
+            shape = t.shape
+        if src.values is not None:
+            t = VALUE_MAPS[src.values](t)
+        return QTensor.from_float(t.contiguous())
     return QTensor(raw.contiguous(), qtype, tuple(shape))
 
 
