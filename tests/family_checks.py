@@ -67,7 +67,7 @@ def names_outside_llama_cpp(path, model_arch) -> list[str]:
     """The GGUF's tensor names that llama.cpp's architecture `model_arch` (a gguf.MODEL_ARCH) does not have."""
     import gguf
 
-    allowed = [re.compile(re.escape(gguf.TENSOR_NAMES[t]).replace(r"\{bid\}", r"\d+") + r"\.(weight|bias)$")
+    allowed = [re.compile(re.escape(gguf.TENSOR_NAMES[t]).replace(r"\{bid\}", r"\d+") + r"(\.(weight|bias))?$")
                for t in gguf.MODEL_TENSORS[model_arch]]
     names = [t.name for t in gguf.GGUFReader(str(path)).tensors]
     return [n for n in names if not any(rx.match(n) for rx in allowed)]

@@ -43,6 +43,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def prompt_chunks(todo: torch.Tensor, ubatch: int, recurrent: bool) -> list[torch.Tensor]:
+    """A prompt's remaining tokens in chunks of at most `ubatch`; with recurrent layers the last token alone, so
+    the state before it can be kept (SeqKV.checkpoint): a request with the same prompt reuses all but it."""
+    if not recurrent or len(todo) < 2:
+        return list(todo.split(ubatch))
+    return [*todo[:-1].split(ubatch), todo[-1:]]
+
+
 class Engine:
     def __init__(self, model: MoEModel, tokenizer: Tokenizer, ctx_size: int = 4096, ubatch: int = 512,
                  expert_cache: ExpertCache | None = None):
@@ -90,9 +98,11 @@ class Engine:
         -> (logits of the last token [V], number of tokens run; the others came from the cache)
         """
         todo = torch.tensor(self.reuse_prefix(seq, prompt), dtype=torch.long)
-        for chunk in todo.split(self.ubatch):
+        for chunk in prompt_chunks(todo, self.ubatch, seq.kv.pool.recurrent):
             logits = self.model.forward(chunk, seq.kv, last_only=True)
             seq.tokens += chunk.tolist()
+            if len(seq.tokens) == len(prompt) - 1:
+                seq.kv.checkpoint()  # a recurrent state to come back to (a prompt resent, a reply redone)
         return logits[-1], len(todo)
 
     def generate(self, prompt: list[int], params: SamplingParams, seq: Sequence | None = None) -> Generation:

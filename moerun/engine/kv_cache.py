@@ -14,6 +14,13 @@ KVLayout.ring_blocks), so its memory does not grow with the context. A step atte
 as it was before the step (`read` before `write`); the fused C path writes at most RING_ROWS positions of a
 sequence before attending, which the ring leaves room for. `windows=False` keeps every position of such layers
 too (the window is then only a mask).
+
+A linear-attention layer (Qwen3-Next's gated DeltaNet) keeps no KV: a sequence holds a fixed-size state there
+(`state(i)`: the conv window [slots, C, K-1] and the delta rule's matrices [slots, nv, dk, dv], float32 on the
+segment's device), one live slot per sequence the pool serves at once plus `checkpoints` snapshots of it. A
+recurrent state cannot be cut back to an earlier position, so a sequence's prefix is reusable only up to its
+live length or a checkpoint: the engine takes one where a prompt ends (before its last token), and `truncate`
+goes back to the latest checkpoint at or before the length asked for (0 if there is none).
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ class KVPool:
     def __init__(self, spec: ModelSpec, n_tokens: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu",
                  segments: list[tuple[int, int, str | torch.device]] | None = None, seqs: int = 1,
-                 windows: bool = True):
+                 windows: bool = True, checkpoints: int = 1):
         self.block_size = block_size
         n_blocks = -(-n_tokens // block_size)
         self.n_slots = n_blocks * block_size
@@ -69,20 +76,35 @@ class KVPool:
 
         def layout(i: int):
             lay = spec.kv_layout(i)
-            return lay if windows else replace(lay, window=0)
+            return lay if windows or lay is None else replace(lay, window=0)
 
-        rings = {layout(i).ring_blocks(block_size) for i in range(self.first, self.stop) if layout(i).window}
+        lays = [lay for lay in map(layout, range(self.first, self.stop)) if lay is not None]
+        rings = {lay.ring_blocks(block_size) for lay in lays if lay.window}
         self.ring = max(rings, default=0)  # blocks of one sequence's ring (0: no windowed layer here)
-        self.window = max((layout(i).window for i in range(self.first, self.stop)), default=0)
+        self.window = max((lay.window for lay in lays), default=0)
         self.seqs = seqs
         self._free_rings = list(range(seqs - 1, -1, -1)) if self.ring else []
         self.windowed: set[int] = set()  # layers whose cache is a ring per sequence
         self.segments = []  # (first, stop, k, v): consecutive layers of one device and one layout, stacked
+        # linear layers' states: slot group g (one per sequence) is slots g * per_seq (live) .. + checkpoints
+        self.checkpoints = max(0, checkpoints)
+        self.per_seq = 1 + self.checkpoints
+        self.states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for a, b, dev in segments:
+            for i in range(a, b):
+                st = spec.state_layout(i)
+                if st is not None:
+                    n = seqs * self.per_seq
+                    self.states[i] = (torch.zeros((n, *st.conv), device=dev), torch.zeros((n, *st.ssm), device=dev))
+        self._free_states = list(range(seqs - 1, -1, -1)) if self.states else []
         for a, b, dev in segments:
             start = a
             for i in range(a + 1, b + 1):  # cut where the layout changes (spec.kv_layout)
                 if i == b or layout(i) != layout(start):
                     lay = layout(start)
+                    if lay is None:  # linear layers: their states above
+                        start = i
+                        continue
                     slots = self.n_slots if not lay.window else seqs * self.ring * block_size
                     if lay.window:
                         self.windowed |= set(range(start, i))
@@ -102,6 +124,30 @@ class KVPool:
 
     def give_ring(self, r: int) -> None:
         self._free_rings.append(r)
+
+    @property
+    def recurrent(self) -> bool:
+        """Some layers here keep a recurrent state (linear attention)."""
+        return bool(self.states)
+
+    def take_state(self) -> int:
+        if not self._free_states:
+            raise ContextOverflowError(f"KV cache full: its linear-attention layers hold {self.seqs} sequence(s) "
+                                       "at once, all in use")
+        return self._free_states.pop()
+
+    def give_state(self, g: int) -> None:
+        self._free_states.append(g)
+
+    def state(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Linear layer i's conv windows [slots, C, K-1] and delta-rule matrices [slots, nv, dk, dv]."""
+        return self.states[i]
+
+    def copy_state(self, src: int, dst: int) -> None:
+        """Every linear layer's state slot src into slot dst."""
+        for conv, ssm in self.states.values():
+            conv[dst] = conv[src]
+            ssm[dst] = ssm[src]
 
     def range(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [b - a, slots, ...] of layers [a, b), which lie in one segment (one device, one layout): views."""
@@ -124,7 +170,8 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for _, _, k, v in self.segments)
+        return (sum(k.nbytes + v.nbytes for _, _, k, v in self.segments)
+                + sum(c.nbytes + m.nbytes for c, m in self.states.values()))
 
     @property
     def usage(self) -> float:
@@ -145,12 +192,16 @@ class SeqKV:
         self._ring_index = self._slot_index  # windowed layers' slot of each reserved position (host)
         self._on: dict[tuple[torch.device, bool], torch.Tensor] = {}  # the indexes copied to devices that read them
         self._contiguous = False  # blocks consecutive in the pool: reads are views
+        self._state: int | None = None  # which slot group of the linear layers' states is this sequence's
+        self._checkpoints: dict[int, int] = {}  # checkpoint slot -> the length its state was taken at
 
     def reserve(self, n_new: int) -> None:
         """Make room for n_new more positions (raises ContextOverflowError past max_len or the pool)."""
         need = self.length + n_new
         if need > self.max_len:
             raise ContextOverflowError(f"{need} tokens exceed the context size of {self.max_len}")
+        if self._state is None and self.pool.recurrent:
+            self._state = self.pool.take_state()
         more = -(-need // self.pool.block_size) - len(self.blocks)
         if more > 0:
             if self._ring is None and self.pool.ring:
@@ -173,13 +224,44 @@ class SeqKV:
             held_from = max(0, ((old - 1) // bs - self.pool.ring + 1) * bs)  # the rings' oldest position
             if max(0, length - self.pool.window + 1) < held_from:
                 length = 0
+        if self.pool.recurrent and length < old:  # back to the latest checkpoint at or before length
+            slot, at = max(((s, p) for s, p in self._checkpoints.items() if p <= length), key=lambda sp: sp[1],
+                           default=(None, 0))
+            if slot is not None:
+                self.pool.copy_state(slot, self.state_slot)
+            length = at
+            self._checkpoints = {s: p for s, p in self._checkpoints.items() if p <= length}
         self.length = length
+
+    @property
+    def state_slot(self) -> int:
+        """The linear layers' live state slot of this sequence (reserve() takes one)."""
+        return self._state * self.pool.per_seq
+
+    def checkpoint(self) -> None:
+        """Keep a copy of the linear layers' state at the current length (truncate can come back to it); the
+        oldest checkpoint gives way when all are taken. Nothing without linear layers or checkpoints."""
+        if not self.pool.recurrent or not self.pool.checkpoints or self._state is None:
+            return
+        if self.length in self._checkpoints.values():
+            return
+        free = [self.state_slot + 1 + c for c in range(self.pool.checkpoints)
+                if self.state_slot + 1 + c not in self._checkpoints]
+        slot = free[0] if free else min(self._checkpoints, key=self._checkpoints.get)
+        self.pool.copy_state(self.state_slot, slot)
+        self._checkpoints[slot] = self.length
+
+    @property
+    def checkpoint_lengths(self) -> list[int]:
+        return sorted(self._checkpoints.values())
 
     def free(self) -> None:
         self.pool.allocator.free(self.blocks)
         if self._ring is not None:
             self.pool.give_ring(self._ring)
-        self.blocks, self.length, self._ring = [], 0, None
+        if self._state is not None:
+            self.pool.give_state(self._state)
+        self.blocks, self.length, self._ring, self._state, self._checkpoints = [], 0, None, None, {}
         self._slot_index, self._contiguous = self._slot_index[:0], False
         self._ring_index = self._slot_index
         self._on.clear()

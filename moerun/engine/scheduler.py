@@ -337,7 +337,8 @@ class Scheduler:
         spent, ub = 0, self.engine.ubatch
         for slot in sorted((s for s in self.slots if s.req is not None and s.todo), key=lambda s: s.req.arrival):
             while slot.todo and (spent == 0 or spent + min(ub, len(slot.todo)) <= ub):
-                chunk, rest = slot.todo[:ub], slot.todo[ub:]
+                n = ub if not slot.kv.pool.recurrent or len(slot.todo) == 1 else min(ub, len(slot.todo) - 1)
+                chunk, rest = slot.todo[:n], slot.todo[n:]  # recurrent layers: the last token alone (a checkpoint)
                 if not slot.t_prefill:
                     slot.t_prefill = time.perf_counter()
                 logits = self._run([slot], "prefill", self.engine.model.forward, torch.tensor(chunk, dtype=torch.long),
@@ -346,6 +347,8 @@ class Scheduler:
                     break
                 slot.seq.tokens += chunk
                 slot.todo, spent = rest, spent + len(chunk)
+                if len(rest) == 1:
+                    slot.kv.checkpoint()
                 if not rest:
                     req, now = slot.req, time.perf_counter()
                     req.timings.prompt_n = len(req.prompt) - req.timings.cache_n

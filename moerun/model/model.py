@@ -9,12 +9,14 @@ from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from moerun import device
 from moerun.arch.spec import ModelSpec
 from moerun.experts.prefetch import guess_ids
 from moerun.experts.store import ExpertReader, ExpertStore
 from moerun.formats.names import CName
+from moerun.model import deltanet
 from moerun.model.fused import FusedAttention
 from moerun.model.layers import apply_rope, attend, mla_form, rms_norm, rope_tables
 from moerun.model.moe import Experts, ResidentExperts, route
@@ -53,6 +55,17 @@ class LayerWeights:
     shexp: tuple[Weight, Weight, Weight] | None = None  # shared expert gate, up, down
     shexp_gate: Weight | None = None
     ffn: tuple[Weight, Weight, Weight] | None = None  # dense layers
+    # linear attention (gated DeltaNet, moerun.model.deltanet)
+    wqkv: Weight | None = None  # x -> q, k, v [conv channels], through the conv1d
+    wz: Weight | None = None  # x -> the output gate z [value heads * dv]
+    wba: Weight | None = None  # x -> beta and alpha logits, [b (r), a (r)] per key head (Qwen3-Next)
+    wbeta: Weight | None = None  # x -> beta logits [value heads]
+    walpha: Weight | None = None  # x -> alpha [value heads]
+    conv: torch.Tensor | None = None  # [channels, kernel] float32
+    ssm_a: torch.Tensor | None = None  # [value heads] -exp(A_log)
+    ssm_dt: torch.Tensor | None = None  # [value heads] the decay's softplus bias
+    ssm_norm: torch.Tensor | None = None  # [dv] the gated norm's weight
+    ssm_out: Weight | None = None
 
 
 class MoEModel:
@@ -81,6 +94,10 @@ class MoEModel:
             t = weights.get(CName(kind, layer))
             return None if t is None else t.dequantize(torch.float32).to(dtype)
 
+        def f32(kind: str, layer: int) -> torch.Tensor | None:  # the recurrent state's inputs: float32 always
+            t = weights.get(CName(kind, layer))
+            return None if t is None else t.dequantize(torch.float32)
+
         self.embd = weights[CName("token_embd.weight")] if self.first == 0 else None
         self.out_norm = vec("output_norm.weight")
         self.head = mat("output.weight") if not spec.tie_embeddings else mat("token_embd.weight")
@@ -96,6 +113,10 @@ class MoEModel:
                 wq_a=mat("attn_q_a.weight", i), q_a_norm=vec("attn_q_a_norm.weight", i),
                 wkv_a=mat("attn_kv_a_mqa.weight", i), kv_a_norm=vec("attn_kv_a_norm.weight", i),
                 wk_b=vec("attn_k_b.weight", i), wv_b=vec("attn_v_b.weight", i),  # floats: multiplied per head
+                wqkv=mat("attn_qkv.weight", i), wz=mat("attn_gate.weight", i), wba=mat("ssm_ba.weight", i),
+                wbeta=mat("ssm_beta.weight", i), walpha=mat("ssm_alpha.weight", i), ssm_out=mat("ssm_out.weight", i),
+                conv=f32("ssm_conv1d.weight", i), ssm_a=f32("ssm_a", i), ssm_dt=f32("ssm_dt.bias", i),
+                ssm_norm=f32("ssm_norm.weight", i),
             )
             if spec.moe_layers[i]:
                 lw.router = mat("ffn_gate_inp.weight", i)
@@ -190,6 +211,9 @@ class MoEModel:
         s, lw, T = self.spec, self.layers[i - self.first], x.shape[0]
         mm = self.ops.linear
         q, k, v = mm(x, lw.wq, lw.bq), mm(x, lw.wk, lw.bk), mm(x, lw.wv, lw.bv)  # [T, q_dim|kv_dim]
+        gate = None
+        if s.attn_gate:  # each head's q is followed by its output gate
+            q, gate = (t.reshape(T, -1) for t in q.view(T, s.n_heads, 2 * s.head_dim).chunk(2, dim=-1))
         if s.clip_qkv is not None:
             q, k, v = (t.clamp(-s.clip_qkv, s.clip_qkv) for t in (q, k, v))
         if s.qk_norm == "full":
@@ -211,8 +235,54 @@ class MoEModel:
             kv.write(i, start, k, v)
             k, v = kv.read(i, end)  # [end, kv_heads, D]
             k_pos = torch.arange(end, device=x.device)
-        out = attend(q, k, v, pos, k_pos, scale=s.softmax_scale, sinks=lw.sinks, window=window)
+        out = attend(q, k, v, pos, k_pos, scale=s.softmax_scale, sinks=lw.sinks, window=window)  # [T, nh * D]
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return mm(out, lw.wo, lw.bo)  # [T, H]
+
+    def linear_attention(self, i: int, x: torch.Tensor, pos: torch.Tensor, kv: SeqKV | list[SeqKV] | None
+                         ) -> torch.Tensor:
+        """Gated DeltaNet (moerun.model.deltanet) on x [T, H]: one sequence's T positions continuing `kv`'s
+        state (a prompt chunk; None: from zeros, nothing kept), or one position of each of T sequences
+        (kv a list). A sequence at position 0 starts from zeros, whatever its state slot held."""
+        s, lw, T = self.spec, self.layers[i - self.first], x.shape[0]
+        mm = self.ops.linear
+        nk, nv, dk, dv = s.ssm_k_heads, s.ssm_v_heads, s.ssm_k_dim, s.ssm_v_dim
+        qkv, z = mm(x, lw.wqkv), mm(x, lw.wz).view(T, nv, dv)  # [T, C], [T, nv, dv]
+        if lw.wba is not None:  # [b (r), a (r)] per key head
+            b, a = mm(x, lw.wba).view(T, nk, 2, nv // nk).unbind(2)
+            b, a = b.reshape(T, nv), a.reshape(T, nv)
+        else:
+            b, a = mm(x, lw.wbeta), mm(x, lw.walpha)  # [T, nv]
+        beta, g = torch.sigmoid(b.float()), lw.ssm_a * F.softplus(a.float() + lw.ssm_dt)  # [T, nv]
+        split = (nk * dk, nk * dk, nv * dv)
+        if isinstance(kv, list):  # decode: row r is the next position of kvs[r]
+            conv_all, ssm_all = kv[0].pool.state(i)
+            slots = torch.tensor([kv_r.state_slot for kv_r in kv], device=conv_all.device)
+            fresh = (pos == 0).to(conv_all.device)[:, None, None]
+            conv0 = conv_all.index_select(0, slots).masked_fill(fresh, 0.0)
+            ssm0 = ssm_all.index_select(0, slots).masked_fill(fresh[..., None], 0.0)
+            y, conv1 = deltanet.conv_step(qkv, lw.conv, conv0)  # [T, C]
+            q, k, v = y.split(split, dim=-1)
+            o, ssm1 = deltanet.delta_step(q.view(T, nk, dk), k.view(T, nk, dk), v.view(T, nv, dv), g, beta, ssm0,
+                                          s.ssm_v_order)
+            conv_all.index_copy_(0, slots, conv1.to(conv_all.dtype))
+            ssm_all.index_copy_(0, slots, ssm1)
+        else:
+            conv0 = ssm0 = None
+            if kv is not None and int(pos[0]) > 0:
+                conv_all, ssm_all = kv.pool.state(i)
+                conv0, ssm0 = conv_all[kv.state_slot], ssm_all[kv.state_slot]
+            y, conv1 = deltanet.conv_prompt(qkv, lw.conv, conv0)
+            q, k, v = y.split(split, dim=-1)
+            o, ssm1 = deltanet.delta_chunked(q.reshape(T, nk, dk), k.reshape(T, nk, dk), v.reshape(T, nv, dv), g,
+                                             beta, ssm0, s.ssm_v_order)
+            if kv is not None:
+                conv_all, ssm_all = kv.pool.state(i)
+                conv_all[kv.state_slot] = conv1
+                ssm_all[kv.state_slot] = ssm1
+        out = deltanet.gated_norm(o, lw.ssm_norm, z, s.rms_eps).to(x.dtype)  # [T, nv, dv]
+        return mm(out.reshape(T, nv * dv), lw.ssm_out)  # [T, H]
 
     def latent_attention(self, i: int, x: torch.Tensor, pos: torch.Tensor, rope,
                          kv: SeqKV | None) -> torch.Tensor:
@@ -333,7 +403,9 @@ class MoEModel:
         for i in span:
             lw = self.layers[i - self.first]
             xn = rms_norm(x, lw.attn_norm, self.spec.rms_eps)
-            if isinstance(kv, list):
+            if self.spec.linear(i):
+                x = x + self.linear_attention(i, xn, pos, kv)
+            elif isinstance(kv, list):
                 x = x + torch.cat([self.attention(i, xn[r:r + 1], pos[r:r + 1], (cos[r:r + 1], sin[r:r + 1]),
                                                   kv[r]) for r in range(len(kv))])
             else:
