@@ -290,3 +290,18 @@ def test_multimodal_qwen35_checkpoint(tmp_path, tokens):
         ref = model(input_ids=tokens[None]).logits[0]
     got = load_model(str(tmp_path)).model.forward(tokens)
     assert (got - ref).abs().max().item() < 1e-4
+
+
+def test_standin_device(hybrid, tokens):
+    """The GPU code path on the CPU stand-in device (dense weights and states placed there, 2 expert slots):
+    transformers' logits, in one pass and as a prompt then steps."""
+    from family_checks import check_standin_hf_logits
+
+    _, model, folder, _ = hybrid
+    check_standin_hf_logits(folder, model, tokens)
+    ref = torch.cat([reference_logits(model, tokens[:28]), reference_logits(model, torch.cat((tokens[:28],
+                                                                                               tokens[:4])))[28:]])
+    rt = build_runtime(RuntimeConfig(model=str(folder), devices=("standin:0",), expert_cache_slots=2, threads=1))
+    got = prompt_and_steps(rt.engine.model, rt.engine.new_sequence().kv, tokens[:28])
+    assert (got - ref).abs().max().item() < 1e-4
+    rt.close()
