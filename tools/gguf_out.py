@@ -67,24 +67,27 @@ def qtype_for(cn: CName, shape: Sequence[int], ftype: str, *, n_layers: int = 0,
               tied_embeddings: bool = False) -> QType:
     """The GGUF type a canonical tensor gets in a file of `ftype` (llama.cpp's rules, simplified).
 
-    1-D tensors, biases, norms and routers (ffn_gate_inp*) stay F32. Other weights get the ftype's type.
+    1-D tensors, biases, norms, routers (ffn_gate_inp*) and linear attention's conv1d (ssm_conv1d: rows of the
+    kernel's width; ssm_a and ssm_dt are 1-D) stay F32. Other weights get the ftype's type (the linear layers'
+    attn_qkv, attn_gate, ssm_ba / ssm_beta / ssm_alpha and ssm_out too, as llama-quantize does).
     MXFP4_MOE: the routed experts' matrices MXFP4, everything else Q8_0 (as llama-quantize's MXFP4_MOE).
     Q4_K_M: Q4_K, except Q6_K for output.weight (token_embd.weight when the embeddings are tied)
-    and for attn_v / ffn_down / ffn_down_exps / ffn_down_shexp on the layers `use_more_bits(i,
-    n_layers)` selects (so Q4_K_M needs `n_layers`). llama.cpp's extra rules for 8-expert models
-    (attn_v Q8_0, attn_output Q5_K) are not applied. Rows that are not a whole number of blocks fall back:
-    Q4_K and Q6_K -> Q8_0 (llama.cpp: Q4_K -> Q5_0, which moerun does not quantize), Q8_0/Q4_0 -> F16.
+    and for attn_v / attn_qkv / ffn_down / ffn_down_exps / ffn_down_shexp on the layers `use_more_bits(i,
+    n_layers)` selects (so Q4_K_M needs `n_layers`; llama.cpp counts attn_v and attn_qkv together, one per layer in
+    the hybrids). llama.cpp's extra rules for 8-expert models (attn_v Q8_0, attn_output Q5_K) are not applied.
+    Rows that are not a whole number of blocks fall back: Q4_K and Q6_K -> Q8_0 (llama.cpp: Q4_K -> Q5_0, which
+    moerun does not quantize), Q8_0/Q4_0 -> F16.
     """
     _, base = _ftype(ftype)
     if (len(shape) < 2 or cn.kind.startswith("ffn_gate_inp") or "norm" in cn.kind or shape[0] == 1
-            or cn.kind.endswith(".bias")):
+            or cn.kind.endswith(".bias") or cn.kind == "ssm_conv1d.weight"):
         return QType.F32
     qtype = base
     if ftype.upper() == "MXFP4_MOE" and cn.kind.endswith("_exps.weight"):
         qtype = QType.MXFP4
     if ftype.upper() == "Q4_K_M":
         head = cn.kind == "output.weight" or (tied_embeddings and cn.kind == "token_embd.weight")
-        more = cn.kind == "attn_v.weight" or cn.kind.startswith("ffn_down")
+        more = cn.kind in ("attn_v.weight", "attn_qkv.weight") or cn.kind.startswith("ffn_down")
         if more and cn.layer is not None and n_layers <= 0:
             raise ValueError("qtype_for: Q4_K_M needs n_layers")
         if head or (more and cn.layer is not None and use_more_bits(cn.layer, n_layers)):

@@ -2,7 +2,13 @@
 and a streaming safetensors writer (shards of ~2 GB plus model.safetensors.index.json).
 
 Tensor names come from the one name table (moerun.formats.names.TABLE): experts per expert
-(`mlp.experts.E.gate_proj` / Mixtral's `block_sparse_moe.experts.E.w1`), never fused.
+(`mlp.experts.E.gate_proj` / Mixtral's `block_sparse_moe.experts.E.w1`), except Qwen3.5-MoE's, which transformers
+reads fused only (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]).
+
+The hybrids' checkpoints store some tensors other than canonically (arch/qwen3next.py, arch/qwen35moe.py); `to_hf`
+and `qkvz_to_hf` write them so (the inverse of the family's fix_sources): norms but the gated one as w - 1, A_log
+= log(-ssm_a), conv1d [C, 1, K]; Qwen3-Next's in_proj_qkvz [q, k, v, z] per key head (in_proj_ba is ssm_ba as
+is); Qwen3.5's value heads in HF's grouped order.
 """
 
 from __future__ import annotations
@@ -16,13 +22,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from moerun.arch import FAMILIES, ModelSpec
+from moerun.arch import FAMILIES, ModelSpec, qwen3next, qwen35moe
 from moerun.formats.names import TABLE, CName
 from moerun.quant.qtypes import QType, tensor_bytes
 from moerun.tools.gguf_out import TensorOut
 from moerun.tools.outputs import progress_bar
 
-__all__ = ["HF_ARCHITECTURES", "SHARD_BYTES", "hf_config", "hf_names", "permute_to_hf", "write_safetensors"]
+__all__ = ["FUSED_EXPERTS", "HF_ARCHITECTURES", "HYBRIDS", "SHARD_BYTES", "hf_config", "hf_names", "hf_shape",
+           "permute_to_hf", "qkvz_to_hf", "to_hf", "write_safetensors"]
 
 SHARD_BYTES = 2 * 10**9
 HF_ARCHITECTURES = {
@@ -30,7 +37,12 @@ HF_ARCHITECTURES = {
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "mixtral": ("mixtral", "MixtralForCausalLM"),
     "olmoe": ("olmoe", "OlmoeForCausalLM"),
+    "qwen3next": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
 }
+HYBRIDS = ("qwen3next", "qwen35moe")  # linear-attention layers beside attention (layer_types)
+FUSED_EXPERTS = ("qwen35moe",)  # experts stored stacked, gate and up in one tensor
+_HF_KINDS = {v: k for k, v in qwen3next.HF_KINDS.items()}
 _ST_DTYPES = {QType.F32: "F32", QType.F16: "F16", QType.BF16: "BF16"}
 _TORCH_DTYPES = {QType.F32: "float32", QType.F16: "float16", QType.BF16: "bfloat16"}
 
@@ -40,7 +52,7 @@ def hf_config(spec: ModelSpec, dtype: QType = QType.F32, special_ids: dict[str, 
     if spec.family not in HF_ARCHITECTURES:
         raise ValueError(f"no Hugging Face format known for family '{spec.family}'")
     model_type, arch = HF_ARCHITECTURES[spec.family]
-    qwen = spec.family in ("qwen3moe", "qwen2moe")
+    qwen = spec.family in ("qwen3moe", "qwen2moe", "qwen3next")
     dense = [i for i, moe in enumerate(spec.moe_layers) if not moe]
     if dense and not qwen:
         raise ValueError(f"{spec.family} in Hugging Face format has no dense layers (layers {dense} are dense)")
@@ -71,7 +83,9 @@ def hf_config(spec: ModelSpec, dtype: QType = QType.F32, special_ids: dict[str, 
         "pad_token_id": ids.get("pad"),
         "dtype": _TORCH_DTYPES[dtype],
     }
-    if qwen:
+    if spec.family in HYBRIDS:
+        cfg |= _hybrid_config(spec, dense)
+    elif qwen:
         cfg |= {"moe_intermediate_size": spec.expert_ffn, "intermediate_size": spec.dense_ffn or spec.expert_ffn,
                 "num_experts": spec.n_experts, "norm_topk_prob": spec.norm_topk, "decoder_sparse_step": 1,
                 "mlp_only_layers": dense, "use_sliding_window": False, "sliding_window": None}
@@ -84,8 +98,29 @@ def hf_config(spec: ModelSpec, dtype: QType = QType.F32, special_ids: dict[str, 
     else:  # olmoe
         cfg |= {"intermediate_size": spec.expert_ffn, "num_experts": spec.n_experts, "norm_topk_prob": spec.norm_topk,
                 "clip_qkv": spec.clip_qkv, "attention_bias": spec.qkv_bias}
-    if spec.shared_ffn and spec.family != "qwen2moe":
+    if spec.shared_ffn and spec.family not in ("qwen2moe", *HYBRIDS):
         raise ValueError(f"{spec.family} has no shared expert in Hugging Face format")
+    return cfg
+
+
+def _hybrid_config(spec: ModelSpec, dense: list[int]) -> dict[str, Any]:
+    """Qwen3NextConfig's / Qwen3_5MoeTextConfig's own keys: layer types, the linear layers' shape, partial rotary,
+    the gated shared expert (Qwen3-Next's dense layers: mlp_only_layers; Qwen3.5 has none)."""
+    if not (spec.attn_gate and spec.shared_ffn and spec.shared_gate and spec.norm_topk) or spec.qkv_bias:
+        raise ValueError(f"{spec.family} in Hugging Face format has gated attention, a gated shared expert, "
+                         "renormalised top-k and no q/k/v biases")
+    rope = {"rope_theta": spec.rope_theta, "rope_type": "default",
+            "partial_rotary_factor": spec.rotary_dim / spec.head_dim}
+    cfg = {"rope_parameters": rope, "partial_rotary_factor": rope["partial_rotary_factor"],
+           "attention_bias": False, "num_experts": spec.n_experts, "moe_intermediate_size": spec.expert_ffn,
+           "shared_expert_intermediate_size": spec.shared_ffn, "norm_topk_prob": True,
+           "layer_types": [_HF_KINDS[k] for k in spec.layer_kinds or ("full",) * spec.n_layers],
+           "linear_conv_kernel_dim": spec.ssm_conv, "linear_num_key_heads": spec.ssm_k_heads,
+           "linear_num_value_heads": spec.ssm_v_heads, "linear_key_head_dim": spec.ssm_k_dim,
+           "linear_value_head_dim": spec.ssm_v_dim, "router_aux_loss_coef": 0.001, "output_router_logits": False}
+    if spec.family == "qwen3next":
+        cfg |= {"intermediate_size": spec.dense_ffn or spec.expert_ffn, "decoder_sparse_step": 1,
+                "mlp_only_layers": dense}
     return cfg
 
 
@@ -102,7 +137,13 @@ def _pattern(family: str, kind: str, expert: bool) -> str:
 
 
 def hf_names(family: str, cn: CName, n_experts: int = 0) -> list[str]:
-    """HF tensor names of canonical tensor `cn`: one name, or one per expert for stacked expert tensors."""
+    """HF tensor names of canonical tensor `cn`: one name, or one per expert for stacked expert tensors (one for
+    them all in FUSED_EXPERTS: gate's and up's the same); Qwen3-Next's attn_qkv and attn_gate: in_proj_qkvz."""
+    if family in FUSED_EXPERTS and cn.kind.endswith("_exps.weight"):
+        pats = next(p for k, _, p in TABLE if k == cn.kind)
+        return [next(p for p in pats if "{E}" not in p).split("#")[0].format(L=cn.layer)]
+    if family == "qwen3next" and cn.kind in ("attn_qkv.weight", "attn_gate.weight"):
+        return [_pattern(family, "attn_qkvz.weight", expert=False).format(L=cn.layer)]
     if cn.kind.endswith("_exps.weight"):
         pat = _pattern(family, cn.kind, expert=True)
         return [pat.format(L=cn.layer, E=e) for e in range(n_experts)]
@@ -113,6 +154,53 @@ def permute_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Q/K rows from canonical (interleaved RoPE) to HF rotate-half order: inverse of loader._permute_rows."""
     rows = w.shape[0]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def hf_shape(spec: ModelSpec, cn: CName, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape `to_hf` gives canonical tensor `cn` of `shape` (the hybrids' conv1d [C, 1, K]; in_proj_qkvz:
+    qkvz_to_hf)."""
+    if spec.family in HYBRIDS and cn.kind == "ssm_conv1d.weight":
+        return (shape[0], 1, shape[1])
+    return tuple(shape)
+
+
+def _scatter(t: torch.Tensor, index: list[int], dim: int) -> torch.Tensor:
+    """out with out.index_select(dim, index) == t: undoes a Source's rows or cols."""
+    return torch.empty_like(t).index_copy_(dim, torch.tensor(index, dtype=torch.long), t)
+
+
+def to_hf(spec: ModelSpec, cn: CName, t: torch.Tensor) -> torch.Tensor:
+    """Canonical float tensor `t` of `cn` as `spec`'s family stores it in HF format (module docstring); the family's
+    fix_sources reads it back to `t` (exactly in float32 but for A_log)."""
+    if spec.family not in HYBRIDS:
+        return t
+    kind = cn.kind
+    if kind in qwen3next.ZERO_CENTERED:
+        return t - 1.0
+    if spec.family == "qwen35moe" and cn.layer is not None and spec.linear(cn.layer):
+        qk = 2 * spec.ssm_k_heads * spec.ssm_k_dim
+        v_rows = qwen35moe.tiled(spec, spec.ssm_v_dim)
+        heads = qwen35moe.tiled(spec, 1)
+        qkv = list(range(qk)) + [qk + j for j in v_rows]
+        index, dim = {"attn_qkv.weight": (qkv, 0), "ssm_conv1d.weight": (qkv, 0), "attn_gate.weight": (v_rows, 0),
+                      "ssm_beta.weight": (heads, 0), "ssm_alpha.weight": (heads, 0), "ssm_dt.bias": (heads, -1),
+                      "ssm_a": (heads, -1), "ssm_out.weight": (v_rows, -1)}.get(kind, (None, 0))
+        if index is not None:
+            t = _scatter(t, index, dim)
+    if kind == "ssm_a":
+        return (-t).log()
+    if kind == "ssm_conv1d.weight":
+        return t.unsqueeze(1)
+    return t
+
+
+def qkvz_to_hf(spec: ModelSpec, qkv: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Qwen3-Next's in_proj_qkvz ([q, k, v, z] per key head) from canonical attn_qkv and attn_gate."""
+    qkv_rows, z_rows = qwen3next.qkvz_rows(spec)
+    out = torch.empty((qkv.shape[0] + z.shape[0], *qkv.shape[1:]), dtype=qkv.dtype)
+    out[list(qkv_rows)] = qkv
+    out[list(z_rows)] = z
+    return out
 
 
 def _header(tensors: Sequence[TensorOut]) -> bytes:

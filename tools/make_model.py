@@ -9,7 +9,10 @@
 Weights are a pure function of (seed, tensor name, part): each expert of a stacked tensor and each
 block of rows of a large matrix has its own torch.Generator, so memory stays bounded by one part,
 and the GGUF and safetensors outputs of the same seed hold the same float values (before
-quantization). Matrices are normal(0, 1/sqrt(fan_in)), norms 1 + normal(0, 0.02), biases normal(0, 0.02).
+quantization). Matrices are normal(0, 1/sqrt(fan_in)) (linear attention's conv1d: 1/sqrt(kernel width)), norms
+1 + normal(0, 0.02), biases normal(0, 0.02) (ssm_dt's too); ssm_a, the decay -exp(A_log), is -uniform(0.01, 16).
+The safetensors output stores what the family's checkpoints store (moerun.tools.hf_out.to_hf: Qwen3-Next's norms
+as w - 1, A_log, fused or reordered projections), which loads back to the same canonical values.
 
 Router skew (`router_skew=S`, `--router-skew S`; 0, the default, leaves every weight bit-identical).
 Random routers route near uniformly, so expert caches see no popular experts; S > 0 makes expert
@@ -48,7 +51,17 @@ from moerun.formats.names import CName, gguf_name
 from moerun.quant.qtypes import QType
 from moerun.quant.quantize import quantize
 from moerun.tools.gguf_out import FTYPES, TensorOut, file_type, gguf_shape, qtype_for, write_gguf
-from moerun.tools.hf_out import hf_config, hf_names, permute_to_hf, write_safetensors
+from moerun.tools.hf_out import (
+    FUSED_EXPERTS,
+    HYBRIDS,
+    hf_config,
+    hf_names,
+    hf_shape,
+    permute_to_hf,
+    qkvz_to_hf,
+    to_hf,
+    write_safetensors,
+)
 from moerun.tools.outputs import atomic_dir, error_line
 from moerun.tools.parallel import ordered_map, worker_pool
 from moerun.tools.presets import ALIASES, preset, preset_names
@@ -77,6 +90,8 @@ def _part_rows(shape: tuple[int, ...]) -> int:
 
 
 def _random_part(cn: CName, shape: tuple[int, ...], rows: int, gen: torch.Generator) -> torch.Tensor:
+    if cn.kind == "ssm_a":  # -A with A uniform in [0.01, 16] (HF: A_log = log U(0, 16))
+        return torch.rand((rows, *shape[1:]), generator=gen, dtype=torch.float32).mul_(-15.99).sub_(0.01)
     x = torch.randn((rows, *shape[1:]), generator=gen, dtype=torch.float32)
     if "norm" in cn.kind:
         return x.mul_(0.02).add_(1.0)
@@ -168,13 +183,41 @@ def gguf_tensors(spec: ModelSpec, ftype: str, seed: int = 0, pool: ThreadPoolExe
 # -------------------------------------------------------------------------------------- safetensors
 
 
+def _fused_experts(cn: CName, shape: tuple[int, ...], name: str, dtype: QType, seed: int) -> TensorOut:
+    """One stacked HF tensor of every expert (FUSED_EXPERTS): gate_up_proj [E, 2I, H] for ffn_gate_exps (each
+    expert's gate rows, then its up rows) or down_proj [E, H, I]."""
+    parts = [cn] if cn.kind == "ffn_down_exps.weight" else [cn, CName("ffn_up_exps.weight", cn.layer)]
+
+    def produce() -> Iterator[torch.Tensor]:
+        for e in range(shape[0]):
+            yield quantize(torch.cat([generate_part(c, shape, seed, e) for c in parts]), dtype)
+
+    return TensorOut(name, dtype, (shape[0], shape[1] * len(parts), shape[2]), produce)
+
+
 def _hf_tensors(spec: ModelSpec, dtype: QType, seed: int, router_skew: float = 0.0) -> list[TensorOut]:
-    """Tensors of the safetensors folder, per expert, under save_pretrained's names."""
+    """Tensors of the safetensors folder, per expert (or fused: FUSED_EXPERTS), under save_pretrained's names,
+    stored as the family stores them (hf_out.to_hf)."""
     permute = {"attn_q.weight": spec.n_heads, "attn_k.weight": spec.n_kv_heads} if \
         FAMILIES[spec.family].hf_permute_qk else {}
+    shapes = expected_shapes(spec)
     out = []
-    for cn, shape in expected_shapes(spec).items():
+    for cn, shape in shapes.items():
         names = hf_names(spec.family, cn, spec.n_experts)
+        if spec.family in FUSED_EXPERTS and len(shape) == 3:
+            if cn.kind != "ffn_up_exps.weight":  # in gate_up_proj with ffn_gate_exps
+                out.append(_fused_experts(cn, shape, names[0], dtype, seed))
+            continue
+        if spec.family == "qwen3next" and cn.kind in ("attn_qkv.weight", "attn_gate.weight"):
+            if cn.kind == "attn_qkv.weight":
+                gate = CName("attn_gate.weight", cn.layer)
+
+                def produce(cn=cn, shape=shape, gate=gate) -> Iterator[torch.Tensor]:
+                    yield quantize(qkvz_to_hf(spec, generate_tensor(cn, shape, seed),
+                                              generate_tensor(gate, shapes[gate], seed)), dtype)
+
+                out.append(TensorOut(names[0], dtype, (shape[0] + shapes[gate][0], shape[1]), produce))
+            continue
         if len(shape) == 3:
             for e, name in enumerate(names):
                 def produce(cn=cn, shape=shape, e=e) -> Iterator[torch.Tensor]:
@@ -188,10 +231,13 @@ def _hf_tensors(spec: ModelSpec, dtype: QType, seed: int, router_skew: float = 0
                 yield quantize(permute_to_hf(generate_tensor(cn, shape, seed, router_skew), permute[cn.kind]),
                                dtype)
                 return
+            if spec.family in HYBRIDS:
+                yield quantize(to_hf(spec, cn, generate_tensor(cn, shape, seed, router_skew)), dtype)
+                return
             for i in range(n_parts(shape)):
                 yield quantize(generate_part(cn, shape, seed, i, router_skew), dtype)
 
-        out.append(TensorOut(names[0], dtype, shape, produce))
+        out.append(TensorOut(names[0], dtype, hf_shape(spec, cn, shape), produce))
     return out
 
 

@@ -5,7 +5,8 @@
     preset("tiny-mixtral", layers=3, vocab=1024) # short aliases: see ALIASES
 
 The tiny shapes are what the tests write on the fly; `a3b-*` is the benchmark shape (DESIGN.md), `v2lite-*`
-DeepSeek-V2-Lite's.
+DeepSeek-V2-Lite's, `next-*` Qwen3-Next-80B-A3B's and `q35-*` Qwen3.5-35B-A3B's (hybrids: three linear-attention
+layers to one attention layer).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from moerun.arch import FAMILIES, ModelSpec, gptoss
+from moerun.arch import FAMILIES, ModelSpec, gptoss, qwen3next
 from moerun.arch.deepseek2 import yarn_softmax_scale
 from moerun.arch.family import with_family_defaults
 from moerun.arch.spec import Yarn
@@ -119,6 +120,41 @@ def _gptoss_20b(n_layers: int = 24) -> ModelSpec:
                    expert_ffn=2880, context_length=131072)
 
 
+def _hybrid(family: str, n_layers: int, **dims: Any) -> ModelSpec:
+    """Qwen3-Next's traits (qwen3next) or Qwen3.5's (qwen35moe): every 4th layer gated attention with partial
+    rotary, the others gated DeltaNet; a gated shared expert. qwen3next: beta and alpha from one projection;
+    qwen35moe: value heads in llama.cpp's tiled order."""
+    own = {"ssm_ba": True} if family == "qwen3next" else {"ssm_v_order": "tiled"}
+    return _family_spec(family, n_layers=n_layers, layer_kinds=qwen3next.interval_kinds(n_layers, 4),
+                        **(qwen3next.TRAITS | own | dims))
+
+
+def _tiny_hybrid(family: str) -> ModelSpec:
+    """The tiny shape with 4 layers (linear, linear, linear, full), 2 key heads of 8 and 4 value heads of 16 (two
+    value heads per key head: the grouped and tiled orders differ), a quarter of each head rotated."""
+    return _hybrid(family, 4, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, vocab=512, n_experts=8,
+                   n_experts_used=2, expert_ffn=32, shared_ffn=48, rope_dim=4, rms_eps=1e-6,
+                   rope_theta=1e6 if family == "qwen3next" else 1e4, context_length=4096, ssm_conv=4,
+                   ssm_k_heads=2, ssm_v_heads=4, ssm_k_dim=8, ssm_v_dim=16)
+
+
+def _next_80b(n_layers: int) -> ModelSpec:
+    """Qwen3-Next-80B-A3B's layer shape (48 layers there), with a small vocabulary as a3b-*: 16 query heads and 2 KV
+    heads of 256 (64 rotated), 512 experts top-10 of width 512, a shared expert of 512; linear layers of 16 key
+    heads and 32 value heads of 128, conv width 4."""
+    return _hybrid("qwen3next", n_layers, hidden=2048, n_heads=16, n_kv_heads=2, head_dim=256, rope_dim=64,
+                   vocab=1024, n_experts=512, n_experts_used=10, expert_ffn=512, shared_ffn=512, rms_eps=1e-6,
+                   rope_theta=1e7, context_length=262144, ssm_conv=4, ssm_k_heads=16, ssm_v_heads=32,
+                   ssm_k_dim=128, ssm_v_dim=128)
+
+
+def _q35_35b(n_layers: int) -> ModelSpec:
+    """Qwen3.5-35B-A3B's layer shape (40 layers there; transformers' Qwen3_5MoeTextConfig defaults), with a small
+    vocabulary: next-*'s but 256 experts top-8 (RoPE theta and context as next-*)."""
+    return dataclasses.replace(_next_80b(n_layers), family="qwen35moe", ssm_ba=False, ssm_v_order="tiled",
+                               n_experts=256, n_experts_used=8)
+
+
 def _a3b(n_layers: int) -> ModelSpec:
     return _family_spec("qwen3moe", n_layers=n_layers, hidden=2048, n_heads=32, n_kv_heads=4, head_dim=128,
                         vocab=1024, n_experts=128, n_experts_used=8, expert_ffn=768, rms_eps=1e-6,
@@ -139,6 +175,11 @@ PRESETS: dict[str, Callable[[], ModelSpec]] = {
     "a3b-L4": lambda: _a3b(4),
     "a3b-L12": lambda: _a3b(12),
     "v2lite-L4": lambda: _v2_lite(4),
+    "tiny-qwen3next": lambda: _tiny_hybrid("qwen3next"),
+    "tiny-qwen35moe": lambda: _tiny_hybrid("qwen35moe"),
+    "next-L4": lambda: _next_80b(4),
+    "next-L8": lambda: _next_80b(8),
+    "q35-L4": lambda: _q35_35b(4),
 }
 
 
@@ -151,7 +192,7 @@ def apply_overrides(spec: ModelSpec, **overrides: Any) -> ModelSpec:
 
     Changing `family` re-applies that family's fixed traits; changing `n_layers` without giving
     `moe_layers` keeps the leading dense layers and makes every other layer a MoE layer, and without giving
-    `layer_kinds` repeats the attention pattern (sliding / full) from the first layer on.
+    `layer_kinds` repeats the layer pattern (sliding / full / linear) from the first layer on.
     """
     fields = {f.name for f in dataclasses.fields(ModelSpec)}
     changes: dict[str, Any] = {}
