@@ -63,7 +63,7 @@ def inspect(model: Path, as_json: bool):
     """Describe MODEL (GGUF file or Hugging Face folder; `default`: the built-in model) without loading its
     weights."""
     from moerun.arch import resolve
-    from moerun.arch.summary import summarize
+    from moerun.arch.summary import sequence_bytes, summarize
     from moerun.builtin import model_path
     from moerun.formats import open_model
 
@@ -73,20 +73,26 @@ def inspect(model: Path, as_json: bool):
         s = summarize(arch)
         qtypes = sorted({src.records[0].qtype.name for src in arch.sources.values()})
     spec = arch.spec
+    seq = sequence_bytes(spec, KV_DTYPE_BYTES)
+    kinds = list(spec.layer_kinds or ("full",) * spec.n_layers)
     info = {
         "path": str(model), "format": mf.format, "family": spec.family, "layers": spec.n_layers,
         "moe_layers": sum(spec.moe_layers), "experts": spec.n_experts, "experts_used": spec.n_experts_used,
         "shared_experts": 1 if spec.shared_ffn else 0, "hidden": spec.hidden, "expert_ffn": spec.expert_ffn,
         "shared_ffn": spec.shared_ffn, "dense_ffn": spec.dense_ffn, "heads": spec.n_heads,
         "kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim, "vocab": spec.vocab,
-        "context_length": spec.context_length, "attention": spec.attention, "qtypes": qtypes, **s.to_dict(),
+        "context_length": spec.context_length, "attention": spec.attention, "layer_kinds": kinds,
+        "linear_layers": seq.linear_layers, "linear_attention": _linear_info(spec) if spec.hybrid else None,
+        "kv_dtype": "float32", **seq.to_dict(), "qtypes": qtypes, **s.to_dict(),
     }
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
     click.echo(f"model            {model} ({mf.format})")
     click.echo(f"family           {spec.family}")
-    click.echo(f"layers           {spec.n_layers} ({sum(spec.moe_layers)} MoE)")
+    mix = f"; {seq.linear_layers} linear attention, {spec.n_layers - seq.linear_layers} full attention" \
+        if spec.hybrid else ""
+    click.echo(f"layers           {spec.n_layers} ({sum(spec.moe_layers)} MoE{mix})")
     click.echo(f"experts          {spec.n_experts} routed, {spec.n_experts_used} active per token, "
                f"{info['shared_experts']} shared")
     click.echo(f"hidden           {spec.hidden}  (expert FFN {spec.expert_ffn}, shared FFN {spec.shared_ffn})")
@@ -98,6 +104,11 @@ def inspect(model: Path, as_json: bool):
     else:
         click.echo(f"attention        {spec.n_heads} heads / {spec.n_kv_heads} KV heads x {spec.head_dim}, "
                    f"RoPE {spec.rope_style} theta {spec.rope_theta:g}{_attention_extras(spec)}")
+    if spec.hybrid:
+        click.echo(f"linear attention gated DeltaNet on {seq.linear_layers} of {spec.n_layers} layers: "
+                   f"{spec.ssm_k_heads} key heads x {spec.ssm_k_dim}, "
+                   f"{spec.ssm_v_heads} value heads x {spec.ssm_v_dim}, conv kernel {spec.ssm_conv}")
+    click.echo(f"KV cache         {_kv_line(seq)}")
     click.echo(f"vocab            {spec.vocab}, context {spec.context_length}")
     click.echo(f"parameters       {_fmt_count(s.total_params)} total ({s.total_params}), "
                f"{_fmt_count(s.active_params)} active per token ({s.active_params})")
@@ -109,15 +120,48 @@ def inspect(model: Path, as_json: bool):
         click.echo(f"  {cls:<16} {_fmt_bytes(sum(by_q.values())):>12}   ({parts})")
 
 
+KV_DTYPE_BYTES = 4  # inspect's KV figures: float32, the default --dtype (bfloat16 halves KV, not the state)
+
+
 def _attention_extras(spec) -> str:
-    """YaRN, sliding windows and sinks, where the model has them."""
+    """Partial rotary, YaRN, sliding windows, sinks and the output gate, where the model has them."""
     out = ""
+    if spec.attention == "gqa" and spec.rotary_dim < spec.head_dim:
+        out += f" on {spec.rotary_dim} of {spec.head_dim} dims"
     if spec.yarn is not None:
         out += f", YaRN x{spec.yarn.factor:g} over {spec.yarn.original_context}"
     n = sum(spec.sliding(i) for i in range(spec.n_layers))
     if n:
         out += f"; window {spec.sliding_window} on {n} of {spec.n_layers} layers"
-    return out + ("; sinks" if spec.attn_sinks else "")
+    if spec.hybrid:
+        full = sum(not spec.linear(i) for i in range(spec.n_layers))
+        out += f"; full attention on {full} of {spec.n_layers} layers"
+    return out + ("; sinks" if spec.attn_sinks else "") + ("; output gate" if spec.attn_gate else "")
+
+
+def _linear_info(spec) -> dict:
+    """The linear-attention (gated DeltaNet) layers' shape, for --json."""
+    return {"key_heads": spec.ssm_k_heads, "value_heads": spec.ssm_v_heads, "key_dim": spec.ssm_k_dim,
+            "value_dim": spec.ssm_v_dim, "conv_kernel": spec.ssm_conv, "conv_dim": spec.ssm_conv_dim,
+            "value_order": spec.ssm_v_order, "state_bytes_per_layer": spec.state_layout(
+                next(i for i in range(spec.n_layers) if spec.linear(i))).elems() * 4}
+
+
+def _layers(n: int) -> str:
+    return f"{n} layer" + "s" * (n != 1)
+
+
+def _kv_line(seq) -> str:
+    """What one sequence holds: KV per token (float32), windows' rings and recurrent state per sequence."""
+    parts = [f"{_fmt_bytes(seq.kv_per_token)} per token over {_layers(seq.kv_layers)} (float32)"] \
+        if seq.kv_layers else []
+    if seq.window_layers:
+        parts.append(f"{_fmt_bytes(seq.window_bytes)} per sequence in the windows of "
+                     f"{_layers(seq.window_layers)}")
+    if seq.linear_layers:
+        parts.append(f"recurrent state {_fmt_bytes(seq.state_bytes)} per sequence over "
+                     f"{_layers(seq.linear_layers)} (float32, fixed)")
+    return "; ".join(parts)
 
 
 _PASSTHROUGH = {"ignore_unknown_options": True, "help_option_names": []}

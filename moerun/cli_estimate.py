@@ -70,6 +70,21 @@ def llama_cpp_command(model: Path, threads: int, ctx: int, the_plan, n_layers: i
     return " ".join(cmd)
 
 
+def _gather_rates(probes, options, spec):
+    """probes.gather_rates; a layer probe that fails on a hybrid model's layers (moerun.model's linear
+    attention) ends in one line that names --no-measure."""
+    if not spec.hybrid:
+        return probes.gather_rates(options)
+    try:
+        return probes.gather_rates(options)
+    except MoerunError:
+        raise
+    except Exception as e:  # the probe runs the model's own code on its layers
+        raise MoerunError(f"the layer probe cannot run this model's linear-attention layers "
+                          f"({type(e).__name__}: {e}); `moerun estimate --no-measure` estimates from the "
+                          "metadata and default overheads") from e
+
+
 def default_figures(rates, qtypes: list[str], reads_file: bool) -> list[str]:
     """The rates lines this estimate used a built-in default for, where a probe would measure them (the GPU
     figures come from NVML, not from a probe)."""
@@ -187,10 +202,11 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
     qtypes = sorted({src.records[0].qtype.name for src in arch.sources.values()})
     from moerun.placement.layer_probe import probe_layout
 
-    rates = probes.gather_rates(probes.RateOptions(
+    options = probes.RateOptions(
         threads=threads, measure=measure, ram_gbps=ram_bw, disk_gbps=disk_bw, h2d_gbps=h2d_bw, vram_gbps=vram_bw,
         model_path=str(model), reads_file=the_plan.home == "disk", qtypes=qtypes, layout=probe_layout(arch),
-        gpu=inv.gpus[0] if inv.gpus and devices != ("cpu",) else None))
+        gpu=inv.gpus[0] if inv.gpus and devices != ("cpu",) else None)
+    rates = _gather_rates(probes, options, spec)
     hit_rates = hit_source = None
     slots = [0] * spec.n_layers
     for d in the_plan.devices:
@@ -208,15 +224,17 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
     cached_layers = [h for h, c in zip(w.hit_rate, slots) if h < 1 or c]
     hit = (sum(cached_layers) / len(cached_layers)) if cached_layers else None
     cmd = llama_cpp_command(model, threads, ctx, the_plan, spec.n_layers, spec.n_experts)
-    mem = [{"device": d.device, "dense_bytes": d.dense_bytes, "kv_bytes": d.kv_bytes, "cache_bytes": d.cache_bytes,
-            "workspace_bytes": d.workspace_bytes, "used_bytes": d.used_bytes, "budget_bytes": d.budget}
-           for d in the_plan.devices]
+    mem = [{"device": d.device, "dense_bytes": d.dense_bytes, "kv_bytes": d.kv_bytes,
+            "state_bytes": d.state_bytes, "cache_bytes": d.cache_bytes, "workspace_bytes": d.workspace_bytes,
+            "used_bytes": d.used_bytes, "budget_bytes": d.budget} for d in the_plan.devices]
     home_bytes = sum(t.nbytes for t in the_plan.tensors.values() if t.tier == the_plan.home and t.tier != "vram")
     info = {
         "model": str(model), "threads": threads, "ctx_size": ctx, "devices": list(devices), "home": the_plan.home,
         "total_params": summary.total_params, "active_params": summary.active_params,
         "total_bytes": summary.total_bytes, "bytes_per_token": sum(dict(expect.bytes_by_class).values()) / batch, "batch": batch,
         "bytes_per_token_by_class": dict(expect.bytes_by_class), "bytes_per_token_by_tier": dict(expect.bytes_by_tier),
+        "kv_bytes_per_token": the_plan.kv_bytes_per_token,
+        "state_bytes_per_seq": the_plan.state_bytes_per_seq,
         "hit_rate": hit, "hit_source": w.hit_source,
         "decode": {"bound_tok_s": bound.tok_s, "expected_tok_s": expect.tok_s, "bound": bound.to_dict(),
                    "expected": expect.to_dict()},
@@ -243,7 +261,8 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
     e(the_plan.table())
     e("")
     step = "token" if batch == 1 else f"step of {batch} sequences"
-    e(f"weights read per {step}: {_gb(info['bytes_per_token'] * batch)}")
+    read = "weights and recurrent state" if spec.hybrid else "weights"
+    e(f"{read} read per {step}: {_gb(info['bytes_per_token'] * batch)}")
     for c, b in expect.bytes_by_class:
         e(f"  {c:<16} {_gb(b):>12}")
     e("  by tier:       " + ", ".join(f"{t} {_gb(b)}" for t, b in expect.bytes_by_tier))
@@ -261,8 +280,9 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
     e("memory:")
     for m in mem:
         work = f", workspace {_gb(m['workspace_bytes'])}" if m["workspace_bytes"] else ""
-        e(f"  {m['device']:<8} {_gb(m['used_bytes']):>12} (dense {_gb(m['dense_bytes'])}, KV {_gb(m['kv_bytes'])}, "
-          f"cache {_gb(m['cache_bytes'])}{work}) of {_gb(m['budget_bytes'])}")
+        state = f" with recurrent state {_gb(m['state_bytes'])}" if m["state_bytes"] else ""
+        e(f"  {m['device']:<8} {_gb(m['used_bytes']):>12} (dense {_gb(m['dense_bytes'])}, "
+          f"KV {_gb(m['kv_bytes'])}{state}, cache {_gb(m['cache_bytes'])}{work}) of {_gb(m['budget_bytes'])}")
     e(f"  home     {_gb(home_bytes):>12} ({'host RAM' if the_plan.home == 'ram' else 'memory-mapped file'})")
     e("")
     e(f"llama.cpp:  {cmd}")

@@ -33,21 +33,26 @@ def _serve_sampling_options(f):
 
 def check_slots_fit(plan, parallel: int) -> None:
     """The planner sizes the KV cache for one context; serve holds `parallel` of them. Under an explicit
-    --ram-budget that they overflow, say what fits instead of overrunning the budget."""
+    --ram-budget that they overflow, say what fits instead of overrunning the budget. A slot holds its
+    context's attention KV (ctx x kv_bytes_per_token) and, for a hybrid model, the linear layers' recurrent
+    state (live and checkpoint: state_bytes_per_seq), which a shorter context does not shrink."""
     from moerun.placement.devices import format_size
 
-    one = plan.ctx_size * plan.kv_bytes_per_token
+    one = plan.context_bytes()
     rest = plan.ram_bytes - one  # dense weights, expert cache, experts in RAM
     need = rest + parallel * one
     if need <= plan.ram_budget:
         return
     room = plan.ram_budget - rest
     fits = [f"-np {room // one} with -c {plan.ctx_size}"] if room >= one else []
-    per_slot = room // (parallel * plan.kv_bytes_per_token) if room > 0 else 0
+    per_slot = (room // parallel - plan.state_bytes_per_seq) // max(plan.kv_bytes_per_token, 1) \
+        if room > 0 else 0
     if per_slot >= 16:
         fits.append(f"-np {parallel} with -c {per_slot}")
     fit = "; it fits " + " or ".join(fits) if fits else "; no context fits: give a larger --ram-budget"
-    raise MoerunError(f"-np {parallel} slots of {plan.ctx_size} tokens need {format_size(parallel * one)} of KV cache, "
+    what = "of KV cache and recurrent state" if plan.state_bytes_per_seq else "of KV cache"
+    raise MoerunError(f"-np {parallel} slots of {plan.ctx_size} tokens need {format_size(parallel * one)} "
+                      f"{what}, "
                       f"{format_size(need)} in all with the weights and expert cache, but --ram-budget is "
                       f"{format_size(plan.ram_budget)}{fit}")
 

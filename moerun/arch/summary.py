@@ -1,7 +1,9 @@
-"""Parameter and byte counts of a resolved model: totals, per token, per tensor class and qtype.
+"""Parameter and byte counts of a resolved model: totals, per token, per tensor class and qtype; the KV cache
+and recurrent state one sequence holds.
 
-Pure arithmetic over the records (no weights read); `moerun inspect` prints it and the cost model
-(`moerun estimate`) builds on it.
+Pure arithmetic over the records and the spec (no weights read); `moerun inspect` prints it and the cost model
+(`moerun estimate`) builds on it. Linear-attention layers' tensors are dense ("attention", "norms"): every
+token reads them.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from moerun.arch import Arch
+from moerun.arch.spec import ModelSpec
 from moerun.arch.tensors import source_shape
 from moerun.formats.names import tensor_class
 from moerun.quant.ggml_types import tensor_bytes
@@ -60,3 +63,43 @@ def summarize(arch: Arch) -> Summary:
     s.active_params = s.total_params - s.expert_params + round(active_expert_params)
     s.bytes_per_token += round(expert_bytes_read)
     return s
+
+
+@dataclass(frozen=True)
+class SequenceBytes:
+    """What one sequence holds besides the weights, for KV entries of `dtype_bytes`: KV bytes per position of
+    the layers whose cache grows with the context (full attention, MLA's latent); the fixed bytes of the
+    sliding layers' rings (moerun.engine.kv_cache) and of the linear layers' recurrent state (float32, one
+    copy)."""
+
+    kv_per_token: int
+    window_bytes: int
+    state_bytes: int
+    kv_layers: int  # layers whose cache grows with the context
+    window_layers: int
+    linear_layers: int
+
+    def at(self, positions: int) -> int:
+        """Bytes of one sequence of `positions` positions, the windows full (positions past them)."""
+        return positions * self.kv_per_token + self.window_bytes + self.state_bytes if positions > 0 else 0
+
+    def to_dict(self) -> dict:
+        return {"kv_bytes_per_token": self.kv_per_token, "kv_window_bytes": self.window_bytes,
+                "state_bytes_per_seq": self.state_bytes}
+
+
+def sequence_bytes(spec: ModelSpec, dtype_bytes: int = 4) -> SequenceBytes:
+    """SequenceBytes of `spec` (windows' rings at the model's context: full)."""
+    grow = window = n_grow = n_window = 0
+    for i in range(spec.n_layers):
+        lay = spec.kv_layout(i)
+        if lay is None:
+            continue
+        if lay.window:
+            window += spec.kv_bytes(i, spec.context_length, dtype_bytes)
+            n_window += 1
+        else:
+            grow += lay.elems() * dtype_bytes
+            n_grow += 1
+    n_linear = sum(spec.linear(i) for i in range(spec.n_layers))
+    return SequenceBytes(grow, window, spec.state_bytes(), n_grow, n_window, n_linear)

@@ -42,9 +42,14 @@ Decode (one token)
     head         = (output norm + LM head + one embedding row) / rate
     tok/s        = 1 / (dense + experts hit + experts miss + overhead + head)
 
+A linear-attention layer's tensors are dense like attention's; besides them a token reads its sequence's
+recurrent state once and writes it once (2 x its float32 bytes, "recurrent_state", in `dense`, read where the
+layer computes).
+
 A decode step of B sequences together (`batch`, the server's continuous batching) reads every dense tensor
 once and, per MoE layer, the union of the B tokens' experts: under independent routing a share
-1 - (1 - k/E)^B of the layer's experts instead of k/E; tok/s = B / (the step's sum).
+1 - (1 - k/E)^B of the layer's experts instead of k/E, and B sequences' recurrent states; tok/s = B / (the
+step's sum).
 
 h(layer) is the cache hit rate: 1 when the experts are resident (home = RAM, CPU compute: nothing is
 paged), slots/E under uniform routing, or the decode hit rate of a routing trace replayed against the
@@ -63,6 +68,7 @@ Prefill (n tokens, in ubatches of `ubatch`)
     per layer and ubatch of m tokens:
       compute = sum over tensors of 2 x params x m x (k/E for routed experts) / qflops(qtype)
               + 4 x n_heads x head_dim x m x (context so far + (m+1)/2) / float_flops   (causal attention)
+              or, in a linear layer, m x state_flops() / float_flops   (the chunked delta rule)
       memory  = dense bytes / rate + bytes of the experts touched (min(E, m k) of E) / rate(home)
       time    = max(compute, memory) + m x prefill_overhead_s
     pp tok/s = n / (sum over ubatches and layers + head on the last token);  TTFT = that time.
@@ -105,6 +111,8 @@ DEFAULT_LAUNCH_S = 20e-6  # one kernel launch + sync on a GPU when a miss is com
 DEFAULT_DEVICE_LAYER_OVERHEAD_S = 0.15e-3
 DEFAULT_UBATCH = 512
 F32_NAMES = ("F32", "F16", "BF16")
+STATE_CLASS = "recurrent_state"  # a linear layer's state, read and written once per token (Part.cls)
+DELTA_CHUNK = 64  # tokens per chunk of the chunked delta rule (prefill)
 
 # hardware.json sections (keyed by thread count, like bandwidth.SECTION)
 SEC_KERNEL = "kernel_decode_gbps"
@@ -205,6 +213,8 @@ class Workload:
     hit_source: str  # "resident" | "uniform" | "trace" | "none"
     cpu_only: bool = True
     home: str = "ram"
+    linear: tuple[bool, ...] = ()  # per layer: linear attention (gated DeltaNet); () none
+    state_flops: float = 0.0  # FLOPs per prompt token of one linear layer's recurrence (state_flops())
 
     @property
     def frac(self) -> float:
@@ -350,7 +360,8 @@ def decode_time(w: Workload, rates: Rates, bound: bool = False, batch: int = 1) 
     by_class: dict[str, int] = {}
     by_tier: dict[str, int] = {}
     for p in w.parts:
-        nbytes = p.nbytes * {"routed_experts": share, "embeddings": batch}.get(p.cls, 1)  # one embedding row a token
+        # one embedding row and one recurrent state a token
+        nbytes = p.nbytes * {"routed_experts": share, "embeddings": batch, STATE_CLASS: batch}.get(p.cls, 1)
         by_class[p.cls] = by_class.get(p.cls, 0) + round(nbytes)
         if p.cls == "routed_experts":
             h = w.hit_rate[p.layer] if p.layer is not None else 1.0
@@ -403,8 +414,9 @@ def prefill_time(w: Workload, rates: Rates, n_tokens: int, ubatch: int = DEFAULT
         for layer in range(w.n_layers):
             parts = by_layer.get(layer, ())
             dense_dev = any(p.compute != "cpu" and p.cls != "routed_experts" for p in parts)
-            comp = 4 * w.n_heads * w.head_dim * m * (done + (m + 1) / 2) / (
-                rates.device_flops_value() if dense_dev else rates.float_flops.value)
+            mixer = m * w.state_flops if w.linear and w.linear[layer] else \
+                4 * w.n_heads * w.head_dim * m * (done + (m + 1) / 2)
+            comp = mixer / (rates.device_flops_value() if dense_dev else rates.float_flops.value)
             mem = offloaded = 0.0
             for p in parts:
                 if p.cls == "routed_experts" and p.compute != "cpu":  # a device stage's cache: hits and misses
@@ -492,12 +504,35 @@ def parts_from_tensors(spec, tensors, plan=None) -> tuple[Part, ...]:
     return tuple(parts)
 
 
+def state_parts(spec, plan=None) -> tuple[Part, ...]:
+    """One Part per linear layer: its recurrent state read and written once per token (2 x float32 bytes),
+    where the layer computes (`plan`; None: cpu)."""
+    parts = []
+    for i in range(spec.n_layers):
+        st = spec.state_layout(i)
+        if st is None:
+            continue
+        dev = plan.layer_device(i) if plan is not None else "cpu"
+        tier = "ram" if dev == "cpu" else "vram"
+        parts.append(Part(i, STATE_CLASS, "F32", tier, dev, 2 * 4 * st.elems(), 0))
+    return tuple(parts)
+
+
+def state_flops(spec) -> float:
+    """FLOPs per token of one linear layer's chunked delta rule, per value head: q S, k S and the state update
+    (3 x 2 dk dv), and within a chunk of DELTA_CHUNK tokens q k^T, k k^T (2 x 2 C dk) and the scores times v
+    (2 C dv); the conv1d (2 x channels x kernel)."""
+    dk, dv, c = spec.ssm_k_dim, spec.ssm_v_dim, DELTA_CHUNK
+    return spec.ssm_v_heads * (6 * dk * dv + 4 * c * dk + 2 * c * dv) + 2 * spec.ssm_conv_dim * spec.ssm_conv
+
+
 def workload(arch, plan, hit_rates: tuple[float, ...] | None = None, hit_source: str | None = None) -> Workload:
-    """Per-token bytes and parameters from the resolved model and the placement plan (no weights read).
+    """Per-token bytes and parameters from the resolved model and the placement plan (no weights read); the
+    linear layers' recurrent state (state_parts).
 
     hit_rates: per layer; None: 1.0 where the experts are resident, slots/E where a cache serves them."""
     spec = arch.spec
-    parts = list(parts_from_arch(arch, plan))
+    parts = list(parts_from_arch(arch, plan)) + list(state_parts(spec, plan))
     cached = {i: False for i in range(spec.n_layers)}
     slots = [0] * spec.n_layers
     for d in plan.devices:
@@ -515,7 +550,9 @@ def workload(arch, plan, hit_rates: tuple[float, ...] | None = None, hit_source:
         hit_rates = tuple(hit_rates[i] if cached[i] else 1.0 for i in range(spec.n_layers))
     return Workload(spec.n_layers, spec.n_experts, spec.n_experts_used, spec.hidden, spec.n_heads, spec.head_dim,
                     tuple(parts), tuple(hit_rates), hit_source or "uniform",
-                    cpu_only=all(d.device == "cpu" for d in plan.devices), home=plan.home)
+                    cpu_only=all(d.device == "cpu" for d in plan.devices), home=plan.home,
+                    linear=tuple(spec.linear(i) for i in range(spec.n_layers)) if spec.hybrid else (),
+                    state_flops=state_flops(spec) if spec.hybrid else 0.0)
 
 
 def trace_hit_rates(trace_path: str | Path, slots: list[int] | tuple[int, ...], n_layers: int,

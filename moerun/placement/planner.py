@@ -22,6 +22,8 @@ from moerun.quant.ggml_types import tensor_bytes
 
 MiB = 1 << 20
 STREAM_CHUNK = 8  # experts per half of a device stage's prefill stream buffer (double-buffered)
+# copies of a linear layer's recurrent state a context holds: the live state, one checkpoint for prefix reuse
+STATE_COPIES = 2
 
 
 class PlanError(MoerunError):
@@ -37,9 +39,14 @@ def workspace_bytes(spec, ubatch: int, ctx_size: int, stream_expert_bytes: int) 
     """Device memory a stage needs besides weights, KV and slots, for one prompt chunk of `ubatch` tokens:
     float32 activations (hidden states, q/k/v, the routed pairs' rows and hidden units), the attention mask
     over the context (scaled_dot_product_attention's memory-efficient kernels do not materialise the scores),
-    the last token's logits, and the prefill stream's double buffer of STREAM_CHUNK experts per half."""
+    the last token's logits, and the prefill stream's double buffer of STREAM_CHUNK experts per half. A linear
+    layer's q/k/v (the conv1d's channels), gate, beta and alpha and output in place of attention's q/k/v where
+    wider."""
     t, k = ubatch, max(spec.n_experts_used, 1)
-    act = 4 * t * (4 * spec.hidden + spec.q_dim + 2 * spec.kv_dim + k * (spec.hidden + 2 * spec.expert_ffn))
+    attn = spec.q_dim * (2 if spec.attn_gate else 1) + 2 * spec.kv_dim
+    if spec.hybrid:
+        attn = max(attn, spec.ssm_conv_dim + 2 * spec.ssm_value_dim + 2 * spec.ssm_v_heads)
+    act = 4 * t * (4 * spec.hidden + attn + k * (spec.hidden + 2 * spec.expert_ffn))
     return act + t * ctx_size + 4 * spec.vocab + 2 * STREAM_CHUNK * stream_expert_bytes
 
 
@@ -75,7 +82,7 @@ class Budgets:
     override_tensor: tuple[tuple[str, str], ...] = ()
     tensor_split: tuple[float, ...] | None = None
     ubatch: int = 512
-    kv_contexts: int = 1  # contexts of KV the devices hold (serve's -np); CPU plans count one (serve checks RAM)
+    kv_contexts: int = 1  # contexts of KV and state the devices hold (serve's -np); CPU plans count one
 
     def __post_init__(self):
         devs = tuple(parse_device(d) for d in self.devices)
@@ -120,10 +127,11 @@ class DevicePlan:
     layers: tuple[int, int]  # [start, stop)
     budget: int
     dense_bytes: int  # everything resident here that is not KV or cache (incl. tensors pinned by -ot)
-    kv_bytes: int
+    kv_bytes: int  # KV cache and linear layers' recurrent state (STATE_COPIES per context), all contexts
     expert_slots: tuple[int, ...]  # per layer of the range; 0: experts computed at home / pinned / none
     cache_bytes: int
     workspace_bytes: int = 0  # activations and the prefill stream buffer (device stages)
+    state_bytes: int = 0  # of kv_bytes: the linear layers' recurrent state
 
     @property
     def used_bytes(self) -> int:
@@ -146,7 +154,12 @@ class Plan:
     ram_bytes: int  # host RAM moerun holds: home experts (when home is ram), tensors on cpu, cpu cache
     tensors: dict[str, TensorPlan] = field(default_factory=dict)  # by GGUF name
     ctx_size: int = 0
-    kv_bytes_per_token: int = 0
+    kv_bytes_per_token: int = 0  # one context's attention KV per position (windows averaged over ctx_size)
+    state_bytes_per_seq: int = 0  # one context's recurrent state, STATE_COPIES of it (fixed: any ctx_size)
+
+    def context_bytes(self, ctx: int | None = None) -> int:
+        """KV and recurrent state one context of `ctx` positions (default: ctx_size) holds."""
+        return (self.ctx_size if ctx is None else ctx) * self.kv_bytes_per_token + self.state_bytes_per_seq
 
     def layer_device(self, layer: int) -> str:
         for d in self.devices:
@@ -167,6 +180,7 @@ class Plan:
                             for d in self.devices],
                 "home": self.home, "ram_budget": self.ram_budget, "ram_bytes": self.ram_bytes,
                 "ctx_size": self.ctx_size, "kv_bytes_per_token": self.kv_bytes_per_token,
+                "state_bytes_per_seq": self.state_bytes_per_seq,
                 "tensors": {n: dict(t.__dict__) for n, t in sorted(self.tensors.items())},
                 "totals": self.totals()}
 
@@ -175,7 +189,8 @@ class Plan:
         devs = tuple(DevicePlan(**{**x, "layers": tuple(x["layers"]), "expert_slots": tuple(x["expert_slots"])})
                      for x in d["devices"])
         return cls(devs, d["home"], d["ram_budget"], d["ram_bytes"],
-                   {n: TensorPlan(**t) for n, t in d["tensors"].items()}, d["ctx_size"], d["kv_bytes_per_token"])
+                   {n: TensorPlan(**t) for n, t in d["tensors"].items()}, d["ctx_size"],
+                   d["kv_bytes_per_token"], d.get("state_bytes_per_seq", 0))
 
     def table(self) -> str:
         rows = [("device", "layers", "dense", "KV", "expert slots", "cache", "workspace", "budget")]
@@ -211,9 +226,9 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
     overrides = list(budgets.override_tensor)
     if devs != ("cpu",):
         overrides += [(rf"^blk\.{i}\.ffn_(up|down|gate)_exps", "cpu") for i in range(min(budgets.n_cpu_moe, L))]
-    # KV bytes of one context, per layer (spec.kv_layout: what each layer's cache holds; windows capped)
-    kv_layer = [spec.kv_bytes(i, budgets.ctx_size, budgets.kv_dtype_bytes) for i in range(L)]
-    kv_tok_layer = max(1, round(sum(kv_layer) / budgets.ctx_size / max(L, 1)))  # per position, per layer
+    # KV bytes of one context, per layer (spec.kv_layout: what each layer's cache holds; windows capped); a
+    # linear layer's: STATE_COPIES of its recurrent state, whatever the context
+    kv_layer, state_layer = _context_bytes(spec, budgets)
     ram_budget = inventory.ram_available if budgets.ram is None else budgets.ram
 
     # every tensor: bytes, class, override
@@ -232,7 +247,7 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
     slot_b = [b // E if E else 0 for b in exp_bytes]
 
     if set(devs) == {"cpu"}:
-        return _plan_cpu(spec, info, budgets, ram_budget, kv_layer, slot_b)
+        return _plan_cpu(spec, info, budgets, ram_budget, kv_layer, state_layer, slot_b)
 
     phys = list(dict.fromkeys(devs))  # a device named twice holds two stages sharing its budget
     try:
@@ -261,7 +276,7 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
         """(dense, kv, workspace, slots) of device d holding layers r; slots -1 when dense + KV do not fit."""
         dense = (pinned[d] if devs.index(d) == k else 0) + sum(lay_dense[r[0]:r[1]]) + (first if k == 0 else 0) + (
             last if k == len(devs) - 1 else 0)
-        kv = budgets.kv_contexts * sum(kv_layer[r[0]:r[1]])
+        kv = budgets.kv_contexts * sum(kv_layer[r[0]:r[1]])  # every context its own KV and state
         work = workspace_bytes(spec, budgets.ubatch, budgets.ctx_size, max(slot_b[r[0]:r[1]], default=0)) \
             if r[1] > r[0] else 0
         left, per = budget[d] - dense - kv - work, sum(slot_b[r[0]:r[1]])
@@ -305,12 +320,12 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
                 "--vram-budget, more --gpus or --device cpu")
         sl = tuple(slots if cached_layer[i] else 0 for i in range(*r))
         stages.append(DevicePlan(d, r, budget[d], dense, kv, sl, sum(s * slot_b[i] for s, i in zip(sl, range(*r))),
-                                 work))
+                                 work, budgets.kv_contexts * sum(state_layer[r[0]:r[1]])))
     for d in phys:  # memory honesty: what the plan takes must be free on the device, whatever the budget says
         mine = [st for st in stages if st.device == d]
         used = sum(st.used_bytes for st in mine)
         if used > free[d]:
-            raise PlanError(_overflow(d, mine, used, free[d], budgets, kv_tok_layer, slot_b))
+            raise PlanError(_overflow(d, mine, used, free[d], budgets, kv_layer, state_layer, slot_b))
 
     host = sum(v[2] for v in info.values() if v[3] == "cpu" or (v[1] and v[3] is None))
     home = "ram" if host <= ram_budget else "disk"
@@ -325,21 +340,36 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
         else:
             tensors[name] = TensorPlan(own, "vram", nbytes)
     return Plan(tuple(stages), home, ram_budget, host if home == "ram" else 0, tensors, budgets.ctx_size,
-                round(sum(kv_layer) / budgets.ctx_size))
+                *_per_context(kv_layer, state_layer, budgets.ctx_size))
+
+
+def _context_bytes(spec, budgets: Budgets) -> tuple[list[int], list[int]]:
+    """Per layer, the KV and recurrent state of one context of ctx_size positions, and the state's part."""
+    ctx, dt = budgets.ctx_size, budgets.kv_dtype_bytes
+    state = [STATE_COPIES * spec.kv_bytes(i, ctx, dt) if spec.linear(i) else 0 for i in range(spec.n_layers)]
+    kv = [state[i] if spec.linear(i) else spec.kv_bytes(i, ctx, dt) for i in range(spec.n_layers)]
+    return kv, state
+
+
+def _per_context(kv_layer: list[int], state_layer: list[int], ctx: int) -> tuple[int, int]:
+    """(attention KV per position, recurrent state) of one context: Plan.kv_bytes_per_token and
+    state_bytes_per_seq."""
+    state = sum(state_layer)
+    return round((sum(kv_layer) - state) / ctx), state
 
 
 def _contexts(budgets: Budgets) -> str:
     return f" x {budgets.kv_contexts} slots (-np)" if budgets.kv_contexts > 1 else ""
 
 
-def _overflow(d: str, mine: list[DevicePlan], used: int, free: int, budgets: Budgets, kv_tok_layer: int,
-              slot_b: list[int]) -> str:
-    """The one line for a plan that needs more of device d than is free: what it needs, and what would fit."""
+def _overflow(d: str, mine: list[DevicePlan], used: int, free: int, budgets: Budgets, kv_layer: list[int],
+              state_layer: list[int], slot_b: list[int]) -> str:
+    """The one line for a plan that needs more of device d than is free: what it needs, and what would fit (a
+    shorter context shrinks the attention layers' KV, not the linear layers' state)."""
     dense = sum(st.dense_bytes for st in mine)
     kv = sum(st.kv_bytes for st in mine)
     work = sum(st.workspace_bytes for st in mine)
     cache = sum(st.cache_bytes for st in mine)
-    n_layers = sum(st.layers[1] - st.layers[0] for st in mine)
     per_slot = sum(sum(slot_b[st.layers[0]:st.layers[1]]) for st in mine)  # one more slot in every layer
     slots = max((s for st in mine for s in st.expert_slots), default=0)
     base = dense + kv + work  # what the plan needs without a single slot
@@ -347,7 +377,10 @@ def _overflow(d: str, mine: list[DevicePlan], used: int, free: int, budgets: Bud
         fits = [f"--expert-cache-slots {(free - base) // per_slot}"] if per_slot else []
         fits.append(f"--vram-budget {format_size(free)} (the slots sized to it)")
     else:
-        ctx = (free - dense - work) // (kv_tok_layer * n_layers * budgets.kv_contexts) if n_layers else 0
+        layers = [i for st in mine for i in range(*st.layers)]
+        state = budgets.kv_contexts * sum(state_layer[i] for i in layers)
+        tok = budgets.kv_contexts * sum(kv_layer[i] - state_layer[i] for i in layers) / budgets.ctx_size
+        ctx = int((free - dense - work - state) // tok) if tok else 0
         fits = [f"-c {ctx} and no expert slots"] if 16 <= ctx < budgets.ctx_size else []
         fits.append("fewer layers here (--tensor-split, more --gpus) or a smaller -ub")
     return (f"the plan needs {format_size(used)} on {d} (dense {format_size(dense)}, KV {format_size(kv)} for -c "
@@ -355,7 +388,8 @@ def _overflow(d: str, mine: list[DevicePlan], used: int, free: int, budgets: Bud
             f"but only {format_size(free)} is free there; it fits with " + ", or ".join(fits))
 
 
-def _plan_cpu(spec, info, budgets: Budgets, ram_budget: int, kv_layer: list[int], slot_b: list[int]) -> Plan:
+def _plan_cpu(spec, info, budgets: Budgets, ram_budget: int, kv_layer: list[int], state_layer: list[int],
+              slot_b: list[int]) -> Plan:
     """CPU only: dense + KV in RAM; experts in RAM when the whole model fits and no cache is asked for, else
     mmap + a RAM cache (of the size asked for, or what the budget leaves).
     Several cpu stages split the layers (equally, or by tensor_split) and share the RAM budget; each stage's
@@ -395,9 +429,11 @@ def _plan_cpu(spec, info, budgets: Budgets, ram_budget: int, kv_layer: list[int]
                 next(k for k, r in enumerate(ranges) if r[0] <= layer < r[1])
             stage_dense[k] += nbytes
     stages = tuple(DevicePlan("cpu", r, ram_budget, d, sum(kv_layer[r[0]:r[1]]),
-                              sl[r[0]:r[1]], sum(s * b for s, b in zip(sl[r[0]:r[1]], slot_b[r[0]:r[1]])))
+                              sl[r[0]:r[1]], sum(s * b for s, b in zip(sl[r[0]:r[1]], slot_b[r[0]:r[1]])),
+                              state_bytes=sum(state_layer[r[0]:r[1]]))
                    for r, d in zip(ranges, stage_dense))
     tensors = {n: TensorPlan("cpu", home if v[1] else "ram", v[2], cached=v[1] and home == "disk" and bool(slots))
                for n, v in info.items()}
     ram = dense + kv + cache + (experts if home == "ram" else 0)
-    return Plan(stages, home, ram_budget, ram, tensors, budgets.ctx_size, round(kv / budgets.ctx_size))
+    return Plan(stages, home, ram_budget, ram, tensors, budgets.ctx_size,
+                *_per_context(kv_layer, state_layer, budgets.ctx_size))
