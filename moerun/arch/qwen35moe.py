@@ -24,7 +24,6 @@ from moerun.arch.spec import ModelSpec
 from moerun.arch.tensors import Source
 from moerun.formats.names import CName
 
-MROPE_SECTIONS = [11, 11, 10, 0]  # llama.cpp's default, written when the checkpoint gives none
 
 
 def _text_config(cfg: dict) -> dict:
@@ -71,7 +70,12 @@ def fix_sources(spec: ModelSpec, sources: dict[CName, Source], fmt: str) -> None
 
 
 def _gguf_keys(spec: ModelSpec) -> dict[str, Any]:
-    return qwen3next.gguf_keys(spec, "qwen35moe") | {"qwen35moe.rope.dimension_sections": MROPE_SECTIONS}
+    """Qwen3-Next's keys and the MRoPE sections llama.cpp requires: rotary pair i belongs to section i % 3
+    (interleaved), so section k counts the pairs i < rotary_dim / 2 with i % 3 == k ([11, 11, 10, 0] for 32
+    pairs, the published models'); a pair outside every section would not rotate."""
+    pairs = spec.rotary_dim // 2
+    sections = [-(-(pairs - k) // 3) for k in range(3)] + [0]
+    return qwen3next.gguf_keys(spec, "qwen35moe") | {"qwen35moe.rope.dimension_sections": sections}
 
 
 FAMILY = Family(
