@@ -166,7 +166,7 @@ def measure_layers(threads: int, layout: dict, rates, *, rounds: int = 8, n_gen:
     from moerun.engine.kv_cache import KVPool, SeqKV
     from moerun.model.model import MoEModel
     from moerun.model.ops import thread_budget
-    from moerun.placement.costmodel import Workload, decode_time, prefill_time
+    from moerun.placement.costmodel import Workload, decode_time, prefill_time, state_flops, state_parts
 
     bare = dataclasses.replace(rates, layer_overhead_s=dataclasses.replace(rates.layer_overhead_s, value=0.0),
                                token_overhead_s=dataclasses.replace(rates.token_overhead_s, value=0.0),
@@ -180,7 +180,9 @@ def measure_layers(threads: int, layout: dict, rates, *, rounds: int = 8, n_gen:
         for phase, k in (("decode", None), ("prefill", layout["prefill_k"])):
             spec = probe_spec(layout, n, k)
             work = Workload(n, spec.n_experts, spec.n_experts_used, spec.hidden, spec.n_heads, spec.head_dim,
-                            _parts(spec, w), (1.0,) * n, "resident")
+                            _parts(spec, w) + state_parts(spec), (1.0,) * n, "resident",
+                            linear=tuple(spec.linear(i) for i in range(n)) if spec.hybrid else (),
+                            state_flops=state_flops(spec) if spec.hybrid else 0.0)
             probes[n, phase] = (MoEModel(spec, w), KVPool(spec, P + n_gen + 16), work)
 
     def timed(fn, model, pool, n_tokens, *args) -> float:
