@@ -305,3 +305,10 @@ def test_standin_device(hybrid, tokens):
     got = prompt_and_steps(rt.engine.model, rt.engine.new_sequence().kv, tokens[:28])
     assert (got - ref).abs().max().item() < 1e-4
     rt.close()
+
+
+def test_split_across_processes_is_one_clear_error(hybrid):
+    from moerun.errors import MoerunError
+
+    with pytest.raises(MoerunError, match="cannot be split across processes yet"):
+        build_runtime(RuntimeConfig(model=hybrid[3], pipeline_world_size=2, pipeline_rank=0))
