@@ -79,3 +79,37 @@ def test_conv_window_across_chunks():
         state = state[0]
         got.append(y)
     assert (torch.cat(got) - want).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_c_step_equals_the_torch_step(tiled):
+    """moerun.kernels.delta (one C call: conv window, delta rule, gated norm, slots updated in place) against
+    the torch forms it replaces, for three sequences in scattered slots, one of them starting afresh."""
+    from moerun.kernels import cpu, delta
+
+    if not cpu.available():
+        pytest.skip("the C kernels are not built")
+    nk, nv, dk, dv, K, B = 2, 4, 8, 16, 4, 3
+    C = 2 * nk * dk + nv * dv
+    g = torch.Generator().manual_seed(5)
+    conv, ssm = torch.randn(6, C, K - 1, generator=g), 0.1 * torch.randn(6, nv, dk, dv, generator=g)
+    qkv, z = torch.randn(B, C, generator=g), torch.randn(B, nv * dv, generator=g)
+    b, a = torch.randn(B, nv, generator=g), torch.randn(B, nv, generator=g)
+    w, A, dt = torch.randn(C, K, generator=g), -4 * torch.rand(nv, generator=g), torch.randn(nv, generator=g)
+    norm = 0.5 + torch.rand(dv, generator=g)
+    slots, fresh = torch.tensor([5, 0, 2]), torch.tensor([False, True, False])
+    c0 = conv[slots].masked_fill(fresh[:, None, None], 0.0)
+    s0 = ssm[slots].masked_fill(fresh[:, None, None, None], 0.0)
+    y, c1 = deltanet.conv_step(qkv, w, c0)
+    q, k, v = y.split((nk * dk, nk * dk, nv * dv), dim=-1)
+    o, s1 = deltanet.delta_step(q.view(B, nk, dk), k.view(B, nk, dk), v.view(B, nv, dv),
+                                A * torch.nn.functional.softplus(a + dt), torch.sigmoid(b), s0,
+                                "tiled" if tiled else "grouped")
+    want = deltanet.gated_norm(o, norm, z.view(B, nv, dv), 1e-6).reshape(B, -1)
+    untouched = conv[1].clone()
+    got = delta.delta_step(qkv, z, b, a, conv, ssm, slots, fresh, w, A, dt, norm, 1e-6, nk, tiled)
+    assert (got - want).abs().max() < 1e-5
+    assert (conv[slots] - c1).abs().max() < 1e-6 and (ssm[slots] - s1).abs().max() < 1e-5
+    assert torch.equal(conv[1], untouched)
+    with pytest.raises(ValueError, match="out of the pool's range"):
+        delta.delta_step(qkv, z, b, a, conv, ssm, torch.tensor([5, 0, 6]), fresh, w, A, dt, norm, 1e-6, nk, tiled)

@@ -313,3 +313,16 @@ def test_split_across_processes_is_one_clear_error(hybrid):
 
     with pytest.raises(MoerunError, match="cannot be split across processes yet"):
         build_runtime(RuntimeConfig(model=hybrid[3], pipeline_world_size=2, pipeline_rank=0))
+
+
+def test_decode_in_c_and_in_torch_agree(hybrid):
+    """Greedy tokens with the C decode step (moerun.kernels.delta) and with the torch forms (kernels off)."""
+    _, _, _, path = hybrid
+    params = SamplingParams.greedy(max_tokens=16, ignore_eos=True)
+    tokens = []
+    for kernels in (True, False):
+        loaded = load_model(path, kernels=kernels)
+        eng = Engine(loaded.model, Tokenizer.from_model_file(loaded.file), ctx_size=128, ubatch=4)
+        tokens.append(eng.generate(PROMPT, params).run().tokens)
+        assert (loaded.model._delta_kernels is not None) == kernels
+    assert tokens[0] == tokens[1]

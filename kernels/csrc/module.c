@@ -8,6 +8,7 @@
 #include <Python.h>
 
 #include "attn.h"
+#include "deltanet.h"
 #include "matmul.h"
 #include "pool.h"
 #include "qk.h"
@@ -96,6 +97,30 @@ static PyObject *py_read_bw(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS rc = qk_read_bw((const uint8_t *)(uintptr_t)buf, n, streams, prefetch, &x);
     Py_END_ALLOW_THREADS if (rc) return raise_code(rc);
     return PyLong_FromUnsignedLongLong(x);
+}
+
+/* delta_step(B, C, K, nk, nv, dk, dv, tiled, qkv, z, beta, alpha, conv, ssm, slots, fresh, w, a, dt, norm, eps, y,
+ * out): gated DeltaNet's decode step for B sequences (deltanet.h); buffers as addresses. */
+static PyObject *py_delta_step(PyObject *self, PyObject *args) {
+    (void)self;
+    qk_delta_args a;
+    unsigned long long p[15];
+    int tiled, rc;
+    if (!PyArg_ParseTuple(args, "LLLLLLLiKKKKKKKKKKKKfKK", &a.B, &a.C, &a.K, &a.nk, &a.nv, &a.dk, &a.dv, &tiled,
+                          &p[0], &p[1], &p[2], &p[3], &p[4], &p[5], &p[6], &p[7], &p[8], &p[9], &p[10], &p[11],
+                          &a.eps, &p[12], &p[13]))
+        return NULL;
+    a.tiled = tiled;
+    a.qkv = (const float *)(uintptr_t)p[0], a.z = (const float *)(uintptr_t)p[1];
+    a.beta = (const float *)(uintptr_t)p[2], a.alpha = (const float *)(uintptr_t)p[3];
+    a.conv = (float *)(uintptr_t)p[4], a.ssm = (float *)(uintptr_t)p[5];
+    a.slots = (const int64_t *)(uintptr_t)p[6], a.fresh = (const uint8_t *)(uintptr_t)p[7];
+    a.w = (const float *)(uintptr_t)p[8], a.a = (const float *)(uintptr_t)p[9];
+    a.dt = (const float *)(uintptr_t)p[10], a.norm = (const float *)(uintptr_t)p[11];
+    a.y = (float *)(uintptr_t)p[12], a.out = (float *)(uintptr_t)p[13];
+    Py_BEGIN_ALLOW_THREADS rc = qk_delta_step(&a);
+    Py_END_ALLOW_THREADS if (rc) return raise_code(rc);
+    Py_RETURN_NONE;
 }
 
 /* act_row_bytes(ggml, K): bytes of one quantized activation row paired with that weight type. */
@@ -291,6 +316,9 @@ static PyMethodDef methods[] = {
     {"get_threads", py_get_threads, METH_NOARGS, "Threads of the pool (caller included)."},
     {"set_active", py_set_active, METH_VARARGS, "set_active(n): jobs run on min(n, threads) threads (0: all)."},
     {"act_row_bytes", py_act_row_bytes, METH_VARARGS, "act_row_bytes(ggml, K)"},
+    {"delta_step", py_delta_step, METH_VARARGS,
+     "delta_step(B, C, K, nk, nv, dk, dv, tiled, qkv, z, beta, alpha, conv, ssm, slots, fresh, w, a, dt, norm, eps, "
+     "y, out): gated DeltaNet's decode step."},
     {"read_bw", py_read_bw, METH_VARARGS, "read_bw(buf, nbytes, streams, prefetch): the read-bandwidth probe."},
     {"quantize_act", py_quantize_act, METH_VARARGS, "quantize_act(isa, ggml, x, T, K, out)"},
     {"matmul", py_matmul, METH_VARARGS, "matmul(isa, ggml, w, N, K, x, T, out)"},

@@ -254,6 +254,15 @@ class MoEModel:
             b, a = b.reshape(T, nv), a.reshape(T, nv)
         else:
             b, a = mm(x, lw.wbeta), mm(x, lw.walpha)  # [T, nv]
+        rows = kv if isinstance(kv, list) else [kv] if kv is not None and T == 1 else None
+        if rows is not None and self._delta_c(qkv, rows[0].pool.state(i)[1]):  # a decode step in one C call
+            conv_all, ssm_all = rows[0].pool.state(i)  # updated in place at the rows' slots
+            slots = torch.tensor([r.state_slot for r in rows], dtype=torch.int64)
+            out = self._delta_kernels.delta_step(qkv.contiguous(), z.reshape(T, -1).contiguous(), b.contiguous(),
+                                                 a.contiguous(), conv_all, ssm_all, slots, pos == 0, lw.conv,
+                                                 lw.ssm_a, lw.ssm_dt, lw.ssm_norm, s.rms_eps, nk,
+                                                 s.ssm_v_order == "tiled")  # [T, nv * dv]
+            return mm(out.to(x.dtype), lw.ssm_out)  # [T, H]
         beta, g = torch.sigmoid(b.float()), lw.ssm_a * F.softplus(a.float() + lw.ssm_dt)  # [T, nv]
         split = (nk * dk, nk * dk, nv * dv)
         if isinstance(kv, list):  # decode: row r is the next position of kvs[r]
@@ -306,6 +315,16 @@ class MoEModel:
             k_pos = torch.arange(latent.shape[0], device=x.device)
         out = mla_form(T)(q_nope, q_pe, latent, lw.wk_b, lw.wv_b, pos, k_pos, s.softmax_scale)  # [T, nh * v]
         return mm(out, lw.wo)  # [T, H]
+
+    def _delta_c(self, qkv: torch.Tensor, state: torch.Tensor) -> bool:
+        """Whether decode steps' recurrence runs in C (moerun.kernels.delta): the kernels built, float32 on the CPU."""
+        if not hasattr(self, "_delta_kernels"):
+            try:
+                from moerun.kernels import delta
+            except ImportError:
+                delta = None
+            self._delta_kernels = delta if getattr(self.ops, "cpu", None) is not None else None
+        return self._delta_kernels is not None and self._delta_kernels.usable(qkv, state)
 
     def _prefetch_next(self, i: int, resid: torch.Tensor) -> None:
         """DESIGN decision 6: guess the next MoE layer's experts with its router on the hidden state after layer

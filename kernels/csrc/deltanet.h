@@ -1,0 +1,30 @@
+/* Gated DeltaNet's decode step (moerun/model/deltanet.py's conv_step, delta_step and gated_norm in one call):
+ * B sequences, one position each, their states updated in place in the pool's slots. */
+#ifndef MOERUN_DELTANET_H
+#define MOERUN_DELTANET_H
+
+#include <stdint.h>
+
+typedef struct {
+    int64_t B, C, K, nk, nv, dk, dv;
+    int tiled;                       /* value head h reads key head h % nk (else h / (nv / nk)) */
+    const float *qkv;                /* [B, C] the projection before the conv1d: q (nk * dk), k, v (nv * dv) */
+    const float *z;                  /* [B, nv * dv] the output gate */
+    const float *beta;               /* [B, nv] logits */
+    const float *alpha;              /* [B, nv] */
+    float *conv;                     /* [slots, C, K - 1] */
+    float *ssm;                      /* [slots, nv, dk, dv] */
+    const int64_t *slots;            /* [B] */
+    const uint8_t *fresh;            /* [B] 1: the sequence starts here (its slot's state is ignored) */
+    const float *w;                  /* [C, K] */
+    const float *a;                  /* [nv] ssm_a = -exp(A_log) */
+    const float *dt;                 /* [nv] */
+    const float *norm;               /* [dv] */
+    float eps;
+    float *y;                        /* [B, C] scratch: the conv1d's output after SiLU */
+    float *out;                      /* [B, nv * dv] */
+} qk_delta_args;
+
+int qk_delta_step(const qk_delta_args *args);
+
+#endif
