@@ -73,10 +73,11 @@ def names_outside_llama_cpp(path, model_arch) -> list[str]:
     return [n for n in names if not any(rx.match(n) for rx in allowed)]
 
 
-def count_kernel_calls(ops, names: tuple[str, ...] = ("matmul", "moe_ffn_experts")) -> dict[str, int]:
+def count_kernel_calls(ops, names: tuple[str, ...] = ("matmul", "moe_ffn_experts", "moe_ffn")) -> dict[str, int]:
     """Count the C kernels' calls of `names` (moerun.kernels.cpu functions) made through `ops` (KernelOps) from
-    now on."""
+    now on; "experts" counts routed-expert calls of either form (experts one by one, or their stacks)."""
     real, calls = ops.cpu, dict.fromkeys(names, 0)
+    calls["experts"] = 0
 
     class Spy:
         def __getattr__(self, name):
@@ -86,6 +87,7 @@ def count_kernel_calls(ops, names: tuple[str, ...] = ("matmul", "moe_ffn_experts
 
             def counted(*a, **kw):
                 calls[name] += 1
+                calls["experts"] += name in ("moe_ffn_experts", "moe_ffn")
                 return f(*a, **kw)
 
             return counted

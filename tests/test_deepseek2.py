@@ -450,7 +450,7 @@ def test_quantized_conversion_runs_through_the_c_kernels(wide, tokens, tmp_path,
     oracle = dequantized_reference(path, config, _HF, join_kv_b)
     calls, e_oracle, e_fp32 = kernel_path_errors(path, oracle, model, tokens)
     q = 2 if config.q_lora_rank else 1
-    assert calls["moe_ffn_experts"] == 2 and calls["matmul"] == 3 * (q + 2 + 3) + 1, calls
+    assert calls["experts"] == 2 and calls["matmul"] == 3 * (q + 2 + 3) + 1, calls
     print(f"{ftype} q_lora {config.q_lora_rank}: kernel path relative error {e_oracle:.4f} against the "
           f"oracle, {e_fp32:.4f} against fp32")
     assert e_oracle < 0.3 and e_fp32 < fp32_bound

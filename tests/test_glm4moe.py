@@ -248,7 +248,7 @@ def test_quantized_conversion_runs_through_the_c_kernels(wide, tokens, tmp_path,
         assert mf.records["blk.1.ffn_gate_shexp.weight"].qtype == QType[ftype]
     oracle = dequantized_reference(path, config, _HF)
     calls, e_oracle, e_fp32 = kernel_path_errors(path, oracle, model, tokens)
-    assert calls["moe_ffn_experts"] == 2 and calls["matmul"] >= 3 * 4 + 3 + 1, calls  # experts, q/k/v/o, FFNs, head
+    assert calls["experts"] == 2 and calls["matmul"] >= 3 * 4 + 3 + 1, calls  # experts, q/k/v/o, FFNs, head
     print(f"{ftype}: kernel path relative error {e_oracle:.4f} against the oracle, {e_fp32:.4f} against fp32")
     assert e_oracle < 0.3 and e_fp32 < fp32_bound
 

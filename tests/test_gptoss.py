@@ -230,7 +230,7 @@ def test_mxfp4_checkpoint_matches_transformers_dequantized_reference(mxfp4, toke
     fast = load_model(folder)
     calls = count_kernel_calls(fast.model.ops)
     got = fast.model.forward(tokens)
-    assert calls["moe_ffn_experts"] == 3, calls
+    assert calls["experts"] == 3, calls
     assert rel_err(got, ref) < 0.05, rel_err(got, ref)
     path = convert_hf_to_gguf(folder, tmp_path / "mxfp4.gguf", ftype="MXFP4_MOE", progress=False)
     tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
@@ -315,10 +315,10 @@ def test_quantized_conversion_runs_through_the_c_kernels(wide, tokens, tmp_path,
     assert (ref_path - oracle).abs().max().item() < 1e-4
     fast = load_model(path)
     assert fast.model.fused is not None and fast.model.store.get(0, 0).gate.qtype == experts
-    calls = count_kernel_calls(fast.model.ops, ("matmul", "moe_ffn_experts", "head_logits", "decode_layers"))
+    calls = count_kernel_calls(fast.model.ops, ("matmul", "moe_ffn", "head_logits", "decode_layers"))
     fast.model.fused.cpu = fast.model.ops.cpu  # the fused path's calls counted too
     got = fast.model.forward(tokens)
-    assert calls == {"matmul": 3 * 4, "moe_ffn_experts": 3, "head_logits": 1, "decode_layers": 0}, calls  # q/k/v/o
+    assert calls == {"matmul": 3 * 4, "moe_ffn": 3, "experts": 3, "head_logits": 1, "decode_layers": 0}, calls
     e_oracle, e_fp32 = rel_err(got, oracle), rel_err(got, reference_logits(model, tokens))
     typical = ((got - oracle).norm(dim=-1) / oracle.norm(dim=-1)).median().item()  # per position
     print(f"{ftype}: kernel path relative error {e_oracle:.4f} against the oracle (median position {typical:.4f}), "

@@ -353,9 +353,10 @@ class MoEModel:
         fn = ExpertFn(s.expert_act, s.swiglu_alpha, s.swiglu_limit, lw.exp_b)
         if self.on_route is not None:
             self.on_route(i, phase, pos, ids, w)
+        stacks = self.store.stacks(i) if self._direct() else None  # experts read where they are stored
         if hasattr(self.experts, "run"):  # a device stage's experts: hits, page-ins and home misses (offload.py)
             out = self.experts.run(i, x, ids, w, phase, fn)
-        else:
+        elif stacks is None or (out := ops.moe_stacked(x, ids, w, stacks, fn=fn)) is None:
             experts = self.experts.fetch(i, sorted(set(ids.view(-1).tolist())), phase)
             if resid is not None and phase == "decode" and getattr(self.experts, "prefetching", False):
                 self._prefetch_next(i, resid)  # after this layer's fetch, so it never competes with its loads
