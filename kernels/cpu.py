@@ -209,6 +209,35 @@ def matmul(x: torch.Tensor, w: QTensor, *, isa: str | None = None) -> torch.Tens
     return out
 
 
+MATMULS_MAX = 4  # matmul.h QK_MM_MAX
+
+
+def matmuls(x: torch.Tensor, ws: list, *, isa: str | None = None) -> list[torch.Tensor]:
+    """[x @ w^T for w in ws] in one call (at most MATMULS_MAX): each w a QTensor [N, K] of a supported qtype or a
+    float32 tensor [N, K]; x [T, K] float32 -> [T, N] float32 each."""
+    isa_id = _isa(isa)
+    _check_x(x, "x")
+    T, K = x.shape
+    if not 1 <= len(ws) <= MATMULS_MAX:
+        raise ValueError(f"matmuls takes 1..{MATMULS_MAX} matrices, got {len(ws)}")
+    outs, mats = [], []
+    for w in ws:
+        if isinstance(w, QTensor):
+            _check_q(w, "w", 2)
+            ptr, ggml = w.data.data_ptr(), _type(w)
+        elif w.dtype == torch.float32 and w.is_cpu and w.is_contiguous() and w.dim() == 2:
+            ptr, ggml = w.data_ptr(), 0  # GGML_F32
+        else:
+            raise ValueError("matmuls takes QTensors or contiguous float32 CPU matrices")
+        if w.shape[1] != K:
+            raise ValueError(f"x has {K} columns but a matrix {tuple(w.shape)} expects {w.shape[1]}")
+        outs.append(torch.empty((T, w.shape[0]), dtype=torch.float32))
+        mats.append((ptr, ggml, w.shape[0], outs[-1].data_ptr()))
+    if T:
+        _cpu.matmuls(isa_id, x.data_ptr(), T, K, tuple(mats))
+    return outs
+
+
 def dequant_rows(w: QTensor, rows: torch.Tensor) -> torch.Tensor:
     """Rows of w [N, K] (a supported qtype) as float32 [len(rows), K]: the values gguf.quants gives (an
     embedding lookup without dequantizing the table)."""

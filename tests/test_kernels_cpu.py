@@ -363,3 +363,24 @@ def test_read_bw_reads_every_byte(streams, prefetch):
         cpu.set_threads(threads)
     with pytest.raises(ValueError):
         cpu.read_bw(buf[1:], 1, 0)
+
+
+def test_matmuls_equal_separate_products():
+    """cpu.matmuls: up to four matrices of one input in one call (quantized and float32 together) equal each
+    matrix's own product (matmul; torch for float32), and a fifth is refused."""
+    from moerun.kernels import cpu
+    from moerun.quant.qtypes import QTensor, QType
+    from moerun.quant.quantize import quantize
+
+    if not cpu.available():
+        pytest.skip("the C kernels are not built")
+    g = torch.Generator().manual_seed(0)
+    q8 = QTensor(quantize(torch.randn(64, 256, generator=g), QType.Q8_0).reshape(64, -1), QType.Q8_0, (64, 256))
+    q4 = QTensor(quantize(torch.randn(32, 256, generator=g), QType.Q4_K).reshape(32, -1), QType.Q4_K, (32, 256))
+    f32 = torch.randn(16, 256, generator=g)
+    x = torch.randn(3, 256, generator=g)
+    a, b, c = cpu.matmuls(x, [q8, q4, f32])
+    assert torch.equal(a, cpu.matmul(x, q8)) and torch.equal(b, cpu.matmul(x, q4))
+    assert (c - x @ f32.t()).abs().max() < 1e-4
+    with pytest.raises(ValueError, match="1..4 matrices"):
+        cpu.matmuls(x, [q8] * 5)

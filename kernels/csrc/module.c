@@ -168,6 +168,32 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS return raise_code(rc);
 }
 
+/* matmuls(isa, x, T, K, ((w, ggml, N, out), ...)): up to QK_MM_MAX matrices (quantized, or F32 / F16 rows) over
+ * the same x [T, K] in one call of the pool, the activations quantized once per type. */
+static PyObject *py_matmuls(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa;
+    unsigned long long x;
+    long long T, K;
+    PyObject *mats;
+    if (!PyArg_ParseTuple(args, "iKLLO!", &isa, &x, &T, &K, &PyTuple_Type, &mats)) return NULL;
+    const Py_ssize_t n = PyTuple_GET_SIZE(mats);
+    if (n < 1 || n > QK_MM_MAX) return raise_code(QK_ESHAPE);
+    qk_wmat w[QK_MM_MAX];
+    float *out[QK_MM_MAX];
+    for (Py_ssize_t j = 0; j < n; j++) {
+        unsigned long long wp, op;
+        long long N;
+        int ggml;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(mats, j), "KiLK", &wp, &ggml, &N, &op)) return NULL;
+        w[j] = (qk_wmat){(const uint8_t *)(uintptr_t)wp, ggml, N};
+        out[j] = (float *)(uintptr_t)op;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = qk_matmuls(isa, (int)n, w, K, (const float *)(uintptr_t)x, T, out);
+    Py_END_ALLOW_THREADS return raise_code(rc);
+}
+
 /* moe_ffn(isa, x, T, H, ids, wts, k, gate, gate_stride, gate_type, up, up_stride, up_type, down, down_stride,
  *         down_type, E, I, out, pairs=0, act=0, alpha=0, limit=0, gate_b=0, up_b=0, down_b=0): see qk_moe_ffn;
  *         each matrix kind is (base, stride, type) as qk_expert_mats; act .. down_b: its qk_expert_fn. */
@@ -322,6 +348,7 @@ static PyMethodDef methods[] = {
     {"read_bw", py_read_bw, METH_VARARGS, "read_bw(buf, nbytes, streams, prefetch): the read-bandwidth probe."},
     {"quantize_act", py_quantize_act, METH_VARARGS, "quantize_act(isa, ggml, x, T, K, out)"},
     {"matmul", py_matmul, METH_VARARGS, "matmul(isa, ggml, w, N, K, x, T, out)"},
+    {"matmuls", py_matmuls, METH_VARARGS, "matmuls(isa, x, T, K, ((w, ggml, N, out), ...))"},
     {"moe_ffn", py_moe_ffn, METH_VARARGS,
      "moe_ffn(isa, x, T, H, ids, wts, k, gate, gate_stride, gate_type, up, up_stride, up_type, down, "
      "down_stride, down_type, E, I, out, pairs=0, act=0, alpha=0, limit=0, gate_b=0, up_b=0, down_b=0)"},

@@ -210,7 +210,10 @@ class MoEModel:
             return self.latent_attention(i, x, pos, rope, kv)
         s, lw, T = self.spec, self.layers[i - self.first], x.shape[0]
         mm = self.ops.linear
-        q, k, v = mm(x, lw.wq, lw.bq), mm(x, lw.wk, lw.bk), mm(x, lw.wv, lw.bv)  # [T, q_dim|kv_dim]
+        if lw.bq is None and lw.bk is None and lw.bv is None:
+            q, k, v = self.ops.linears(x, [lw.wq, lw.wk, lw.wv])  # [T, q_dim|kv_dim]
+        else:
+            q, k, v = mm(x, lw.wq, lw.bq), mm(x, lw.wk, lw.bk), mm(x, lw.wv, lw.bv)
         gate = None
         if s.attn_gate:  # each head's q is followed by its output gate
             q, gate = (t.reshape(T, -1) for t in q.view(T, s.n_heads, 2 * s.head_dim).chunk(2, dim=-1))
@@ -248,12 +251,12 @@ class MoEModel:
         s, lw, T = self.spec, self.layers[i - self.first], x.shape[0]
         mm = self.ops.linear
         nk, nv, dk, dv = s.ssm_k_heads, s.ssm_v_heads, s.ssm_k_dim, s.ssm_v_dim
-        qkv, z = mm(x, lw.wqkv), mm(x, lw.wz).view(T, nv, dv)  # [T, C], [T, nv, dv]
-        if lw.wba is not None:  # [b (r), a (r)] per key head
-            b, a = mm(x, lw.wba).view(T, nk, 2, nv // nk).unbind(2)
-            b, a = b.reshape(T, nv), a.reshape(T, nv)
+        if lw.wba is not None:  # beta and alpha: [b (r), a (r)] per key head
+            qkv, z, ba = self.ops.linears(x, [lw.wqkv, lw.wz, lw.wba])  # [T, C], [T, nv * dv], [T, 2 nv]
+            b, a = (t.reshape(T, nv) for t in ba.view(T, nk, 2, nv // nk).unbind(2))
         else:
-            b, a = mm(x, lw.wbeta), mm(x, lw.walpha)  # [T, nv]
+            qkv, z, b, a = self.ops.linears(x, [lw.wqkv, lw.wz, lw.wbeta, lw.walpha])  # b, a [T, nv]
+        z = z.view(T, nv, dv)
         rows = kv if isinstance(kv, list) else [kv] if kv is not None and T == 1 else None
         if rows is not None and self._delta_c(qkv, rows[0].pool.state(i)[1]):  # a decode step in one C call
             conv_all, ssm_all = rows[0].pool.state(i)  # updated in place at the rows' slots
@@ -343,12 +346,18 @@ class MoEModel:
         s, lw, ops = self.spec, self.layers[i - self.first], self.ops
         if lw.ffn is not None:
             return ops.swiglu(x, *lw.ffn)
-        w, ids = route(ops, x, lw, s)  # [T, k]
-        return self.moe(i, x, w, ids, phase, pos, resid)
+        if lw.shexp is None:
+            w, ids = route(ops, x, lw, s)  # [T, k]
+            return self.moe(i, x, w, ids, phase, pos, resid)
+        gate = [lw.shexp_gate] if lw.shexp_gate is not None else []
+        logits, *shared = ops.linears(x, [lw.router, lw.shexp[0], lw.shexp[1], *gate])  # one call: same input
+        w, ids = route(ops, x, lw, s, logits=logits)
+        return self.moe(i, x, w, ids, phase, pos, resid, shared)
 
     def moe(self, i: int, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, phase: str, pos: torch.Tensor,
-            resid: torch.Tensor | None = None) -> torch.Tensor:
-        """The routed experts (ids, w [T, k]) and the shared expert of MoE layer i on the normed x [T, H]."""
+            resid: torch.Tensor | None = None, shared: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The routed experts (ids, w [T, k]) and the shared expert of MoE layer i on the normed x [T, H]; shared:
+        the shared expert's gate and up products (and its gate's logit) when the caller has them."""
         lw, ops, s = self.layers[i - self.first], self.ops, self.spec
         fn = ExpertFn(s.expert_act, s.swiglu_alpha, s.swiglu_limit, lw.exp_b)
         if self.on_route is not None:
@@ -362,9 +371,11 @@ class MoEModel:
                 self._prefetch_next(i, resid)  # after this layer's fetch, so it never competes with its loads
             out = ops.moe(x, ids, w, experts, fn=fn)
         if lw.shexp is not None:
-            sh = ops.swiglu(x, *lw.shexp)
-            if lw.shexp_gate is not None:
-                sh = torch.sigmoid(ops.linear(x, lw.shexp_gate)) * sh
+            g, u, *gate = shared or ops.linears(x, [lw.shexp[0], lw.shexp[1]] + ([lw.shexp_gate] if lw.shexp_gate
+                                                                                   is not None else []))
+            sh = ops.linear(F.silu(g) * u, lw.shexp[2])
+            if gate:
+                sh = torch.sigmoid(gate[0]) * sh
             out = out + sh
         return out
 

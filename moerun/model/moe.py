@@ -18,7 +18,8 @@ from moerun.experts.store import Expert, ExpertStore
 from moerun.model.ops import ReferenceOps
 
 
-def route(ops: ReferenceOps, x: torch.Tensor, lw, spec, raw: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def route(ops: ReferenceOps, x: torch.Tensor, lw, spec, raw: bool = False, logits: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's k experts and their weights, as spec.router says. x [T, H] -> weights [T, k] (x.dtype),
     ids [T, k]. lw: the layer's weights (router, router_b, score_b). raw: the choice's scores before
     renormalising or scaling (prefetch ranks them).
@@ -28,9 +29,13 @@ def route(ops: ReferenceOps, x: torch.Tensor, lw, spec, raw: bool = False) -> tu
     topk_softmax  top-k of the logits, softmax over those k (gpt-oss)
     sigmoid       sigmoid scores; the k chosen by score + correction bias within the best topk_groups
                   groups; their scores renormalised when norm_topk (DeepSeek-V3, GLM-4.5)
-    then every weight times routed_scale."""
+    then every weight times routed_scale. logits: x @ router.T when the caller has it (without the bias)."""
     k = spec.n_experts_used
-    logits = ops.linear(x, lw.router, lw.router_b).float()  # [T, E]
+    if logits is None:
+        logits = ops.linear(x, lw.router, lw.router_b)
+    elif lw.router_b is not None:
+        logits = logits + lw.router_b
+    logits = logits.float()  # [T, E]
     if spec.router == "topk_softmax":
         top, ids = torch.topk(logits, k, dim=-1)
         w = F.softmax(top, dim=-1)

@@ -73,9 +73,14 @@ class ReferenceOps:
             w = as_float(w, x.dtype) if w.qtype in FLOAT_QTYPES else w.dequantize(x.dtype)
         return F.linear(x, w, b)
 
+    def linears(self, x: torch.Tensor, ws: list[Weight]) -> list[torch.Tensor]:
+        """[x @ w.T for w in ws]: several products of one input (the kernels take them in one call)."""
+        return [self.linear(x, w) for w in ws]
+
     def swiglu(self, x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor:
         """down(silu(gate x) * up x). x [T, H] -> [T, H]."""
-        return self.linear(F.silu(self.linear(x, gate)) * self.linear(x, up), down)
+        g, u = self.linears(x, [gate, up])
+        return self.linear(F.silu(g) * u, down)
 
     def expert(self, x: torch.Tensor, ex: Expert, fn: ExpertFn = PLAIN, e: int = 0) -> torch.Tensor:
         """Expert e (weights ex) on x [T, H] -> [T, H]: down(glu(gate x + b, up x + b)) + b, as fn says."""
@@ -173,6 +178,17 @@ class KernelOps(ReferenceOps):
         if ex is not None and all(self._ok(x, t.qtype) for t in (ex.gate, ex.up, ex.down)):
             return self.cpu.moe_ffn_experts(x.contiguous(), ids, w, experts, fn=None if fn.plain else fn.to(x.device))
         return super().moe(x, ids, w, experts, fn=fn)
+
+    def linears(self, x, ws):
+        """One kernel call for up to four products of x (quantized or float32 matrices; the activations
+        quantized once): a decode step's q/k/v, or a router beside its shared expert's gate and up, cost a call
+        each otherwise (~8 us of set-up apiece)."""
+        if (x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] <= self.DECODE_TOKENS
+                and len(ws) <= self.cpu.MATMULS_MAX
+                and all(self.cpu.supports(w.qtype) if isinstance(w, QTensor) else
+                        w.dtype == torch.float32 and w.is_cpu and w.is_contiguous() for w in ws)):
+            return self.cpu.matmuls(x.contiguous(), ws)
+        return super().linears(x, ws)
 
     def moe_stacked(self, x, ids, w, stacks, *, fn=PLAIN):
         """The kernels straight over the stacked tensors: no per-expert address table per call (50-70 us a layer in
