@@ -326,3 +326,44 @@ def test_decode_in_c_and_in_torch_agree(hybrid):
         tokens.append(eng.generate(PROMPT, params).run().tokens)
         assert (loaded.model._delta_kernels is not None) == kernels
     assert tokens[0] == tokens[1]
+
+
+@pytest.mark.parametrize("change, phrase", [
+    (lambda k, v: None if k.endswith("ssm.conv_kernel") else v, "'ssm.conv_kernel' must be an integer"),
+    (lambda k, v: 3 if k.endswith("ssm.group_count") else v, "a multiple of the key heads"),
+    (lambda k, v: 7 if k.endswith("ssm.inner_size") else v, "not a multiple of 'ssm.time_step_rank'"),
+])
+def test_bad_linear_attention_keys_are_one_line(hybrid, tmp_path, change, phrase):
+    """A GGUF whose linear-attention keys are missing or inconsistent: one ModelFormatError naming the file."""
+    from family_checks import rewrite_gguf
+
+    from moerun.errors import ModelFormatError
+
+    bad = tmp_path / "bad.gguf"
+    rewrite_gguf(hybrid[3], bad, key=change)
+    with pytest.raises(ModelFormatError, match=phrase) as info, open_model(bad) as mf:
+        resolve(mf)
+    assert "\n" not in str(info.value) and str(bad) in str(info.value)
+
+
+def test_missing_linear_tensor_and_bad_layer_types(hybrid, tmp_path):
+    """A linear layer's tensor missing from the GGUF, and config.json layer_types of another length: one line
+    each."""
+    import shutil
+
+    from family_checks import rewrite_gguf
+
+    from moerun.errors import ModelFormatError
+
+    fam, _, folder, path = hybrid
+    bad = tmp_path / "bad.gguf"
+    rewrite_gguf(path, bad, tensor=lambda name, d: [] if name == "blk.1.ssm_a" else [(name, d)])
+    with pytest.raises(ModelFormatError, match="missing tensor 'blk.1.ssm_a'"), open_model(bad) as mf:
+        resolve(mf)
+    hf = tmp_path / "hf"
+    shutil.copytree(folder, hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["layer_types"] = cfg["layer_types"][:3]
+    (hf / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelFormatError, match="'layer_types' must give one of"), open_model(hf) as mf:
+        resolve(mf)
