@@ -96,7 +96,8 @@ def main() -> int:
               "steps": {}, "rows": [], "failed": []}
 
     # 1. tests
-    tests = (["tests/test_gpu.py", "tests/test_triton_kernels.py", "-m", "gpu"] if gpu else
+    tests = (["tests/test_gpu.py", "tests/test_triton_kernels.py", "tests/test_qwen3next.py", "-m", "gpu"]
+             if gpu else
              ["tests/test_device_stages.py", "tests/test_device.py"])
     rc, secs = sh([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests,
                    f"--junitxml={out / 'tests.xml'}"], out / "tests.log", 900)

@@ -367,3 +367,15 @@ def test_missing_linear_tensor_and_bad_layer_types(hybrid, tmp_path):
     (hf / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelFormatError, match="'layer_types' must give one of"), open_model(hf) as mf:
         resolve(mf)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slots", [2, None], ids=["2-slots", "all-in-vram"])
+def test_gpu_logits(hybrid, tokens, slots):
+    """On cuda:0 (skipped without CUDA; bench/gpu_check.sh runs it): family_checks.check_gpu_logits, the linear
+    layers' states in VRAM."""
+    from family_checks import check_gpu_logits
+
+    pytest.importorskip("transformers")
+    _, model, folder, path = hybrid
+    check_gpu_logits(folder, model, path, tokens[:28], slots)
