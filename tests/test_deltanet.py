@@ -59,8 +59,8 @@ def test_tiled_value_heads():
     o_ref, s_ref = reference(q.repeat(1, 2, 1), k.repeat(1, 2, 1), v, decay, beta, state)
     assert (o - o_ref).abs().max() < 1e-5 and (s - s_ref).abs().max() < 1e-5
     o1, s1 = deltanet.delta_step(q[:1], k[:1], v[:1], decay[:1], beta[:1], state[None], order="tiled")
-    o1_ref, _ = reference(q[:1].repeat(1, 2, 1), k[:1].repeat(1, 2, 1), v[:1], decay[:1], beta[:1], state)
-    assert (o1[0] - o1_ref[0]).abs().max() < 1e-5
+    o1_ref, s1_ref = reference(q[:1].repeat(1, 2, 1), k[:1].repeat(1, 2, 1), v[:1], decay[:1], beta[:1], state)
+    assert (o1[0] - o1_ref[0]).abs().max() < 1e-5 and (s1[0] - s1_ref).abs().max() < 1e-5
 
 
 def test_conv_window_across_chunks():

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+from test_tools import _read, _tokenizer_cache  # noqa: F401 (the same private tokenizer cache, autouse)
 
-from moerun.arch import expected_shapes, resolve
-from moerun.formats import open_model
+from moerun.arch import expected_shapes
 from moerun.formats.names import CName
 from moerun.quant.qtypes import QTensor, QType
 from moerun.quant.quantize import quantize
@@ -24,25 +24,10 @@ from moerun.tools import hf_out
 from moerun.tools.gguf_out import qtype_for, use_more_bits
 from moerun.tools.make_model import generate_tensor, main, make_model
 from moerun.tools.presets import preset
-from moerun.weights.loader import load_weights
 
 HYBRIDS = ("qwen3next", "qwen35moe")
 LLAMA_ARCH = {"qwen3next": gguf.MODEL_ARCH.QWEN3NEXT, "qwen35moe": gguf.MODEL_ARCH.QWEN35MOE}
 LINEAR = ("linear", "linear", "linear", "full")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _tokenizer_cache(tmp_path_factory):
-    """Trained tokenizers go to a private cache, shared by this module's tests."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MOERUN_CACHE", str(tmp_path_factory.mktemp("moerun-cache")))
-        yield
-
-
-def _read(path):
-    mf = open_model(path)
-    arch = resolve(mf)
-    return mf, arch, load_weights(mf, arch)
 
 
 # --------------------------------------------------------------------------------------- presets

@@ -11,8 +11,15 @@ import json
 
 import pytest
 import torch
-from family_checks import (check_expert_cache, check_greedy_generate, check_server_completion, gguf_fields,
-                           names_outside_llama_cpp, prompt_and_steps, run)
+from family_checks import (
+    check_expert_cache,
+    check_greedy_generate,
+    check_server_completion,
+    gguf_fields,
+    names_outside_llama_cpp,
+    prompt_and_steps,
+    run,
+)
 from hf_models import build, reference_logits, save
 
 from moerun.arch import resolve
@@ -73,7 +80,7 @@ def tokens():
 
 
 def test_the_tiny_model_is_hybrid(hybrid):
-    fam, model, folder, path = hybrid
+    fam, _, folder, path = hybrid
     for src in (folder, path):
         with open_model(src) as mf:
             spec = resolve(mf).spec
@@ -355,7 +362,7 @@ def test_missing_linear_tensor_and_bad_layer_types(hybrid, tmp_path):
 
     from moerun.errors import ModelFormatError
 
-    fam, _, folder, path = hybrid
+    _, _, folder, path = hybrid
     bad = tmp_path / "bad.gguf"
     rewrite_gguf(path, bad, tensor=lambda name, d: [] if name == "blk.1.ssm_a" else [(name, d)])
     with pytest.raises(ModelFormatError, match="missing tensor 'blk.1.ssm_a'"), open_model(bad) as mf:

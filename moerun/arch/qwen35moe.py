@@ -25,7 +25,6 @@ from moerun.arch.tensors import Source
 from moerun.formats.names import CName
 
 
-
 def _text_config(cfg: dict) -> dict:
     text = _dict(cfg.get("text_config"), "text_config")
     if not text:
@@ -50,23 +49,14 @@ def fix_sources(spec: ModelSpec, sources: dict[CName, Source], fmt: str) -> None
     qk = 2 * spec.ssm_k_heads * spec.ssm_k_dim
     v_rows = tiled(spec, spec.ssm_v_dim)
     heads = tuple(tiled(spec, 1))
-    for i in range(spec.n_layers):
-        if not spec.linear(i):
-            continue
-
-        def edit(kind: str, **change) -> None:
-            cn = CName(kind, i)
-            if cn in sources:
-                sources[cn] = replace(sources[cn], **change)
-
-        edit("attn_qkv.weight", rows=tuple(range(qk)) + tuple(qk + j for j in v_rows))
-        edit("ssm_conv1d.weight", rows=tuple(range(qk)) + tuple(qk + j for j in v_rows))
-        edit("attn_gate.weight", rows=tuple(v_rows))
-        edit("ssm_beta.weight", rows=heads)
-        edit("ssm_alpha.weight", rows=heads)
-        edit("ssm_dt.bias", cols=heads)
-        edit("ssm_a", cols=heads)
-        edit("ssm_out.weight", cols=tuple(v_rows))
+    qkv_rows = tuple(range(qk)) + tuple(qk + j for j in v_rows)
+    changes = {"attn_qkv.weight": {"rows": qkv_rows}, "ssm_conv1d.weight": {"rows": qkv_rows},
+               "attn_gate.weight": {"rows": tuple(v_rows)}, "ssm_beta.weight": {"rows": heads},
+               "ssm_alpha.weight": {"rows": heads}, "ssm_dt.bias": {"cols": heads}, "ssm_a": {"cols": heads},
+               "ssm_out.weight": {"cols": tuple(v_rows)}}
+    for cn, src in list(sources.items()):
+        if cn.kind in changes and spec.linear(cn.layer):
+            sources[cn] = replace(src, **changes[cn.kind])
 
 
 def _gguf_keys(spec: ModelSpec) -> dict[str, Any]:

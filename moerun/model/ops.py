@@ -96,7 +96,6 @@ class ReferenceOps:
     def moe_stacked(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, stacks, *, fn: ExpertFn = PLAIN):
         """`moe` over a layer's experts as the stacked (gate, up, down) tensors they are stored in [E, ..], or None
         where these ops do not take them that way (the caller fetches experts one by one)."""
-        return None
 
     def moe(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: dict[int, Expert],
             table=None, *, fn: ExpertFn = PLAIN) -> torch.Tensor:
