@@ -54,11 +54,13 @@ class SlotBusyError(MoerunError):
 
 @dataclass(frozen=True)
 class Event:
-    """New text of one request; the last event has finish_reason: stop | length | cancelled | error."""
+    """New text of one request; the last event has finish_reason: stop | length | cancelled | error. logprobs:
+    the entries (Request.logprobs) of the tokens sampled since the previous event, when the request asked."""
 
     text: str = ""
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: tuple = ()
 
 
 def _no_events(event: Event) -> None:
@@ -84,6 +86,10 @@ class Request:
     slot: int | None = None
     t_first: float | None = None
     t_end: float | None = None
+    # log probabilities: None, or how many alternatives per token (0: the chosen token's only); then one entry
+    # per generated token, (id, log probability, ((id, log probability), ...)) from the logits before sampling
+    top_logprobs: int | None = None
+    logprobs: list[tuple] = field(default_factory=list)
 
     def cancel(self) -> None:
         """Drop the request at the next step (its client went away)."""
@@ -125,6 +131,7 @@ class Slot:
         self.sampler: Sampler | None = None
         self.decoder = self.stops = None
         self.t_prefill = self.t_token = 0.0
+        self.unsent = 0  # log-probability entries not yet sent with an event
 
     @property
     def kv(self) -> SeqKV:
@@ -288,7 +295,7 @@ class Scheduler:
         slot.decoder = self.engine.tokenizer.incremental_decoder(prefix_ids=req.prompt[-1:])
         slot.stops = StopChecker(req.params.stop)
         slot.history[:len(req.prompt)] = torch.tensor(req.prompt)
-        slot.n_history, slot.next_token, slot.t_prefill = len(req.prompt), None, 0.0
+        slot.n_history, slot.next_token, slot.t_prefill, slot.unsent = len(req.prompt), None, 0.0, 0
 
     def _run(self, slots: list[Slot], phase: str, forward: Callable[..., torch.Tensor], *args) -> torch.Tensor | None:
         """forward(*args) with the cache lookups it made credited to each of `slots`; on an error those requests
@@ -360,6 +367,7 @@ class Scheduler:
 
     def _sample(self, slot: Slot, logits: torch.Tensor) -> None:
         req, p = slot.req, slot.req.params
+        lp = None if req.top_logprobs is None else torch.log_softmax(logits.float(), dim=-1).cpu()  # before sampling
         tok = int(slot.sampler.sample(logits, slot.history[:slot.n_history]))
         now = time.perf_counter()
         first = req.t_first is None
@@ -372,9 +380,14 @@ class Scheduler:
             return
         req.tokens.append(tok)
         self.generated_tokens += 1
+        if lp is not None:
+            top = lp.topk(req.top_logprobs) if req.top_logprobs else None
+            alts = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist()))
+            req.logprobs.append((tok, float(lp[tok]), alts))
+            slot.unsent += 1
         piece, stopped = slot.stops.feed(slot.decoder.step(tok))
         if piece:
-            req.emit(Event(text=piece))
+            req.emit(Event(text=piece, logprobs=self._unsent(slot, req)))
         if stopped:
             self._finish(slot, "stop")
         elif len(req.tokens) >= p.max_tokens or slot.kv.length + 1 > self.engine.ctx_size:
@@ -397,13 +410,20 @@ class Scheduler:
             t.predicted_ms = (req.t_end - slot.t_prefill) * 1e3 - t.prompt_ms
         if reason in ("cancelled", "error") or not req.cache_prompt:
             slot.seq.free()
+        unsent = self._unsent(slot, req)
         slot.req, slot.todo, slot.next_token, slot.sampler = None, [], None, None
         slot.last_used = req.t_end
         with self._cond:
             self._active -= 1
         self._copy_cache_stats(force=True)  # a client reading /metrics after its answer sees its lookups
         self.observer.finished(req)
-        req.emit(Event(text=rest, finish_reason=reason, error=error))
+        req.emit(Event(text=rest, finish_reason=reason, error=error, logprobs=unsent))
+
+    @staticmethod
+    def _unsent(slot: Slot, req: Request) -> tuple:
+        """The request's log-probability entries no event has carried yet."""
+        n, slot.unsent = slot.unsent, 0
+        return tuple(req.logprobs[len(req.logprobs) - n:]) if n else ()
 
     def _copy_cache_stats(self, force: bool = False) -> None:
         """A copy of the expert-cache statistics for readers on other threads: every 0.25 s, when a request

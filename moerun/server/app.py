@@ -194,14 +194,14 @@ class Server:
         params = sampling_params(body, self.cfg.defaults, requested)
         events = _Events(asyncio.get_running_loop())
         cache_prompt = self.cfg.cache_prompt if body.cache_prompt is None else body.cache_prompt
-        req = EngineRequest(prompt, params, emit=events.emit, cache_prompt=cache_prompt)
+        req = EngineRequest(prompt, params, emit=events.emit, cache_prompt=cache_prompt, top_logprobs=body.top_n())
         try:
             ready.scheduler.submit(req)
         except (QueueFullError, ModelUnavailableError) as e:
             raise APIError(503, str(e), "unavailable_error") from None
         except ContextOverflowError as e:
             raise APIError(400, str(e), "exceed_context_size_error") from None
-        reply = Reply(kind, req.id, model)
+        reply = Reply(kind, req.id, model, tokenizer=eng.tokenizer if req.top_logprobs is not None else None)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(self._sse(req, events, reply, include_usage, split),
@@ -238,7 +238,8 @@ class Server:
             raise APIError(503 if self._stopping else 500, f"generation failed: {ev.error}")
         use, timings = self._finals(req)
         text, reasoning = (text, "") if split is None else split().whole(text)
-        return JSONResponse(reply.whole(text, ev.finish_reason, use, timings, reasoning),
+        logprobs = req.logprobs if req.top_logprobs is not None else None
+        return JSONResponse(reply.whole(text, ev.finish_reason, use, timings, reasoning, logprobs),
                             headers={"X-Request-Id": req.id})
 
     async def _sse(self, req: Request, events: _Events, reply: Reply, include_usage: bool,
@@ -251,9 +252,13 @@ class Server:
             while True:
                 ev: Event = await events.queue.get()
                 pieces = [("content", ev.text)] if parser is None else parser.feed(ev.text)
+                held = list(ev.logprobs) if req.top_logprobs is not None else None  # on the next chunk sent
                 for kind, text in pieces:
                     if text:
-                        yield _sse(reply.chunk(text, kind))
+                        yield _sse(reply.chunk(text, kind, held))
+                        held = [] if held is not None else None
+                if held and ev.finish_reason is None:  # tokens whose text is held back: their entries now
+                    yield _sse(reply.chunk("", "content", held))
                 if ev.finish_reason is None:
                     continue
                 finished = True
@@ -261,7 +266,10 @@ class Server:
                     yield _sse(APIError(503 if self._stopping else 500, f"generation failed: {ev.error}").body())
                 else:
                     for kind, text in [] if parser is None else parser.flush():
-                        yield _sse(reply.chunk(text, kind))
+                        yield _sse(reply.chunk(text, kind, held))
+                        held = [] if held is not None else None
+                    if held:
+                        yield _sse(reply.chunk("", "content", held))
                     use, timings = self._finals(req)
                     for chunk in reply.final_chunks(ev.finish_reason, use, timings, include_usage):
                         yield _sse(chunk)

@@ -1,8 +1,9 @@
 """OpenAI's request and response shapes, the part moerun serves, and their mapping onto SamplingParams.
 
 Requests may carry fields moerun does not know (clients send `user`, `metadata`, ...): they are ignored.
-Fields that would change the answer and are not implemented (logprobs, tools, n > 1, ...) are refused
-with a 400 rather than silently dropped.
+Fields that would change the answer and are not implemented (tools, n > 1, ...) are refused with a 400
+rather than silently dropped. Log probabilities are the model's, before any sampling step (penalties,
+temperature, truncation): log_softmax of the logits, as OpenAI defines them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from moerun.config import REASONING_FORMATS, SamplingParams
 from moerun.server.errors import APIError
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat completions (its legacy completions: 5)
 
 
 class StreamOptions(BaseModel):
@@ -58,7 +61,7 @@ class ChatRequest(_Sampling):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -78,10 +81,15 @@ class ChatRequest(_Sampling):
                            param="reasoning_format")
         return fmt
 
+    def top_n(self) -> int | None:
+        """Alternatives per token to report (0: the chosen token's log probability only); None: no logprobs."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.logprobs or self.top_logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
+        self.top_n()
         if self.tools:
             raise APIError(400, "tools (function calling) are not supported", param="tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -94,7 +102,10 @@ class CompletionRequest(_Sampling):
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # legacy: that many alternatives per token
+
+    def top_n(self) -> int | None:
+        return self.logprobs
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -104,8 +115,6 @@ class CompletionRequest(_Sampling):
             raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of > 1 is not supported", param="best_of")
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
@@ -187,13 +196,49 @@ def usage(n_prompt: int, n_out: int, cached: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-class Reply:
-    """The response objects of one request: whole, or as stream chunks (chat or text completion)."""
+def _token(tok: Any, token_id: int, logprob: float) -> dict:
+    raw = tok.token_to_bytes(token_id)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
 
-    def __init__(self, kind: str, request_id: str, model: str):
+
+def chat_logprobs(tok: Any, entries) -> dict:
+    """OpenAI's chat `logprobs` for the generated tokens: each token's text, log probability, UTF-8 bytes and
+    its top alternatives. entries: (token id, log probability, ((id, log probability), ...)) per token."""
+    return {"content": [{**_token(tok, t, lp), "top_logprobs": [_token(tok, i, x) for i, x in top]}
+                        for t, lp, top in entries], "refusal": None}
+
+
+def text_logprobs(tok: Any, entries, offset: int = 0) -> dict:
+    """The legacy completions' `logprobs`: tokens, their log probabilities, the top alternatives as {token:
+    logprob} and each token's offset in the text (from `offset`, where an earlier chunk ended)."""
+    tokens = [tok.token_to_bytes(t).decode("utf-8", errors="replace") for t, _, _ in entries]
+    offsets = []
+    for piece in tokens:
+        offsets.append(offset)
+        offset += len(piece)
+    tops = [{tok.token_to_bytes(i).decode("utf-8", errors="replace"): x for i, x in top} for _, _, top in entries]
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries], "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+class Reply:
+    """The response objects of one request: whole, or as stream chunks (chat or text completion); with a
+    tokenizer, the chunks and the answer carry the tokens' log probabilities given to them."""
+
+    def __init__(self, kind: str, request_id: str, model: str, tokenizer: Any = None):
         self.chat = kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
         self.model, self.created = model, int(time.time())
+        self.tok, self._offset = tokenizer, 0
+
+    def _logprobs(self, entries) -> dict | None:
+        if self.tok is None or entries is None:
+            return None
+        if self.chat:
+            return chat_logprobs(self.tok, entries)
+        out = text_logprobs(self.tok, entries, self._offset)
+        self._offset += sum(map(len, out["tokens"]))
+        return out
 
     def _envelope(self, choices: list[dict], chunk: bool) -> dict:
         obj = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
@@ -201,17 +246,20 @@ class Reply:
                 "system_fingerprint": "moerun", "choices": choices}
 
     def _choice(self, text: str | None, finish_reason: str | None, delta: bool, role: bool = False,
-                field: str = "content") -> dict:
+                field: str = "content", logprobs=None) -> dict:
+        lp = self._logprobs(logprobs)
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
         body = {"role": "assistant"} if role else {}
         if text is not None:
             body[field] = text
-        return {"index": 0, ("delta" if delta else "message"): body, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, ("delta" if delta else "message"): body, "logprobs": lp, "finish_reason": finish_reason}
 
-    def whole(self, text: str, finish_reason: str, use: dict, timings: dict, reasoning: str = "") -> dict:
-        """The answer; the model's reasoning, when it was told apart, as the message's reasoning_content."""
-        choice = self._choice(text, finish_reason, delta=False, role=True)
+    def whole(self, text: str, finish_reason: str, use: dict, timings: dict, reasoning: str = "",
+              logprobs=None) -> dict:
+        """The answer; the model's reasoning, when it was told apart, as the message's reasoning_content;
+        logprobs: every generated token's entry (chat_logprobs), when asked for."""
+        choice = self._choice(text, finish_reason, delta=False, role=True, logprobs=logprobs)
         if reasoning:
             choice["message"]["reasoning_content"] = reasoning
         return {**self._envelope([choice], chunk=False), "usage": use, "timings": timings}
@@ -220,10 +268,11 @@ class Reply:
         """Chat streams open with the assistant's role (OpenAI's first chunk)."""
         return self._envelope([self._choice("", None, delta=True, role=True)], chunk=True) if self.chat else None
 
-    def chunk(self, text: str, kind: str = "content") -> dict:
-        """A delta of the answer (kind "content") or of the reasoning ("reasoning": reasoning_content)."""
+    def chunk(self, text: str, kind: str = "content", logprobs=None) -> dict:
+        """A delta of the answer (kind "content") or of the reasoning ("reasoning": reasoning_content), with the
+        entries of the tokens it carries when logprobs were asked for."""
         field = "reasoning_content" if kind == "reasoning" else "content"
-        return self._envelope([self._choice(text, None, delta=True, field=field)], chunk=True)
+        return self._envelope([self._choice(text, None, delta=True, field=field, logprobs=logprobs)], chunk=True)
 
     def final_chunks(self, finish_reason: str, use: dict, timings: dict, include_usage: bool) -> list[dict]:
         """The chunk with finish_reason, then usage and timings: on it (llama-server), or on one more chunk
