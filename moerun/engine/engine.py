@@ -62,6 +62,16 @@ class Engine:
         self.pool = KVPool(model.spec, ctx_size, dtype=model.dtype, segments=model.kv_segments)
 
     @property
+    def grammars(self):
+        """The structured-output compiler over this model's vocabulary (moerun.engine.grammar), built on first
+        use (~10 ms for the built-in model's vocabulary)."""
+        if getattr(self, "_grammars", None) is None:
+            from moerun.engine.grammar import Grammars
+
+            self._grammars = Grammars(self.tokenizer, self.model.spec.vocab)
+        return self._grammars
+
+    @property
     def device_label(self) -> str:
         """The kind of device holding the KV cache (of the first layers): cpu, cuda."""
         return self.pool.segments[0][2].device.type

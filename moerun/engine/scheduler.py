@@ -90,6 +90,7 @@ class Request:
     # per generated token, (id, log probability, ((id, log probability), ...)) from the logits before sampling
     top_logprobs: int | None = None
     logprobs: list[tuple] = field(default_factory=list)
+    grammar: str | None = None  # llguidance's: the output must follow it (moerun.engine.grammar)
 
     def cancel(self) -> None:
         """Drop the request at the next step (its client went away)."""
@@ -132,6 +133,7 @@ class Slot:
         self.decoder = self.stops = None
         self.t_prefill = self.t_token = 0.0
         self.unsent = 0  # log-probability entries not yet sent with an event
+        self.constraint = None  # the request's grammar state (moerun.engine.grammar.Constraint)
 
     @property
     def kv(self) -> SeqKV:
@@ -296,6 +298,11 @@ class Scheduler:
         slot.stops = StopChecker(req.params.stop)
         slot.history[:len(req.prompt)] = torch.tensor(req.prompt)
         slot.n_history, slot.next_token, slot.t_prefill, slot.unsent = len(req.prompt), None, 0.0, 0
+        try:
+            slot.constraint = None if req.grammar is None else self.engine.grammars.constraint(req.grammar)
+        except MoerunError as e:  # compiled when the request came in, so this is not expected: fail it alone
+            slot.todo = []
+            self._finish(slot, "error", str(e))
 
     def _run(self, slots: list[Slot], phase: str, forward: Callable[..., torch.Tensor], *args) -> torch.Tensor | None:
         """forward(*args) with the cache lookups it made credited to each of `slots`; on an error those requests
@@ -368,6 +375,12 @@ class Scheduler:
     def _sample(self, slot: Slot, logits: torch.Tensor) -> None:
         req, p = slot.req, slot.req.params
         lp = None if req.top_logprobs is None else torch.log_softmax(logits.float(), dim=-1).cpu()  # before sampling
+        if slot.constraint is not None:  # the grammar's mask is the first step of the sampler chain
+            try:
+                logits = slot.constraint.mask(logits)
+            except MoerunError as e:  # the grammar cannot go on (llguidance's error state)
+                self._finish(slot, "error", str(e))
+                return
         tok = int(slot.sampler.sample(logits, slot.history[:slot.n_history]))
         now = time.perf_counter()
         first = req.t_first is None
@@ -385,10 +398,16 @@ class Scheduler:
             alts = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist()))
             req.logprobs.append((tok, float(lp[tok]), alts))
             slot.unsent += 1
+        if slot.constraint is not None:
+            try:
+                slot.constraint.accept(tok)
+            except MoerunError as e:
+                self._finish(slot, "error", str(e))
+                return
         piece, stopped = slot.stops.feed(slot.decoder.step(tok))
         if piece:
             req.emit(Event(text=piece, logprobs=self._unsent(slot, req)))
-        if stopped:
+        if stopped or (slot.constraint is not None and slot.constraint.done):
             self._finish(slot, "stop")
         elif len(req.tokens) >= p.max_tokens or slot.kv.length + 1 > self.engine.ctx_size:
             self._finish(slot, "length")
@@ -411,7 +430,7 @@ class Scheduler:
         if reason in ("cancelled", "error") or not req.cache_prompt:
             slot.seq.free()
         unsent = self._unsent(slot, req)
-        slot.req, slot.todo, slot.next_token, slot.sampler = None, [], None, None
+        slot.req, slot.todo, slot.next_token, slot.sampler, slot.constraint = None, [], None, None, None
         slot.last_used = req.t_end
         with self._cond:
             self._active -= 1

@@ -172,8 +172,9 @@ class Server:
     # -- generation -----------------------------------------------------------------------------------
 
     async def generate(self, http: HTTPRequest, body: ChatRequest | CompletionRequest, prompt: list[int],
-                       kind: str, split: Split | None = None):
-        """split: for chat completions whose reasoning is told apart, a new ReasoningParser."""
+                       kind: str, split: Split | None = None, grammar: str | None = None):
+        """split: for chat completions whose reasoning is told apart, a new ReasoningParser; grammar: what the
+        output must follow (moerun.engine.grammar)."""
         from moerun.engine.kv_cache import ContextOverflowError
         from moerun.engine.scheduler import ModelUnavailableError, QueueFullError
         from moerun.engine.scheduler import Request as EngineRequest
@@ -194,7 +195,8 @@ class Server:
         params = sampling_params(body, self.cfg.defaults, requested)
         events = _Events(asyncio.get_running_loop())
         cache_prompt = self.cfg.cache_prompt if body.cache_prompt is None else body.cache_prompt
-        req = EngineRequest(prompt, params, emit=events.emit, cache_prompt=cache_prompt, top_logprobs=body.top_n())
+        req = EngineRequest(prompt, params, emit=events.emit, cache_prompt=cache_prompt, top_logprobs=body.top_n(),
+                            grammar=grammar)
         try:
             ready.scheduler.submit(req)
         except (QueueFullError, ModelUnavailableError) as e:
@@ -420,7 +422,24 @@ def _routes(app: FastAPI, server: Server) -> None:
         reasoning = body.reasoning_format_or(server.cfg.reasoning_format)
         prompt, split = await run_in_threadpool(chat_prompt, ready, body.messages, body.template_kwargs(),
                                                 reasoning)
-        return await server.generate(http, body, prompt, "chat", split)
+        grammar = await run_in_threadpool(output_grammar, ready, body)
+        return await server.generate(http, body, prompt, "chat", split, grammar)
+
+    def output_grammar(ready: Ready, body: ChatRequest) -> str | None:
+        """response_format as a grammar the sampler enforces; a schema it cannot enforce is a 400 naming why."""
+        from moerun.engine.grammar import GrammarError
+
+        constrained, schema = body.output_schema()
+        if not constrained:
+            return None
+        try:
+            return ready.runtime.engine.grammars.json_schema(schema)
+        except ImportError:
+            raise APIError(501, "structured output needs the llguidance package (pip install llguidance)",
+                           param="response_format") from None
+        except GrammarError as e:
+            raise APIError(400, f"response_format: the schema cannot be enforced: {e}", param="response_format") \
+                from None
 
     @app.post("/v1/completions")
     @app.post("/completions")

@@ -92,9 +92,25 @@ class ChatRequest(_Sampling):
         self.top_n()
         if self.tools:
             raise APIError(400, "tools (function calling) are not supported", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, f"response_format {self.response_format.get('type')!r} is not supported "
-                                "(only 'text')", param="response_format")
+        self.output_schema()
+
+    def output_schema(self) -> tuple[bool, dict | None]:
+        """What response_format asks for: (constrained, schema) — (False, None) for text, (True, None) for any
+        JSON object (json_object), (True, schema) for json_schema."""
+        rf = self.response_format
+        kind = "text" if rf is None else rf.get("type", "text")
+        if kind == "text":
+            return False, None
+        if kind == "json_object":
+            return True, None
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise APIError(400, "response_format json_schema needs {'json_schema': {'name': ..., 'schema': "
+                                    "{...}}}", param="response_format")
+            return True, spec.get("schema", {})
+        raise APIError(400, f"response_format {kind!r} is not supported (text, json_object, json_schema)",
+                       param="response_format")
 
 
 class CompletionRequest(_Sampling):
