@@ -1,0 +1,150 @@
+"""Structured output's cost: llguidance (what moerun uses) against xgrammar for the token mask of one step, on
+the same JSON schema and token sequence; then decode tok/s with and without the constraint on a model,
+alternating, through the server's scheduler.
+
+    pip install llguidance xgrammar          # xgrammar only for the comparison (--no-deps, with apache-tvm-ffi)
+    python bench/structured_output.py ~/.cache/moerun/bench-models/a3b-L4-Q4_K_M.gguf -t 2 [--append]
+
+The mask is computed on the engine thread before each sampling (moerun.engine.grammar); the figure that matters
+is its time against a decode step's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from datetime import date
+
+import torch
+from compare_llamacpp import append_section
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "email", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 24},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "email": {"type": "string", "maxLength": 40},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4}}}
+
+
+def walk(grammars, vocab: int, steps: int, seed: int = 0) -> list[int]:
+    """A token sequence the schema allows: random logits masked by llguidance, greedy, until it is done."""
+    c = grammars.constraint(grammars.json_schema(SCHEMA))
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    while len(out) < steps and not c.done:
+        tok = int(c.mask(torch.randn(vocab, generator=g)).argmax())
+        if tok in grammars.tokenizer.eos_tokens:
+            break
+        c.accept(tok)
+        out.append(tok)
+    return out
+
+
+def llguidance_us(grammars, tokens: list[int]) -> list[float]:
+    c = grammars.constraint(grammars.json_schema(SCHEMA))
+    times = []
+    for tok in tokens:
+        t = time.perf_counter()
+        c.allowed()
+        times.append((time.perf_counter() - t) * 1e6)
+        c.accept(tok)
+    return times
+
+
+def xgrammar_us(backend, vocab: int, eos: list[int], steps: int, seed: int = 0) -> list[float] | None:
+    """Mask times of xgrammar walking its own answer (random logits of the same seed, masked, greedy): the two
+    libraries read schemas' string and number rules a little differently, so one's tokens may not suit the
+    other."""
+    try:
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return None
+    info = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=backend), vocab_size=vocab,
+                                              stop_token_ids=eos)
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+    m = xgr.GrammarMatcher(compiled)
+    bits = xgr.allocate_token_bitmask(1, vocab)
+    g = torch.Generator().manual_seed(seed)
+    times = []
+    while len(times) < steps and not m.is_terminated():
+        t = time.perf_counter()
+        m.fill_next_token_bitmask(bits)
+        times.append((time.perf_counter() - t) * 1e6)
+        logits = torch.randn(1, vocab, generator=g)
+        xgr.apply_token_bitmask_inplace(logits, bits)
+        tok = int(logits.argmax())
+        if tok in eos or not m.accept_token(tok):
+            break
+    return times
+
+
+def decode_runs(path: str, threads: int, rounds: int) -> dict[str, list[float]]:
+    """Decode tok/s of one request at temperature 1 with and without the schema, alternating."""
+    from moerun.config import RuntimeConfig, SamplingParams
+    from moerun.engine.scheduler import Request, Scheduler
+    from moerun.runtime import build
+
+    rt = build(RuntimeConfig(model=path, threads=threads))
+    sched = Scheduler(rt.engine, parallel=1)
+    grammar = rt.engine.grammars.json_schema(SCHEMA)
+    prompt = rt.engine.tokenizer.encode("Describe a person as JSON:")
+    out: dict[str, list[float]] = {"plain": [], "schema": [], "schema_tokens": []}
+    for r in range(rounds):
+        for name in ("plain", "schema"):
+            req = Request(prompt, SamplingParams(temperature=1.0, seed=r, max_tokens=64, ignore_eos=True),
+                          grammar=grammar if name == "schema" else None, cache_prompt=False)
+            sched.submit(req)
+            while sched.has_work():
+                sched.step()
+            out[name].append(req.timings.predicted_n / req.timings.predicted_ms * 1e3)
+            if name == "schema":
+                out["schema_tokens"].append(req.timings.predicted_n)
+    rt.close()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model")
+    p.add_argument("-t", "--threads", type=int, default=2)
+    p.add_argument("-r", "--rounds", type=int, default=5)
+    p.add_argument("--append", action="store_true")
+    args = p.parse_args()
+    from moerun.engine.grammar import Grammars
+    from moerun.tools.tokenizer import build_tokenizer
+    from moerun.text import Tokenizer
+
+    rows = []
+    for vocab in (1024, 32768):
+        backend = build_tokenizer(vocab)
+        tok = Tokenizer(backend, kind="byte_level", vocab_size=vocab, bos_id=None, eos_id=vocab - 1)
+        grammars = Grammars(tok, vocab)
+        tokens = walk(grammars, vocab, 200)
+        ll = llguidance_us(grammars, tokens)
+        xg = xgrammar_us(backend, vocab, [vocab - 1], 200)
+        rows.append(f"| {vocab} | {len(tokens)} | {statistics.median(ll):.0f} (max {max(ll):.0f}) | "
+                    + ("not installed" if xg is None else f"{statistics.median(xg):.0f} (max {max(xg):.0f})") + " |")
+    dec = decode_runs(args.model, args.threads, args.rounds)
+    plain, schema = statistics.median(dec["plain"]), statistics.median(dec["schema"])
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            check=False).stdout.strip()
+    text = (f"## {date.today()} — structured output: the grammar mask's cost (issue 18, item 2)\n\n"
+            f"Command: `python bench/structured_output.py {args.model} -t {args.threads} -r {args.rounds}` (commit "
+            f"{commit}). The schema: an object of a bounded string name, an integer age 0-120, a bounded email "
+            "string and up to 4 bounded tags, compact JSON. Mask time of one step (us, median over a whole answer "
+            "of the schema, each library walking random logits of one seed; our byte-level BPE vocabularies of two "
+            "sizes):\n\n| vocabulary | llguidance tokens | llguidance | xgrammar |\n|---:|---:|---:|---:|\n" + "\n".join(rows) + "\n\n"
+            f"Decode through the scheduler, one request at temperature 1, {args.rounds} rounds alternating: "
+            f"without a constraint {plain:.1f} tok/s ({', '.join(f'{x:.1f}' for x in dec['plain'])}), with the "
+            f"schema {schema:.1f} tok/s ({', '.join(f'{x:.1f}' for x in dec['schema'])}; answers of "
+            f"{', '.join(map(str, dec['schema_tokens']))} tokens): {schema / plain:.3f}x.\n")
+    print(text)
+    if args.append:
+        append_section(text)
+
+
+if __name__ == "__main__":
+    main()
