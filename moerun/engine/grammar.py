@@ -88,6 +88,10 @@ class Grammars:
             raise GrammarError(str(e)) from None
         return self._checked(grammar)
 
+    def lark(self, source: str) -> str:
+        """A grammar from llguidance's Lark (with %json {schema} rules), checked."""
+        return self._checked(self.llg.LLMatcher.grammar_from_lark(source))
+
     def constraint(self, grammar: str) -> Constraint:
         matcher = self.llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():

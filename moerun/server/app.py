@@ -33,6 +33,8 @@ from moerun.config import ServerConfig
 from moerun.errors import MoerunError
 from moerun.server.errors import APIError, Guard, install_handlers
 from moerun.server.metrics import Telemetry, ThroughputLog
+from moerun.server.tools import ToolRequest, forced_grammar, message_calls, parse_request, stream_deltas
+from moerun.text.toolcalls import ToolCallParser
 from moerun.server.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -51,7 +53,10 @@ if TYPE_CHECKING:  # torch and the model load on the loader thread, after the po
     from moerun.text import ChatTemplate
     from moerun.text.reasoning import ReasoningParser
 
+    from moerun.text.toolcalls import ToolSyntax
+
     Split = Callable[[], ReasoningParser]  # a new parser for one request's output
+    Calls = tuple[ToolSyntax, ToolRequest]  # the template's tool-call syntax and the request's tools
 
 log = logging.getLogger("moerun.server")
 
@@ -172,9 +177,11 @@ class Server:
     # -- generation -----------------------------------------------------------------------------------
 
     async def generate(self, http: HTTPRequest, body: ChatRequest | CompletionRequest, prompt: list[int],
-                       kind: str, split: Split | None = None, grammar: str | None = None):
+                       kind: str, split: Split | None = None, grammar: str | None = None,
+                       calls: Calls | None = None):
         """split: for chat completions whose reasoning is told apart, a new ReasoningParser; grammar: what the
-        output must follow (moerun.engine.grammar)."""
+        output must follow (moerun.engine.grammar); calls: the template's tool-call syntax and the request's
+        tools, when the answer's calls are read back."""
         from moerun.engine.kv_cache import ContextOverflowError
         from moerun.engine.scheduler import ModelUnavailableError, QueueFullError
         from moerun.engine.scheduler import Request as EngineRequest
@@ -206,11 +213,11 @@ class Server:
         reply = Reply(kind, req.id, model, tokenizer=eng.tokenizer if req.top_logprobs is not None else None)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._sse(req, events, reply, include_usage, split),
+            return StreamingResponse(self._sse(req, events, reply, include_usage, split, calls),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                               "X-Request-Id": req.id})
-        return await self._whole(http, req, events, reply, split)
+        return await self._whole(http, req, events, reply, split, calls)
 
     def _finals(self, req: Request) -> tuple[dict, dict]:
         timings = {**req.timings.to_dict(), "expert_cache_hits": req.cache_hits,
@@ -218,7 +225,7 @@ class Server:
         return usage(len(req.prompt), len(req.tokens), req.timings.cache_n), timings
 
     async def _whole(self, http: HTTPRequest, req: Request, events: _Events, reply: Reply,
-                     split: Split | None) -> JSONResponse:
+                     split: Split | None, calls: Calls | None = None) -> JSONResponse:
         async def collect() -> tuple[str, Event]:
             text = []
             while True:
@@ -241,12 +248,21 @@ class Server:
         use, timings = self._finals(req)
         text, reasoning = (text, "") if split is None else split().whole(text)
         logprobs = req.logprobs if req.top_logprobs is not None else None
-        return JSONResponse(reply.whole(text, ev.finish_reason, use, timings, reasoning, logprobs),
+        tool_calls = None
+        if calls is not None:
+            parser, (_, tools) = ToolCallParser(calls[0]), calls
+            pieces = parser.feed(text) + parser.flush()
+            text = "".join(v for k, v in pieces if k == "content")
+            tool_calls = message_calls([v for k, v in pieces if k == "call"], tools.parallel)
+            for message in (v for k, v in pieces if k == "error"):
+                log.warning("request %s: %s (kept as content)", req.id, message)
+        return JSONResponse(reply.whole(text, ev.finish_reason, use, timings, reasoning, logprobs, tool_calls),
                             headers={"X-Request-Id": req.id})
 
     async def _sse(self, req: Request, events: _Events, reply: Reply, include_usage: bool,
-                   split: Split | None) -> AsyncIterator[str]:
+                   split: Split | None, calls: Calls | None = None) -> AsyncIterator[str]:
         finished, parser = False, None if split is None else split()
+        tools = None if calls is None else _StreamCalls(calls, reply, req.id)
         try:
             first = reply.first_chunk()
             if first is not None:
@@ -255,8 +271,12 @@ class Server:
                 ev: Event = await events.queue.get()
                 pieces = [("content", ev.text)] if parser is None else parser.feed(ev.text)
                 held = list(ev.logprobs) if req.top_logprobs is not None else None  # on the next chunk sent
+                if tools is not None:
+                    pieces = tools.feed(pieces)
                 for kind, text in pieces:
-                    if text:
+                    if kind == "tool":
+                        yield _sse(text)
+                    elif text:
                         yield _sse(reply.chunk(text, kind, held))
                         held = [] if held is not None else None
                 if held and ev.finish_reason is None:  # tokens whose text is held back: their entries now
@@ -267,13 +287,20 @@ class Server:
                 if ev.finish_reason == "error":
                     yield _sse(APIError(503 if self._stopping else 500, f"generation failed: {ev.error}").body())
                 else:
-                    for kind, text in [] if parser is None else parser.flush():
-                        yield _sse(reply.chunk(text, kind, held))
-                        held = [] if held is not None else None
+                    rest = [] if parser is None else parser.flush()
+                    if tools is not None:
+                        rest = tools.feed(rest) + tools.flush()
+                    for kind, text in rest:
+                        if kind == "tool":
+                            yield _sse(text)
+                        elif text:
+                            yield _sse(reply.chunk(text, kind, held))
+                            held = [] if held is not None else None
                     if held:
                         yield _sse(reply.chunk("", "content", held))
                     use, timings = self._finals(req)
-                    for chunk in reply.final_chunks(ev.finish_reason, use, timings, include_usage):
+                    reason = "tool_calls" if tools is not None and tools.n else ev.finish_reason
+                    for chunk in reply.final_chunks(reason, use, timings, include_usage):
                         yield _sse(chunk)
                     yield "data: [DONE]\n\n"
                 return
@@ -282,6 +309,36 @@ class Server:
                 req.cancel()
                 if self.ready is not None:
                     self.ready.scheduler.wake()
+
+
+class _StreamCalls:
+    """A stream's content pieces through the tool-call parser: text stays content, each call becomes its
+    chunks (kind "tool": ready chunk objects)."""
+
+    def __init__(self, calls: Calls, reply: Reply, request_id: str):
+        (syntax, self.tools), self.reply, self.id = calls, reply, request_id
+        self.parser, self.n = ToolCallParser(syntax), 0
+
+    def _out(self, events) -> list[tuple[str, Any]]:
+        out = []
+        for kind, value in events:
+            if kind == "content":
+                out.append(("content", value))
+            elif kind == "call" and (self.tools.parallel or self.n == 0):
+                out += [("tool", self.reply.tool_chunk(d)) for d in stream_deltas(self.n, value)]
+                self.n += 1
+            elif kind == "error":
+                log.warning("request %s: %s (kept as content)", self.id, value)
+        return out
+
+    def feed(self, pieces: list[tuple[str, str]]) -> list[tuple[str, Any]]:
+        out = []
+        for kind, text in pieces:
+            out += self._out(self.parser.feed(text)) if kind == "content" else [(kind, text)]
+        return out
+
+    def flush(self) -> list[tuple[str, Any]]:
+        return self._out(self.parser.flush())
 
 
 def cache_summary(rt: Runtime) -> str:
@@ -395,9 +452,10 @@ def _routes(app: FastAPI, server: Server) -> None:
         return model_object(model)
 
     def chat_prompt(ready: Ready, messages: list[dict], kwargs: dict | None,
-                    reasoning: str = "none") -> tuple[list[int], Split | None]:
-        """The chat template applied, then tokenized (the template writes BOS itself when the model wants it);
-        and, when the template writes reasoning the `reasoning` format tells apart, the parser's factory."""
+                    reasoning: str = "none", tools: list[dict] | None = None) -> tuple[list[int], Split | None]:
+        """The chat template applied (with the request's tools), then tokenized (the template writes BOS itself
+        when the model wants it); and, when the template writes reasoning the `reasoning` format tells apart,
+        the parser's factory."""
         from moerun.text import ChatTemplateError
         from moerun.text.reasoning import ReasoningParser
 
@@ -405,9 +463,10 @@ def _routes(app: FastAPI, server: Server) -> None:
             raise APIError(501, f"this model's chat template cannot be used: {ready.template_error}")
         messages, tok = message_texts(messages), ready.runtime.engine.tokenizer
         syntax = _usable_syntax(ready.template, tok, reasoning)
+        kwargs = {**(kwargs or {}), **({"tools": tools} if tools else {})}
         try:
-            text = ready.template.render(messages, add_generation_prompt=True, **(kwargs or {}))
-            prime = "" if syntax is None else ready.template.generation_prompt(messages, **(kwargs or {}))
+            text = ready.template.render(messages, add_generation_prompt=True, **kwargs)
+            prime = "" if syntax is None else ready.template.generation_prompt(messages, **kwargs)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
         split = None if syntax is None else functools.partial(ReasoningParser, syntax, prime)
@@ -420,24 +479,49 @@ def _routes(app: FastAPI, server: Server) -> None:
         server.check_model(body.model)
         body.refuse_unsupported()
         reasoning = body.reasoning_format_or(server.cfg.reasoning_format)
+        tools = parse_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+        calls = tool_syntax(ready, tools)
         prompt, split = await run_in_threadpool(chat_prompt, ready, body.messages, body.template_kwargs(),
-                                                reasoning)
-        grammar = await run_in_threadpool(output_grammar, ready, body)
-        return await server.generate(http, body, prompt, "chat", split, grammar)
+                                                reasoning, calls[1].tools if calls else None)
+        grammar = await run_in_threadpool(output_grammar, ready, body, calls)
+        return await server.generate(http, body, prompt, "chat", split, grammar, calls)
 
-    def output_grammar(ready: Ready, body: ChatRequest) -> str | None:
-        """response_format as a grammar the sampler enforces; a schema it cannot enforce is a 400 naming why."""
+    def tool_syntax(ready: Ready, tools: ToolRequest | None) -> Calls | None:
+        """The template's tool-call syntax with the request's tools (None without tools, or tool_choice none);
+        a template that writes no calls moerun reads is a 400."""
+        from moerun.text.toolcalls import syntax_for
+
+        if tools is None or tools.choice == "none":
+            return None
+        syntax = None if ready.template is None or ready.template.is_fallback else syntax_for(ready.template.source)
+        if syntax is None:
+            raise APIError(400, "this model's chat template renders no tool calls in a format moerun reads "
+                                "(Qwen, Hermes, Mistral, DeepSeek, GLM)", param="tools")
+        return syntax, tools
+
+    def output_grammar(ready: Ready, body: ChatRequest, calls: Calls | None = None) -> str | None:
+        """response_format, or the calls tool_choice forces, as a grammar the sampler enforces; a schema it cannot
+        enforce is a 400 naming why."""
         from moerun.engine.grammar import GrammarError
 
         constrained, schema = body.output_schema()
-        if not constrained:
+        forced = None if calls is None else forced_grammar(*calls)
+        if constrained and forced is not None:
+            raise APIError(400, "response_format and a forced tool_choice cannot both constrain the answer",
+                           param="response_format")
+        if not constrained and forced is None:
             return None
         try:
+            if forced is not None:
+                return ready.runtime.engine.grammars.lark(forced)
             return ready.runtime.engine.grammars.json_schema(schema)
         except ImportError:
             raise APIError(501, "structured output needs the llguidance package (pip install llguidance)",
                            param="response_format") from None
         except GrammarError as e:
+            if forced is not None:
+                raise APIError(400, f"tools: a function's parameters cannot be enforced: {e}", param="tools") \
+                    from None
             raise APIError(400, f"response_format: the schema cannot be enforced: {e}", param="response_format") \
                 from None
 

@@ -8,6 +8,7 @@ temperature, truncation): log_softmax of the logits, as OpenAI defines them.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -63,6 +64,8 @@ class ChatRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_format: str | None = None  # llama-server's: where the reasoning goes (REASONING_FORMATS)
@@ -90,8 +93,6 @@ class ChatRequest(_Sampling):
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         self.top_n()
-        if self.tools:
-            raise APIError(400, "tools (function calling) are not supported", param="tools")
         self.output_schema()
 
     def output_schema(self) -> tuple[bool, dict | None]:
@@ -203,7 +204,32 @@ def message_texts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif content is not None and not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
                            param=f"messages[{i}].content")
-        out.append({**m, "content": content})
+        m = {**m, "content": content}
+        if m.get("tool_calls"):
+            m = {**m, "content": content or "", "tool_calls": _template_calls(m["tool_calls"], i)}
+        out.append(m)
+    return out
+
+
+def _template_calls(calls: Any, i: int) -> list[dict]:
+    """An assistant message's tool_calls for the chat template: arguments as an object (OpenAI sends JSON text;
+    templates iterate or re-serialise the object)."""
+    if not isinstance(calls, list):
+        raise APIError(400, f"messages[{i}].tool_calls must be a list", param=f"messages[{i}].tool_calls")
+    out = []
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise APIError(400, f"messages[{i}].tool_calls[{j}] has no function name",
+                           param=f"messages[{i}].tool_calls[{j}]")
+        args = f.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                raise APIError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON",
+                               param=f"messages[{i}].tool_calls[{j}].function.arguments") from None
+        out.append({**c, "type": "function", "function": {**f, "arguments": args}})
     return out
 
 
@@ -272,12 +298,18 @@ class Reply:
         return {"index": 0, ("delta" if delta else "message"): body, "logprobs": lp, "finish_reason": finish_reason}
 
     def whole(self, text: str, finish_reason: str, use: dict, timings: dict, reasoning: str = "",
-              logprobs=None) -> dict:
+              logprobs=None, tool_calls: list[dict] | None = None) -> dict:
         """The answer; the model's reasoning, when it was told apart, as the message's reasoning_content;
-        logprobs: every generated token's entry (chat_logprobs), when asked for."""
-        choice = self._choice(text, finish_reason, delta=False, role=True, logprobs=logprobs)
+        logprobs: every generated token's entry (chat_logprobs), when asked for; tool_calls: the calls it made
+        (then finish_reason "tool_calls", and no content when it wrote none beside them)."""
+        if tool_calls:
+            finish_reason = "tool_calls"
+        choice = self._choice(text if text.strip() or not tool_calls else None, finish_reason, delta=False,
+                              role=True, logprobs=logprobs)
         if reasoning:
             choice["message"]["reasoning_content"] = reasoning
+        if tool_calls:
+            choice["message"]["tool_calls"] = tool_calls
         return {**self._envelope([choice], chunk=False), "usage": use, "timings": timings}
 
     def first_chunk(self) -> dict | None:
@@ -289,6 +321,11 @@ class Reply:
         entries of the tokens it carries when logprobs were asked for."""
         field = "reasoning_content" if kind == "reasoning" else "content"
         return self._envelope([self._choice(text, None, delta=True, field=field, logprobs=logprobs)], chunk=True)
+
+    def tool_chunk(self, delta: dict) -> dict:
+        """A stream chunk of one tool call's part (moerun.server.tools.stream_deltas)."""
+        return self._envelope([{"index": 0, "delta": {"tool_calls": [delta]}, "logprobs": None,
+                                "finish_reason": None}], chunk=True)
 
     def final_chunks(self, finish_reason: str, use: dict, timings: dict, include_usage: bool) -> list[dict]:
         """The chunk with finish_reason, then usage and timings: on it (llama-server), or on one more chunk
