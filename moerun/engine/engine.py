@@ -33,6 +33,10 @@ class Sequence:
         self.kv.free()
         self.tokens = []
 
+    def publish(self) -> None:
+        """Offer the full blocks of what this sequence holds to other sequences (moerun.engine.blocks)."""
+        self.kv.publish(self.tokens)
+
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
@@ -88,9 +92,9 @@ class Engine:
         self.pool = KVPool(self.model.spec, n_tokens, dtype=self.model.dtype, segments=self.model.kv_segments,
                            seqs=seqs)
 
-    def reuse_prefix(self, seq: Sequence, prompt: list[int]) -> list[int]:
-        """Cut `seq` back to its longest common prefix with `prompt` -> the prompt tokens still to run
-        (at least one, for its logits)."""
+    def reuse_prefix(self, seq: Sequence, prompt: list[int], shared: bool = True) -> list[int]:
+        """Cut `seq` back to its longest common prefix with `prompt`, or take other sequences' blocks of a
+        longer one (`shared`) -> the prompt tokens still to run (at least one, for its logits)."""
         if not prompt:
             raise ValueError("empty prompt")
         if len(prompt) >= self.ctx_size:
@@ -98,8 +102,10 @@ class Engine:
                 f"the prompt has {len(prompt)} tokens but the context size is {self.ctx_size}")
         keep = common_prefix(seq.tokens, prompt)
         keep = min(keep, len(prompt) - 1)
-        seq.kv.truncate(keep)  # may keep less: a sliding-window ring that no longer holds the window before keep
+        seq.kv.truncate(keep)  # may keep less: a window's ring, a recurrent state's checkpoint, a shared block
         seq.tokens = seq.tokens[:seq.kv.length]
+        if shared and seq.kv.adopt(prompt):  # another sequence's blocks hold a longer prefix of the prompt
+            seq.tokens = prompt[:seq.kv.length]
         return prompt[seq.kv.length:]
 
     def prefill(self, seq: Sequence, prompt: list[int]) -> tuple[torch.Tensor, int]:
@@ -111,6 +117,7 @@ class Engine:
         for chunk in prompt_chunks(todo, self.ubatch, seq.kv.pool.recurrent):
             logits = self.model.forward(chunk, seq.kv, last_only=True)
             seq.tokens += chunk.tolist()
+            seq.publish()
             if len(seq.tokens) == len(prompt) - 1:
                 seq.kv.checkpoint()  # a recurrent state to come back to (a prompt resent, a reply redone)
         return logits[-1], len(todo)
@@ -170,6 +177,8 @@ class Generation:
                 history = torch.cat((history, torch.tensor([nxt])))
                 logits = eng.model.forward(torch.tensor([nxt]), self.seq.kv, last_only=True)[-1]
                 self.seq.tokens.append(nxt)
+                if self.seq.kv.length % self.seq.kv.pool.block_size == 0:
+                    self.seq.publish()
             if not stops.stopped:  # text held back (partial characters, a possible stop-string start)
                 rest, _ = stops.feed(decoder.flush())
                 rest += "" if stops.stopped else stops.flush()

@@ -30,29 +30,9 @@ from dataclasses import replace
 import torch
 
 from moerun.arch.spec import ModelSpec
-from moerun.errors import MoerunError
+from moerun.engine.blocks import BlockAllocator, ContextOverflowError, block_hashes
 
-
-class ContextOverflowError(MoerunError):
-    """A request needs more positions than the context (or the KV pool) holds."""
-
-
-class BlockAllocator:
-    def __init__(self, n_blocks: int):
-        self.n_blocks = n_blocks
-        self._free = list(range(n_blocks - 1, -1, -1))
-
-    @property
-    def n_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise ContextOverflowError(f"KV cache full: {n} more blocks needed, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
-
-    def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+__all__ = ["BlockAllocator", "ContextOverflowError", "KVPool", "SeqKV"]
 
 
 class KVPool:
@@ -63,7 +43,7 @@ class KVPool:
     def __init__(self, spec: ModelSpec, n_tokens: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu",
                  segments: list[tuple[int, int, str | torch.device]] | None = None, seqs: int = 1,
-                 windows: bool = True, checkpoints: int = 1):
+                 windows: bool = True, checkpoints: int = 1, share: bool = True):
         self.block_size = block_size
         n_blocks = -(-n_tokens // block_size)
         self.n_slots = n_blocks * block_size
@@ -115,6 +95,9 @@ class KVPool:
                     start = i
         self.dtype = dtype
         self.allocator = BlockAllocator(n_blocks)
+        # prefix blocks shared between sequences (moerun.engine.blocks): not with per-sequence rings or states,
+        # which a block of another sequence's prefix does not bring along
+        self.share = share and not self.ring and not self.states
 
     def take_ring(self) -> int:
         if not self._free_rings:
@@ -142,6 +125,13 @@ class KVPool:
     def state(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Linear layer i's conv windows [slots, C, K-1] and delta-rule matrices [slots, nv, dk, dv]."""
         return self.states[i]
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Every layer's KV of block src into block dst."""
+        bs = self.block_size
+        for _, _, k, v in self.segments:
+            k[:, dst * bs:(dst + 1) * bs] = k[:, src * bs:(src + 1) * bs]
+            v[:, dst * bs:(dst + 1) * bs] = v[:, src * bs:(src + 1) * bs]
 
     def copy_state(self, src: int, dst: int) -> None:
         """Every linear layer's state slot src into slot dst."""
@@ -194,6 +184,7 @@ class SeqKV:
         self._contiguous = False  # blocks consecutive in the pool: reads are views
         self._state: int | None = None  # which slot group of the linear layers' states is this sequence's
         self._checkpoints: dict[int, int] = {}  # checkpoint slot -> the length its state was taken at
+        self._hashes: list[int] = []  # chained hashes of the full blocks this sequence published or adopted
 
     def reserve(self, n_new: int) -> None:
         """Make room for n_new more positions (raises ContextOverflowError past max_len or the pool)."""
@@ -207,13 +198,47 @@ class SeqKV:
             if self._ring is None and self.pool.ring:
                 self._ring = self.pool.take_ring()
             self.blocks += self.pool.allocator.allocate(more)
-            bs, n = self.pool.block_size, self.pool.ring
-            table = torch.tensor(self.blocks, dtype=torch.long)
-            pos = torch.arange(len(self.blocks) * bs)
-            self._slot_index = table[pos // bs] * bs + pos % bs
-            self._ring_index = (self._ring * n + (pos // bs) % n) * bs + pos % bs if n else self._slot_index
-            self._on.clear()
-            self._contiguous = self.blocks == list(range(self.blocks[0], self.blocks[0] + len(self.blocks)))
+            self._reindex()
+
+    def _reindex(self) -> None:
+        bs, n = self.pool.block_size, self.pool.ring
+        table = torch.tensor(self.blocks, dtype=torch.long)
+        pos = torch.arange(len(self.blocks) * bs)
+        self._slot_index = table[pos // bs] * bs + pos % bs
+        self._ring_index = (self._ring * n + (pos // bs) % n) * bs + pos % bs if n else self._slot_index
+        self._on.clear()
+        self._contiguous = bool(self.blocks) and \
+            self.blocks == list(range(self.blocks[0], self.blocks[0] + len(self.blocks)))
+
+    def publish(self, tokens: list[int]) -> None:
+        """Offer this sequence's full blocks to others by content (`tokens`: the ids at positions 0..length)."""
+        if not self.pool.share:
+            return
+        bs, alloc = self.pool.block_size, self.pool.allocator
+        full = min(len(tokens), self.length) // bs
+        if full > len(self._hashes):
+            h = self._hashes[-1] if self._hashes else 0
+            for i in range(len(self._hashes), full):
+                h = block_hashes(tokens[i * bs:(i + 1) * bs], bs, None, start=h)[0]
+                self._hashes.append(h)
+                alloc.publish(self.blocks[i], h)
+
+    def adopt(self, prompt: list[int]) -> bool:
+        """Take the published blocks of the longest prefix of `prompt` (all but its last token) when they cover
+        more than this sequence holds -> whether it did (its own blocks given back first)."""
+        if not self.pool.share:
+            return False
+        bs, alloc = self.pool.block_size, self.pool.allocator
+        hashes = block_hashes(prompt, bs, (len(prompt) - 1) // bs)
+        if alloc.peek(hashes) * bs <= self.length:
+            alloc.queried += len(hashes)
+            alloc.hit += min(len(hashes), self.length // bs)
+            return False
+        found = alloc.lookup(hashes)  # held once more before ours go, so a block of ours found stays held
+        alloc.free(self.blocks)
+        self.blocks, self.length, self._hashes = found, len(found) * bs, hashes[:len(found)]
+        self._reindex()
+        return True
 
     def truncate(self, length: int) -> None:
         """Forget positions >= length (e.g. to re-prefill from where a new chat prompt diverges). Where the
@@ -231,7 +256,30 @@ class SeqKV:
                 self.pool.copy_state(slot, self.state_slot)
             length = at
             self._checkpoints = {s: p for s, p in self._checkpoints.items() if p <= length}
+        if self.pool.share:
+            length = self._release_from(length)
         self.length = length
+
+    def _release_from(self, length: int) -> int:
+        """Give back the blocks past `length`; the block it ends in, which will be written into, stops holding a
+        published prefix (copied first when another sequence holds it too) -> the length kept."""
+        bs, alloc = self.pool.block_size, self.pool.allocator
+        keep = -(-length // bs)
+        if keep < len(self.blocks):
+            alloc.free(self.blocks[keep:])
+            self.blocks = self.blocks[:keep]
+            self._reindex()
+        last = self.blocks[keep - 1] if length % bs else None
+        if last is not None and alloc.shared(last):  # copy on write
+            fresh = alloc.allocate(1)[0]
+            self.pool.copy_block(last, fresh)
+            alloc.free([last])
+            self.blocks[keep - 1] = fresh
+            self._reindex()
+        elif last is not None:
+            alloc.unpublish(last)
+        self._hashes = self._hashes[:length // bs]
+        return length
 
     @property
     def state_slot(self) -> int:
@@ -262,6 +310,7 @@ class SeqKV:
         if self._state is not None:
             self.pool.give_state(self._state)
         self.blocks, self.length, self._ring, self._state, self._checkpoints = [], 0, None, None, {}
+        self._hashes = []
         self._slot_index, self._contiguous = self._slot_index[:0], False
         self._ring_index = self._slot_index
         self._on.clear()

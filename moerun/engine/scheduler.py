@@ -151,6 +151,8 @@ class Snapshot:
     prompt_tokens: int
     generated_tokens: int
     cache: CacheStats | None
+    prefix_queries: int = 0  # prompt tokens of admitted requests, and those found in the KV cache
+    prefix_hits: int = 0
 
 
 def _diff(after: Counters, before: Counters) -> Counters:
@@ -170,6 +172,7 @@ class Scheduler:
         self._active = 0  # admitted, not finished
         self._cond = threading.Condition()
         self.prompt_tokens = self.generated_tokens = 0
+        self.prefix_queries = self.prefix_hits = 0
         self._cache_copy: CacheStats | None = None
         self._copied_at = 0.0
         self._erase: deque[tuple[int, Future]] = deque()
@@ -224,7 +227,7 @@ class Scheduler:
         return Snapshot(running=sum(s.req is not None for s in self.slots), waiting=len(self._waiting),
                         kv_usage=1.0 - alloc.n_free / alloc.n_blocks, kv_tokens=sum(s.kv.length for s in self.slots),
                         prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
-                        cache=self._cache_copy)
+                        cache=self._cache_copy, prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits)
 
     # -- the engine thread ---------------------------------------------------------------------------
 
@@ -290,8 +293,10 @@ class Scheduler:
     def _start(self, slot: Slot, req: Request) -> None:
         if not req.cache_prompt:
             slot.seq.free()
-        slot.req, slot.todo = req, self.engine.reuse_prefix(slot.seq, req.prompt)
+        slot.req, slot.todo = req, self.engine.reuse_prefix(slot.seq, req.prompt, shared=req.cache_prompt)
         req.slot, req.timings.cache_n = slot.index, len(req.prompt) - len(slot.todo)
+        self.prefix_queries += len(req.prompt)
+        self.prefix_hits += req.timings.cache_n
         slot.sampler = Sampler(req.params, self.engine.model.spec.vocab, device=self.engine.model.logits_device)
         req.seed = slot.sampler.seed
         slot.decoder = self.engine.tokenizer.incremental_decoder(prefix_ids=req.prompt[-1:])
@@ -345,6 +350,8 @@ class Scheduler:
         for slot, row in zip(batch, logits):
             slot.seq.tokens.append(slot.next_token)
             slot.next_token = None
+            if slot.kv.length % slot.kv.pool.block_size == 0:  # a block just filled
+                slot.seq.publish()
             self._sample(slot, row)
 
     def _prefill(self) -> None:
@@ -360,6 +367,7 @@ class Scheduler:
                 if logits is None:
                     break
                 slot.seq.tokens += chunk
+                slot.seq.publish()
                 slot.todo, spent = rest, spent + len(chunk)
                 if len(rest) == 1:
                     slot.kv.checkpoint()

@@ -69,6 +69,10 @@ class Telemetry:
         self.predicted_seconds = Counter("llamacpp:tokens_predicted_seconds", "Generation time", registry=r)
         self.requests_finished = Counter("moerun:requests_finished", "Requests finished, by finish reason",
                                 ["finish_reason"], registry=r)
+        self.prefix_queries = Counter("moerun:prefix_cache_queries", "Prompt tokens looked up in the KV cache",
+                                      registry=r)
+        self.prefix_hits = Counter("moerun:prefix_cache_hits", "Prompt tokens found in the KV cache (the slot's own "
+                                   "or other sequences' shared blocks): not computed again", registry=r)
         self.ttft = Histogram("moerun:time_to_first_token_seconds", "Arrival to first token",
                               buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram("moerun:inter_token_latency_seconds", "Time between a request's tokens",
@@ -83,6 +87,8 @@ class Telemetry:
         gauge("llamacpp:requests_deferred", "Requests waiting for a slot", lambda s: s.waiting)
         gauge("llamacpp:kv_cache_usage_ratio", "KV cache blocks in use / all blocks", lambda s: s.kv_usage)
         gauge("llamacpp:kv_cache_tokens", "Positions held in the KV cache (slots keep theirs)", lambda s: s.kv_tokens)
+        gauge("moerun:prefix_cache_hit_ratio", "Prompt tokens found in the KV cache / prompt tokens, since start",
+              lambda s: s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0)
         r.register(_CacheCollector(snapshot, device))
 
     def render(self) -> bytes:
@@ -93,6 +99,8 @@ class Telemetry:
     def prompt_done(self, req: Request) -> None:
         self.prompt_tokens.inc(req.timings.prompt_n)
         self.prompt_seconds.inc(req.timings.prompt_ms / 1e3)
+        self.prefix_queries.inc(len(req.prompt))
+        self.prefix_hits.inc(req.timings.cache_n)
 
     def token(self, req: Request, gap: float | None) -> None:
         if gap is None:
