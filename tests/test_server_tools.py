@@ -116,3 +116,28 @@ def test_bad_tool_requests_are_400_naming_the_field(server, body, phrase, param)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert phrase in err["message"] and err["param"] == param
+
+
+def test_an_agent_loop_reuses_its_prefix_every_turn(server, client):
+    """A scripted agent: 5 turns of a forced tool call and its result sent back. From the second turn on the
+    prefill runs only the new part (timings.cache_n), the prefix-cache metric moves, and a second client with
+    the same system prompt reuses the cached blocks on its first request."""
+    system = {"role": "system", "content": "You are an agent. Call tools to answer. " * 6}
+    messages = [system, {"role": "user", "content": "Plan a trip to Paris."}]
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    before = server.metrics()
+    cached = []
+    for turn in range(5):
+        r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=choice,
+                                           max_tokens=60, temperature=0)
+        cached.append(r.model_extra["timings"]["cache_n"])
+        call = r.choices[0].message.tool_calls[0]
+        messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"turn": turn, "ok": True})}]
+    assert cached[0] < len(system["content"]) // 4 and all(c > cached[0] for c in cached[1:]), cached
+    after = server.metrics()
+    hits = after["moerun:prefix_cache_hits_total"] - before.get("moerun:prefix_cache_hits_total", 0)
+    assert hits >= sum(cached) and after["moerun:prefix_cache_hit_ratio"] > 0
+    other = client.chat.completions.create(model=MODEL, messages=[system, {"role": "user", "content": "Hi."}],
+                                           tools=TOOLS, max_tokens=4, temperature=0)
+    assert other.model_extra["timings"]["cache_n"] >= 32
