@@ -27,9 +27,11 @@ SYSTEM = ("You are a coding agent working in a repository. Use the tools to read
           "briefly. " * 8)
 
 
-def turns(n: int) -> list[list[dict]]:
-    """The conversation sent at each of n turns (each the last one plus a call and its result)."""
-    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Fix the failing test in utils."}]
+def turns(n: int, session: int) -> list[list[dict]]:
+    """The conversation sent at each of n turns (each the last one plus a call and its result); `session`
+    starts the system prompt, so no loop finds another's blocks cached."""
+    msgs = [{"role": "system", "content": f"Session {session}. {SYSTEM}"},
+            {"role": "user", "content": "Fix the failing test in utils."}]
     out = []
     for t in range(n):
         out.append(list(msgs))
@@ -40,13 +42,13 @@ def turns(n: int) -> list[list[dict]]:
     return out
 
 
-def loop(sched, tok, template, reuse: bool, n: int) -> list[tuple[float, int, int]]:
+def loop(sched, tok, template, reuse: bool, n: int, session: int) -> list[tuple[float, int, int]]:
     """(TTFT seconds, prompt tokens, cached tokens) of each turn."""
     from moerun.config import SamplingParams
     from moerun.engine.scheduler import Request
 
     out = []
-    for msgs in turns(n):
+    for msgs in turns(n, session):
         ids = tok.encode(template.render(msgs, add_generation_prompt=True, tools=TOOLS), add_special=False)
         req = Request(ids, SamplingParams.greedy(max_tokens=8, ignore_eos=True), cache_prompt=reuse)
         sched.submit(req)
@@ -75,9 +77,9 @@ def main() -> None:
     sched = Scheduler(rt.engine, parallel=1)
     tok, template = rt.engine.tokenizer, ChatTemplate(TEMPLATE.read_text())
     runs: dict[bool, list[list[tuple[float, int, int]]]] = {True: [], False: []}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         for reuse in (False, True):
-            runs[reuse].append(loop(sched, tok, template, reuse, args.turns))
+            runs[reuse].append(loop(sched, tok, template, reuse, args.turns, 2 * r + reuse))
     rt.close()
     rows = []
     for t in range(args.turns):
