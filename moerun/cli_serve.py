@@ -7,6 +7,7 @@ import errno
 import logging
 import socket
 import sys
+from pathlib import Path
 
 import click
 
@@ -115,9 +116,11 @@ def preflight(rcfg, parallel: int) -> None:
               help="Slots keep their KV cache after a request, so a request sharing a prefix skips it.")
 @click.option("--log-interval", type=click.FloatRange(min=0), default=5.0, show_default=True,
               help="Seconds between throughput lines while busy (0: none).")
+@click.option("--slot-save-path", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder for /slots/{id}?action=save|restore files (llama-server's; without it, none).")
 @reasoning_format_option
 def serve(host, port, api_key, parallel, max_queue, alias, max_body_size, cache_prompt, log_interval,
-          reasoning_format, trace_routing, verbose, **kw):
+          slot_save_path, reasoning_format, trace_routing, verbose, **kw):
     """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics."""
     import uvicorn
 
@@ -137,7 +140,7 @@ def serve(host, port, api_key, parallel, max_queue, alias, max_body_size, cache_
                            max_queue=max_queue, max_body_bytes=parse_size(max_body_size),
                            n_predict=None if max_tokens < 0 else max_tokens, defaults=defaults,
                            cache_prompt=cache_prompt, log_interval=log_interval,
-                           reasoning_format=reasoning_format)
+                           reasoning_format=reasoning_format, slot_save_path=slot_save_path)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if trace_routing is not None and trace_routing.exists():

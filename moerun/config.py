@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 _MAX_SEED = 2**64  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 
@@ -264,6 +265,7 @@ class ServerConfig:
     log_interval  seconds between throughput lines while busy; 0 turns them off.
     reasoning_format  REASONING_FORMATS: where chat completions put the model's reasoning (a request may
                   name another in "reasoning_format").
+    slot_save_path  the folder /slots/{id}?action=save|restore read and write slot files in (None: no files).
     """
 
     model_names: tuple[str, ...]
@@ -278,12 +280,15 @@ class ServerConfig:
     cache_prompt: bool = True
     log_interval: float = 5.0
     reasoning_format: str = "auto"
+    slot_save_path: Path | None = None
 
     def __post_init__(self) -> None:
         problems = []
         if not (isinstance(self.model_names, tuple) and self.model_names
                 and all(isinstance(n, str) and n for n in self.model_names)):
             problems.append(f"model_names must be a non-empty tuple of names, got {self.model_names!r}")
+        if self.slot_save_path is not None and not Path(self.slot_save_path).is_dir():
+            problems.append(f"slot_save_path {self.slot_save_path} is not a folder")
         if not (isinstance(self.host, str) and self.host):
             problems.append(f"host must be a non-empty string, got {self.host!r}")
         if not (_is_int(self.port) and 1 <= self.port <= 65535):

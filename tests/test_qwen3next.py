@@ -386,3 +386,22 @@ def test_gpu_logits(hybrid, tokens, slots):
     pytest.importorskip("transformers")
     _, model, folder, path = hybrid
     check_gpu_logits(folder, model, path, tokens[:28], slots)
+
+
+def test_slot_file_carries_the_recurrent_state(hybrid, tmp_path):
+    """A sequence saved to a slot file (moerun.engine.slotfile) and restored into another pool continues with the
+    original's logits: the attention layers' KV and the linear layers' states both come back."""
+    from moerun.engine import slotfile
+    from moerun.engine.engine import Sequence
+
+    m = load_model(hybrid[3]).model
+    a = Sequence(SeqKV(KVPool(m.spec, 64), 64))
+    m.forward(torch.tensor(PROMPT), a.kv)
+    a.tokens = list(PROMPT)
+    n, nbytes = slotfile.save(a, tmp_path / "s.bin")
+    assert n == len(PROMPT) and nbytes > 0
+    b = Sequence(SeqKV(KVPool(m.spec, 2 * 64, seqs=2), 64))
+    b.kv.reserve(3)  # holds something already: restore replaces it
+    assert slotfile.restore(b, tmp_path / "s.bin", 64)[0] == n and b.tokens == PROMPT
+    steps = [torch.cat([m.forward(torch.tensor([t]), s.kv) for t in (7, 8, 9)]) for s in (a, b)]
+    assert torch.equal(steps[0], steps[1])

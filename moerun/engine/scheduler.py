@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -175,7 +176,7 @@ class Scheduler:
         self.prefix_queries = self.prefix_hits = 0
         self._cache_copy: CacheStats | None = None
         self._copied_at = 0.0
-        self._erase: deque[tuple[int, Future]] = deque()
+        self._erase: deque[tuple[int, Callable[[Slot], Any], Future]] = deque()  # slot operations
         self.fault: str | None = None  # why the model file cannot be read any more; set once, by the engine thread
         # the requests of the forward pass running (engine thread): one per row of a decode step, or the one
         # request of a prompt chunk; for hooks that watch the model, such as serve's routing trace
@@ -205,11 +206,21 @@ class Scheduler:
     def erase(self, index: int) -> Future:
         """Free an idle slot's KV cache at the next step (llama-server's `action=erase`) -> a Future of the
         number of positions it held; SlotBusyError if the slot is running a request."""
+        def erase(slot: Slot) -> int:
+            held = slot.kv.length
+            slot.seq.free()
+            return held
+
+        return self.slot_op(index, erase)
+
+    def slot_op(self, index: int, fn: Callable[[Slot], Any]) -> Future:
+        """fn(slot) on the engine thread at the next step, when the slot is idle (erase, save, restore) -> a
+        Future of its result; SlotBusyError if the slot is running a request, fn's own error if it fails."""
         if not 0 <= index < len(self.slots):
             raise IndexError(f"no slot {index} (there are {len(self.slots)})")
         done: Future = Future()
         with self._cond:
-            self._erase.append((index, done))
+            self._erase.append((index, fn, done))
             self._cond.notify()
         return done
 
@@ -252,7 +263,7 @@ class Scheduler:
             erasing, self._erase = list(self._erase), deque()
         for req in waiting:
             self._drop(req, "error", message)
-        for _, done in erasing:
+        for _, _, done in erasing:
             done.set_exception(ModelUnavailableError(message))
 
     def _erase_slots(self) -> None:
@@ -260,14 +271,15 @@ class Scheduler:
             with self._cond:
                 if not self._erase:
                     return
-                index, done = self._erase.popleft()
+                index, fn, done = self._erase.popleft()
             slot = self.slots[index]
             if slot.req is not None:
                 done.set_exception(SlotBusyError(f"slot {index} is processing request {slot.req.id}"))
                 continue
-            held = slot.kv.length
-            slot.seq.free()
-            done.set_result(held)
+            try:
+                done.set_result(fn(slot))
+            except Exception as e:  # reported to the caller; the loop goes on
+                done.set_exception(e)
 
     def _drop(self, req: Request, reason: str, error: str | None = None) -> None:
         """End a request that never reached a slot."""

@@ -15,6 +15,7 @@ import asyncio
 import functools
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -33,8 +34,6 @@ from moerun.config import ServerConfig
 from moerun.errors import MoerunError
 from moerun.server.errors import APIError, Guard, install_handlers
 from moerun.server.metrics import Telemetry, ThroughputLog
-from moerun.server.tools import ToolRequest, forced_grammar, message_calls, parse_request, stream_deltas
-from moerun.text.toolcalls import ToolCallParser
 from moerun.server.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -45,6 +44,8 @@ from moerun.server.protocol import (
     sampling_params,
     usage,
 )
+from moerun.server.tools import ToolRequest, forced_grammar, message_calls, parse_request, stream_deltas
+from moerun.text.toolcalls import ToolCallParser
 
 if TYPE_CHECKING:  # torch and the model load on the loader thread, after the port answers
     from moerun.engine.scheduler import EngineLoop, Event, Request, Scheduler
@@ -52,7 +53,6 @@ if TYPE_CHECKING:  # torch and the model load on the loader thread, after the po
     from moerun.server.trace import ServeRouteRecorder
     from moerun.text import ChatTemplate
     from moerun.text.reasoning import ReasoningParser
-
     from moerun.text.toolcalls import ToolSyntax
 
     Split = Callable[[], ReasoningParser]  # a new parser for one request's output
@@ -390,6 +390,33 @@ def _max_tokens(body: ChatRequest | CompletionRequest, n_predict: int | None, n_
     return min(n_predict, n_ctx) if n_predict is not None else n_ctx - n_prompt
 
 
+SLOT_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+
+
+def slot_file(folder: Path | None, name: str | None) -> Path:
+    """The file a slot action names: a plain file name inside --slot-save-path (no folders, no '..')."""
+    if folder is None:
+        raise APIError(400, "slot files are off: start the server with --slot-save-path DIR", param="action")
+    if not isinstance(name, str) or not SLOT_FILE.fullmatch(name) or ".." in name:
+        raise APIError(400, "filename must be a plain file name (letters, digits, '.', '_', '-'; no folders)",
+                       param="filename")
+    return Path(folder) / name
+
+
+async def _filename(http: HTTPRequest, given: str | None) -> str | None:
+    """llama-server takes {"filename": ...} in the body; a query parameter works too."""
+    if given is not None:
+        return given
+    raw = await http.body()
+    if not raw.strip():
+        return None
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError:
+        raise APIError(400, "the body is not valid JSON") from None
+    return body.get("filename") if isinstance(body, dict) else None
+
+
 def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -573,20 +600,43 @@ def _routes(app: FastAPI, server: Server) -> None:
                 for s in ready.scheduler.slots]
 
     @app.post("/slots/{index}")
-    async def slot_action(index: int, action: str):
-        """llama-server's slot actions; only `erase` (free an idle slot's KV cache). save and restore, which
-        name files, are not offered."""
+    async def slot_action(index: int, action: str, http: HTTPRequest, filename: str | None = None):
+        """llama-server's slot actions: `erase` (free an idle slot's KV cache), `save` and `restore` (its cache
+        to and from a file named by `filename`, in the body or the query, inside --slot-save-path)."""
+        from moerun.engine import slotfile
         from moerun.engine.scheduler import ModelUnavailableError, SlotBusyError
 
         ready = server.require()
-        if action != "erase":
-            raise APIError(400, f"action {action!r} is not supported (only 'erase')", param="action")
+        if action not in ("erase", "save", "restore"):
+            raise APIError(400, f"action {action!r} is not supported (erase, save, restore)", param="action")
+        if action == "erase":
+            op, path = ready.scheduler.erase, None
+        else:
+            path = slot_file(server.cfg.slot_save_path, await _filename(http, filename))
+            if action == "restore" and not path.is_file():
+                raise APIError(404, f"no slot file {path.name!r}", param="filename")
+            ctx = ready.runtime.engine.ctx_size
+
+            def op(i):
+                return ready.scheduler.slot_op(i, (lambda s: slotfile.save(s.seq, path)) if action == "save"
+                                               else (lambda s: slotfile.restore(s.seq, path, ctx)))
+        t0 = time.perf_counter()
         try:
-            n_erased = await asyncio.wait_for(asyncio.wrap_future(ready.scheduler.erase(index)), timeout=60)
+            result = await asyncio.wait_for(asyncio.wrap_future(op(index)), timeout=600)
         except IndexError as e:
             raise APIError(404, str(e)) from None
         except SlotBusyError as e:
             raise APIError(409, str(e)) from None
         except ModelUnavailableError as e:
             raise APIError(503, str(e), "unavailable_error") from None
-        return {"id_slot": index, "n_erased": n_erased}
+        except slotfile.SlotFileError as e:
+            raise APIError(400, str(e), param="filename") from None
+        except OSError as e:
+            raise APIError(500, f"the slot file could not be written or read: {e.strerror}") from None
+        ms = {"save_ms" if action == "save" else "restore_ms": round((time.perf_counter() - t0) * 1e3, 3)}
+        if action == "erase":
+            return {"id_slot": index, "n_erased": result}
+        n, nbytes = result
+        if action == "save":
+            return {"id_slot": index, "filename": path.name, "n_saved": n, "n_written": nbytes, "timings": ms}
+        return {"id_slot": index, "filename": path.name, "n_restored": n, "n_read": nbytes, "timings": ms}
