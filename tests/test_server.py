@@ -339,7 +339,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
     ({**CHAT, "temperature": "hot"}, 400, "temperature"),
     ({**CHAT, "top_p": 2}, 400, "top_p"),
     ({**CHAT, "max_tokens": 0}, 400, "max_tokens"),
-    ({**CHAT, "n": 2}, 400, "n=2"),
+    ({**CHAT, "n": 17}, 400, "n=17"),
     ({**CHAT, "stop": [""]}, 400, "stop"),
     ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "renders no tool calls"),
     ({**CHAT, "top_logprobs": 3}, 400, "top_logprobs needs logprobs"),

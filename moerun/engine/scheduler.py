@@ -92,6 +92,7 @@ class Request:
     top_logprobs: int | None = None
     logprobs: list[tuple] = field(default_factory=list)
     grammar: str | None = None  # llguidance's: the output must follow it (moerun.engine.grammar)
+    on_prompt: Callable[[], None] | None = None  # called on the engine thread once the prompt is in the cache
 
     def cancel(self) -> None:
         """Drop the request at the next step (its client went away)."""
@@ -389,6 +390,8 @@ class Scheduler:
                     req.timings.prompt_ms = (now - slot.t_prefill) * 1e3
                     self.prompt_tokens += req.timings.prompt_n
                     self.observer.prompt_done(req)
+                    if req.on_prompt is not None:
+                        req.on_prompt()
                     slot.t_token = now
                     self._sample(slot, logits[-1])
 

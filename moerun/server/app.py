@@ -12,6 +12,7 @@ next step and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -32,6 +33,7 @@ from starlette.concurrency import run_in_threadpool
 
 from moerun.config import ServerConfig
 from moerun.errors import MoerunError
+from moerun.server.answers import ChoiceStream, whole_choice
 from moerun.server.errors import APIError, Guard, install_handlers
 from moerun.server.metrics import Telemetry, ThroughputLog
 from moerun.server.protocol import (
@@ -44,19 +46,17 @@ from moerun.server.protocol import (
     sampling_params,
     usage,
 )
-from moerun.server.tools import ToolRequest, forced_grammar, message_calls, parse_request, stream_deltas
-from moerun.text.toolcalls import ToolCallParser
+from moerun.server.tools import ToolRequest, forced_grammar, parse_request
 
 if TYPE_CHECKING:  # torch and the model load on the loader thread, after the port answers
     from moerun.engine.scheduler import EngineLoop, Event, Request, Scheduler
     from moerun.runtime import Runtime
+    from moerun.server.answers import Calls
     from moerun.server.trace import ServeRouteRecorder
     from moerun.text import ChatTemplate
     from moerun.text.reasoning import ReasoningParser
-    from moerun.text.toolcalls import ToolSyntax
 
     Split = Callable[[], ReasoningParser]  # a new parser for one request's output
-    Calls = tuple[ToolSyntax, ToolRequest]  # the template's tool-call syntax and the request's tools
 
 log = logging.getLogger("moerun.server")
 
@@ -81,6 +81,10 @@ class _Events:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
         except RuntimeError:  # the event loop is closed: the server is going down
             pass
+
+    def tagged(self, index: int, event: Event) -> None:
+        """An event of choice `index` (the queue holds (index, event))."""
+        self.emit((index, event))
 
 
 class Server:
@@ -202,143 +206,121 @@ class Server:
         params = sampling_params(body, self.cfg.defaults, requested)
         events = _Events(asyncio.get_running_loop())
         cache_prompt = self.cfg.cache_prompt if body.cache_prompt is None else body.cache_prompt
-        req = EngineRequest(prompt, params, emit=events.emit, cache_prompt=cache_prompt, top_logprobs=body.top_n(),
-                            grammar=grammar)
+        n = body.n or 1
+        reqs = [EngineRequest(prompt, _nth(params, i), emit=functools.partial(events.tagged, i),
+                              cache_prompt=cache_prompt, top_logprobs=body.top_n(), grammar=grammar)
+                for i in range(n)]
+        if n > 1:  # the others start once the first's prompt is in the cache: they take its blocks
+            reqs[0].on_prompt = functools.partial(_submit_rest, ready.scheduler, reqs[1:])
         try:
-            ready.scheduler.submit(req)
+            ready.scheduler.submit(reqs[0])
         except (QueueFullError, ModelUnavailableError) as e:
             raise APIError(503, str(e), "unavailable_error") from None
         except ContextOverflowError as e:
             raise APIError(400, str(e), "exceed_context_size_error") from None
+        req = reqs[0]
         reply = Reply(kind, req.id, model, tokenizer=eng.tokenizer if req.top_logprobs is not None else None)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._sse(req, events, reply, include_usage, split, calls),
+            return StreamingResponse(self._sse(reqs, events, reply, include_usage, split, calls),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                               "X-Request-Id": req.id})
-        return await self._whole(http, req, events, reply, split, calls)
+        return await self._whole(http, reqs, events, reply, split, calls)
 
-    def _finals(self, req: Request) -> tuple[dict, dict]:
+    def _finals(self, reqs: list[Request]) -> tuple[dict, dict]:
+        req = reqs[0]
         timings = {**req.timings.to_dict(), "expert_cache_hits": req.cache_hits,
                    "expert_cache_queries": req.cache_queries}
-        return usage(len(req.prompt), len(req.tokens), req.timings.cache_n), timings
+        return usage(len(req.prompt), sum(len(r.tokens) for r in reqs), req.timings.cache_n), timings
 
-    async def _whole(self, http: HTTPRequest, req: Request, events: _Events, reply: Reply,
+    def _cancel(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            r.cancel()
+        if self.ready is not None:
+            self.ready.scheduler.wake()
+
+    async def _whole(self, http: HTTPRequest, reqs: list[Request], events: _Events, reply: Reply,
                      split: Split | None, calls: Calls | None = None) -> JSONResponse:
-        async def collect() -> tuple[str, Event]:
-            text = []
-            while True:
-                ev: Event = await events.queue.get()
-                text.append(ev.text)
+        async def collect() -> list[tuple[str, Event]]:
+            texts: list[list[str]] = [[] for _ in reqs]
+            last: list[Event | None] = [None] * len(reqs)
+            while any(e is None for e in last):
+                i, ev = await events.queue.get()
+                texts[i].append(ev.text)
                 if ev.finish_reason is not None:
-                    return "".join(text), ev
+                    last[i] = ev
+            return [("".join(t), e) for t, e in zip(texts, last)]
 
         work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(http))
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
         if not work.done():
             work.cancel()
-            req.cancel()
-            self.ready.scheduler.wake()
+            self._cancel(reqs)
             return JSONResponse({}, status_code=499)  # nobody is listening
-        text, ev = work.result()
-        if ev.finish_reason == "error":
-            raise APIError(503 if self._stopping else 500, f"generation failed: {ev.error}")
-        use, timings = self._finals(req)
-        text, reasoning = (text, "") if split is None else split().whole(text)
-        logprobs = req.logprobs if req.top_logprobs is not None else None
-        tool_calls = None
-        if calls is not None:
-            parser, (_, tools) = ToolCallParser(calls[0]), calls
-            pieces = parser.feed(text) + parser.flush()
-            text = "".join(v for k, v in pieces if k == "content")
-            tool_calls = message_calls([v for k, v in pieces if k == "call"], tools.parallel)
-            for message in (v for k, v in pieces if k == "error"):
-                log.warning("request %s: %s (kept as content)", req.id, message)
-        return JSONResponse(reply.whole(text, ev.finish_reason, use, timings, reasoning, logprobs, tool_calls),
-                            headers={"X-Request-Id": req.id})
+        results = work.result()
+        failed = next((ev for _, ev in results if ev.finish_reason == "error"), None)
+        if failed is not None:
+            raise APIError(503 if self._stopping else 500, f"generation failed: {failed.error}")
+        use, timings = self._finals(reqs)
+        choices = [whole_choice(reply, i, r.id, text, ev.finish_reason, split, calls,
+                                r.logprobs if r.top_logprobs is not None else None)
+                   for i, (r, (text, ev)) in enumerate(zip(reqs, results))]
+        return JSONResponse(reply.whole(choices, use, timings), headers={"X-Request-Id": reqs[0].id})
 
-    async def _sse(self, req: Request, events: _Events, reply: Reply, include_usage: bool,
+    async def _sse(self, reqs: list[Request], events: _Events, reply: Reply, include_usage: bool,
                    split: Split | None, calls: Calls | None = None) -> AsyncIterator[str]:
-        finished, parser = False, None if split is None else split()
-        tools = None if calls is None else _StreamCalls(calls, reply, req.id)
+        streams = [ChoiceStream(reply, i, r.id, split, calls, r.top_logprobs is not None) for i, r in enumerate(reqs)]
+        done, finished, last = [False] * len(reqs), False, None
         try:
-            first = reply.first_chunk()
-            if first is not None:
-                yield _sse(first)
-            while True:
-                ev: Event = await events.queue.get()
-                pieces = [("content", ev.text)] if parser is None else parser.feed(ev.text)
-                held = list(ev.logprobs) if req.top_logprobs is not None else None  # on the next chunk sent
-                if tools is not None:
-                    pieces = tools.feed(pieces)
-                for kind, text in pieces:
-                    if kind == "tool":
-                        yield _sse(text)
-                    elif text:
-                        yield _sse(reply.chunk(text, kind, held))
-                        held = [] if held is not None else None
-                if held and ev.finish_reason is None:  # tokens whose text is held back: their entries now
-                    yield _sse(reply.chunk("", "content", held))
+            for chunk in reply.first_chunks(len(reqs)):
+                yield _sse(chunk)
+            while not all(done):
+                i, ev = await events.queue.get()
                 if ev.finish_reason is None:
-                    continue
-                finished = True
-                if ev.finish_reason == "error":
-                    yield _sse(APIError(503 if self._stopping else 500, f"generation failed: {ev.error}").body())
-                else:
-                    rest = [] if parser is None else parser.flush()
-                    if tools is not None:
-                        rest = tools.feed(rest) + tools.flush()
-                    for kind, text in rest:
-                        if kind == "tool":
-                            yield _sse(text)
-                        elif text:
-                            yield _sse(reply.chunk(text, kind, held))
-                            held = [] if held is not None else None
-                    if held:
-                        yield _sse(reply.chunk("", "content", held))
-                    use, timings = self._finals(req)
-                    reason = "tool_calls" if tools is not None and tools.n else ev.finish_reason
-                    for chunk in reply.final_chunks(reason, use, timings, include_usage):
+                    for chunk in streams[i].feed(ev):
                         yield _sse(chunk)
-                    yield "data: [DONE]\n\n"
-                return
+                    continue
+                if ev.finish_reason == "error":
+                    finished = True
+                    self._cancel(reqs)
+                    yield _sse(APIError(503 if self._stopping else 500, f"generation failed: {ev.error}").body())
+                    return
+                chunks, reason = streams[i].finish(ev)
+                for chunk in chunks:
+                    yield _sse(chunk)
+                done[i] = True
+                if last is not None:
+                    yield _sse(last)
+                last = reply.finish_chunk(reason, i)
+            finished = True
+            use, timings = self._finals(reqs)
+            for chunk in reply.final_chunks(last, use, timings, include_usage):
+                yield _sse(chunk)
+            yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away (the response was cancelled) or the server is stopping
-                req.cancel()
-                if self.ready is not None:
-                    self.ready.scheduler.wake()
+                self._cancel(reqs)
 
 
-class _StreamCalls:
-    """A stream's content pieces through the tool-call parser: text stays content, each call becomes its
-    chunks (kind "tool": ready chunk objects)."""
+def _nth(params, i: int):
+    """Choice i's sampling: its own seed (the request's plus i) when the request gave one."""
+    if i == 0 or params.seed is None or params.seed < 0:
+        return params
+    return dataclasses.replace(params, seed=params.seed + i)
 
-    def __init__(self, calls: Calls, reply: Reply, request_id: str):
-        (syntax, self.tools), self.reply, self.id = calls, reply, request_id
-        self.parser, self.n = ToolCallParser(syntax), 0
 
-    def _out(self, events) -> list[tuple[str, Any]]:
-        out = []
-        for kind, value in events:
-            if kind == "content":
-                out.append(("content", value))
-            elif kind == "call" and (self.tools.parallel or self.n == 0):
-                out += [("tool", self.reply.tool_chunk(d)) for d in stream_deltas(self.n, value)]
-                self.n += 1
-            elif kind == "error":
-                log.warning("request %s: %s (kept as content)", self.id, value)
-        return out
+def _submit_rest(scheduler, reqs: list[Request]) -> None:
+    """On the engine thread, when the first choice's prompt is done: the other choices join (one that cannot
+    ends with an error event)."""
+    from moerun.engine.scheduler import Event
 
-    def feed(self, pieces: list[tuple[str, str]]) -> list[tuple[str, Any]]:
-        out = []
-        for kind, text in pieces:
-            out += self._out(self.parser.feed(text)) if kind == "content" else [(kind, text)]
-        return out
-
-    def flush(self) -> list[tuple[str, Any]]:
-        return self._out(self.parser.flush())
+    for r in reqs:
+        try:
+            scheduler.submit(r)
+        except MoerunError as e:
+            r.emit(Event(finish_reason="error", error=str(e)))
 
 
 def cache_summary(rt: Runtime) -> str:

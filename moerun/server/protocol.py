@@ -1,7 +1,7 @@
 """OpenAI's request and response shapes, the part moerun serves, and their mapping onto SamplingParams.
 
 Requests may carry fields moerun does not know (clients send `user`, `metadata`, ...): they are ignored.
-Fields that would change the answer and are not implemented (tools, n > 1, ...) are refused with a 400
+Fields that would change the answer and are not implemented (logit_bias, echo, ...) are refused with a 400
 rather than silently dropped. Log probabilities are the model's, before any sampling step (penalties,
 temperature, truncation): log_softmax of the logits, as OpenAI defines them.
 """
@@ -18,6 +18,7 @@ from moerun.config import REASONING_FORMATS, SamplingParams
 from moerun.server.errors import APIError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat completions (its legacy completions: 5)
+MAX_CHOICES = 16  # n: choices of one request, sampled from one prefill
 
 
 class StreamOptions(BaseModel):
@@ -50,8 +51,8 @@ class _Sampling(BaseModel):
     lora: Any = None  # llama-server's adapters: none can be loaded, and none by a request
 
     def refuse_unsupported(self) -> None:
-        if self.n not in (None, 1):
-            raise APIError(400, f"n={self.n}: only one choice per request (n=1) is supported", param="n")
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise APIError(400, f"n={self.n}: choices per request must be 1..{MAX_CHOICES}", param="n")
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         if self.lora:
@@ -271,15 +272,15 @@ class Reply:
         self.chat = kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
         self.model, self.created = model, int(time.time())
-        self.tok, self._offset = tokenizer, 0
+        self.tok, self._offset = tokenizer, {}
 
-    def _logprobs(self, entries) -> dict | None:
+    def _logprobs(self, entries, index: int = 0) -> dict | None:
         if self.tok is None or entries is None:
             return None
         if self.chat:
             return chat_logprobs(self.tok, entries)
-        out = text_logprobs(self.tok, entries, self._offset)
-        self._offset += sum(map(len, out["tokens"]))
+        out = text_logprobs(self.tok, entries, self._offset.get(index, 0))
+        self._offset[index] = self._offset.get(index, 0) + sum(map(len, out["tokens"]))
         return out
 
     def _envelope(self, choices: list[dict], chunk: bool) -> dict:
@@ -288,49 +289,58 @@ class Reply:
                 "system_fingerprint": "moerun", "choices": choices}
 
     def _choice(self, text: str | None, finish_reason: str | None, delta: bool, role: bool = False,
-                field: str = "content", logprobs=None) -> dict:
-        lp = self._logprobs(logprobs)
+                field: str = "content", logprobs=None, index: int = 0) -> dict:
+        lp = self._logprobs(logprobs, index)
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
+            return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
         body = {"role": "assistant"} if role else {}
         if text is not None:
             body[field] = text
-        return {"index": 0, ("delta" if delta else "message"): body, "logprobs": lp, "finish_reason": finish_reason}
+        return {"index": index, ("delta" if delta else "message"): body, "logprobs": lp,
+                "finish_reason": finish_reason}
 
-    def whole(self, text: str, finish_reason: str, use: dict, timings: dict, reasoning: str = "",
-              logprobs=None, tool_calls: list[dict] | None = None) -> dict:
-        """The answer; the model's reasoning, when it was told apart, as the message's reasoning_content;
-        logprobs: every generated token's entry (chat_logprobs), when asked for; tool_calls: the calls it made
-        (then finish_reason "tool_calls", and no content when it wrote none beside them)."""
+    def whole_choice(self, text: str, finish_reason: str, reasoning: str = "", logprobs=None,
+                     tool_calls: list[dict] | None = None, index: int = 0) -> dict:
+        """One choice of the answer; the model's reasoning, when it was told apart, as the message's
+        reasoning_content; logprobs: every generated token's entry (chat_logprobs), when asked for; tool_calls:
+        the calls it made (then finish_reason "tool_calls", and no content when it wrote none beside them)."""
         if tool_calls:
             finish_reason = "tool_calls"
         choice = self._choice(text if text.strip() or not tool_calls else None, finish_reason, delta=False,
-                              role=True, logprobs=logprobs)
+                              role=True, logprobs=logprobs, index=index)
         if reasoning:
             choice["message"]["reasoning_content"] = reasoning
         if tool_calls:
             choice["message"]["tool_calls"] = tool_calls
-        return {**self._envelope([choice], chunk=False), "usage": use, "timings": timings}
+        return choice
 
-    def first_chunk(self) -> dict | None:
-        """Chat streams open with the assistant's role (OpenAI's first chunk)."""
-        return self._envelope([self._choice("", None, delta=True, role=True)], chunk=True) if self.chat else None
+    def whole(self, choices: list[dict], use: dict, timings: dict) -> dict:
+        return {**self._envelope(choices, chunk=False), "usage": use, "timings": timings}
 
-    def chunk(self, text: str, kind: str = "content", logprobs=None) -> dict:
+    def first_chunks(self, n: int = 1) -> list[dict]:
+        """Chat streams open with the assistant's role (OpenAI's first chunk), one per choice."""
+        return [self._envelope([self._choice("", None, delta=True, role=True, index=i)], chunk=True)
+                for i in range(n)] if self.chat else []
+
+    def chunk(self, text: str, kind: str = "content", logprobs=None, index: int = 0) -> dict:
         """A delta of the answer (kind "content") or of the reasoning ("reasoning": reasoning_content), with the
         entries of the tokens it carries when logprobs were asked for."""
         field = "reasoning_content" if kind == "reasoning" else "content"
-        return self._envelope([self._choice(text, None, delta=True, field=field, logprobs=logprobs)], chunk=True)
+        return self._envelope([self._choice(text, None, delta=True, field=field, logprobs=logprobs, index=index)],
+                              chunk=True)
 
-    def tool_chunk(self, delta: dict) -> dict:
+    def tool_chunk(self, delta: dict, index: int = 0) -> dict:
         """A stream chunk of one tool call's part (moerun.server.tools.stream_deltas)."""
-        return self._envelope([{"index": 0, "delta": {"tool_calls": [delta]}, "logprobs": None,
+        return self._envelope([{"index": index, "delta": {"tool_calls": [delta]}, "logprobs": None,
                                 "finish_reason": None}], chunk=True)
 
-    def final_chunks(self, finish_reason: str, use: dict, timings: dict, include_usage: bool) -> list[dict]:
-        """The chunk with finish_reason, then usage and timings: on it (llama-server), or on one more chunk
-        with no choices when the client asked for stream_options.include_usage (OpenAI)."""
-        last = self._envelope([self._choice(None if self.chat else "", finish_reason, delta=True)], chunk=True)
+    def finish_chunk(self, finish_reason: str, index: int = 0) -> dict:
+        return self._envelope([self._choice(None if self.chat else "", finish_reason, delta=True, index=index)],
+                              chunk=True)
+
+    def final_chunks(self, last: dict, use: dict, timings: dict, include_usage: bool) -> list[dict]:
+        """The last finish chunk, then usage and timings: on it (llama-server), or on one more chunk with no
+        choices when the client asked for stream_options.include_usage (OpenAI)."""
         if not include_usage:
             return [{**last, "usage": use, "timings": timings}]
         return [last, {**self._envelope([], chunk=True), "usage": use, "timings": timings}]
