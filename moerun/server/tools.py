@@ -98,12 +98,42 @@ def forced_grammar(syntax: ToolSyntax, req: ToolRequest) -> str | None:
         schema = {"type": "array", "items": item, "minItems": 1, **({} if req.parallel else {"maxItems": 1}),
                   **_COMPACT}
         return f"start: {_lit(syntax.open)} %json {json.dumps(schema)}"
+    elif syntax.xml_form is not None:
+        return _xml_grammar(syntax, funcs, req.parallel)
     else:
         raise APIError(400, f"tool_choice {req.choice!r}: forced calls in this model's tool-call format "
                             f"({syntax.name}) are not supported yet (use 'auto')", param="tool_choice")
     call = " | ".join(f"({c})" for c in one)
     rule = "call (\"\\n\" call)*" if req.parallel and len(funcs) >= 1 else "call"
     return f"start: {rule}\ncall: {call}"
+
+
+def _xml_grammar(syntax: ToolSyntax, funcs: list[dict], parallel: bool) -> str:
+    """The forced calls of an xml syntax (Qwen3.5, GLM): each function's arguments in its schema's order, the
+    required ones always, strings as one line of plain text (no '<', the schema's length bounds), anything else
+    as JSON of its schema."""
+    head, arg, tail = syntax.xml_form
+    rules, calls = [], []
+    for fi, f in enumerate(funcs):
+        params = f.get("parameters") or {}
+        required = set(params.get("required", []))
+        parts = []
+        for pi, (key, schema) in enumerate((params.get("properties") or {}).items()):
+            before, after = arg.split("{value}")
+            schema = schema if isinstance(schema, dict) else {}
+            if schema.get("type") == "string" and "enum" not in schema:  # one line of text as written, no "<"
+                lo, hi = int(schema.get("minLength", 0)), schema.get("maxLength")
+                rules.append(f"T{fi}_{pi}: /[^<\\n]{{{lo},{'' if hi is None else int(hi)}}}/")
+                value = f"T{fi}_{pi}"
+            else:
+                value = f"%json {json.dumps({**schema, **_COMPACT})}"
+            rules.append(f"a{fi}_{pi}: {_lit(before.format(key=key))} {value} {_lit(after)}")
+            parts.append(f"a{fi}_{pi}" + ("" if key in required else "?"))
+        body = " ".join([_lit(syntax.open + head.format(name=f["name"])), *parts, _lit(tail + syntax.close)])
+        rules.append(f"c{fi}: {body}")
+        calls.append(f"c{fi}")
+    rule = "call (\"\\n\" call)*" if parallel else "call"
+    return "\n".join([f"start: {rule}", f"call: {' | '.join(calls)}", *rules])
 
 
 def message_calls(calls: list[ToolCall], parallel: bool) -> list[dict]:

@@ -43,6 +43,9 @@ class ToolSyntax:
     id_sep: str = ""  # name_json: between the name and the call's id, when the model writes one (Mistral's)
     drop: tuple[str, ...] = ()
     xml: tuple[str, str, str, str, str, str] | None = None
+    # how the template writes an xml call between its markers: (head with {name}, one argument with {key} and
+    # {value}, tail), for the grammar of a forced call (moerun.server.tools)
+    xml_form: tuple[str, str, str] | None = None
 
     @property
     def markers(self) -> tuple[str, ...]:
@@ -51,9 +54,11 @@ class ToolSyntax:
 
 SYNTAXES = (
     ToolSyntax("glm", ("<tool_call>", "<arg_key>"), "<tool_call>", "</tool_call>", "xml",
-               xml=("", "\n", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")),
+               xml=("", "\n", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+               xml_form=("{name}\n", "<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n", "")),
     ToolSyntax("qwen-xml", ("<tool_call>", "<function="), "<tool_call>", "</tool_call>", "xml",
-               xml=("<function=", ">", "<parameter=", ">", "", "</parameter>")),
+               xml=("<function=", ">", "<parameter=", ">", "", "</parameter>"),
+               xml_form=("\n<function={name}>\n", "<parameter={key}>\n{value}\n</parameter>\n", "</function>\n")),
     ToolSyntax("deepseek", ("<｜tool▁call▁begin｜>",), "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "name_json",
                sep="<｜tool▁sep｜>", drop=("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")),
     ToolSyntax("mistral-args", ("[TOOL_CALLS]", "[ARGS]"), "[TOOL_CALLS]", None, "name_json", sep="[ARGS]",
