@@ -97,3 +97,30 @@ def test_plain_text_and_lookalike_markers_stay_content():
     text = "a <tool_ca b <tool> c"
     content, calls, errors = parse(syntax, text, [4, 11])
     assert content == text and calls == errors == []
+
+
+@pytest.mark.parametrize("text", [
+    # what gpt-oss writes after its generation prompt "<|start|>assistant": reasoning, then the call
+    '<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
+    'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}',
+    # the recipient before the channel, as the published template renders a call in the history
+    ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris", "days": 3}',
+])
+def test_harmony_calls_come_from_the_reasoning_parser(text):
+    """gpt-oss's calls: its reasoning parser (keep=True) hands over the message to functions.NAME, which
+    HarmonyCalls reads; in any split into chunks, the reasoning stays reasoning, no marker shows."""
+    from moerun.server.answers import read_calls
+    from moerun.text.reasoning import HARMONY, ReasoningParser
+
+    template = (Path(__file__).parents[1] / "moerun" / "data" / "templates" / "gpt-oss.jinja").read_text()
+    syntax = syntax_for(template)
+    assert syntax.name == "harmony"
+    for cut in [[]] + [sorted(random.Random(seed).sample(range(1, len(text)), 9)) for seed in range(5)]:
+        parser, pieces = ReasoningParser(HARMONY, "<|start|>assistant", keep=True), []
+        for a, b in zip([0, *cut], [*cut, len(text)]):
+            pieces += parser.feed(text[a:b])
+        events = read_calls(syntax, pieces + parser.flush(), True)
+        calls = [v for k, v in events if k == "call"]
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [CALLS[0]], (text, cut)
+        assert "".join(v for k, v in events if k == "content") == ""
+        assert "Need the weather." in "".join(v for k, v in events if k == "reasoning") or "analysis" not in text

@@ -9,11 +9,26 @@ from typing import Any
 
 from moerun.server.protocol import Reply
 from moerun.server.tools import ToolRequest, message_calls, stream_deltas
-from moerun.text.toolcalls import ToolCallParser, ToolSyntax
+from moerun.text.toolcalls import HarmonyCalls, ToolCallParser, ToolSyntax
 
 log = logging.getLogger("moerun.server")
 
 Calls = tuple[ToolSyntax, ToolRequest]  # the template's tool-call syntax and the request's tools
+
+
+def read_calls(syntax: ToolSyntax, pieces: list[tuple[str, str]], final: bool, parser=None):
+    """(kind, text) pieces of the reasoning parser (or all content) through the syntax's call reader -> the
+    reader's events; `parser`: the reader kept across calls (a stream's)."""
+    parser = parser or (HarmonyCalls() if syntax.body == "harmony" else ToolCallParser(syntax))
+    out = []
+    for kind, text in pieces:
+        if isinstance(parser, HarmonyCalls):
+            out += parser.feed(kind, text)
+        elif kind == "content":
+            out += parser.feed(text)
+        elif kind in ("content", "reasoning"):
+            out.append((kind, text))
+    return out + (parser.flush() if final else [])
 
 
 class _StreamCalls:
@@ -21,14 +36,15 @@ class _StreamCalls:
     chunks (kind "tool": ready chunk objects)."""
 
     def __init__(self, calls: Calls, reply: Reply, request_id: str, index: int):
-        (syntax, self.tools), self.reply, self.id, self.index = calls, reply, request_id, index
-        self.parser, self.n = ToolCallParser(syntax), 0
+        (self.syntax, self.tools), self.reply, self.id, self.index = calls, reply, request_id, index
+        self.parser = HarmonyCalls() if self.syntax.body == "harmony" else ToolCallParser(self.syntax)
+        self.n = 0
 
     def _out(self, events) -> list[tuple[str, Any]]:
         out = []
         for kind, value in events:
-            if kind == "content":
-                out.append(("content", value))
+            if kind in ("content", "reasoning"):
+                out.append((kind, value))
             elif kind == "call" and (self.tools.parallel or self.n == 0):
                 out += [("tool", self.reply.tool_chunk(d, self.index)) for d in stream_deltas(self.n, value)]
                 self.n += 1
@@ -37,10 +53,7 @@ class _StreamCalls:
         return out
 
     def feed(self, pieces: list[tuple[str, str]]) -> list[tuple[str, Any]]:
-        out = []
-        for kind, text in pieces:
-            out += self._out(self.parser.feed(text)) if kind == "content" else [(kind, text)]
-        return out
+        return self._out(read_calls(self.syntax, pieces, False, self.parser))
 
     def flush(self) -> list[tuple[str, Any]]:
         return self._out(self.parser.flush())
@@ -60,7 +73,7 @@ class ChoiceStream:
         for kind, text in pieces:
             if kind == "tool":
                 out.append(text)
-            elif text:
+            elif text and kind in ("content", "reasoning"):  # never a dropped message's text
                 out.append(self.reply.chunk(text, kind, held, self.index))
                 held = [] if held is not None else None
         if held:  # tokens whose text is held back: their entries now
@@ -86,13 +99,17 @@ class ChoiceStream:
 def whole_choice(reply: Reply, index: int, request_id: str, text: str, finish_reason: str, split: Callable | None,
                  calls: Calls | None, logprobs: list | None) -> dict:
     """Choice `index` of a whole answer from its text."""
-    text, reasoning = (text, "") if split is None else split().whole(text)
+    if split is None:
+        pieces = [("content", text)]
+    else:
+        parser = split()
+        pieces = parser.feed(text) + parser.flush()
     tool_calls = None
     if calls is not None:
-        parser, (_, tools) = ToolCallParser(calls[0]), calls
-        pieces = parser.feed(text) + parser.flush()
-        text = "".join(v for k, v in pieces if k == "content")
-        tool_calls = message_calls([v for k, v in pieces if k == "call"], tools.parallel)
+        pieces = read_calls(calls[0], pieces, True)
+        tool_calls = message_calls([v for k, v in pieces if k == "call"], calls[1].parallel)
         for message in (v for k, v in pieces if k == "error"):
             log.warning("request %s: %s (kept as content)", request_id, message)
+    text = "".join(v for k, v in pieces if k == "content")
+    reasoning = "".join(v for k, v in pieces if k == "reasoning")
     return reply.whole_choice(text, finish_reason, reasoning, logprobs, tool_calls, index)

@@ -460,8 +460,8 @@ def _routes(app: FastAPI, server: Server) -> None:
         server.check_model(model)
         return model_object(model)
 
-    def chat_prompt(ready: Ready, messages: list[dict], kwargs: dict | None,
-                    reasoning: str = "none", tools: list[dict] | None = None) -> tuple[list[int], Split | None]:
+    def chat_prompt(ready: Ready, messages: list[dict], kwargs: dict | None, reasoning: str = "none",
+                    tools: list[dict] | None = None, keep: bool = False) -> tuple[list[int], Split | None]:
         """The chat template applied (with the request's tools), then tokenized (the template writes BOS itself
         when the model wants it); and, when the template writes reasoning the `reasoning` format tells apart,
         the parser's factory."""
@@ -478,7 +478,7 @@ def _routes(app: FastAPI, server: Server) -> None:
             prime = "" if syntax is None else ready.template.generation_prompt(messages, **kwargs)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
-        split = None if syntax is None else functools.partial(ReasoningParser, syntax, prime)
+        split = None if syntax is None else functools.partial(ReasoningParser, syntax, prime, keep=keep)
         return tok.encode(text, add_special=False), split
 
     @app.post("/v1/chat/completions")
@@ -490,8 +490,12 @@ def _routes(app: FastAPI, server: Server) -> None:
         reasoning = body.reasoning_format_or(server.cfg.reasoning_format)
         tools = parse_request(body.tools, body.tool_choice, body.parallel_tool_calls)
         calls = tool_syntax(ready, tools)
+        harmony = calls is not None and calls[0].body == "harmony"  # its reasoning parser reads the calls
         prompt, split = await run_in_threadpool(chat_prompt, ready, body.messages, body.template_kwargs(),
-                                                reasoning, calls[1].tools if calls else None)
+                                                reasoning, calls[1].tools if calls else None, harmony)
+        if harmony and split is None:
+            raise APIError(400, "gpt-oss's tool calls are read with its reasoning: not with reasoning_format "
+                                "'none'", param="reasoning_format")
         grammar = await run_in_threadpool(output_grammar, ready, body, calls)
         return await server.generate(http, body, prompt, "chat", split, grammar, calls)
 

@@ -47,6 +47,7 @@ class State:
     lstrip: bool = False
     rstrip: bool = False
     until_text: str | None = None
+    kept: str | None = None  # a DROP state's text, kept under this kind when the parser keeps it (tool calls)
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ HARMONY = ReasoningSyntax(
                                       ("<|end|>", "content"))),
         "header": State(HEADER, on=(("<|message|>", ROUTE),)),
         "analysis": State(REASONING, on=(("<|end|>", "content"), ("<|start|>", "header"))),
-        "recipient": State(DROP, on=(("<|end|>", "content"), ("<|start|>", "header"))),
+        "recipient": State(DROP, on=(("<|end|>", "content"), ("<|start|>", "header")), kept="tool"),
     }),
     routes=((r" to=(?!assistant\b)", "recipient"),
             (r"<\|channel\|>\s*analysis\b(?!.*<\|channel\|>)", "analysis")))
@@ -109,8 +110,10 @@ def syntax_for(template_source: str | None, fmt: str = "auto") -> ReasoningSynta
 class ReasoningParser:
     """Splits streamed text into ("reasoning" | "content", text) pieces by a ReasoningSyntax."""
 
-    def __init__(self, syntax: ReasoningSyntax, prime: str = ""):
-        self.syntax = syntax
+    def __init__(self, syntax: ReasoningSyntax, prime: str = "", keep: bool = False):
+        """keep: dropped states with a `kept` kind give their text as (kind, text) pieces after a (kind +
+        "_start", header) piece (harmony's messages to a recipient: tool calls, moerun.server.answers)."""
+        self.syntax, self.keep = syntax, keep
         self._name, self._state = syntax.start, syntax.states[syntax.start]
         self._buf = ""       # text not given to a state yet (its end may start a marker)
         self._header = ""    # the header being read, its opening marker included
@@ -143,7 +146,7 @@ class ReasoningParser:
         """A whole output -> (content, reasoning)."""
         parts = {CONTENT: [], REASONING: []}
         for kind, piece in (*self.feed(text), *self.flush()):
-            parts[kind].append(piece)
+            parts.get(kind, []).append(piece)
         return "".join(parts[CONTENT]), "".join(parts[REASONING])
 
     def _take(self) -> list[tuple[str, str]]:
@@ -193,6 +196,8 @@ class ReasoningParser:
         self._blank, self._ws = True, ""
         if self._state.sink == HEADER:
             self._header, self._primed = marker, 0
+        elif self.keep and self._state.kept:
+            self._out.append((self._state.kept + "_start", self._header))
 
     def _route(self) -> str:
         return next((state for rx, state in self.syntax.routes if re.search(rx, self._header)),
@@ -220,6 +225,11 @@ class ReasoningParser:
                 self._abandon_header()
             return
         if st.sink == DROP:
+            if self.keep and st.kept:
+                if self._out and self._out[-1][0] == st.kept:
+                    self._out[-1] = (st.kept, self._out[-1][1] + text)
+                else:
+                    self._out.append((st.kept, text))
             return
         if st.lstrip and self._blank:
             text = text.lstrip()

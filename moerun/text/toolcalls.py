@@ -26,7 +26,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-__all__ = ["SYNTAXES", "ToolCall", "ToolCallParser", "ToolSyntax", "syntax_for"]
+__all__ = ["SYNTAXES", "HarmonyCalls", "ToolCall", "ToolCallParser", "ToolSyntax", "syntax_for"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,9 @@ class ToolSyntax:
 
 
 SYNTAXES = (
+    # gpt-oss: <|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>;
+    # its reasoning parser (moerun.text.reasoning, keep=True) hands over the header and the body: HarmonyCalls
+    ToolSyntax("harmony", ("<|channel|>", "<|call|>"), "", None, "harmony"),
     ToolSyntax("glm", ("<tool_call>", "<arg_key>"), "<tool_call>", "</tool_call>", "xml",
                xml=("", "\n", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
                xml_form=("{name}\n", "<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n", "")),
@@ -230,3 +233,38 @@ class ToolCallParser:
         out.append(("error", f"a tool call that was never closed ({self.syntax.close!r}): {body[:200]!r}"))
         out.append(("content", self.syntax.open + body))
         return out
+
+
+class HarmonyCalls:
+    """gpt-oss's calls from its reasoning parser's pieces: ("tool_start", the message's header naming
+    functions.NAME) and ("tool", the JSON arguments); other pieces pass through. Same events as ToolCallParser."""
+
+    def __init__(self):
+        self.name: str | None = None
+        self.body = ""
+
+    def feed(self, kind: str, text: str) -> list[tuple[str, object]]:
+        if kind == "tool":
+            self.body += text
+            return []
+        out = self._close()
+        if kind == "tool_start":
+            m = re.search(r"to=functions\.([^\s<]+)", text)
+            self.name = m.group(1) if m else ""
+            return out
+        return out + [(kind, text)]
+
+    def flush(self) -> list[tuple[str, object]]:
+        return self._close()
+
+    def _close(self) -> list[tuple[str, object]]:
+        if self.name is None:
+            return []
+        name, body, self.name, self.body = self.name, self.body, None, ""
+        if not name:
+            return [("error", f"a message to a recipient that is not a function: {body[:200]!r}")]
+        try:
+            return [("call", ToolCall(name, json.dumps(_object(body.strip(), f"{name}'s arguments"),
+                                                       ensure_ascii=False)))]
+        except ToolCallError as e:
+            return [("error", str(e))]
