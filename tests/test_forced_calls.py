@@ -80,10 +80,37 @@ def test_decoding_under_the_grammar_ends_in_a_valid_call(grammars, syntax):
         jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
 
 
-def test_forced_harmony_calls_are_a_400_naming_tool_choice():
-    from moerun.server.errors import APIError
+def test_forced_harmony_calls(tmp_path):
+    """gpt-oss (make-model's tiny-gptoss: the o200k/harmony special tokens): the grammar's markers are the
+    special tokens; the written call is in it, and decoding under it ends in a call that gpt-oss's reasoning
+    parser hands over and the schema validates."""
+    from moerun.server.answers import read_calls
+    from moerun.text.reasoning import HARMONY, ReasoningParser
+    from moerun.tools.make_model import make_model
 
+    loaded = load_model(str(make_model("tiny-gptoss", tmp_path / "gptoss.gguf", progress=False)))
+    tok = Tokenizer.from_model_file(loaded.file)
+    g = Grammars(tok, loaded.model.spec.vocab)
     harmony = next(s for s in SYNTAXES if s.body == "harmony")
-    with pytest.raises(APIError) as info:
-        forced_grammar(harmony, parse_request(TOOLS, "required", False))
-    assert info.value.status == 400 and info.value.param == "tool_choice"
+    grammar = g.lark(forced_grammar(harmony, parse_request(TOOLS, "required", False)))
+    special = {m: tok.token_to_id(m) for m in ("<|channel|>", "<|constrain|>", "<|message|>", "<|call|>")}
+    written = ([special["<|channel|>"]] + tok.encode("commentary to=functions.get_weather ", add_special=False)
+               + [special["<|constrain|>"]] + tok.encode("json", add_special=False) + [special["<|message|>"]]
+               + tok.encode('{"city":"Paris","days":3}', add_special=False) + [special["<|call|>"]])
+    c = g.constraint(grammar)
+    for t in written:
+        c.accept(t)
+    assert c.done
+    for seed in range(3):
+        c, gen, out = g.constraint(grammar), torch.Generator().manual_seed(seed), []
+        while not c.done and len(out) < 300:
+            t = int(c.mask(torch.randn(g.vocab, generator=gen)).argmax())
+            if t in tok.eos_ids:  # <|call|> ends generation, as in the scheduler
+                break
+            c.accept(t)
+            out.append(t)
+        parser = ReasoningParser(HARMONY, "<|start|>assistant", keep=True)
+        pieces = parser.feed(tok.decode(out, skip_special=False)) + parser.flush()
+        calls = [v for k, v in read_calls(harmony, pieces, True) if k == "call"]
+        assert len(calls) == 1 and calls[0].name == "get_weather", tok.decode(out, skip_special=False)
+        jsonschema.validate(json.loads(calls[0].arguments), WEATHER)

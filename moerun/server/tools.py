@@ -100,6 +100,10 @@ def forced_grammar(syntax: ToolSyntax, req: ToolRequest) -> str | None:
         return f"start: {_lit(syntax.open)} %json {json.dumps(schema)}"
     elif syntax.xml_form is not None:
         return _xml_grammar(syntax, funcs, req.parallel)
+    elif syntax.body == "harmony":  # one message to functions.NAME, its markers the special tokens they are
+        one = [f"<|channel|> {_lit('commentary to=functions.' + f['name'] + ' ')} <|constrain|> \"json\" "
+               f"<|message|> %json {json.dumps(_call_schema(f, False))} <|call|>" for f in funcs]
+        return "start: " + " | ".join(f"({c})" for c in one)
     else:
         raise APIError(400, f"tool_choice {req.choice!r}: forced calls in this model's tool-call format "
                             f"({syntax.name}) are not supported yet (use 'auto')", param="tool_choice")
