@@ -10,11 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 from datetime import date
 from pathlib import Path
 
-from compare_llamacpp import append_section
+from compare_llamacpp import append_section, moerun_commit
 
 HERE = Path(__file__).resolve().parent
 TEMPLATE = HERE.parent / "tests" / "data" / "templates" / "Qwen-Qwen3-0.6B.jinja"
@@ -87,8 +86,7 @@ def main() -> None:
         warm = statistics.median(r[t][0] for r in runs[True]) * 1e3
         rows.append(f"| {t + 1} | {runs[True][0][t][1]} | {runs[True][0][t][2]} | {cold:.0f} | {warm:.0f} | "
                     f"{cold / warm:.1f}x |")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            check=False).stdout.strip()
+    commit = moerun_commit()
     text = (f"## {date.today()} — an agent loop's TTFT with and without prefix reuse (issue 18)\n\n"
             f"Command: `python bench/agent_loop.py {args.model} -t {args.threads} -r {args.rounds} -n {args.turns}` "
             f"(commit {commit}). A system prompt with four tools (Qwen3's template), then per turn a tool call "

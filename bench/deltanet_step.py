@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import time
 from datetime import date
 
 import torch
-from compare_llamacpp import append_section
+from compare_llamacpp import append_section, moerun_commit
 
 from moerun.engine.kv_cache import KVPool, SeqKV
 from moerun.kernels.delta import delta_step
@@ -91,7 +90,7 @@ def main() -> None:
     alone = step_alone(spec, args.rounds)
     dec = decode_ms(args.model, args.rounds, args.n)
     med = {k: statistics.median(v) for k, v in dec.items()}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = moerun_commit()
     rows = "\n".join(f"| {k} | {alone[k]:.3f} | {med[k]:.2f} ({', '.join(f'{x:.2f}' for x in dec[k])}) | "
                      f"{1e3 / med[k]:.1f} |" for k in ("torch", "C"))
     text = (f"## {date.today()} — gated DeltaNet's decode step: torch against C (issue 17)\n\n"

@@ -13,10 +13,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import platform
-import subprocess
 from datetime import date
 
-from compare_llamacpp import append_section
+from compare_llamacpp import append_section, moerun_commit
 
 from moerun.arch.summary import sequence_bytes
 from moerun.tools.presets import preset
@@ -45,7 +44,7 @@ def main() -> None:
     args = p.parse_args()
     spec = preset(args.preset, layers=args.layers)
     n_lin = sum(spec.linear(i) for i in range(spec.n_layers))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = moerun_commit()
     text = (f"## {date.today()} — recurrent state against KV per sequence ({args.preset}, {spec.n_layers} layers)\n\n"
             f"Command: `python bench/hybrid_state.py --preset {args.preset} --layers {args.layers}` (commit {commit}, "
             f"{platform.machine()}; arithmetic, no run). {n_lin} linear-attention layers (state per layer: conv "

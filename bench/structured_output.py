@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from datetime import date
 
 import torch
-from compare_llamacpp import append_section
+from compare_llamacpp import append_section, moerun_commit
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "email", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 24},
@@ -114,8 +113,8 @@ def main() -> None:
     p.add_argument("--append", action="store_true")
     args = p.parse_args()
     from moerun.engine.grammar import Grammars
-    from moerun.tools.tokenizer import build_tokenizer
     from moerun.text import Tokenizer
+    from moerun.tools.tokenizer import build_tokenizer
 
     rows = []
     for vocab in (1024, 32768):
@@ -129,8 +128,7 @@ def main() -> None:
                     + ("not installed" if xg is None else f"{statistics.median(xg):.0f} (max {max(xg):.0f})") + " |")
     dec = decode_runs(args.model, args.threads, args.rounds)
     plain, schema = statistics.median(dec["plain"]), statistics.median(dec["schema"])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            check=False).stdout.strip()
+    commit = moerun_commit()
     text = (f"## {date.today()} — structured output: the grammar mask's cost (issue 18, item 2)\n\n"
             f"Command: `python bench/structured_output.py {args.model} -t {args.threads} -r {args.rounds}` (commit "
             f"{commit}). The schema: an object of a bounded string name, an integer age 0-120, a bounded email "

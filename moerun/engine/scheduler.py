@@ -279,7 +279,7 @@ class Scheduler:
                 continue
             try:
                 done.set_result(fn(slot))
-            except Exception as e:  # reported to the caller; the loop goes on
+            except Exception as e:  # noqa: BLE001 - reported to the caller; the loop goes on
                 done.set_exception(e)
 
     def _drop(self, req: Request, reason: str, error: str | None = None) -> None:

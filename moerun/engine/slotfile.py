@@ -71,7 +71,7 @@ def restore(seq: Sequence, path: Path, max_len: int) -> tuple[int, int]:
                 raise SlotFileError(f"{path.name} is not a moerun slot file")
             if meta.get("cache") != fingerprint(pool):
                 raise SlotFileError(f"{path.name} holds the cache of another model (or another --dtype)")
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
     except SafetensorError as e:
         raise SlotFileError(f"{path.name} is not a readable slot file: {e}") from None
     tokens = tensors.pop("tokens").tolist()

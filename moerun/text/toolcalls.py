@@ -158,7 +158,7 @@ def parse_calls(syntax: ToolSyntax, body: str) -> list[ToolCall]:
     rest = rest.removesuffix("</function>").strip() if pre else rest
     args, pos = {}, 0
     pattern = re.compile(re.escape(k_open) + r"(.*?)" + re.escape(k_close) + r"\s*" + re.escape(v_open) + r"(.*?)"
-                         + re.escape(v_close), re.S)
+                         + re.escape(v_close), re.DOTALL)
     for m in pattern.finditer(rest):
         if rest[pos:m.start()].strip():
             raise ToolCallError(f"unexpected text in a tool call's arguments: {head[:200]!r}")
