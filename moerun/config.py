@@ -144,6 +144,7 @@ class RuntimeConfig:
     vram_budget: tuple[int, ...] | None = None  # bytes per GPU (one figure for all, or one per GPU); None: free memory
     expert_cache_mib: float | None = None
     expert_cache_slots: int | None = None
+    expert_cache_plan: str | None = None  # a file of slots per layer (moerun.experts.allocate), instead of either
     cache_policy: str = "lru"
     cache_prefill: str = "bypass"
     prefetch: bool = False  # decode steps guess the next MoE layer's experts and page them in ahead (needs a cache)
@@ -217,8 +218,8 @@ class RuntimeConfig:
             problems.append(f"ubatch must be a positive integer, got {self.ubatch!r}")
         if self.dtype not in ("float32", "bfloat16"):
             problems.append(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
-        if self.expert_cache_mib is not None and self.expert_cache_slots is not None:
-            problems.append("give expert_cache_mib or expert_cache_slots, not both")
+        if sum(x is not None for x in (self.expert_cache_mib, self.expert_cache_slots, self.expert_cache_plan)) > 1:
+            problems.append("give one of expert_cache_mib, expert_cache_slots and expert_cache_plan")
         if self.expert_cache_mib is not None and not (_is_number(self.expert_cache_mib) and self.expert_cache_mib >= 0):
             problems.append(f"expert_cache_mib must be >= 0, got {self.expert_cache_mib!r}")
         if self.expert_cache_slots is not None and not (_is_int(self.expert_cache_slots) and self.expert_cache_slots >= 0):
@@ -236,7 +237,8 @@ class RuntimeConfig:
 
     @property
     def cache_requested(self) -> bool:
-        return self.expert_cache_mib is not None or self.expert_cache_slots is not None
+        return (self.expert_cache_mib is not None or self.expert_cache_slots is not None
+                or self.expert_cache_plan is not None)
 
     @property
     def stage_devices(self) -> tuple[str, ...]:

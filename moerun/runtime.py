@@ -81,6 +81,18 @@ def _cache_slots(cfg: RuntimeConfig, the_plan: Plan, store, warnings: list[str])
     if not cfg.cache_requested and the_plan.home != "disk":
         return None
     slots = {layer: dp.expert_slots[layer - dp.layers[0]] for dp in the_plan.devices for layer in range(*dp.layers)}
+    if cfg.expert_cache_plan is not None:  # slots per layer from a trace (moerun trace simulate --write-plan)
+        from moerun.experts.allocate import read_plan
+
+        given = read_plan(cfg.expert_cache_plan)
+        moe = set(store.layers)
+        extra = sorted(set(given) - moe)
+        if extra:
+            raise MoerunError(f"{cfg.expert_cache_plan}: layers {extra} have no routed experts in this model")
+        n = max((store.n_experts(layer) for layer in moe), default=0)
+        if any(v > n for v in given.values()):
+            raise MoerunError(f"{cfg.expert_cache_plan}: more slots than the {n} experts of a layer")
+        slots = {layer: given.get(layer, 0) for layer in slots}
     if cfg.expert_cache_mib is not None and not any(slots.values()):
         per_layer = max((store.expert_bytes(layer) for layer in store.layers), default=1)
         warnings.append(f"{cfg.expert_cache_mib} MiB holds no expert per layer ({per_layer / MiB:.2f} MiB "

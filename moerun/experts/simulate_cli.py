@@ -97,9 +97,22 @@ def trace():
 @click.option("--plot", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Write a PNG of hit rate against cache size per policy.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
-def simulate_cmd(file: Path, slots: list[int], policies: list[str], group: str, plot: Path | None, as_json: bool):
+@click.option("--total-slots", type=click.IntRange(min=1), default=None,
+              help="Share this many slots in all over the layers (--allocate) instead of --slots per layer.")
+@click.option("--allocate", type=click.Choice(["uniform", "trace"]), default="trace", show_default=True,
+              help="With --total-slots: evenly, or the most hits for the trace (each layer's curve, exactly).")
+@click.option("--write-plan", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="With --total-slots: write the allocation for --expert-cache-plan.")
+def simulate_cmd(file: Path, slots: list[int], policies: list[str], group: str, plot: Path | None, as_json: bool,
+                 total_slots: int | None, allocate: str, write_plan: Path | None):
     """Replay the routing trace FILE against each policy and cache size; print the hit rates."""
     tr = read_trace(file)
+    if total_slots is not None:
+        _allocate(file, tr, total_slots, allocate, policies[0] if policies[0] != "belady" else "lru", group,
+                  write_plan, as_json)
+        return
+    if write_plan is not None:
+        raise click.UsageError("--write-plan needs --total-slots")
     results: dict[str, dict[int, float | None]] = {p: {} for p in policies}
     rows = []
     for p, s in ((p, s) for p in policies for s in slots):
@@ -124,3 +137,33 @@ def simulate_cmd(file: Path, slots: list[int], policies: list[str], group: str, 
     click.echo(_table(results, slots))
     if plot is not None:
         click.echo(f"\nplot written to {plot}")
+
+
+def _allocate(file: Path, tr: Trace, total: int, how: str, policy: str, group: str, write: Path | None,
+              as_json: bool) -> None:
+    """`--total-slots`: the uniform and the chosen allocation side by side, replayed; the chosen one written."""
+    from moerun.experts.allocate import allocate, hit_curves, hits_of, uniform, write_plan
+
+    n = tr.header.n_experts
+    curves = hit_curves(tr, min(total, n), policy, group)
+    queries = simulate(tr, 1, policy, group=group).get().queries or 1
+    plans = {"uniform": uniform(curves, total)}
+    plans["uniform"] = {layer: min(s, n) for layer, s in plans["uniform"].items()}
+    if how == "trace":
+        plans["trace"] = allocate(curves, total)
+    chosen = plans[how]
+    rates = {name: hits_of(curves, p) / queries for name, p in plans.items()}
+    if write is not None:
+        write_plan(write, chosen, trace=str(file), policy=policy, total_slots=total, allocate=how,
+                   hit_rate=rates[how])
+    if as_json:
+        click.echo(json.dumps({"trace": str(file), "policy": policy, "total_slots": total, "allocate": how,
+                               "plans": {k: {"slots": v, "hit_rate": rates[k]} for k, v in plans.items()},
+                               "plan_file": None if write is None else str(write)}, indent=2))
+        return
+    click.echo(f"trace {file}: {len(curves)} layers, {n} experts, {policy}, {total} slots in all")
+    for name, p in plans.items():
+        click.echo(f"{name:8s} hit rate {100 * rates[name]:.1f}%  slots per layer: "
+                   + " ".join(f"{layer}:{s}" for layer, s in p.items()))
+    if write is not None:
+        click.echo(f"plan written to {write} (run with --expert-cache-plan {write})")

@@ -1,0 +1,97 @@
+"""Expert-cache slots per layer from a routing trace: layers differ in how much a slot is worth, so the same
+total spread evenly wastes slots (issue 19).
+
+    curves = hit_curves(trace, max_slots=64)             # per layer: hits with 0..64 slots (replayed, any policy)
+    plan = allocate(curves, total=256)                  # the most hits for 256 slots in all (exact)
+    uniform(curves.keys(), 256)                         # the same total, evenly
+
+`allocate` maximises the sum of the layers' hits exactly (a max-plus dynamic programme over the layers), so it
+holds for curves that are not concave (LRU's need not be), where a greedy pick of marginal gains can miss.
+A plan is a JSON object {"slots": {layer: slots}, ...} (`write_plan` / `read_plan`): `moerun trace simulate
+--write-plan FILE` writes one, `--expert-cache-plan FILE` runs with it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from moerun.errors import MoerunError
+from moerun.experts.trace import Trace, TraceRecord, simulate
+
+
+class PlanError(MoerunError):
+    """A cache plan file that cannot be read or does not fit the model."""
+
+
+def hit_curves(trace: Trace | Iterable[TraceRecord], max_slots: int, policy: str = "lru",
+               group: str = "token") -> dict[int, list[int]]:
+    """Per layer, the hits a cache of s slots (s = 0..max_slots) gets replaying the trace with `policy`."""
+    records = list(trace.records if isinstance(trace, Trace) else trace)
+    layers = sorted({r.layer for r in records})
+    curves = {layer: [0] for layer in layers}
+    for s in range(1, max_slots + 1):
+        stats = simulate(records, s, policy, group=group)
+        for layer in layers:
+            curves[layer].append(stats.get(layer=layer).hits)
+    return curves
+
+
+def allocate(curves: dict[int, list[int]], total: int, min_slots: int = 0) -> dict[int, int]:
+    """Slots per layer summing to at most `total` (each layer min_slots..len(curve) - 1) with the most hits."""
+    layers = sorted(curves)
+    if total < min_slots * len(layers):
+        raise ValueError(f"{total} slots cannot give {len(layers)} layers {min_slots} each")
+    neg = -(1 << 62)
+    best = np.full(total + 1, neg, dtype=np.int64)
+    best[0] = 0
+    choice = []
+    for layer in layers:
+        h = np.asarray(curves[layer], dtype=np.int64)
+        s = np.arange(len(h))
+        h = np.where(s >= min_slots, h, neg)
+        t = np.arange(total + 1)
+        # new[t] = max over s <= t of best[t - s] + h[s]
+        prev = np.where(t[:, None] - s[None, :] >= 0, best[np.clip(t[:, None] - s[None, :], 0, total)], neg)
+        cand = prev + h[None, :]
+        pick = cand.argmax(axis=1)
+        best = cand[t, pick]
+        choice.append(pick)
+    t = int(best.argmax())
+    out = {}
+    for layer, pick in zip(reversed(layers), reversed(choice)):
+        out[layer] = int(pick[t])
+        t -= out[layer]
+    return dict(sorted(out.items()))
+
+
+def uniform(layers: Iterable[int], total: int) -> dict[int, int]:
+    """`total` slots spread evenly (the first layers take the remainder)."""
+    layers = sorted(layers)
+    each, extra = divmod(total, len(layers))
+    return {layer: each + (i < extra) for i, layer in enumerate(layers)}
+
+
+def hits_of(curves: dict[int, list[int]], plan: dict[int, int]) -> int:
+    return sum(curves[layer][min(s, len(curves[layer]) - 1)] for layer, s in plan.items())
+
+
+def write_plan(path: Path, plan: dict[int, int], **about) -> None:
+    path.write_text(json.dumps({"slots": {str(k): v for k, v in plan.items()}, **about}, indent=2) + "\n")
+
+
+def read_plan(path: Path) -> dict[int, int]:
+    try:
+        obj = json.loads(Path(path).read_text())
+        slots = obj["slots"]
+        plan = {int(k): int(v) for k, v in slots.items()}
+    except FileNotFoundError:
+        raise PlanError(f"{path}: no such cache plan file") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise PlanError(f"{path}: not a cache plan ({{\"slots\": {{layer: slots}}}}): {e}") from None
+    if any(v < 0 for v in plan.values()):
+        raise PlanError(f"{path}: slot counts must be >= 0")
+    return plan
