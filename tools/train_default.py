@@ -6,6 +6,7 @@ tokenizer is moerun.tools.tokenizer's deterministic byte-level BPE. Everything i
 thread (the default) a rerun on the same Python and torch versions gives the same weights.
 
     python -m moerun.tools.train_default [--steps N] [--threads 1] [--seed 0] [--out DIR] [--quick]
+    python -m moerun.tools.train_default --shape routing --steps 800 --threads 2 --out DIR --gguf FILE
 
 writes a Hugging Face folder (config, safetensors, tokenizer.json, tokenizer_config.json with ChatML,
 train_summary.json); `--gguf moerun/data/default-qwen3moe.gguf` also converts it with moerun.tools.convert.
@@ -40,6 +41,13 @@ MODEL = {
 }
 
 
+# The routing bench model (issue 19): the expert ratio of the real small-active models (64 experts, top-8, 8
+# layers), the built-in model's vocabulary and corpus; its routing traces are the expert cache's test material.
+ROUTING = {**MODEL, "hidden_size": 128, "num_hidden_layers": 8, "head_dim": 32, "num_experts": 64,
+           "num_experts_per_tok": 8, "moe_intermediate_size": 64, "intermediate_size": 128}
+SHAPES = {"default": (MODEL, GGUF_NAME), "routing": (ROUTING, "moerun-routing-qwen3moe")}
+
+
 def corpus_files() -> list[Path]:
     """The stdlib's .py files, sorted by relative path, without test folders and generated tables."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -58,12 +66,12 @@ def token_streams(tok, files: list[Path]) -> tuple[torch.Tensor, torch.Tensor, i
     return torch.tensor(streams[False]), torch.tensor(streams[True]), n_bytes
 
 
-def make_model(tok, seed: int):
+def make_model(tok, seed: int, shape: str = "default"):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     eot = tok.token_to_id(EOT)
     cfg = Qwen3MoeConfig(vocab_size=tok.get_vocab_size(), bos_token_id=eot, eos_token_id=eot, pad_token_id=eot,
-                         **MODEL)
+                         **SHAPES[shape][0])
     torch.manual_seed(seed)
     return Qwen3MoeForCausalLM(cfg)
 
@@ -92,7 +100,7 @@ def train(args) -> dict:
           f"tokens ({n_bytes / (len(train_ids) + len(val_ids)):.2f} bytes/token), {time.time() - t0:.1f} s",
           flush=True)
 
-    model = make_model(tok, args.seed)
+    model = make_model(tok, args.seed, args.shape)
     n_params = sum(p.numel() for p in model.parameters())
     cfg = model.config
     per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
@@ -167,7 +175,8 @@ def train(args) -> dict:
     if args.gguf:
         from moerun.tools.convert import convert_hf_to_gguf
 
-        path = convert_hf_to_gguf(out_dir, args.gguf, ftype="F16", overwrite=True, progress=False, name=GGUF_NAME)
+        path = convert_hf_to_gguf(out_dir, args.gguf, ftype="F16", overwrite=True, progress=False,
+                                  name=SHAPES[args.shape][1])
         print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB)", flush=True)
     return summary
 
@@ -175,6 +184,8 @@ def train(args) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="default",
+                    help="default: the built-in model; routing: the routing bench model (64 experts, top-8, 8 layers)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=16)

@@ -149,8 +149,8 @@ def _allocate(file: Path, tr: Trace, total: int, how: str, policy: str, group: s
     queries = simulate(tr, 1, policy, group=group).get().queries or 1
     plans = {"uniform": uniform(curves, total)}
     plans["uniform"] = {layer: min(s, n) for layer, s in plans["uniform"].items()}
-    if how == "trace":
-        plans["trace"] = allocate(curves, total)
+    if how == "trace":  # every layer keeps a slot when the total allows: a layer at 0 always misses
+        plans["trace"] = allocate(curves, total, min_slots=1 if total >= len(curves) else 0)
     chosen = plans[how]
     rates = {name: hits_of(curves, p) / queries for name, p in plans.items()}
     if write is not None:
