@@ -66,6 +66,24 @@ def record(model_path: str, prompts: list[str], n_gen: int, temperature: float, 
     return out
 
 
+def live_hit_rate(model_path: str, prompts: list[str], n_gen: int, plan: Path | None = None,
+                  slots: int | None = None) -> float:
+    """The decode hit rate of a live greedy run with the experts' home on disk (the file's map) behind a cache
+    of `slots` per layer or the per-layer `plan`."""
+    from moerun.config import RuntimeConfig, SamplingParams
+    from moerun.runtime import build
+
+    rt = build(RuntimeConfig(model=model_path, threads=2, ctx_size=2048, mmap=True,
+                             expert_cache_plan=None if plan is None else str(plan), expert_cache_slots=slots))
+    eng = rt.engine
+    for p in prompts:
+        gen = eng.generate(eng.tokenizer.encode(p), SamplingParams.greedy(max_tokens=n_gen, ignore_eos=True)).run()
+        gen.seq.free()
+    rate = rt.cache.stats.get(phase="decode").hit_rate
+    rt.close()
+    return rate
+
+
 def decode_steps(trace) -> dict[tuple[int, int], list[tuple[int, ...]]]:
     """(request, layer) -> the experts of each decode step, in order."""
     out: dict[tuple[int, int], list[tuple[int, ...]]] = {}
@@ -136,7 +154,7 @@ def main() -> None:
     p.add_argument("--append", action="store_true")
     args = p.parse_args()
     sys.path.insert(0, str(HERE))
-    from moerun.experts.allocate import allocate, hit_curves, hits_of, uniform
+    from moerun.experts.allocate import allocate, hit_curves, hits_of, uniform, write_plan
     from moerun.experts.trace import read_trace
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -165,9 +183,13 @@ def main() -> None:
         held = hit_curves(dec["greedy B"], min(n, total))
         queries = sum(len(r.experts) for r in dec["greedy B"])
         even, chosen = uniform(learn, total), allocate(learn, total, min_slots=1)
+        plan_path = args.out / f"plan-{total}.json"
+        write_plan(plan_path, chosen, total_slots=total)
+        live_even = live_hit_rate(args.model, prompts[args.texts:], args.tokens, slots=total // layers)
+        live_plan = live_hit_rate(args.model, prompts[args.texts:], args.tokens, plan=plan_path)
         alloc_rows.append(f"| {total} ({100 * frac:.1f}%) | {100 * hits_of(held, even) / queries:.1f}% | "
-                          f"{100 * hits_of(held, chosen) / queries:.1f}% | "
-                          + " ".join(str(chosen[layer]) for layer in sorted(chosen)) + " |")
+                          f"{100 * hits_of(held, chosen) / queries:.1f}% | {100 * live_even:.1f}% | "
+                          f"{100 * live_plan:.1f}% | " + " ".join(str(chosen[layer]) for layer in sorted(chosen)) + " |")
     text = (f"## routing bench model: decode routing against the published figures (issue 19)\n\n"
             f"Command: `python bench/routing_traces.py {args.model}` (commit {moerun_commit()}); {args.texts} "
             f"held-out stdlib texts per trace (A; B for the held-out check), {args.tokens} generated tokens each. "
@@ -176,8 +198,10 @@ def main() -> None:
             "| trace | median reuse distance | repeat at next token | within 8 | experts touched in 300 tokens, by "
             f"layer | LRU hit rate at {', '.join(map(str, sizes))} slots |\n|---|---:|---:|---:|---|---|\n"
             + rows + f"\n\nPublished: {PUBLISHED}.\n\nPer-layer allocation from trace A's curves, replayed on "
-            "trace B (held-out text) at the same total:\n\n| total slots (residency) | uniform | trace | "
-            "slots by layer |\n|---|---:|---:|---|\n" + "\n".join(alloc_rows) + "\n")
+            "trace B (held-out text) at the same total, and live greedy runs of text B with the experts' home on "
+            "disk (`--mmap`) behind `--expert-cache-slots total/layers` or `--expert-cache-plan` (decode hit "
+            "rates):\n\n| total slots (residency) | uniform, replay | trace, replay | uniform, live | plan, live | "
+            "slots by layer |\n|---|---:|---:|---:|---:|---|\n" + "\n".join(alloc_rows) + "\n")
     print(text)
     if args.append:
         append_section(text)
