@@ -86,3 +86,21 @@ def test_the_runtime_takes_a_plan(tmp_path):
     (tmp_path / "bad.json").write_text("[1, 2]")
     with pytest.raises(PlanError, match="not a cache plan"):
         read_plan(tmp_path / "bad.json")
+
+
+def test_the_routing_bench_model_is_built_in():
+    """`routing` names the shipped routing bench model: 64 experts, top-8, 8 layers, its routing recorded."""
+    from moerun.builtin import model_path
+    from moerun.config import RuntimeConfig, SamplingParams
+    from moerun.runtime import build
+
+    path = model_path("routing")
+    assert path.name == "routing-qwen3moe.gguf" and path.is_file()
+    r = CliRunner().invoke(main, ["inspect", "routing", "--json"])
+    info = json.loads(r.output)
+    assert (info["experts"], info["experts_used"], info["layers"]) == (64, 8, 8), info
+    rt = build(RuntimeConfig(model="routing", threads=1, expert_cache_slots=16))
+    gen = rt.engine.generate(rt.engine.tokenizer.encode("def "), SamplingParams.greedy(max_tokens=16,
+                                                                                        ignore_eos=True)).run()
+    assert len(gen.tokens) == 16 and rt.cache.stats.get(phase="decode").queries > 0
+    rt.close()
