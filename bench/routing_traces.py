@@ -145,6 +145,33 @@ def plot(path: Path, curves: dict[str, list[float]], sizes: list[int], n_experts
     plt.close(fig)
 
 
+def concave(curve: list[int]) -> list[int]:
+    """The upper concave envelope of a hit curve (what a smoother allocation learns from)."""
+    import numpy as np
+
+    hull: list[tuple[int, int]] = []
+    for p in enumerate(curve):
+        while len(hull) >= 2 and (hull[-1][1] - hull[-2][1]) * (p[0] - hull[-1][0]) <= \
+                (p[1] - hull[-1][1]) * (hull[-1][0] - hull[-2][0]):
+            hull.pop()
+        hull.append(p)
+    return [round(v) for v in np.interp(range(len(curve)), [x for x, _ in hull], [y for _, y in hull])]
+
+
+def allocation_table(learn_records, held_records, n_experts: int, totals: list[int]) -> str:
+    """Held-out hit rates of the even spread, the exact allocation and the envelope's, learned on one trace."""
+    from moerun.experts.allocate import allocate, hit_curves, hits_of, uniform
+
+    learn, held = hit_curves(learn_records, n_experts), hit_curves(held_records, n_experts)
+    smooth = {layer: concave(c) for layer, c in learn.items()}
+    q = sum(len(r.experts) for r in held_records)
+    rows = [f"| {t} | {100 * hits_of(held, uniform(learn, t)) / q:.1f}% | "
+            f"{100 * hits_of(held, allocate(learn, t, 1)) / q:.1f}% | "
+            f"{100 * hits_of(held, allocate(smooth, t, 1)) / q:.1f}% |" for t in totals]
+    return ("| total slots | uniform | trace (exact) | trace (concave envelope) |\n|---:|---:|---:|---:|\n"
+            + "\n".join(rows))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
@@ -190,6 +217,9 @@ def main() -> None:
         alloc_rows.append(f"| {total} ({100 * frac:.1f}%) | {100 * hits_of(held, even) / queries:.1f}% | "
                           f"{100 * hits_of(held, chosen) / queries:.1f}% | {100 * live_even:.1f}% | "
                           f"{100 * live_plan:.1f}% | " + " ".join(str(chosen[layer]) for layer in sorted(chosen)) + " |")
+    layers = traces["greedy A"].header.n_layers
+    more = allocation_table(dec["greedy A"], dec["greedy B"], n, [round(f * n * layers) for f in
+                                                                  (0.09375, 0.125, 0.1875, 0.25, 0.375)])
     text = (f"## routing bench model: decode routing against the published figures (issue 19)\n\n"
             f"Command: `python bench/routing_traces.py {args.model}` (commit {moerun_commit()}); {args.texts} "
             f"held-out stdlib texts per trace (A; B for the held-out check), {args.tokens} generated tokens each. "
@@ -201,7 +231,8 @@ def main() -> None:
             "trace B (held-out text) at the same total, and live greedy runs of text B with the experts' home on "
             "disk (`--mmap`) behind `--expert-cache-slots total/layers` or `--expert-cache-plan` (decode hit "
             "rates):\n\n| total slots (residency) | uniform, replay | trace, replay | uniform, live | plan, live | "
-            "slots by layer |\n|---|---:|---:|---:|---:|---|\n" + "\n".join(alloc_rows) + "\n")
+            "slots by layer |\n|---|---:|---:|---:|---:|---|\n" + "\n".join(alloc_rows)
+            + "\n\nMore totals, learned on trace A and replayed on trace B:\n\n" + more + "\n")
     print(text)
     if args.append:
         append_section(text)
