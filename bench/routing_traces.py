@@ -67,14 +67,15 @@ def record(model_path: str, prompts: list[str], n_gen: int, temperature: float, 
 
 
 def live_hit_rate(model_path: str, prompts: list[str], n_gen: int, plan: Path | None = None,
-                  slots: int | None = None) -> float:
+                  slots: int | None = None, policy: str = "lru") -> float:
     """The decode hit rate of a live greedy run with the experts' home on disk (the file's map) behind a cache
-    of `slots` per layer or the per-layer `plan`."""
+    of `slots` per layer or the per-layer `plan`, evicting by `policy`."""
     from moerun.config import RuntimeConfig, SamplingParams
     from moerun.runtime import build
 
     rt = build(RuntimeConfig(model=model_path, threads=2, ctx_size=2048, mmap=True,
-                             expert_cache_plan=None if plan is None else str(plan), expert_cache_slots=slots))
+                             expert_cache_plan=None if plan is None else str(plan), expert_cache_slots=slots,
+                             cache_policy=policy))
     eng = rt.engine
     for p in prompts:
         gen = eng.generate(eng.tokenizer.encode(p), SamplingParams.greedy(max_tokens=n_gen, ignore_eos=True)).run()
@@ -172,6 +173,17 @@ def allocation_table(learn_records, held_records, n_experts: int, totals: list[i
             + "\n".join(rows))
 
 
+def policy_table(decode: dict[str, list], sizes: list[int]) -> str:
+    """Decode hit rate of every policy and Belady's bound, per trace and cache size (prefill bypasses the cache)."""
+    from moerun.experts.policy import POLICIES
+    from moerun.experts.trace import simulate
+
+    head = "| trace | policy | " + " | ".join(f"{s} slots" for s in sizes) + " |\n|---|---|" + "---:|" * len(sizes)
+    rows = [f"| {name} | {pol} | " + " | ".join(f"{100 * simulate(recs, s, pol).hit_rate():.1f}%" for s in sizes) + " |"
+            for name, recs in decode.items() for pol in (*POLICIES, "belady")]
+    return head + "\n" + "\n".join(rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
@@ -232,7 +244,8 @@ def main() -> None:
             "disk (`--mmap`) behind `--expert-cache-slots total/layers` or `--expert-cache-plan` (decode hit "
             "rates):\n\n| total slots (residency) | uniform, replay | trace, replay | uniform, live | plan, live | "
             "slots by layer |\n|---|---:|---:|---:|---:|---|\n" + "\n".join(alloc_rows)
-            + "\n\nMore totals, learned on trace A and replayed on trace B:\n\n" + more + "\n")
+            + "\n\nMore totals, learned on trace A and replayed on trace B:\n\n" + more
+            + "\n\nEviction policies, decode only:\n\n" + policy_table(dec, [n // 4, round(0.4 * n), n // 2]) + "\n")
     print(text)
     if args.append:
         append_section(text)

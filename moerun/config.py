@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from moerun.experts.policy import POLICIES
+
 _MAX_SEED = 2**64  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 
 
@@ -111,7 +113,7 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
 
-CACHE_POLICIES = ("lru", "lfu", "lfru")
+CACHE_POLICIES = POLICIES
 MISS_PATHS = ("auto", "fetch", "home")
 
 

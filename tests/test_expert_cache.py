@@ -27,7 +27,7 @@ def run_steps(model):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("policy", ["lru", "lfu", "lfru"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lfru", "arc"])
 @pytest.mark.parametrize("slots,prefill", [(1, "bypass"), (1, "cache"), (3, "cache"), (8, "bypass")])
 def test_cached_logits_equal_resident(hf_model, family, policy, slots, prefill):
     _, folder = hf_model(family)

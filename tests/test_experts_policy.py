@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from moerun.cli import main
 from moerun.errors import MoerunError
-from moerun.experts.policy import LFRU, LFU, LRU, Load, SlotTable, make_policy
+from moerun.experts.policy import ARC, LFRU, LFU, LRU, POLICIES, Load, SlotTable, make_policy
 from moerun.experts.stats import CacheStats
 from moerun.experts.trace import (
     TraceFormatError,
@@ -78,6 +78,29 @@ def test_lfru_hand_computed():
     assert p.score(1) == 2.3125
 
 
+def test_arc_hand_computed():
+    # t1 1 into T1, t2-t3 hits move it to T2. t4 2 into T1 (free slot). t5 3: T1 = {2} is over p = 0 -> evict
+    # 2 to ghost list B1. t6 2: T1 = {3} over p -> evict 3 to B1; 2 was a B1 ghost: p -> 1, 2 enters T2.
+    # t7 3: T1 is empty -> T2's least recent, 1 (t3 < t6), goes to B2; 3 was a B1 ghost: p -> 2. t8, t9 hit.
+    pol = ARC()
+    assert run(SEQ, 2, pol) == (4, 5, 3, [2, 3, 1])
+    assert pol.p == 2.0 and pol._t2 == {2, 3} and list(pol._b2) == [1]
+
+
+def test_arc_resists_scans_and_follows_shifts():
+    # A hot set of 4 with a one-off expert between its uses: LRU lets every one-off push a hot one out;
+    # ARC keeps one-offs in T1 and evicts them first, as LFU does.
+    rng, fresh = random.Random(7), iter(range(1000, 10**6))
+    steps = [[rng.randrange(4)] if i % 2 == 0 else [next(fresh)] for i in range(3000)]
+    rate = {p: simulate(records(steps), 5, p).hit_rate() for p in ("lru", "lfu", "arc")}
+    assert rate["arc"] > rate["lru"] + 0.2 and rate["arc"] > rate["lfu"] - 0.01
+    # The working set moves every 300 steps: ARC follows it as LRU does, where LFU clings to the old one.
+    rng = random.Random(4)
+    steps = [[rng.choice(range(4 * phase, 4 * phase + 4))] for phase in range(6) for _ in range(300)]
+    rate = {p: simulate(records(steps), 4, p).hit_rate() for p in ("lru", "lfu", "arc")}
+    assert rate["arc"] > rate["lfu"] + 0.3 and rate["arc"] > rate["lru"] - 0.01
+
+
 def test_lfru_half_decay_is_lru():
     rng = random.Random(5)
     steps = [[rng.randrange(6)] for _ in range(200)]
@@ -97,7 +120,7 @@ def test_pinned_experts_are_never_evicted():
     assert table.resident == {1: 0, 2: 1, 4: 2}
     # Random multi-expert steps: every step's experts end resident, for every policy.
     rng = random.Random(0)
-    for pol in ("lru", "lfu", "lfru"):
+    for pol in POLICIES:
         table = SlotTable(4, pol)
         for _ in range(300):
             step = rng.sample(range(10), rng.randint(1, 4))
@@ -125,9 +148,9 @@ def test_prefetch_is_not_an_access():
 
 
 def test_make_policy_and_errors():
-    assert [make_policy(n).name for n in ("lru", "LFU", " lfru ")] == ["lru", "lfu", "lfru"]
+    assert [make_policy(n).name for n in ("lru", "LFU", " lfru ", "Arc")] == ["lru", "lfu", "lfru", "arc"]
     assert make_policy("lfru", decay=0.9).decay == 0.9
-    with pytest.raises(ValueError, match="unknown expert cache policy 'fifo'.*lru, lfu, lfru"):
+    with pytest.raises(ValueError, match="unknown expert cache policy 'fifo'.*lru, lfu, lfru, arc"):
         make_policy("fifo")
     with pytest.raises(ValueError, match="pinned"):
         LRU().victim([])
@@ -176,7 +199,7 @@ def test_belady_bounds_every_policy():
         slots = rng.randint(2, 6)
         recs = records(random_steps(rng, 80, 10, 2))
         best = belady(recs, slots).get()
-        for pol in ("lru", "lfu", "lfru"):
+        for pol in POLICIES:
             s = simulate(recs, slots, pol).get()
             assert s.queries == best.queries and s.hits <= best.hits
 
@@ -311,7 +334,7 @@ def test_cli_simulate_table_plot_and_json(trace_file, tmp_path):
     res = CliRunner().invoke(main, ["trace", "simulate", str(trace_file), "--slots", "4", "--json"])
     out = json.loads(res.output)
     rates = {r["policy"]: r["hit_rate"] for r in out["results"]}
-    assert set(rates) == {"lru", "lfu", "lfru", "belady"} and rates["belady"] == max(rates.values())
+    assert set(rates) == {*POLICIES, "belady"} and rates["belady"] == max(rates.values())
     assert rates["lru"] == simulate(read_trace(trace_file), 4, "lru").hit_rate()
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, runtime_checkable
 
-POLICIES = ("lru", "lfu", "lfru")
+POLICIES = ("lru", "lfu", "lfru", "arc")
 
 
 @runtime_checkable
@@ -149,9 +149,69 @@ class LFRU(LRU):
         self._score.clear()
 
 
+class ARC(LRU):
+    """Adaptive replacement (Megiddo and Modha, 2003) over one layer's slots: residents seen once since they came in
+    (T1) and seen again (T2), and ghosts of the evicted of each (B1, B2). A demand load of a B1 ghost says T1 was
+    too small and raises its target size p, one of a B2 ghost lowers it; the victim is T1's least recently used
+    while T1 is over p, else T2's. It adapts between recency (LRU) and repetition without a parameter; the
+    capacity is the number of residents, which the slot table keeps full."""
+
+    name = "arc"
+
+    def __init__(self):
+        super().__init__()
+        self.p = 0.0
+        self._t2: set[int] = set()
+        self._resident: set[int] = set()
+        self._b1: dict[int, None] = {}  # insertion-ordered: the oldest ghost first
+        self._b2: dict[int, None] = {}
+
+    def on_hit(self, key: int) -> None:
+        super().on_hit(key)
+        self._t2.add(key)
+
+    def on_insert(self, key: int, prefetched: bool = False) -> None:
+        c = len(self._resident) + 1
+        if key in self._b1:
+            self.p = min(float(c), self.p + max(1.0, len(self._b2) / max(1, len(self._b1))))
+            del self._b1[key]
+            self._t2.add(key)
+        elif key in self._b2:
+            self.p = max(0.0, self.p - max(1.0, len(self._b1) / max(1, len(self._b2))))
+            del self._b2[key]
+            self._t2.add(key)
+        else:
+            self._t2.discard(key)
+        self._resident.add(key)
+        super().on_insert(key, prefetched)
+
+    def on_evict(self, key: int) -> None:
+        self._resident.discard(key)
+        ghosts = self._b2 if key in self._t2 else self._b1
+        self._t2.discard(key)
+        ghosts[key] = None
+        for g in (self._b1, self._b2):
+            while len(g) > max(1, len(self._resident) + 1):
+                del g[next(iter(g))]
+
+    def victim(self, candidates: Iterable[int]) -> int:
+        cands = _nonempty(candidates)
+        once = [k for k in cands if k not in self._t2]
+        again = [k for k in cands if k in self._t2]
+        t1_size = sum(k not in self._t2 for k in self._resident)
+        pool = once if once and (t1_size > self.p or not again) else again
+        return min(pool, key=lambda k: (self._last.get(k, 0), k))
+
+    def reset(self) -> None:
+        super().reset()
+        self.p = 0.0
+        for x in (self._t2, self._resident, self._b1, self._b2):
+            x.clear()
+
+
 def make_policy(name: str, **kwargs) -> Policy:
-    """A new policy by name: "lru", "lfu" or "lfru" (kwargs go to the class, e.g. decay=0.9)."""
-    classes = {"lru": LRU, "lfu": LFU, "lfru": LFRU}
+    """A new policy by name: "lru", "lfu", "lfru" or "arc" (kwargs go to the class, e.g. decay=0.9)."""
+    classes = {"lru": LRU, "lfu": LFU, "lfru": LFRU, "arc": ARC}
     cls = classes.get(name.strip().lower()) if isinstance(name, str) else None
     if cls is None:
         raise ValueError(f"unknown expert cache policy {name!r}; choose one of {', '.join(POLICIES)}")

@@ -90,7 +90,7 @@ def trace():
 @click.argument("file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
 @click.option("--slots", default="4,8,16", show_default=True, callback=_parse_slots,
               help="Cache sizes (experts per layer), comma-separated.")
-@click.option("--policy", "policies", default="lru,lfu,lfru,belady", show_default=True,
+@click.option("--policy", "policies", default=",".join(ALL_POLICIES), show_default=True,
               callback=_parse_policies, help=f"Policies, comma-separated: {', '.join(ALL_POLICIES)}.")
 @click.option("--group", type=click.Choice(GROUPS), default="token", show_default=True,
               help="A cache step is one token's experts, or one batch step's (records sharing 'step').")
