@@ -49,6 +49,7 @@ from functools import partial
 from pathlib import Path
 from typing import TextIO
 
+from moerun.config import DEFAULT_CACHE_POLICY
 from moerun.errors import MoerunError
 
 FIELDS = [
@@ -469,7 +470,7 @@ def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[in
               n_ubatch: Sequence[int] = (DEFAULT_UBATCH,), reps: int = 5, dtype: str = "float32",
               measure_bw: bool = False, warmup: bool = True, fmt: str = "md", out: TextIO | None = None,
               log: Callable[[str], None] = lambda s: None, cache_mib: Sequence[float | None] = (None,),
-              cache_policy: str = "lru", mmap: bool | None = None, trace_routing: str | Path | None = None,
+              cache_policy: str = DEFAULT_CACHE_POLICY, mmap: bool | None = None, trace_routing: str | Path | None = None,
               repack: bool = True, placement: dict | None = None) -> list[dict]:
     """Run every test (see expand_cases) and stream the records to `out` in `fmt`; returns the records.
     placement: RuntimeConfig fields (devices, n_cpu_moe, vram_budget, miss_path, ...) to build each test as

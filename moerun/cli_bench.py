@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from moerun.config import CACHE_POLICIES
+from moerun.config import CACHE_POLICIES, DEFAULT_CACHE_POLICY
 
 
 def _int_lists(ctx, param, values):
@@ -60,7 +60,7 @@ def _cache_sizes(ctx, param, values):
 @click.option("--no-warmup", is_flag=True, help="Skip the warm-up run before each test.")
 @click.option("--expert-cache-mib", "cache_mib", multiple=True, callback=_cache_sizes,
               help="Expert cache sizes to sweep, e.g. 256,512,none (none: no cache).  [default: none]")
-@click.option("--cache-policy", type=click.Choice(CACHE_POLICIES), default="lru", show_default=True,
+@click.option("--cache-policy", type=click.Choice(CACHE_POLICIES), default=DEFAULT_CACHE_POLICY, show_default=True,
               help="Expert cache eviction policy.")
 @click.option("--mmap/--no-mmap", default=None,
               help="Keep routed experts in the file's map (default when a cache is asked for) or copy them to RAM.")

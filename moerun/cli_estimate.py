@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from moerun.config import CACHE_POLICIES, DEFAULT_CACHE_POLICY
 from moerun.errors import MoerunError
 
 MiB = 1 << 20
@@ -127,6 +128,8 @@ def default_figures(rates, qtypes: list[str], reads_file: bool) -> list[str]:
                    "then use the cache.")
 @click.option("--trace", "trace_path", type=click.Path(path_type=Path, exists=True, dir_okay=False), default=None,
               help="Routing trace (moerun run --trace-routing) for the expected cache hit rate.")
+@click.option("--cache-policy", type=click.Choice(CACHE_POLICIES), default=DEFAULT_CACHE_POLICY, show_default=True,
+              help="The eviction policy the --trace replay assumes.")
 @click.option("-p", "--n-prompt", type=click.IntRange(min=1), default=512, show_default=True,
               help="Prompt tokens for the prefill / TTFT estimate.")
 @click.option("-ub", "--ubatch", type=click.IntRange(min=1), default=512, show_default=True,
@@ -138,7 +141,7 @@ def default_figures(rates, qtypes: list[str], reads_file: bool) -> list[str]:
                    "(size a machine you do not have; give their links with --h2d-bw and --vram-bw).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_mib, ctx_size, ram_bw, disk_bw, vram_bw, h2d_bw,
-             measure, trace_path, n_prompt, ubatch, device, assume_gpus, as_json):
+             measure, trace_path, cache_policy, n_prompt, ubatch, device, assume_gpus, as_json):
     """Predict decode and prefill speed and memory for MODEL on this machine, without loading weights
     (`default`: the built-in model)."""
     from moerun.arch import resolve
@@ -214,7 +217,7 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
             slots[i] = s
     if trace_path is not None:
         try:
-            hit_rates, hit_source = cm.trace_hit_rates(trace_path, slots, spec.n_layers), "trace"
+            hit_rates, hit_source = cm.trace_hit_rates(trace_path, slots, spec.n_layers, cache_policy), "trace"
         except (OSError, ValueError) as e:
             raise MoerunError(f"cannot use trace {trace_path}: {e}") from None
     w = cm.workload(arch, the_plan, hit_rates, hit_source)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from moerun.config import CACHE_POLICIES, REASONING_FORMATS
+from moerun.config import CACHE_POLICIES, DEFAULT_CACHE_POLICY, REASONING_FORMATS
 from moerun.errors import MoerunError
 
 
@@ -31,7 +31,7 @@ def model_options(f):
                      help="Expert cache slots per MoE layer (instead of --expert-cache-mib)."),
         click.option("--expert-cache-plan", type=click.Path(exists=True, dir_okay=False), default=None,
                      help="Expert cache slots per layer from a file (`moerun trace simulate --write-plan`)."),
-        click.option("--cache-policy", type=click.Choice(CACHE_POLICIES), default="lru", show_default=True,
+        click.option("--cache-policy", type=click.Choice(CACHE_POLICIES), default=DEFAULT_CACHE_POLICY, show_default=True,
                      help="Expert cache eviction policy."),
         click.option("--cache-prefill", type=click.Choice(["bypass", "cache"]), default="bypass", show_default=True,
                      help="Prefill misses: compute at home without evicting (bypass), or page in (cache)."),

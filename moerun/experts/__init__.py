@@ -2,7 +2,7 @@
 
 The tensor-free pieces (usable and testable without torch):
 
-- `policy`: eviction policies behind one small interface (`Policy`: LRU default, LFU, LFRU, ARC),
+- `policy`: eviction policies behind one small interface (`Policy`: LRU, LFU, LFRU (the runtime's default), ARC),
   `make_policy(name)`, and `SlotTable`, the bookkeeping of which expert sits in which slot of
   one layer's cache (hits, loads, evictions of one step, with the step's experts pinned).
 - `stats`: `CacheStats`, counters per (layer, phase) and the summary lines the CLI prints.
