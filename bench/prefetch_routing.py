@@ -1,0 +1,59 @@
+"""Prefetch on real routing (issue 19): the routing bench model with its experts' home in the file's map behind
+a cache of a quarter of the experts, greedy runs of held-out text with `--prefetch` off and on, alternating.
+Prints decode ms/token, hit rate, bytes paged in, and the guesses' precision and recall.
+
+    python bench/prefetch_routing.py moerun/data/routing-qwen3moe.gguf [--rounds 3] [--slots 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from routing_traces import texts
+
+
+def one_run(model: str, prompts: list[str], n_gen: int, slots: int, policy: str, prefetch: bool) -> dict:
+    from moerun.config import RuntimeConfig, SamplingParams
+    from moerun.runtime import build
+
+    rt = build(RuntimeConfig(model=model, threads=2, ctx_size=2048, mmap=True, expert_cache_slots=slots,
+                             cache_policy=policy, prefetch=prefetch))
+    eng, ms, n = rt.engine, 0.0, 0
+    for p in prompts:
+        gen = eng.generate(eng.tokenizer.encode(p), SamplingParams.greedy(max_tokens=n_gen, ignore_eos=True)).run()
+        ms, n = ms + gen.timings.predicted_ms, n + gen.timings.predicted_n
+        gen.seq.free()
+    c = rt.cache.stats.get(phase="decode")
+    rt.close()
+    return {"ms": ms / n, "hit": c.hit_rate, "mib": c.bytes_paged_in / 2**20,
+            "precision": c.prefetch_precision, "recall": c.prefetch_recall}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--slots", type=int, default=16)
+    p.add_argument("--policy", default="lfru")
+    p.add_argument("--texts", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=300)
+    args = p.parse_args()
+    prompts = texts(2 * args.texts)[args.texts:]
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for _ in range(args.rounds):
+        for pf in (False, True):
+            runs[pf].append(one_run(args.model, prompts, args.tokens, args.slots, args.policy, pf))
+            print(pf, runs[pf][-1], flush=True)
+    print(f"\n| prefetch | decode ms/token (runs) | median | hit rate | paged in | precision / recall |\n"
+          "|---|---|---:|---:|---:|---:|")
+    for pf, rs in runs.items():
+        r = rs[0]
+        pr = "-" if r["precision"] is None else f"{100 * r['precision']:.1f}% / {100 * r['recall']:.1f}%"
+        times = ", ".join(f"{x['ms']:.2f}" for x in rs)
+        print(f"| {'on' if pf else 'off'} | {times} | "
+              f"{statistics.median(x['ms'] for x in rs):.2f} | {100 * r['hit']:.1f}% | {r['mib']:.0f} MiB | {pr} |")
+
+
+if __name__ == "__main__":
+    main()
