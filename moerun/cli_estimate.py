@@ -24,9 +24,10 @@ def _gb(n: float) -> str:
     return format_size(int(n))
 
 
-def _cpu_cache_plan(the_plan, arch, cache_mib: float):
+def _cpu_cache_plan(the_plan, arch, cache_mib: float | None, layer_slots: dict[int, int] | None = None):
     """The runtime's CPU behaviour with --expert-cache-mib: experts stay in the file's map (home "disk") and a
-    RAM cache of cache_mib split evenly over the MoE layers serves them (moerun/runtime.py _cache_slots)."""
+    RAM cache of cache_mib split evenly over the MoE layers serves them (moerun/runtime.py _cache_slots); or,
+    with --expert-cache-plan, the plan's slots per layer."""
     spec = arch.spec
     exp = {}
     for name, tp in the_plan.tensors.items():
@@ -36,9 +37,13 @@ def _cpu_cache_plan(the_plan, arch, cache_mib: float):
     if not exp or not spec.n_experts:
         return the_plan
     per_expert = max(exp.values()) // spec.n_experts
-    slots = min(spec.n_experts, int(cache_mib * MiB // (per_expert * len(exp))))
     d = the_plan.devices[0]
-    sl = tuple(slots if i in exp else 0 for i in range(*d.layers))
+    if layer_slots is not None:
+        sl = tuple(min(spec.n_experts, layer_slots.get(i, 0)) if i in exp else 0 for i in range(*d.layers))
+        slots = max(sl, default=0)
+    else:
+        slots = min(spec.n_experts, int(cache_mib * MiB // (per_expert * len(exp))))
+        sl = tuple(slots if i in exp else 0 for i in range(*d.layers))
     cache = sum(s * exp.get(i, 0) // spec.n_experts for s, i in zip(sl, range(*d.layers)))
     dev = dataclasses.replace(d, expert_slots=sl, cache_bytes=cache)
     tensors = {n: (dataclasses.replace(t, tier="disk", cached=bool(slots)) if "_exps" in n else t)
@@ -130,6 +135,9 @@ def default_figures(rates, qtypes: list[str], reads_file: bool) -> list[str]:
               help="Routing trace (moerun run --trace-routing) for the expected cache hit rate.")
 @click.option("--cache-policy", type=click.Choice(CACHE_POLICIES), default=DEFAULT_CACHE_POLICY, show_default=True,
               help="The eviction policy the --trace replay assumes.")
+@click.option("--expert-cache-plan", "cache_plan", type=click.Path(path_type=Path, exists=True, dir_okay=False),
+              default=None, help="Expert cache slots per layer from a file (`moerun trace simulate --write-plan`); "
+                                 "CPU only, instead of --expert-cache-mib.")
 @click.option("-p", "--n-prompt", type=click.IntRange(min=1), default=512, show_default=True,
               help="Prompt tokens for the prefill / TTFT estimate.")
 @click.option("-ub", "--ubatch", type=click.IntRange(min=1), default=512, show_default=True,
@@ -141,7 +149,7 @@ def default_figures(rates, qtypes: list[str], reads_file: bool) -> list[str]:
                    "(size a machine you do not have; give their links with --h2d-bw and --vram-bw).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_mib, ctx_size, ram_bw, disk_bw, vram_bw, h2d_bw,
-             measure, trace_path, cache_policy, n_prompt, ubatch, device, assume_gpus, as_json):
+             measure, trace_path, cache_policy, cache_plan, n_prompt, ubatch, device, assume_gpus, as_json):
     """Predict decode and prefill speed and memory for MODEL on this machine, without loading weights
     (`default`: the built-in model)."""
     from moerun.arch import resolve
@@ -200,7 +208,19 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
     except ValueError as e:
         raise MoerunError(f"{e}") from None
     the_plan = plan(arch, inv, budgets)
-    if devices == ("cpu",) and expert_cache_mib is not None:
+    if cache_plan is not None:
+        if expert_cache_mib is not None:
+            raise MoerunError("give --expert-cache-plan or --expert-cache-mib, not both")
+        if devices != ("cpu",):
+            raise MoerunError("--expert-cache-plan sizes a CPU cache; add --device cpu")
+        from moerun.experts.allocate import PlanError, read_plan
+
+        try:
+            layer_slots = read_plan(cache_plan)
+        except PlanError as e:
+            raise MoerunError(str(e)) from None
+        the_plan = _cpu_cache_plan(the_plan, arch, None, layer_slots)
+    elif devices == ("cpu",) and expert_cache_mib is not None:
         the_plan = _cpu_cache_plan(the_plan, arch, expert_cache_mib)
     qtypes = sorted({src.records[0].qtype.name for src in arch.sources.values()})
     from moerun.placement.layer_probe import probe_layout

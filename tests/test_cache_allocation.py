@@ -104,3 +104,13 @@ def test_the_routing_bench_model_is_built_in():
                                                                                         ignore_eos=True)).run()
     assert len(gen.tokens) == 16 and rt.cache.stats.get(phase="decode").queries > 0
     rt.close()
+
+
+def test_estimate_replays_each_layer_at_its_own_slots(tmp_path):
+    from moerun.placement.costmodel import trace_hit_rates
+
+    path = write_trace(tmp_path / "t.jsonl")
+    # layer 0 (2 experts) misses only its first step; layer 1 (a cycle of 12) misses each expert once with 12
+    # slots and every time with 2; layer 2 without slots reads every expert from home.
+    assert trace_hit_rates(path, [2, 12, 0], 3, "lru") == pytest.approx((598 / 600, 588 / 600, 0.0))
+    assert trace_hit_rates(path, [2, 2, 2], 3, "lru")[:2] == pytest.approx((598 / 600, 0.0))

@@ -140,6 +140,34 @@ def test_trace_hit_rate(tiny, counts, tmp_path):
     assert d["decode"]["bound"]["experts_hit_s"] == pytest.approx(routed * 0.9 / (10 * GB), rel=1e-4)
 
 
+def test_cache_plan_sizes_each_layer(tiny, counts, tmp_path):
+    """--expert-cache-plan: layer 0 with 1 slot hits expert 0 and bypasses 1 (9 of 20 hit), layer 1 with 2
+    slots misses only its first step (18 of 20); the estimate's hit rate is their mean."""
+    from moerun.experts.allocate import write_plan
+    from moerun.experts.trace import TraceHeader, TraceWriter
+
+    path = tmp_path / "routing.jsonl"
+    with TraceWriter(path, TraceHeader("qwen3moe", 2, counts["E"], counts["k"])) as tw:
+        for pos in range(10):
+            for layer in range(2):
+                tw.write_step(layer=layer, phase="decode", request_ids=[0], positions=[pos], experts=[[0, 1]],
+                              weights=[[0.5, 0.5]])
+    plan = tmp_path / "plan.json"
+    write_plan(plan, {0: 1, 1: 2}, total_slots=3)
+    d = estimate_json(tiny, "-t", "1", "--ram-bw", "10", "--disk-bw", "1", "--expert-cache-plan", plan,
+                      "--device", "cpu", "--trace", path)
+    assert d["hit_source"] == "trace" and d["hit_rate"] == pytest.approx((9 / 20 + 18 / 20) / 2)
+    one_expert = counts["experts"] / 2 / counts["E"]
+    assert d["memory"]["devices"][0]["cache_bytes"] == pytest.approx(3 * one_expert, abs=2)
+    for args, msg in ((["--expert-cache-mib", "1"], "not both"), ([], None)):
+        bad = tmp_path / "bad.json"
+        bad.write_text("{}")
+        res = CliRunner().invoke(main, ["estimate", str(tiny), "--no-measure", "--device", "cpu",
+                                        "--expert-cache-plan", str(plan if msg else bad), *args])
+        assert res.exit_code != 0 and "Traceback" not in res.output
+        assert (msg or "not a cache plan") in res.output
+
+
 def test_miss_choice():
     kw = {"home_gbps": 20, "link_gbps": 10, "compute_gbps": 1000}
     # one token: shipping 2 x hidden floats beats moving a 10 MB expert

@@ -557,18 +557,22 @@ def workload(arch, plan, hit_rates: tuple[float, ...] | None = None, hit_source:
 
 def trace_hit_rates(trace_path: str | Path, slots: list[int] | tuple[int, ...], n_layers: int,
                     policy: str = "lru") -> tuple[float, ...]:
-    """Decode hit rate per layer from replaying a routing trace against `slots` per layer (one figure: the
-    trace is replayed at the smallest non-zero slot count; layers without decode steps in it get the mean)."""
+    """Decode hit rate per layer from replaying a routing trace, each layer at its own slot count (`slots[i]`;
+    a layer without slots is not cached: 0). Layers without decode steps in the trace get the mean of those that
+    have them at the same slot count."""
     from moerun.experts.trace import read_trace, simulate
 
     trace = read_trace(trace_path)
-    s = min((x for x in slots if x > 0), default=0)
-    stats = simulate(trace, s, policy)
-    overall = stats.hit_rate(phase="decode")
-    if overall is None:
-        overall = stats.hit_rate() or 0.0
+    by_slots = {s: simulate(trace, s, policy) for s in sorted(set(slots[:n_layers])) if s > 0}
     out = []
     for i in range(n_layers):
+        s = slots[i] if i < len(slots) else 0
+        if s <= 0:
+            out.append(0.0)
+            continue
+        stats = by_slots[s]
         h = stats.hit_rate(layer=i, phase="decode") if i in stats.layers() else None
-        out.append(overall if h is None else h)
+        if h is None:
+            h = stats.hit_rate(phase="decode")
+        out.append(stats.hit_rate() or 0.0 if h is None else h)
     return tuple(out)
