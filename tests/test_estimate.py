@@ -119,17 +119,22 @@ def test_hit_rate_and_miss_terms(tiny, counts):
     assert "--no-mmap" not in d["llama_cpp"]
 
 
-def test_trace_hit_rate(tiny, counts, tmp_path):
-    """--trace replaces slots/E by the trace's decode hit rate: a trace that always routes to experts 0 and 1
-    misses only on the first step of each layer (2 of 2 x 10 queries)."""
+def experts_0_and_1(path, counts):
+    """A decode trace of 10 tokens over the tiny model's 2 layers, always routed to experts 0 and 1."""
     from moerun.experts.trace import TraceHeader, TraceWriter
 
-    path = tmp_path / "routing.jsonl"
     with TraceWriter(path, TraceHeader("qwen3moe", 2, counts["E"], counts["k"])) as tw:
         for pos in range(10):
             for layer in range(2):
                 tw.write_step(layer=layer, phase="decode", request_ids=[0], positions=[pos], experts=[[0, 1]],
                               weights=[[0.5, 0.5]])
+    return path
+
+
+def test_trace_hit_rate(tiny, counts, tmp_path):
+    """--trace replaces slots/E by the trace's decode hit rate: a trace that always routes to experts 0 and 1
+    misses only on the first step of each layer (2 of 2 x 10 queries)."""
+    path = experts_0_and_1(tmp_path / "routing.jsonl", counts)
     one_expert = counts["experts"] / 2 / counts["E"]
     mib = 2 * one_expert * 2 / (1 << 20) + 1e-4
     d = estimate_json(tiny, "-t", "1", "--ram-bw", "10", "--disk-bw", "1", "--expert-cache-mib", f"{mib:.6f}",
@@ -144,14 +149,7 @@ def test_cache_plan_sizes_each_layer(tiny, counts, tmp_path):
     """--expert-cache-plan: layer 0 with 1 slot hits expert 0 and bypasses 1 (9 of 20 hit), layer 1 with 2
     slots misses only its first step (18 of 20); the estimate's hit rate is their mean."""
     from moerun.experts.allocate import write_plan
-    from moerun.experts.trace import TraceHeader, TraceWriter
-
-    path = tmp_path / "routing.jsonl"
-    with TraceWriter(path, TraceHeader("qwen3moe", 2, counts["E"], counts["k"])) as tw:
-        for pos in range(10):
-            for layer in range(2):
-                tw.write_step(layer=layer, phase="decode", request_ids=[0], positions=[pos], experts=[[0, 1]],
-                              weights=[[0.5, 0.5]])
+    path = experts_0_and_1(tmp_path / "routing.jsonl", counts)
     plan = tmp_path / "plan.json"
     write_plan(plan, {0: 1, 1: 2}, total_slots=3)
     d = estimate_json(tiny, "-t", "1", "--ram-bw", "10", "--disk-bw", "1", "--expert-cache-plan", plan,
