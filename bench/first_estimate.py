@@ -24,7 +24,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from compare_llamacpp import append_section, machine, moerun_commit  # noqa: E402
+from compare_llamacpp import append_section, machine, moerun_commit
 
 
 def moerun(*args: str, cache: str | None = None) -> tuple[str, float]:
@@ -86,12 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join([
         f"## {date.today().isoformat()} — the first estimate (quick default probes) against bench (issue 15, item 6)",
         "", f"Machine: {machine()}. moerun commit {moerun_commit()}. Run: `{cmd}`, {args.threads} threads.", "",
-        "| model | estimate tg128 t/s | bench tg128 t/s | error | estimate pp512 t/s | bench pp512 t/s | error | "
-        "first estimate's wall time | `--no-measure` error tg / pp |",
+        ("| model | estimate tg128 t/s | bench tg128 t/s | error | estimate pp512 t/s | bench pp512 t/s | error | "
+        "first estimate's wall time | `--no-measure` error tg / pp |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|", *summary, "",
         "Every round:", "",
-        "| model | round | estimate tg128 | bench tg128 | error | estimate pp512 | bench pp512 | error | wall | "
-        "`--no-measure` tg128 | `--no-measure` pp512 |",
+        ("| model | round | estimate tg128 | bench tg128 | error | estimate pp512 | bench pp512 | error | wall | "
+        "`--no-measure` tg128 | `--no-measure` pp512 |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, ""])
     print(text)
     if args.append:

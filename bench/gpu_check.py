@@ -38,7 +38,8 @@ def sh(cmd: list[str], log: Path, timeout: float, stdout: Path | None = None) ->
     t0 = time.perf_counter()
     with open(log, "w") as f, open(stdout or os.devnull, "w") as o:
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, stdout=o if stdout else f, stderr=f, timeout=timeout).returncode
+            rc = subprocess.run(cmd, check=False, cwd=ROOT, stdout=o if stdout else f, stderr=f,
+                                timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = 124
     return rc, time.perf_counter() - t0
@@ -172,8 +173,8 @@ def finish(report: dict, out: Path) -> int:
                      f"{_cell(r['home_share'], '.1%')} | {_cell(r['h2d_gbps'], '.1f')} | "
                      f"{_cell(r['estimate_ts'], '.1f')} | {_cell(r['estimate_ratio'], '.2f')} |")
     t = report["steps"].get("tests", {})
-    lines += ["", f"tests: {t.get('tests', '?')} run, {t.get('failures', '?')} failed, {t.get('errors', '?')} errors, "
-              f"{t.get('skipped', '?')} skipped ({t.get('seconds', '?')} s)"]
+    lines += ["", (f"tests: {t.get('tests', '?')} run, {t.get('failures', '?')} failed, {t.get('errors', '?')} errors, "
+              f"{t.get('skipped', '?')} skipped ({t.get('seconds', '?')} s)")]
     if report["failed"]:
         lines.append("failed: " + ", ".join(report["failed"]))
     (out / "gpu_check.md").write_text("\n".join(lines) + "\n")

@@ -45,7 +45,7 @@ def main() -> None:
         for pf in (False, True):
             runs[pf].append(one_run(args.model, prompts, args.tokens, args.slots, args.policy, pf))
             print(pf, runs[pf][-1], flush=True)
-    print(f"\n| prefetch | decode ms/token (runs) | median | hit rate | paged in | precision / recall |\n"
+    print("\n| prefetch | decode ms/token (runs) | median | hit rate | paged in | precision / recall |\n"
           "|---|---|---:|---:|---:|---:|")
     for pf, rs in runs.items():
         r = rs[0]

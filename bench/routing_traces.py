@@ -20,7 +20,6 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
 from compare_llamacpp import append_section, moerun_commit
 
 HERE = Path(__file__).resolve().parent
@@ -114,7 +113,7 @@ def reuse(trace) -> dict:
 
 
 def lru_curve(trace, sizes: list[int]) -> list[float]:
-    from moerun.experts.trace import TraceRecord, simulate
+    from moerun.experts.trace import simulate
 
     records = [r for r in trace.records if r.phase == "decode"]
     return [simulate(records, s, "lru").hit_rate() for s in sizes]

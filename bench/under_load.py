@@ -29,7 +29,7 @@ import psutil
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from compare_llamacpp import append_section, machine, moerun_commit  # noqa: E402
+from compare_llamacpp import append_section, machine, moerun_commit
 
 
 class Hogs:
@@ -139,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
                         print(rows[-1], file=sys.stderr, flush=True)
     invocation = shlex.join(["python", "bench/under_load.py", *(sys.argv[1:] if argv is None else argv)])
     lines = [f"## {date.today().isoformat()} — prefill and decode with other processes on the cores (issue 15)", "",
-             f"Machine: {machine()}. moerun commit {moerun_commit()}. Run: `{invocation}`. Busy processes: "
+             (f"Machine: {machine()}. moerun commit {moerun_commit()}. Run: `{invocation}`. Busy processes: "
              f"`python -c \"while True: pass\"`, one per core taken. pp{args.n_prompt} / tg{args.n_gen}, mean of "
-             f"{args.reps} runs each (llama-bench's t/s); `default` is the built-in model (F16).", "",
+             f"{args.reps} runs each (llama-bench's t/s); `default` is the built-in model (F16)."), "",
              "| round | model | busy cores | tool | pp t/s, -t " + str(cores) + " | pp t/s, -t 1 | pp ratio | "
              "tg t/s, -t " + str(cores) + " | tg t/s, -t 1 | tg ratio |",
              "| ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]

@@ -218,7 +218,7 @@ def check_server_completion(path: str, tmp_path) -> None:
                                                                                     ignore_eos=True)).run().text
     ref_rt.close()
     port = free_port()
-    log = open(tmp_path / "serve.log", "w")
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (the server writes it until the finally below)
     proc = subprocess.Popen([sys.executable, "-m", "moerun", "serve", "-m", path, "--port", str(port), "-t", "1",
                              "-c", "256", "-np", "1"], stdout=log, stderr=subprocess.STDOUT)
     try:

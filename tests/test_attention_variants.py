@@ -10,9 +10,9 @@ from moerun.arch.spec import Yarn
 from moerun.model.layers import apply_rope, attend, rope_frequencies, rope_tables
 
 
-@pytest.mark.parametrize("kw", [dict(factor=32.0, original=4096, bf=32.0, bs=1.0, truncate=False),
-                                dict(factor=40.0, original=4096, bf=32.0, bs=1.0, truncate=True, mscale=1.0,
-                                     mscale_all_dim=1.0)])
+@pytest.mark.parametrize("kw", [{"factor": 32.0, "original": 4096, "bf": 32.0, "bs": 1.0, "truncate": False},
+                                {"factor": 40.0, "original": 4096, "bf": 32.0, "bs": 1.0, "truncate": True,
+                                 "mscale": 1.0, "mscale_all_dim": 1.0}])
 def test_yarn_frequencies_match_transformers(kw):
     from transformers import PretrainedConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

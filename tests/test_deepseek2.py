@@ -16,11 +16,23 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from family_checks import (add_mtp_layer, check_estimate, check_expert_cache, check_gpu_logits,
-                           check_inspect_counts, check_server_completion, check_standin_hf_logits,
-                           check_standin_miss_paths, check_triton_standin, check_two_cpu_stages,
-                           dequantized_reference, gguf_fields, kernel_path_errors, names_outside_llama_cpp,
-                           rewrite_gguf)
+from family_checks import (
+    add_mtp_layer,
+    check_estimate,
+    check_expert_cache,
+    check_gpu_logits,
+    check_inspect_counts,
+    check_server_completion,
+    check_standin_hf_logits,
+    check_standin_miss_paths,
+    check_triton_standin,
+    check_two_cpu_stages,
+    dequantized_reference,
+    gguf_fields,
+    kernel_path_errors,
+    names_outside_llama_cpp,
+    rewrite_gguf,
+)
 from hf_models import build, reference_logits, save
 
 from moerun.cli import main

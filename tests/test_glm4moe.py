@@ -14,11 +14,24 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from family_checks import (add_mtp_layer, check_estimate, check_expert_cache, check_gpu_logits, check_greedy_generate,
-                           check_inspect_counts, check_server_completion, check_standin_hf_logits,
-                           check_standin_miss_paths, check_triton_standin, check_two_cpu_stages,
-                           dequantized_reference, gguf_fields, kernel_path_errors, names_outside_llama_cpp,
-                           rewrite_gguf)
+from family_checks import (
+    add_mtp_layer,
+    check_estimate,
+    check_expert_cache,
+    check_gpu_logits,
+    check_greedy_generate,
+    check_inspect_counts,
+    check_server_completion,
+    check_standin_hf_logits,
+    check_standin_miss_paths,
+    check_triton_standin,
+    check_two_cpu_stages,
+    dequantized_reference,
+    gguf_fields,
+    kernel_path_errors,
+    names_outside_llama_cpp,
+    rewrite_gguf,
+)
 from hf_models import build, reference_logits, save
 
 from moerun.cli import main
@@ -181,7 +194,7 @@ def test_gguf_with_a_nextn_block_runs_the_model_without_it(glm, tokens, tmp_path
 def test_bad_nextn_count_and_rope_scaling_are_one_line(glm, tmp_path):
     import gguf
 
-    _, folder, path = glm
+    _, folder, _path = glm
     bad = tmp_path / "bad.gguf"
     w = gguf.GGUFWriter(str(bad), "glm4moe")
     w.add_block_count(2)

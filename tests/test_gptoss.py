@@ -19,11 +19,22 @@ from dataclasses import replace
 import pytest
 import torch
 from click.testing import CliRunner
-from family_checks import (check_expert_cache, check_greedy_generate, check_inspect_counts,
-                           check_server_completion, check_standin_hf_logits, check_standin_miss_paths,
-                           check_triton_standin, check_two_cpu_stages, count_kernel_calls,
-                           dequantized_tensors, gguf_bytes_per_token, gguf_fields, names_outside_llama_cpp,
-                           rel_err)
+from family_checks import (
+    check_expert_cache,
+    check_greedy_generate,
+    check_inspect_counts,
+    check_server_completion,
+    check_standin_hf_logits,
+    check_standin_miss_paths,
+    check_triton_standin,
+    check_two_cpu_stages,
+    count_kernel_calls,
+    dequantized_tensors,
+    gguf_bytes_per_token,
+    gguf_fields,
+    names_outside_llama_cpp,
+    rel_err,
+)
 from hf_models import build, reference_logits, save
 
 from moerun.cli import main

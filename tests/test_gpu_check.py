@@ -16,7 +16,8 @@ def test_gpu_check_runs_on_the_standin(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path / "out"), "MOERUN_BENCH_CACHE": str(tmp_path / "cache"),
            "PYTHON": sys.executable}
     t0 = time.perf_counter()
-    r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--standin", "-t", "1"], cwd=ROOT, env=env,
+    r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--standin", "-t", "1"], check=False, cwd=ROOT,
+                       env=env,
                        capture_output=True, text=True, timeout=300)
     seconds = time.perf_counter() - t0
     assert r.returncode == 0, r.stdout + r.stderr

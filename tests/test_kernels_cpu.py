@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 import importlib
 
-import pytest
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 from qblocks import random_blocks

@@ -35,11 +35,12 @@ from moerun.tools.convert import convert_hf_to_gguf
 
 FAMILIES = ("qwen3next", "qwen35moe")
 PROMPT = [5, 17, 300, 42, 99, 7, 256, 11, 3, 4, 9]
-TEXT_CONFIG = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                   head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=16,
-                   linear_num_key_heads=2, linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2,
-                   moe_intermediate_size=32, shared_expert_intermediate_size=48, max_position_embeddings=4096,
-                   rms_norm_eps=1e-6, tie_word_embeddings=False)  # layer_types: 3 linear, then full attention
+# layer_types: 3 linear, then full attention
+TEXT_CONFIG = {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 16, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 8,
+               "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 8,
+               "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+               "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 
 
 def hf_config(family: str):
@@ -284,9 +285,9 @@ def test_multimodal_qwen35_checkpoint(tmp_path, tokens):
     language model's logits, and a note that the tower is skipped."""
     import transformers as tf
 
-    cfg = tf.Qwen3_5MoeConfig(text_config=TEXT_CONFIG, vision_config=dict(
-        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
-        temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16))
+    cfg = tf.Qwen3_5MoeConfig(text_config=TEXT_CONFIG, vision_config={
+        "depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+        "patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16})
     torch.manual_seed(0)
     model = perturb(tf.Qwen3_5MoeForConditionalGeneration(cfg).eval())
     model.save_pretrained(tmp_path)

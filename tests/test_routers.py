@@ -17,8 +17,8 @@ E, K, H, T = 16, 4, 32, 24
 
 
 def spec(**kw) -> ModelSpec:
-    base = dict(family="x", n_layers=1, hidden=H, n_heads=4, n_kv_heads=4, head_dim=8, vocab=64, n_experts=E,
-                n_experts_used=K, expert_ffn=16, moe_layers=(True,))
+    base = {"family": "x", "n_layers": 1, "hidden": H, "n_heads": 4, "n_kv_heads": 4, "head_dim": 8, "vocab": 64,
+            "n_experts": E, "n_experts_used": K, "expert_ffn": 16, "moe_layers": (True,)}
     return ModelSpec(**(base | kw))
 
 

@@ -33,8 +33,8 @@ def test_n_choices_are_single_requests_of_their_seeds_from_one_prefill(server, c
 
 
 def test_streamed_choices_equal_whole_ones(client):
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Name three colors."}], max_tokens=10,
-              temperature=1.0, seed=5, n=2)
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 10,
+          "temperature": 1.0, "seed": 5, "n": 2}
     whole = client.chat.completions.create(**kw)
     texts, reasons = {0: "", 1: ""}, {}
     for chunk in client.chat.completions.create(stream=True, **kw):

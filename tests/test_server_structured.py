@@ -45,7 +45,8 @@ def test_json_schema_output_validates_on_20_sampled_requests(client):
 
 
 def test_streamed_output_is_the_whole_output(client):
-    kw = dict(model=MODEL, messages=MESSAGES, temperature=1.0, seed=3, max_tokens=96, response_format=schema_format())
+    kw = {"model": MODEL, "messages": MESSAGES, "temperature": 1.0, "seed": 3, "max_tokens": 96,
+          "response_format": schema_format()}
     whole = client.chat.completions.create(**kw).choices[0].message.content
     text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
                    if c.choices)

@@ -82,7 +82,7 @@ def test_required_calls_validate_against_their_tools(client, stream):
 
 
 def test_stream_equals_whole(client):
-    kw = dict(temperature=1.0, seed=11, tool_choice="required", parallel_tool_calls=False)
+    kw = {"temperature": 1.0, "seed": 11, "tool_choice": "required", "parallel_tool_calls": False}
     assert calls_of(client, True, **kw) == calls_of(client, False, **kw)
 
 

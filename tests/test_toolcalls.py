@@ -101,8 +101,8 @@ def test_plain_text_and_lookalike_markers_stay_content():
 
 @pytest.mark.parametrize("text", [
     # what gpt-oss writes after its generation prompt "<|start|>assistant": reasoning, then the call
-    '<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
-    'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}',
+    ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
+    'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 3}'),
     # the recipient before the channel, as the published template renders a call in the history
     ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris", "days": 3}',
 ])

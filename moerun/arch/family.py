@@ -119,32 +119,33 @@ def spec_from_gguf(fam: Family, meta: dict[str, Any], moe_layers: tuple[bool, ..
     if isinstance(n_kv, list):
         raise ConfigError("per-layer attention.head_count_kv is not supported")
     expert_ffn = get("expert_feed_forward_length") or get("feed_forward_length", 0)
-    fields = dict(
-        family=fam.name,
-        n_layers=_in_range(need("block_count"), "block_count", 1, MAX_LAYERS),
-        hidden=hidden,
-        n_heads=n_heads,
-        n_kv_heads=_int(n_kv, "attention.head_count_kv"),
-        head_dim=_int(get("attention.key_length", hidden // n_heads), "attention.key_length"),
-        vocab=vocab,
-        n_experts=_int(get("expert_count", 0), "expert_count"),
-        n_experts_used=_int(get("expert_used_count", 0), "expert_used_count"),
-        expert_ffn=_int(expert_ffn, "expert_feed_forward_length"),
-        moe_layers=moe_layers,
-        dense_ffn=0 if all(moe_layers) else _int(get("feed_forward_length", 0), "feed_forward_length"),
-        shared_ffn=_int(get("expert_shared_feed_forward_length", 0), "expert_shared_feed_forward_length"),
-        shared_gate=fam.shared_gate,
-        norm_topk=fam.norm_topk if fam.norm_topk_fixed else bool(get("expert_weights_norm", fam.norm_topk)),
+    rms_eps = _float(need("attention.layer_norm_rms_epsilon"), "attention.layer_norm_rms_epsilon")
+    fields = {
+        "family": fam.name,
+        "n_layers": _in_range(need("block_count"), "block_count", 1, MAX_LAYERS),
+        "hidden": hidden,
+        "n_heads": n_heads,
+        "n_kv_heads": _int(n_kv, "attention.head_count_kv"),
+        "head_dim": _int(get("attention.key_length", hidden // n_heads), "attention.key_length"),
+        "vocab": vocab,
+        "n_experts": _int(get("expert_count", 0), "expert_count"),
+        "n_experts_used": _int(get("expert_used_count", 0), "expert_used_count"),
+        "expert_ffn": _int(expert_ffn, "expert_feed_forward_length"),
+        "moe_layers": moe_layers,
+        "dense_ffn": 0 if all(moe_layers) else _int(get("feed_forward_length", 0), "feed_forward_length"),
+        "shared_ffn": _int(get("expert_shared_feed_forward_length", 0), "expert_shared_feed_forward_length"),
+        "shared_gate": fam.shared_gate,
+        "norm_topk": fam.norm_topk if fam.norm_topk_fixed else bool(get("expert_weights_norm", fam.norm_topk)),
         # stored as f32: 1e-6 reads 9.99999997e-07
-        rms_eps=float(f"{_float(need('attention.layer_norm_rms_epsilon'), 'attention.layer_norm_rms_epsilon'):.7g}"),
-        rope_theta=_float(get("rope.freq_base", 10000.0), "rope.freq_base"),
-        rope_style=fam.rope_style,
-        qk_norm=fam.qk_norm,
-        qkv_bias=fam.qkv_bias,
-        clip_qkv=get("attention.clamp_kqv"),
-        tie_embeddings=False,  # set by arch.resolve from the tensors present
-        context_length=_int(get("context_length", 4096), "context_length"),
-    )
+        "rms_eps": float(f"{rms_eps:.7g}"),
+        "rope_theta": _float(get("rope.freq_base", 10000.0), "rope.freq_base"),
+        "rope_style": fam.rope_style,
+        "qk_norm": fam.qk_norm,
+        "qkv_bias": fam.qkv_bias,
+        "clip_qkv": get("attention.clamp_kqv"),
+        "tie_embeddings": False,  # set by arch.resolve from the tensors present
+        "context_length": _int(get("context_length", 4096), "context_length"),
+    }
     if fam.gguf_fields is not None:
         fields |= fam.gguf_fields(get, meta)
     return ModelSpec(**fields)
@@ -237,31 +238,32 @@ def spec_from_hf(fam: Family, cfg: dict[str, Any]) -> ModelSpec:
     dense = _dense_layers(cfg.get("mlp_only_layers"))
     moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers))
     norm_topk = fam.norm_topk if fam.norm_topk_fixed else bool(cfg.get("norm_topk_prob", fam.norm_topk))
-    fields = dict(
-        family=fam.name,
-        n_layers=n_layers,
-        hidden=hidden,
-        n_heads=n_heads,
-        n_kv_heads=_int(cfg.get("num_key_value_heads") or n_heads, "num_key_value_heads"),
-        head_dim=_int(cfg.get("head_dim") or hidden // n_heads, "head_dim"),
-        vocab=_int(_need(cfg, "vocab_size", "config.json"), "vocab_size"),
-        n_experts=_int(n_experts, "num_experts"),
-        n_experts_used=_int(_need(cfg, "num_experts_per_tok", "config.json"), "num_experts_per_tok"),
-        expert_ffn=_int(_need(cfg, fam.hf_expert_ffn_key, "config.json"), fam.hf_expert_ffn_key),
-        moe_layers=moe_layers,
-        dense_ffn=_int(cfg.get("intermediate_size", 0) if not all(moe_layers) else 0, "intermediate_size"),
-        shared_ffn=_int(cfg.get("shared_expert_intermediate_size", 0) or 0, "shared_expert_intermediate_size"),
-        shared_gate=fam.shared_gate,
-        norm_topk=norm_topk,
-        rms_eps=_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
-        rope_theta=_rope_theta(cfg, fam),
-        rope_style=fam.rope_style,
-        qk_norm=fam.qk_norm,
-        qkv_bias=bool(cfg.get("qkv_bias", cfg.get("attention_bias", fam.qkv_bias))),
-        clip_qkv=cfg.get("clip_qkv"),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        context_length=_int(cfg.get("max_position_embeddings", 4096), "max_position_embeddings"),
-    )
+    fields = {
+        "family": fam.name,
+        "n_layers": n_layers,
+        "hidden": hidden,
+        "n_heads": n_heads,
+        "n_kv_heads": _int(cfg.get("num_key_value_heads") or n_heads, "num_key_value_heads"),
+        "head_dim": _int(cfg.get("head_dim") or hidden // n_heads, "head_dim"),
+        "vocab": _int(_need(cfg, "vocab_size", "config.json"), "vocab_size"),
+        "n_experts": _int(n_experts, "num_experts"),
+        "n_experts_used": _int(_need(cfg, "num_experts_per_tok", "config.json"), "num_experts_per_tok"),
+        "expert_ffn": _int(_need(cfg, fam.hf_expert_ffn_key, "config.json"), fam.hf_expert_ffn_key),
+        "moe_layers": moe_layers,
+        "dense_ffn": _int(cfg.get("intermediate_size", 0) if not all(moe_layers) else 0, "intermediate_size"),
+        "shared_ffn": _int(cfg.get("shared_expert_intermediate_size", 0) or 0,
+                           "shared_expert_intermediate_size"),
+        "shared_gate": fam.shared_gate,
+        "norm_topk": norm_topk,
+        "rms_eps": _float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
+        "rope_theta": _rope_theta(cfg, fam),
+        "rope_style": fam.rope_style,
+        "qk_norm": fam.qk_norm,
+        "qkv_bias": bool(cfg.get("qkv_bias", cfg.get("attention_bias", fam.qkv_bias))),
+        "clip_qkv": cfg.get("clip_qkv"),
+        "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "context_length": _int(cfg.get("max_position_embeddings", 4096), "max_position_embeddings"),
+    }
     if fam.hf_fields is not None:
         fields |= fam.hf_fields(cfg)
     return ModelSpec(**fields)

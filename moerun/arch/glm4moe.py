@@ -56,21 +56,21 @@ def _gguf_fields(get, meta: dict) -> dict[str, Any]:
     if gating not in (SIGMOID, SOFTMAX):
         raise ConfigError(f"'expert_gating_func' {gating} is not softmax ({SOFTMAX}) or sigmoid ({SIGMOID})")
     groups = _int(get("expert_group_count", 1) or 1, "expert_group_count")
-    return dict(
-        n_layers=n_layers,
-        moe_layers=_moe_layers(n_layers, lead),
-        dense_ffn=_int(get("feed_forward_length", 0), "feed_forward_length") if lead else 0,
-        shared_ffn=_int(get("expert_shared_count", 0), "expert_shared_count") * expert_ffn,
-        norm_topk=bool(get("expert_weights_norm", False)),  # llama.cpp's default when the key is absent
-        rope_dim=_int(get("rope.dimension_count", 0), "rope.dimension_count"),
-        router="sigmoid" if gating == SIGMOID else "softmax",
-        score_bias=True,  # llama.cpp requires exp_probs_b in every MoE layer of glm4moe
-        n_groups=groups,
-        topk_groups=_int(get("expert_group_used_count", 1) or 1, "expert_group_used_count") if groups > 1
+    return {
+        "n_layers": n_layers,
+        "moe_layers": _moe_layers(n_layers, lead),
+        "dense_ffn": _int(get("feed_forward_length", 0), "feed_forward_length") if lead else 0,
+        "shared_ffn": _int(get("expert_shared_count", 0), "expert_shared_count") * expert_ffn,
+        "norm_topk": bool(get("expert_weights_norm", False)),  # llama.cpp's default when the key is absent
+        "rope_dim": _int(get("rope.dimension_count", 0), "rope.dimension_count"),
+        "router": "sigmoid" if gating == SIGMOID else "softmax",
+        "score_bias": True,  # llama.cpp requires exp_probs_b in every MoE layer of glm4moe
+        "n_groups": groups,
+        "topk_groups": _int(get("expert_group_used_count", 1) or 1, "expert_group_used_count") if groups > 1
         else 1,
-        group_score="top2",
-        routed_scale=_float(get("expert_weights_scale", 1.0), "expert_weights_scale"),
-    )
+        "group_score": "top2",
+        "routed_scale": _float(get("expert_weights_scale", 1.0), "expert_weights_scale"),
+    }
 
 
 def _hf_fields(cfg: dict) -> dict[str, Any]:
@@ -86,19 +86,19 @@ def _hf_fields(cfg: dict) -> dict[str, Any]:
         raise ConfigError(f"'partial_rotary_factor' must be in (0, 1], got {factor}")
     expert_ffn = _int(cfg.get("moe_intermediate_size"), "moe_intermediate_size")
     groups = _int(cfg.get("n_group") or 1, "n_group")
-    return dict(
-        moe_layers=_moe_layers(n_layers, lead),
-        dense_ffn=_int(cfg.get("intermediate_size", 0), "intermediate_size") if lead else 0,
-        shared_ffn=_int(cfg.get("n_shared_experts", 1) or 0, "n_shared_experts") * expert_ffn,
-        qk_norm="head" if cfg.get("use_qk_norm") else "none",
-        rope_dim=int(head_dim * factor),
-        router="sigmoid",
-        score_bias=True,
-        n_groups=groups,
-        topk_groups=_int(cfg.get("topk_group") or 1, "topk_group"),
-        group_score="top2",
-        routed_scale=_float(cfg.get("routed_scaling_factor", 1.0), "routed_scaling_factor"),
-    )
+    return {
+        "moe_layers": _moe_layers(n_layers, lead),
+        "dense_ffn": _int(cfg.get("intermediate_size", 0), "intermediate_size") if lead else 0,
+        "shared_ffn": _int(cfg.get("n_shared_experts", 1) or 0, "n_shared_experts") * expert_ffn,
+        "qk_norm": "head" if cfg.get("use_qk_norm") else "none",
+        "rope_dim": int(head_dim * factor),
+        "router": "sigmoid",
+        "score_bias": True,
+        "n_groups": groups,
+        "topk_groups": _int(cfg.get("topk_group") or 1, "topk_group"),
+        "group_score": "top2",
+        "routed_scale": _float(cfg.get("routed_scaling_factor", 1.0), "routed_scaling_factor"),
+    }
 
 
 def _gguf_keys(spec: ModelSpec) -> dict[str, Any]:

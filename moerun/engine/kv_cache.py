@@ -26,6 +26,7 @@ goes back to the latest checkpoint at or before the length asked for (0 if there
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import pairwise
 
 import torch
 
@@ -48,7 +49,7 @@ class KVPool:
         n_blocks = -(-n_tokens // block_size)
         self.n_slots = n_blocks * block_size
         segments = segments or [(0, spec.n_layers, device)]
-        if any(b <= a for a, b, _ in segments) or any(s[1] != t[0] for s, t in zip(segments, segments[1:])):
+        if any(b <= a for a, b, _ in segments) or any(s[1] != t[0] for s, t in pairwise(segments)):
             raise ValueError(f"KV segments must be consecutive non-empty layer ranges, got {segments}")
         if seqs < 1:
             raise ValueError(f"seqs must be at least 1, got {seqs}")

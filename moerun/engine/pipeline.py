@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -94,7 +95,7 @@ class StagedModel:
 
     def __init__(self, stages: Sequence[Stage]):
         bounds = [st.layers for st in stages]
-        if not stages or any(a[1] != b[0] for a, b in zip(bounds, bounds[1:])):
+        if not stages or any(a[1] != b[0] for a, b in pairwise(bounds)):
             raise ValueError(f"stages {bounds} do not cover consecutive layers in order")
         self.stages = list(stages)
 

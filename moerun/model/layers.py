@@ -99,7 +99,7 @@ def _attend_blocks(q, k, v, q_pos, k_pos, scale=None, window=0):
     query heads of a KV head folded into the query length (SDPA's own GQA path and a mask over every key
     were 3.5x slower: 118 vs 34 ms for 512 tokens, 32 heads on 4 KV heads of 128, 2 threads)."""
     T, nh, D = q.shape
-    S, nkv, Dv = v.shape
+    _S, nkv, Dv = v.shape
     g = nh // nkv
     kt, vt = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()  # [nkv, S, D]
     out = []

@@ -91,7 +91,7 @@ class ReferenceOps:
 
     def moe_table(self, experts: dict[int, Expert]):
         """What `moe` can prepare once for experts that stay put (a GPU stage's resident layers); None here."""
-        return None
+        return
 
     def moe_stacked(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, stacks, *, fn: ExpertFn = PLAIN):
         """`moe` over a layer's experts as the stacked (gate, up, down) tensors they are stored in [E, ..], or None
