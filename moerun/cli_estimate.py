@@ -138,6 +138,9 @@ def default_figures(rates, qtypes: list[str], reads_file: bool) -> list[str]:
 @click.option("--expert-cache-plan", "cache_plan", type=click.Path(path_type=Path, exists=True, dir_okay=False),
               default=None, help="Expert cache slots per layer from a file (`moerun trace simulate --write-plan`); "
                                  "CPU only, instead of --expert-cache-mib.")
+@click.option("--expert-cache-trace", "cache_trace", type=click.Path(path_type=Path, exists=True, dir_okay=False),
+              default=None, help="Share --expert-cache-mib's slots over the layers by this routing trace's hit curves, "
+                                 "as `run --expert-cache-trace` does (CPU only; --trace defaults to it).")
 @click.option("-p", "--n-prompt", type=click.IntRange(min=1), default=512, show_default=True,
               help="Prompt tokens for the prefill / TTFT estimate.")
 @click.option("-ub", "--ubatch", type=click.IntRange(min=1), default=512, show_default=True,
@@ -149,7 +152,7 @@ def default_figures(rates, qtypes: list[str], reads_file: bool) -> list[str]:
                    "(size a machine you do not have; give their links with --h2d-bw and --vram-bw).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_mib, ctx_size, ram_bw, disk_bw, vram_bw, h2d_bw,
-             measure, trace_path, cache_policy, cache_plan, n_prompt, ubatch, device, assume_gpus, as_json):
+             measure, trace_path, cache_policy, cache_plan, cache_trace, n_prompt, ubatch, device, assume_gpus, as_json):
     """Predict decode and prefill speed and memory for MODEL on this machine, without loading weights
     (`default`: the built-in model)."""
     from moerun.arch import resolve
@@ -222,6 +225,18 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
         the_plan = _cpu_cache_plan(the_plan, arch, None, layer_slots)
     elif devices == ("cpu",) and expert_cache_mib is not None:
         the_plan = _cpu_cache_plan(the_plan, arch, expert_cache_mib)
+    if cache_trace is not None:
+        if cache_plan is not None or expert_cache_mib is None:
+            raise MoerunError("--expert-cache-trace shares out the slots of --expert-cache-mib: give it, "
+                              "not --expert-cache-plan")
+        if devices != ("cpu",):
+            raise MoerunError("--expert-cache-trace sizes a CPU cache; add --device cpu")
+        from moerun.experts.allocate import plan_from_trace
+
+        even = {i: s for d in the_plan.devices for i, s in zip(range(*d.layers), d.expert_slots)}
+        the_plan = _cpu_cache_plan(the_plan, arch, None, plan_from_trace(cache_trace, even, spec.n_experts,
+                                                                           cache_policy))
+        trace_path = trace_path or cache_trace
     qtypes = sorted({src.records[0].qtype.name for src in arch.sources.values()})
     from moerun.placement.layer_probe import probe_layout
 

@@ -31,6 +31,9 @@ def model_options(f):
                      help="Expert cache slots per MoE layer (instead of --expert-cache-mib)."),
         click.option("--expert-cache-plan", type=click.Path(exists=True, dir_okay=False), default=None,
                      help="Expert cache slots per layer from a file (`moerun trace simulate --write-plan`)."),
+        click.option("--expert-cache-trace", type=click.Path(exists=True, dir_okay=False), default=None,
+                     help="A routing trace (--trace-routing): the slots --expert-cache-mib or --expert-cache-slots "
+                          "give are re-shared over the layers for the most hits on it."),
         click.option("--cache-policy", type=click.Choice(CACHE_POLICIES), default=DEFAULT_CACHE_POLICY, show_default=True,
                      help="Expert cache eviction policy."),
         click.option("--cache-prefill", type=click.Choice(["bypass", "cache"]), default="bypass", show_default=True,
@@ -130,7 +133,7 @@ def sampling_params(kw: dict, with_max_tokens: bool = True):
 
 
 RUNTIME_OPTIONS = ("model", "ctx_size", "ubatch", "threads", "dtype", "expert_cache_mib", "expert_cache_slots",
-                   "expert_cache_plan",
+                   "expert_cache_plan", "expert_cache_trace",
                    "cache_policy", "cache_prefill", "prefetch", "use_mmap", "repack", "device", "gpus", "ram_budget",
                    "vram_budget", "n_cpu_moe", "override_tensor", "print_plan", "devices", "tensor_split",
                    "pipeline_rank", "pipeline_world_size", "master_addr", "master_port", "pipeline_timeout",
@@ -180,7 +183,7 @@ def runtime_config(kw: dict):
             ram_budget=None if o["ram_budget"] is None else parse_size(o["ram_budget"]),
             vram_budget=_split_list(o["vram_budget"], parse_size, "--vram-budget"),
             expert_cache_mib=o["expert_cache_mib"], expert_cache_slots=o["expert_cache_slots"],
-            expert_cache_plan=o["expert_cache_plan"],
+            expert_cache_plan=o["expert_cache_plan"], expert_cache_trace=o["expert_cache_trace"],
             cache_policy=o["cache_policy"], cache_prefill=o["cache_prefill"], prefetch=o["prefetch"],
             mmap=o["use_mmap"], repack=o["repack"],
             n_cpu_moe=o["n_cpu_moe"], override_tensor=overrides,

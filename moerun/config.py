@@ -149,6 +149,7 @@ class RuntimeConfig:
     expert_cache_mib: float | None = None
     expert_cache_slots: int | None = None
     expert_cache_plan: str | None = None  # a file of slots per layer (moerun.experts.allocate), instead of either
+    expert_cache_trace: str | None = None  # a routing trace: the slots of mib/slots re-shared by its per-layer curves
     cache_policy: str = DEFAULT_CACHE_POLICY
     cache_prefill: str = "bypass"
     prefetch: bool = False  # decode steps guess the next MoE layer's experts and page them in ahead (needs a cache)
@@ -224,6 +225,9 @@ class RuntimeConfig:
             problems.append(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if sum(x is not None for x in (self.expert_cache_mib, self.expert_cache_slots, self.expert_cache_plan)) > 1:
             problems.append("give one of expert_cache_mib, expert_cache_slots and expert_cache_plan")
+        if self.expert_cache_trace is not None and self.expert_cache_mib is None and self.expert_cache_slots is None:
+            problems.append("expert_cache_trace shares out the slots of expert_cache_mib or expert_cache_slots: "
+                            "give one of them")
         if self.expert_cache_mib is not None and not (_is_number(self.expert_cache_mib) and self.expert_cache_mib >= 0):
             problems.append(f"expert_cache_mib must be >= 0, got {self.expert_cache_mib!r}")
         if self.expert_cache_slots is not None and not (_is_int(self.expert_cache_slots) and self.expert_cache_slots >= 0):

@@ -93,6 +93,13 @@ def _cache_slots(cfg: RuntimeConfig, the_plan: Plan, store, warnings: list[str])
         if any(v > n for v in given.values()):
             raise MoerunError(f"{cfg.expert_cache_plan}: more slots than the {n} experts of a layer")
         slots = {layer: given.get(layer, 0) for layer in slots}
+    if cfg.expert_cache_trace is not None:  # the same total, shared by the trace's per-layer hit curves
+        from moerun.experts.allocate import plan_from_trace
+
+        n = max((store.n_experts(layer) for layer in store.layers), default=0)
+        slots = plan_from_trace(cfg.expert_cache_trace, slots, n, cfg.cache_policy,
+                                groups=[range(*dp.layers) for dp in the_plan.devices],
+                                prefill=cfg.cache_prefill == "cache")
     if cfg.expert_cache_mib is not None and not any(slots.values()):
         per_layer = max((store.expert_bytes(layer) for layer in store.layers), default=1)
         warnings.append(f"{cfg.expert_cache_mib} MiB holds no expert per layer ({per_layer / MiB:.2f} MiB "

@@ -114,3 +114,46 @@ def test_estimate_replays_each_layer_at_its_own_slots(tmp_path):
     # slots and every time with 2; layer 2 without slots reads every expert from home.
     assert trace_hit_rates(path, [2, 12, 0], 3, "lru") == pytest.approx((598 / 600, 588 / 600, 0.0))
     assert trace_hit_rates(path, [2, 2, 2], 3, "lru")[:2] == pytest.approx((598 / 600, 0.0))
+
+
+def test_plan_from_a_trace_at_start_keeps_each_stages_total(tmp_path):
+    """`--expert-cache-trace`: the slots a cache size gives are re-shared by the trace's curves, within each group
+    of layers (a stage's budget); the locality-rich layer gets 2 slots, the cycling one what it needs."""
+    from moerun.experts.allocate import plan_from_trace
+
+    trace = write_trace(tmp_path / "t.jsonl")
+    plan = plan_from_trace(trace, {0: 6, 1: 6, 2: 6}, 32)
+    assert sum(plan.values()) == 18 and plan[0] == 2 and plan[1] >= 12
+    split = plan_from_trace(trace, {0: 6, 1: 6, 2: 6}, 32, groups=[[0, 1], [2]])
+    assert split == {0: 6, 1: 6, 2: 6}  # layer 1 needs 12 to hit at all: the 4 layer 0 does not use are spread
+    split = plan_from_trace(trace, {0: 6, 1: 6, 2: 6}, 32, groups=[[0], [1, 2]])
+    assert split[0] == 6 and split[1] + split[2] == 12
+    with pytest.raises(PlanError, match="32 experts per layer, this one has 64"):
+        plan_from_trace(trace, {0: 6, 1: 6, 2: 6}, 64)
+
+
+def test_the_runtime_computes_a_plan_from_a_trace(tmp_path):
+    """The trace of one run sizes the next run's layers; greedy tokens do not change with the slots."""
+    from moerun.config import RuntimeConfig, SamplingParams
+    from moerun.runtime import build
+    from moerun.tools.make_model import make_model
+
+    model = make_model("tiny-qwen3moe", tmp_path / "m.gguf", progress=False)  # 2 MoE layers of 8 experts
+    with TraceWriter(tmp_path / "t.jsonl", TraceHeader("qwen3moe", 2, 8, 2)) as w:
+        for t in range(200):  # layer 0 on 2 experts, layer 1 cycling through 6
+            w.write(TraceRecord(0, t, "decode", 0, (0, 1), (0.5, 0.5)))
+            w.write(TraceRecord(0, t, "decode", 1, (t % 6, (t + 3) % 6), (0.5, 0.5)))
+    params = SamplingParams.greedy(max_tokens=6, ignore_eos=True)
+    tokens = {}
+    for name, extra in (("even", {}), ("trace", {"expert_cache_trace": str(tmp_path / "t.jsonl")})):
+        rt = build(RuntimeConfig(model=str(model), expert_cache_slots=4, threads=1, **extra))
+        tokens[name] = rt.engine.generate(rt.engine.tokenizer.encode("hello"), params).run().tokens
+        if name == "trace":
+            assert (rt.cache.slots(0), rt.cache.slots(1)) == (2, 6)
+        rt.close()
+    assert tokens["trace"] == tokens["even"]
+    with pytest.raises(ValueError, match="give one of them"):
+        RuntimeConfig(model=str(model), expert_cache_trace=str(tmp_path / "t.jsonl"))
+    r = CliRunner().invoke(main, ["run", "-m", str(model), "-p", "x", "-n", "2", "--expert-cache-slots", "4",
+                                  "--expert-cache-trace", str(write_trace(tmp_path / "other.jsonl"))])
+    assert r.exit_code != 0 and "32 experts" in r.output and "Traceback" not in r.output

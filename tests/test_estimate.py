@@ -412,3 +412,29 @@ def test_the_layer_probe_runs_every_family(name, tmp_path):
     rates = probes.gather_rates(probes.RateOptions(threads=1, qtypes=["Q8_0"]), cache=tmp_path / "hw.json")
     r = lp.measure_layers(1, lay, rates, rounds=2, n_gen=2)
     assert all(math.isfinite(r[k]) and r[k] >= 0 for k in ("layer_s", "token_s", "prefill_layer_token_s")), r
+
+
+def test_cache_trace_shares_the_slots_like_the_runtime(tiny, counts, tmp_path):
+    """--expert-cache-trace: 4 slots a layer, where layer 0 needs 2 (experts 0 and 1) and layer 1 cycles through
+    6, become 2 + 6; then layer 1 misses only its first three steps, where 4 slots missed every one."""
+    from moerun.experts.trace import TraceHeader, TraceWriter
+
+    assert counts["E"] >= 6 and counts["k"] == 2
+    path = tmp_path / "cycle.jsonl"
+    with TraceWriter(path, TraceHeader("qwen3moe", 2, counts["E"], counts["k"])) as tw:
+        for pos in range(10):
+            tw.write_step(layer=0, phase="decode", request_ids=[0], positions=[pos], experts=[[0, 1]],
+                          weights=[[0.5, 0.5]])
+            tw.write_step(layer=1, phase="decode", request_ids=[0], positions=[pos],
+                          experts=[[2 * (pos % 3), 2 * (pos % 3) + 1]], weights=[[0.5, 0.5]])
+    one_expert = counts["experts"] / 2 / counts["E"]
+    mib = f"{2 * 4 * one_expert / (1 << 20) + 1e-4:.6f}"
+    args = (tiny, "-t", "1", "--ram-bw", "10", "--disk-bw", "1", "--expert-cache-mib", mib, "--device", "cpu",
+            "--cache-policy", "lru")
+    even = estimate_json(*args, "--trace", path)
+    shared = estimate_json(*args, "--expert-cache-trace", path)
+    assert even["hit_rate"] == pytest.approx((18 / 20 + 0) / 2)
+    assert shared["hit_source"] == "trace" and shared["hit_rate"] == pytest.approx((18 / 20 + 14 / 20) / 2)
+    assert shared["memory"]["devices"][0]["cache_bytes"] == pytest.approx(8 * one_expert, abs=2)
+    r = estimate(tiny, "--device", "cpu", "--expert-cache-trace", path)
+    assert r.exit_code != 0 and "give it" in r.output and "Traceback" not in r.output

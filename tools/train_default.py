@@ -66,12 +66,13 @@ def token_streams(tok, files: list[Path]) -> tuple[torch.Tensor, torch.Tensor, i
     return torch.tensor(streams[False]), torch.tensor(streams[True]), n_bytes
 
 
-def make_model(tok, seed: int, shape: str = "default"):
+def make_model(tok, seed: int, shape: str = "default", aux_coef: float | None = None):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     eot = tok.token_to_id(EOT)
+    fields = SHAPES[shape][0] | ({} if aux_coef is None else {"router_aux_loss_coef": aux_coef})
     cfg = Qwen3MoeConfig(vocab_size=tok.get_vocab_size(), bos_token_id=eot, eos_token_id=eot, pad_token_id=eot,
-                         **SHAPES[shape][0])
+                         **fields)
     torch.manual_seed(seed)
     return Qwen3MoeForCausalLM(cfg)
 
@@ -100,7 +101,7 @@ def train(args) -> dict:
           f"tokens ({n_bytes / (len(train_ids) + len(val_ids)):.2f} bytes/token), {time.time() - t0:.1f} s",
           flush=True)
 
-    model = make_model(tok, args.seed, args.shape)
+    model = make_model(tok, args.seed, args.shape, args.aux_coef)
     n_params = sum(p.numel() for p in model.parameters())
     cfg = model.config
     per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
@@ -164,7 +165,7 @@ def train(args) -> dict:
     tc_path.write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
     summary = {"params": n_params, "active_params": active, "files": len(files), "corpus_bytes": n_bytes,
                "train_tokens": len(train_ids), "val_tokens": len(val_ids), "steps": args.steps, "batch": bs,
-               "seq": seq, "lr": args.lr, "seed": args.seed, "threads": args.threads,
+               "seq": seq, "lr": args.lr, "aux_coef": coef, "seed": args.seed, "threads": args.threads,
                "tokens_seen": args.steps * bs * seq, "train_wall_s": round(wall, 1),
                "tok_per_s": round(args.steps * bs * seq / wall), "final_train_loss": log[-1]["train_loss"],
                "final_val_loss": log[-1]["val_loss"], "torch": torch.__version__,
@@ -187,6 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="default",
                     help="default: the built-in model; routing: the routing bench model (64 experts, top-8, 8 layers)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--aux-coef", type=float, help="the router's load-balancing loss weight (default: the shape's, "
+                    "0.01; Qwen3-30B-A3B was trained with 0.001)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)

@@ -8,7 +8,8 @@ total spread evenly wastes slots (issue 19).
 `allocate` maximises the sum of the layers' hits exactly (a max-plus dynamic programme over the layers), so it
 holds for curves that are not concave (LRU's need not be), where a greedy pick of marginal gains can miss.
 A plan is a JSON object {"slots": {layer: slots}, ...} (`write_plan` / `read_plan`): `moerun trace simulate
---write-plan FILE` writes one, `--expert-cache-plan FILE` runs with it.
+--write-plan FILE` writes one, `--expert-cache-plan FILE` runs with it. `--expert-cache-trace FILE` computes
+one at start (`plan_from_trace`): the slots a cache size gives, re-shared over the layers by the trace's curves.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from moerun.errors import MoerunError
-from moerun.experts.trace import Trace, TraceRecord, simulate
+from moerun.experts.trace import Trace, TraceRecord, read_trace, simulate
 
 
 class PlanError(MoerunError):
@@ -68,6 +69,12 @@ def allocate(curves: dict[int, list[int]], total: int, min_slots: int = 0) -> di
     return dict(sorted(out.items()))
 
 
+def floor_slots(total: int, n_layers: int, k: int) -> int:
+    """The fewest slots a layer is given: the k experts one token picks while the total affords them. Below k
+    the live cache pins a step's experts and computes the rest at home, so a replay there is optimistic."""
+    return min(k, total // max(1, n_layers))
+
+
 def uniform(layers: Iterable[int], total: int) -> dict[int, int]:
     """`total` slots spread evenly (the first layers take the remainder)."""
     layers = sorted(layers)
@@ -95,3 +102,35 @@ def read_plan(path: Path) -> dict[int, int]:
     if any(v < 0 for v in plan.values()):
         raise PlanError(f"{path}: slot counts must be >= 0")
     return plan
+
+
+def plan_from_trace(trace: Trace | str | Path, slots: dict[int, int], n_experts: int, policy: str = "lru",
+                    groups: Iterable[Iterable[int]] | None = None, prefill: bool = False) -> dict[int, int]:
+    """`slots` re-shared for the most hits on a trace's decode steps (and its prompts', with `prefill`: a cache
+    that pages prefill misses in). Each group of layers (a stage's, so every device keeps its budget) shares
+    its own total; layers without slots or without steps in the trace keep theirs."""
+    name = "the trace" if isinstance(trace, Trace) else str(trace)
+    if not isinstance(trace, Trace):
+        trace = read_trace(trace)
+    if trace.header.n_experts != n_experts:
+        raise PlanError(f"{name}: a trace of a model with {trace.header.n_experts} experts per layer, "
+                        f"this one has {n_experts}")
+    records = [r for r in trace.records if prefill or r.phase == "decode"]
+    covered = {r.layer for r in records}
+    out = dict(slots)
+    for group in [sorted(slots)] if groups is None else groups:
+        layers = [layer for layer in group if slots.get(layer, 0) > 0 and layer in covered]
+        total = sum(slots[layer] for layer in layers)
+        if not layers:
+            continue
+        mine = [r for r in records if r.layer in set(layers)]
+        curves = hit_curves(mine, min(n_experts, total), policy)
+        plan = allocate(curves, total, min_slots=floor_slots(total, len(layers), trace.header.k))
+        spare = total - sum(plan.values())  # slots the trace finds no use for still cost nothing: spread them
+        while spare > 0 and any(plan[layer] < n_experts for layer in layers):
+            for layer in sorted(layers, key=lambda x: plan[x]):
+                if spare > 0 and plan[layer] < n_experts:
+                    plan[layer] += 1
+                    spare -= 1
+        out.update(plan)
+    return out

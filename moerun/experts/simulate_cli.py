@@ -142,7 +142,7 @@ def simulate_cmd(file: Path, slots: list[int], policies: list[str], group: str, 
 def _allocate(file: Path, tr: Trace, total: int, how: str, policy: str, group: str, write: Path | None,
               as_json: bool) -> None:
     """`--total-slots`: the uniform and the chosen allocation side by side, replayed; the chosen one written."""
-    from moerun.experts.allocate import allocate, hit_curves, hits_of, uniform, write_plan
+    from moerun.experts.allocate import allocate, floor_slots, hit_curves, hits_of, uniform, write_plan
 
     n = tr.header.n_experts
     curves = hit_curves(tr, min(total, n), policy, group)
@@ -150,7 +150,7 @@ def _allocate(file: Path, tr: Trace, total: int, how: str, policy: str, group: s
     plans = {"uniform": uniform(curves, total)}
     plans["uniform"] = {layer: min(s, n) for layer, s in plans["uniform"].items()}
     if how == "trace":  # every layer keeps a slot when the total allows: a layer at 0 always misses
-        plans["trace"] = allocate(curves, total, min_slots=1 if total >= len(curves) else 0)
+        plans["trace"] = allocate(curves, total, min_slots=floor_slots(total, len(curves), tr.header.k))
     chosen = plans[how]
     rates = {name: hits_of(curves, p) / queries for name, p in plans.items()}
     if write is not None:
