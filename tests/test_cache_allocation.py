@@ -157,3 +157,17 @@ def test_the_runtime_computes_a_plan_from_a_trace(tmp_path):
     r = CliRunner().invoke(main, ["run", "-m", str(model), "-p", "x", "-n", "2", "--expert-cache-slots", "4",
                                   "--expert-cache-trace", str(write_trace(tmp_path / "other.jsonl"))])
     assert r.exit_code != 0 and "32 experts" in r.output and "Traceback" not in r.output
+
+
+def test_estimate_replays_prompts_only_for_a_cache_that_takes_them(tmp_path):
+    """The runtime's cache lets prefill bypass it (the default), so the replay must not warm it with the prompt:
+    decode's first step on the prompt's experts is a miss unless prefill is cached too."""
+    from moerun.placement.costmodel import trace_hit_rates
+
+    with TraceWriter(tmp_path / "p.jsonl", TraceHeader("synthetic", 1, 8, 2)) as w:
+        for t in range(4):
+            w.write(TraceRecord(0, t, "prefill", 0, (2, 3), (0.5, 0.5)))
+        for t in range(4, 8):
+            w.write(TraceRecord(0, t, "decode", 0, (2, 3), (0.5, 0.5)))
+    assert trace_hit_rates(tmp_path / "p.jsonl", [2], 1, "lru") == pytest.approx((6 / 8,))
+    assert trace_hit_rates(tmp_path / "p.jsonl", [2], 1, "lru", prefill=True) == pytest.approx((1.0,))

@@ -556,13 +556,16 @@ def workload(arch, plan, hit_rates: tuple[float, ...] | None = None, hit_source:
 
 
 def trace_hit_rates(trace_path: str | Path, slots: list[int] | tuple[int, ...], n_layers: int,
-                    policy: str = "lru") -> tuple[float, ...]:
+                    policy: str = "lru", prefill: bool = False) -> tuple[float, ...]:
     """Decode hit rate per layer from replaying a routing trace, each layer at its own slot count (`slots[i]`;
     a layer without slots is not cached: 0). Layers without decode steps in the trace get the mean of those that
-    have them at the same slot count."""
+    have them at the same slot count. The prompts' steps are replayed only with `prefill` (a cache that pages
+    prefill misses in); by default, as the runtime's cache does, they bypass it."""
     from moerun.experts.trace import read_trace, simulate
 
     trace = read_trace(trace_path)
+    if not prefill:
+        trace = [r for r in trace.records if r.phase == "decode"]
     by_slots = {s: simulate(trace, s, policy) for s in sorted(set(slots[:n_layers])) if s > 0}
     out = []
     for i in range(n_layers):
