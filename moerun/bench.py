@@ -58,6 +58,7 @@ FIELDS = [
     "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "samples_ns", "samples_ts",
     "bytes_per_token", "achieved_gbps", "host_read_gbps", "host_read_source", "bound_ts", "bound_fraction",
     "expert_cache_mib", "expert_cache_hits", "expert_cache_queries", "expert_cache_hit_rate",
+    "expert_cache_prefetch_precision",
     "devices", "expert_cache_home_share", "expert_cache_h2d_gbps", "expert_cache_stall_s", "expert_cache_stages",
     "estimate_ts",
 ]
@@ -286,6 +287,7 @@ def bench_record(info: ModelInfo, case: BenchCase, samples_ns: Sequence[int], dt
         "expert_cache_mib": case.cache_mib, "expert_cache_hits": None if cache is None else cache.hits,
         "expert_cache_queries": None if cache is None else cache.queries,
         "expert_cache_hit_rate": None if cache is None else cache.hit_rate,
+        "expert_cache_prefetch_precision": None if cache is None else cache.prefetch_precision,
         "devices": None, "expert_cache_home_share": None if cache is None else cache.home_share,
         "expert_cache_h2d_gbps": None if cache is None else cache.h2d_gbps,
         "expert_cache_stall_s": None if cache is None else cache.seconds_stalled,
@@ -401,7 +403,7 @@ def _timed_runs_start(model, cache, recorder) -> None:
         model.on_route = recorder
 
 
-def make_cache(model, mib: float, policy: str, interleave: bool = True):
+def make_cache(model, mib: float, policy: str, interleave: bool = True, prefetch: bool = False):
     """An ExpertCache of `mib` MiB split evenly over the model's MoE layers (as `moerun run --expert-cache-mib`),
     its slots in the kernels' interleaved layout unless --no-repack."""
     from moerun.experts.cache import ExpertCache
@@ -409,18 +411,19 @@ def make_cache(model, mib: float, policy: str, interleave: bool = True):
     store = model.store
     per_layer = max((store.expert_bytes(layer) for layer in store.layers), default=1)
     slots = int(mib * 2**20 // (per_layer * max(len(store.layers), 1)))
-    return ExpertCache(store, slots=slots, policy=policy, interleave=interleave and model.ops.name != "reference")
+    return ExpertCache(store, slots=slots, policy=policy, interleave=interleave and model.ops.name != "reference",
+                       prefetch=prefetch)
 
 
 def _placed_runtime(case: BenchCase, placement: dict, dtype: str, cache_policy: str, mmap: bool | None,
-                    repack: bool):
+                    repack: bool, prefetch: bool = False):
     """The runtime `moerun run` would build for this test's placement (an expert cache size per test)."""
     from moerun.config import RuntimeConfig
     from moerun.runtime import build
 
     return build(RuntimeConfig(model=case.model, threads=case.n_threads, ubatch=case.n_ubatch, dtype=dtype,
                                ctx_size=max(case.n_prompt + case.n_gen + 16, 64), expert_cache_mib=case.cache_mib,
-                               cache_policy=cache_policy, mmap=mmap, repack=repack, **placement))
+                               cache_policy=cache_policy, mmap=mmap, repack=repack, prefetch=prefetch, **placement))
 
 
 def _placed_fields(rt, case: BenchCase, placement: dict) -> dict:
@@ -471,7 +474,7 @@ def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[in
               measure_bw: bool = False, warmup: bool = True, fmt: str = "md", out: TextIO | None = None,
               log: Callable[[str], None] = lambda s: None, cache_mib: Sequence[float | None] = (None,),
               cache_policy: str = DEFAULT_CACHE_POLICY, mmap: bool | None = None, trace_routing: str | Path | None = None,
-              repack: bool = True, placement: dict | None = None) -> list[dict]:
+              repack: bool = True, placement: dict | None = None, prefetch: bool = False) -> list[dict]:
     """Run every test (see expand_cases) and stream the records to `out` in `fmt`; returns the records.
     placement: RuntimeConfig fields (devices, n_cpu_moe, vram_budget, miss_path, ...) to build each test as
     `moerun run` would (module docstring)."""
@@ -517,7 +520,7 @@ def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[in
                 + ("" if case.cache_mib is None else f"expert cache {case.cache_mib:g} MiB, ") + f"{reps} run(s)")
             loaded = pool = None
             gc.collect()
-            rt = _placed_runtime(case, placement, dtype, cache_policy, mmap, repack)
+            rt = _placed_runtime(case, placement, dtype, cache_policy, mmap, repack, prefetch and case.cache_mib is not None)
             test_time = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
             try:
                 samples = run_case(rt.engine.model, rt.engine.pool, case, reps, info.vocab, warmup=warmup, log=log,
@@ -549,7 +552,7 @@ def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[in
             + ("" if case.cache_mib is None else f"expert cache {case.cache_mib:g} MiB, ") + f"{reps} run(s)")
         test_time = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         model, resident = loaded.model, loaded.model.experts
-        cache = None if case.cache_mib is None else make_cache(model, case.cache_mib, cache_policy, repack)
+        cache = None if case.cache_mib is None else make_cache(model, case.cache_mib, cache_policy, repack, prefetch)
         try:
             if cache is not None:
                 model.experts = CachedExperts(cache)

@@ -62,6 +62,8 @@ def _cache_sizes(ctx, param, values):
               help="Expert cache sizes to sweep, e.g. 256,512,none (none: no cache).  [default: none]")
 @click.option("--cache-policy", type=click.Choice(CACHE_POLICIES), default=DEFAULT_CACHE_POLICY, show_default=True,
               help="Expert cache eviction policy.")
+@click.option("--prefetch/--no-prefetch", default=False, show_default=True,
+              help="With an expert cache: decode steps guess the next layer's experts and page them in ahead.")
 @click.option("--mmap/--no-mmap", default=None,
               help="Keep routed experts in the file's map (default when a cache is asked for) or copy them to RAM.")
 @click.option("--repack/--no-repack", default=True, show_default=True,
@@ -81,7 +83,7 @@ def _cache_sizes(ctx, param, values):
 @click.option("--vram-bw", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Placement: GPU memory GB/s for the cost model (default: NVML's).")
 def bench(models, n_prompt, n_gen, threads, ubatch, repetitions, fmt, dtype, measure_bw, no_warmup, cache_mib,
-          cache_policy, mmap, repack, trace_routing, gpus, devices, tensor_split, vram_budget, n_cpu_moe, miss_path,
+          cache_policy, prefetch, mmap, repack, trace_routing, gpus, devices, tensor_split, vram_budget, n_cpu_moe, miss_path,
           h2d_bw, vram_bw):
     """Measure prompt processing (ppN) and generation (tgN) speed, llama-bench style.
 
@@ -126,4 +128,4 @@ def bench(models, n_prompt, n_gen, threads, ubatch, repetitions, fmt, dtype, mea
               threads, ubatch or [DEFAULT_UBATCH], reps=repetitions, dtype=dtype, measure_bw=measure_bw,
               warmup=not no_warmup, fmt=fmt, log=lambda s: click.echo(f"bench: {s}", err=True),
               cache_mib=cache_mib or [None], cache_policy=cache_policy, mmap=mmap, repack=repack,
-              trace_routing=trace_routing, placement=placement or None)
+              trace_routing=trace_routing, placement=placement or None, prefetch=prefetch)

@@ -172,6 +172,19 @@ def test_expert_cache_sweep_counts_the_timed_runs(tiny):
     assert " cache |" in md.splitlines()[0] and f"{mib:g} MiB" in md
 
 
+def test_prefetch_reports_its_precision(tiny):
+    """--prefetch: the decode test's record carries the guesses' precision; without it there is none."""
+    from moerun.loading import load_model
+
+    store = load_model(tiny).model.store
+    mib = 2 * store.expert_bytes(store.layers[0]) / 2**20 * len(store.layers)
+    args = ("-m", tiny, "-p", "0", "-n", "6", "-r", "1", "-t", "1", "-o", "json", "--expert-cache-mib", f"{mib}")
+    on, off = json.loads(bench(*args, "--prefetch"))[0], json.loads(bench(*args))[0]
+    assert on["expert_cache_prefetch_precision"] is not None and 0 <= on["expert_cache_prefetch_precision"] <= 1
+    assert off["expert_cache_prefetch_precision"] is None
+    assert on["expert_cache_queries"] == off["expert_cache_queries"]
+
+
 def test_bad_cache_size_is_a_usage_error(tiny):
     r = CliRunner().invoke(main, ["bench", "-m", str(tiny), "--expert-cache-mib", "lots"])
     assert r.exit_code == 2 and "lots" in r.output
