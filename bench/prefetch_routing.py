@@ -2,18 +2,44 @@
 a cache of a quarter of the experts, greedy runs of held-out text with `--prefetch` off and on, alternating.
 Prints decode ms/token, hit rate, bytes paged in, and the guesses' precision and recall.
 
-    python bench/prefetch_routing.py moerun/data/routing-qwen3moe.gguf [--rounds 3] [--slots 16]
+    python bench/prefetch_routing.py moerun/data/routing-qwen3moe.gguf [--rounds 3] [--slots 16] [--cold]
+
+--cold: before each text the model file's pages are pushed out of this process's maps and the page cache
+(madvise MADV_PAGEOUT, then posix_fadvise DONTNEED; Linux), so each expert's first read in a text is a disk read.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
 import statistics
 
-from routing_traces import texts
+from routing_traces import text_sets
+
+MADV_PAGEOUT = 21
 
 
-def one_run(model: str, prompts: list[str], n_gen: int, slots: int, policy: str, prefetch: bool) -> dict:
+def page_out(path: str) -> None:
+    """Drop `path`'s pages: from every map of it in this process, then from the page cache."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    real = os.path.realpath(path)
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[5] == real:
+                a, b = (int(x, 16) for x in parts[0].split("-"))
+                libc.madvise(a, b - a, MADV_PAGEOUT)
+    fd = os.open(real, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def one_run(model: str, prompts: list[str], n_gen: int, slots: int, policy: str, prefetch: bool,
+            cold: bool = False) -> dict:
     from moerun.config import RuntimeConfig, SamplingParams
     from moerun.runtime import build
 
@@ -21,6 +47,8 @@ def one_run(model: str, prompts: list[str], n_gen: int, slots: int, policy: str,
                              cache_policy=policy, prefetch=prefetch))
     eng, ms, n = rt.engine, 0.0, 0
     for p in prompts:
+        if cold:
+            page_out(model)
         gen = eng.generate(eng.tokenizer.encode(p), SamplingParams.greedy(max_tokens=n_gen, ignore_eos=True)).run()
         ms, n = ms + gen.timings.predicted_ms, n + gen.timings.predicted_n
         gen.seq.free()
@@ -36,14 +64,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--policy", default="lfru")
-    p.add_argument("--texts", type=int, default=4)
+    p.add_argument("--texts", type=int, default=12)
     p.add_argument("--tokens", type=int, default=300)
+    p.add_argument("--cold", action="store_true", help="drop the file's pages before each text")
     args = p.parse_args()
-    prompts = texts(2 * args.texts)[args.texts:]
+    prompts = text_sets(args.texts)[1]
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for _ in range(args.rounds):
         for pf in (False, True):
-            runs[pf].append(one_run(args.model, prompts, args.tokens, args.slots, args.policy, pf))
+            runs[pf].append(one_run(args.model, prompts, args.tokens, args.slots, args.policy, pf, args.cold))
             print(pf, runs[pf][-1], flush=True)
     print("\n| prefetch | decode ms/token (runs) | median | hit rate | paged in | precision / recall |\n"
           "|---|---|---:|---:|---:|---:|")

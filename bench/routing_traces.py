@@ -3,11 +3,12 @@ figures of real models: reuse distance, repeats at the next token and within 8, 
 tokens, LRU hit rate against cache size; then per-layer slot allocation from one text's trace evaluated on
 another's. Writes traces, a plot and (with --append) a section of bench/RESULTS.md.
 
-    python -m moerun.tools.train_default --shape routing --steps 800 --threads 2 \\
+    python -m moerun.tools.train_default --shape routing --steps 2400 --aux-coef 0.001 --threads 2 \\
         --out ~/.cache/moerun/routing/hf --gguf ~/.cache/moerun/routing/routing-qwen3moe.gguf
     python bench/routing_traces.py ~/.cache/moerun/routing/routing-qwen3moe.gguf [--append]
 
-Texts: held-out standard-library files (the trainer's validation split: every 40th file), code and docstrings.
+Texts: held out from training, in turn: standard-library files of the trainer's validation split (every 40th
+file), English prose (installed packages' descriptions) and other packages' code; A and B alternate.
 Each text is prefilled, then 300 tokens are generated greedily and sampled (temperature 0.8), one request
 each; decode steps are the trace (prefill's routing is recorded but the statistics are of decode, as the
 published ones are).
@@ -29,18 +30,52 @@ PUBLISHED = ("Qwen3-30B-A3B (128 experts, top-8): median reuse distance ~2 token
              "~3% residency 8-9% (shared/REFERENCES.md)")
 
 
+HELD_OUT_PACKAGES = ("click", "jinja2", "rich", "tqdm", "uvicorn", "fastapi", "openai", "psutil", "safetensors",
+                     "gguf", "transformers", "numpy", "tokenizers", "prometheus_client", "llguidance", "matplotlib")
+
+
+def package_texts(chars: int) -> tuple[list[str], list[str]]:
+    """(prose, code) the trainer never saw: installed packages' descriptions (their METADATA's markdown) and
+    sources, in HELD_OUT_PACKAGES order (the test install's dependencies)."""
+    from importlib import metadata
+
+    prose, code = [], []
+    for name in HELD_OUT_PACKAGES:
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        body = (dist.read_text("METADATA") or "").split("\n\n", 1)[-1]
+        if len(body) > chars:
+            prose.append(body[:chars])
+        sources = sorted(str(f) for f in dist.files or () if str(f).endswith(".py") and "test" not in str(f))
+        for f in sources[len(sources) // 2:]:  # past the __init__s and the alphabet's first modules
+            t = Path(dist.locate_file(f)).read_text(errors="replace")
+            if len(t) > chars:
+                code.append(t[:chars])
+                break
+    return prose, code
+
+
 def texts(n: int, chars: int = 1500) -> list[str]:
+    """n held-out texts, taking in turn: standard-library code of the trainer's validation split (every 40th
+    file), English prose (package descriptions) and other packages' code."""
     from moerun.tools.train_default import VAL_EVERY, corpus_files
 
     files = [f for i, f in enumerate(corpus_files()) if i % VAL_EVERY == VAL_EVERY - 1]
-    out = []
-    for f in files:
-        t = f.read_text(errors="replace")
-        if len(t) > chars:
-            out.append(t[:chars])
-        if len(out) == n:
-            break
-    return out
+    stdlib = [t[:chars] for t in (f.read_text(errors="replace") for f in files) if len(t) > chars]
+    prose, code = package_texts(chars)
+    mixed = [t for group in zip(stdlib, prose, code) for t in group]
+    if len(mixed) < n:
+        raise SystemExit(f"only {len(mixed)} held-out texts here (stdlib {len(stdlib)}, prose {len(prose)}, "
+                         f"package code {len(code)}); ask for fewer")
+    return mixed[:n]
+
+
+def text_sets(n: int) -> tuple[list[str], list[str]]:
+    """Texts A (the traces learned from) and B (held out), n each, each a mix of the three kinds."""
+    both = texts(2 * n)
+    return both[0::2], both[1::2]
 
 
 def record(model_path: str, prompts: list[str], n_gen: int, temperature: float, out: Path, seed: int = 0) -> Path:
@@ -66,15 +101,16 @@ def record(model_path: str, prompts: list[str], n_gen: int, temperature: float, 
 
 
 def live_hit_rate(model_path: str, prompts: list[str], n_gen: int, plan: Path | None = None,
-                  slots: int | None = None, policy: str = "lru") -> float:
+                  slots: int | None = None, policy: str = "lru", trace: Path | None = None) -> float:
     """The decode hit rate of a live greedy run with the experts' home on disk (the file's map) behind a cache
-    of `slots` per layer or the per-layer `plan`, evicting by `policy`."""
+    of `slots` per layer (re-shared by `trace`'s curves when given) or the per-layer `plan`, evicting by
+    `policy`."""
     from moerun.config import RuntimeConfig, SamplingParams
     from moerun.runtime import build
 
     rt = build(RuntimeConfig(model=model_path, threads=2, ctx_size=2048, mmap=True,
                              expert_cache_plan=None if plan is None else str(plan), expert_cache_slots=slots,
-                             cache_policy=policy))
+                             expert_cache_trace=None if trace is None else str(trace), cache_policy=policy))
     eng = rt.engine
     for p in prompts:
         gen = eng.generate(eng.tokenizer.encode(p), SamplingParams.greedy(max_tokens=n_gen, ignore_eos=True)).run()
@@ -158,16 +194,16 @@ def concave(curve: list[int]) -> list[int]:
     return [round(v) for v in np.interp(range(len(curve)), [x for x, _ in hull], [y for _, y in hull])]
 
 
-def allocation_table(learn_records, held_records, n_experts: int, totals: list[int]) -> str:
+def allocation_table(learn_records, held_records, n_experts: int, k: int, totals: list[int]) -> str:
     """Held-out hit rates of the even spread, the exact allocation and the envelope's, learned on one trace."""
-    from moerun.experts.allocate import allocate, hit_curves, hits_of, uniform
+    from moerun.experts.allocate import allocate, floor_slots, hit_curves, hits_of, uniform
 
     learn, held = hit_curves(learn_records, n_experts), hit_curves(held_records, n_experts)
     smooth = {layer: concave(c) for layer, c in learn.items()}
     q = sum(len(r.experts) for r in held_records)
     rows = [f"| {t} | {100 * hits_of(held, uniform(learn, t)) / q:.1f}% | "
-            f"{100 * hits_of(held, allocate(learn, t, 1)) / q:.1f}% | "
-            f"{100 * hits_of(held, allocate(smooth, t, 1)) / q:.1f}% |" for t in totals]
+            f"{100 * hits_of(held, allocate(learn, t, floor_slots(t, len(learn), k))) / q:.1f}% | "
+            f"{100 * hits_of(held, allocate(smooth, t, floor_slots(t, len(learn), k))) / q:.1f}% |" for t in totals]
     return ("| total slots | uniform | trace (exact) | trace (concave envelope) |\n|---:|---:|---:|---:|\n"
             + "\n".join(rows))
 
@@ -186,20 +222,19 @@ def policy_table(decode: dict[str, list], sizes: list[int]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
-    p.add_argument("--texts", type=int, default=4)
+    p.add_argument("--texts", type=int, default=12)
     p.add_argument("--tokens", type=int, default=300)
     p.add_argument("--out", type=Path, default=Path("~/.cache/moerun/routing").expanduser())
     p.add_argument("--append", action="store_true")
     args = p.parse_args()
     sys.path.insert(0, str(HERE))
-    from moerun.experts.allocate import allocate, hit_curves, hits_of, uniform, write_plan
+    from moerun.experts.allocate import allocate, floor_slots, hit_curves, hits_of, uniform, write_plan
     from moerun.experts.trace import read_trace
 
     args.out.mkdir(parents=True, exist_ok=True)
-    prompts = texts(2 * args.texts)
+    text_a, text_b = text_sets(args.texts)
     traces = {}
-    for name, temp, part in (("greedy A", 0.0, prompts[:args.texts]), ("sampled A", 0.8, prompts[:args.texts]),
-                             ("greedy B", 0.0, prompts[args.texts:])):
+    for name, temp, part in (("greedy A", 0.0, text_a), ("sampled A", 0.8, text_a), ("greedy B", 0.0, text_b)):
         path = args.out / f"trace-{name.replace(' ', '-')}.jsonl"
         traces[name] = read_trace(record(args.model, part, args.tokens, temp, path))
     n = traces["greedy A"].header.n_experts
@@ -214,26 +249,26 @@ def main() -> None:
     # per-layer allocation: curves from text A, evaluated on text B at the same totals
     dec = {k: [r for r in t.records if r.phase == "decode"] for k, t in traces.items()}
     alloc_rows = []
-    for frac in (0.125, 0.25):
-        layers = traces["greedy A"].header.n_layers
+    layers, k = traces["greedy A"].header.n_layers, traces["greedy A"].header.k
+    for frac, policy in ((0.1875, "lru"), (0.25, "lru"), (0.375, "lru"), (0.25, "lfru")):
         total = max(layers, round(frac * n * layers))
-        learn = hit_curves(dec["greedy A"], min(n, total))
-        held = hit_curves(dec["greedy B"], min(n, total))
+        learn = hit_curves(dec["greedy A"], min(n, total), policy)
+        held = hit_curves(dec["greedy B"], min(n, total), policy)
         queries = sum(len(r.experts) for r in dec["greedy B"])
-        even, chosen = uniform(learn, total), allocate(learn, total, min_slots=1)
-        plan_path = args.out / f"plan-{total}.json"
-        write_plan(plan_path, chosen, total_slots=total)
-        live_even = live_hit_rate(args.model, prompts[args.texts:], args.tokens, slots=total // layers)
-        live_plan = live_hit_rate(args.model, prompts[args.texts:], args.tokens, plan=plan_path)
-        alloc_rows.append(f"| {total} ({100 * frac:.1f}%) | {100 * hits_of(held, even) / queries:.1f}% | "
+        even, chosen = uniform(learn, total), allocate(learn, total, floor_slots(total, layers, k))
+        plan_path = args.out / f"plan-{total}-{policy}.json"
+        write_plan(plan_path, chosen, total_slots=total, policy=policy)
+        live_even = live_hit_rate(args.model, text_b, args.tokens, slots=total // layers, policy=policy)
+        live_plan = live_hit_rate(args.model, text_b, args.tokens, plan=plan_path, policy=policy)
+        alloc_rows.append(f"| {total} ({100 * frac:.1f}%) | {policy} | {100 * hits_of(held, even) / queries:.1f}% | "
                           f"{100 * hits_of(held, chosen) / queries:.1f}% | {100 * live_even:.1f}% | "
                           f"{100 * live_plan:.1f}% | " + " ".join(str(chosen[layer]) for layer in sorted(chosen)) + " |")
-    layers = traces["greedy A"].header.n_layers
-    more = allocation_table(dec["greedy A"], dec["greedy B"], n, [round(f * n * layers) for f in
-                                                                  (0.09375, 0.125, 0.1875, 0.25, 0.375)])
+    more = allocation_table(dec["greedy A"], dec["greedy B"], n, k,
+                            [round(f * n * layers) for f in (0.09375, 0.125, 0.1875, 0.25, 0.375, 0.5)])
     text = (f"## routing bench model: decode routing against the published figures (issue 19)\n\n"
             f"Command: `python bench/routing_traces.py {args.model}` (commit {moerun_commit()}); {args.texts} "
-            f"held-out stdlib texts per trace (A; B for the held-out check), {args.tokens} generated tokens each. "
+            f"held-out texts per trace (A; B for the held-out check), stdlib code, package prose and package code "
+            f"in turn, {args.tokens} generated tokens each. "
             f"{n} experts, top-{traces['greedy A'].header.k}, {traces['greedy A'].header.n_layers} layers. "
             f"Plot: `bench/routing_traces.png`.\n\n"
             "| trace | median reuse distance | repeat at next token | within 8 | experts touched in 300 tokens, by "
@@ -241,8 +276,8 @@ def main() -> None:
             + rows + f"\n\nPublished: {PUBLISHED}.\n\nPer-layer allocation from trace A's curves, replayed on "
             "trace B (held-out text) at the same total, and live greedy runs of text B with the experts' home on "
             "disk (`--mmap`) behind `--expert-cache-slots total/layers` or `--expert-cache-plan` (decode hit "
-            "rates):\n\n| total slots (residency) | uniform, replay | trace, replay | uniform, live | plan, live | "
-            "slots by layer |\n|---|---:|---:|---:|---:|---|\n" + "\n".join(alloc_rows)
+            "rates):\n\n| total slots (residency) | policy | uniform, replay | trace, replay | uniform, live | plan, live | "
+            "slots by layer |\n|---|---|---:|---:|---:|---:|---|\n" + "\n".join(alloc_rows)
             + "\n\nMore totals, learned on trace A and replayed on trace B:\n\n" + more
             + "\n\nEviction policies, decode only:\n\n" + policy_table(dec, [n // 4, round(0.4 * n), n // 2]) + "\n")
     print(text)
