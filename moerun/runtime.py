@@ -11,7 +11,7 @@ run through a StagedModel; with pipeline_world_size > 1 each process is one stag
 from __future__ import annotations
 
 import atexit
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import psutil
@@ -93,18 +93,25 @@ def _cache_slots(cfg: RuntimeConfig, the_plan: Plan, store, warnings: list[str])
         if any(v > n for v in given.values()):
             raise MoerunError(f"{cfg.expert_cache_plan}: more slots than the {n} experts of a layer")
         slots = {layer: given.get(layer, 0) for layer in slots}
-    if cfg.expert_cache_trace is not None:  # the same total, shared by the trace's per-layer hit curves
-        from moerun.experts.allocate import plan_from_trace
-
-        n = max((store.n_experts(layer) for layer in store.layers), default=0)
-        slots = plan_from_trace(cfg.expert_cache_trace, slots, n, cfg.cache_policy,
-                                groups=[range(*dp.layers) for dp in the_plan.devices],
-                                prefill=cfg.cache_prefill == "cache")
     if cfg.expert_cache_mib is not None and not any(slots.values()):
         per_layer = max((store.expert_bytes(layer) for layer in store.layers), default=1)
         warnings.append(f"{cfg.expert_cache_mib} MiB holds no expert per layer ({per_layer / MiB:.2f} MiB "
                         "each); every expert is read from its home tier")
     return slots
+
+
+def _reshare(the_plan: Plan, cfg: RuntimeConfig, n_experts: int) -> Plan:
+    """The plan with each device's expert slots re-shared over its layers by the trace's per-layer hit curves
+    (--expert-cache-trace): the same total per device, so --print-plan, the CPU and the device caches agree."""
+    from moerun.experts.allocate import plan_from_trace
+
+    slots = {layer: dp.expert_slots[layer - dp.layers[0]] for dp in the_plan.devices for layer in range(*dp.layers)}
+    shared = plan_from_trace(cfg.expert_cache_trace, slots, n_experts, cfg.cache_policy,
+                             groups=[range(*dp.layers) for dp in the_plan.devices],
+                             prefill=cfg.cache_prefill == "cache")
+    devices = tuple(replace(dp, expert_slots=tuple(shared[layer] for layer in range(*dp.layers)))
+                    for dp in the_plan.devices)
+    return replace(the_plan, devices=devices)
 
 
 def make_stage(cfg: RuntimeConfig, model, slots: dict[int, int] | None) -> Stage:
@@ -155,6 +162,8 @@ def _prepare(cfg: RuntimeConfig) -> tuple[Path, int, Plan, str]:
     if accel:
         inventory = with_devices(inventory, cfg.stage_devices)
     the_plan = plan(arch, inventory, budgets)
+    if cfg.expert_cache_trace is not None:
+        the_plan = _reshare(the_plan, cfg, arch.spec.n_experts)
     if cfg.mmap is not None:
         home = "mmap" if cfg.mmap else "ram"
     elif accel:  # a device stage's experts stay in RAM (pinned) when it fits; its cache is on the device

@@ -145,13 +145,15 @@ def test_the_runtime_computes_a_plan_from_a_trace(tmp_path):
             w.write(TraceRecord(0, t, "decode", 1, (t % 6, (t + 3) % 6), (0.5, 0.5)))
     params = SamplingParams.greedy(max_tokens=6, ignore_eos=True)
     tokens = {}
-    for name, extra in (("even", {}), ("trace", {"expert_cache_trace": str(tmp_path / "t.jsonl")})):
+    trace = {"expert_cache_trace": str(tmp_path / "t.jsonl")}
+    for name, extra in (("even", {}), ("trace", trace), ("stand-in", {**trace, "devices": ("standin:0",)})):
         rt = build(RuntimeConfig(model=str(model), expert_cache_slots=4, threads=1, **extra))
         tokens[name] = rt.engine.generate(rt.engine.tokenizer.encode("hello"), params).run().tokens
-        if name == "trace":
+        if name != "even":  # the plan itself is re-shared: the CPU cache, a device's cache and --print-plan agree
             assert (rt.cache.slots(0), rt.cache.slots(1)) == (2, 6)
+            assert [s for d in rt.plan.devices for s in d.expert_slots] == [2, 6]
         rt.close()
-    assert tokens["trace"] == tokens["even"]
+    assert tokens["trace"] == tokens["even"] == tokens["stand-in"]
     with pytest.raises(ValueError, match="give one of them"):
         RuntimeConfig(model=str(model), expert_cache_trace=str(tmp_path / "t.jsonl"))
     r = CliRunner().invoke(main, ["run", "-m", str(model), "-p", "x", "-n", "2", "--expert-cache-slots", "4",
