@@ -345,7 +345,13 @@ def test_quantized_conversion_runs_through_the_c_kernels(wide, tokens, tmp_path,
 def test_fused_decode_equals_the_per_layer_path(wide, tokens, tmp_path):
     """The fused C decode path (sinks, window over the rings, biases, top-k-softmax routing, the clamped SwiGLU in
     one C call per token) gives the logits of the torch layer loop over the same C kernels, in decode steps well
-    past the window, one sequence or a batch of two."""
+    past the window, one sequence or a batch of two.
+
+    The two paths round differently in the last bits (~1e-6 in a layer's normed input), and the Q8_0 experts
+    quantize that input to 8 bits: where an element sits on a rounding boundary, one step of it moves a layer's
+    output by ~0.15 and the logits by a few hundredths, in that step and, through the KV cache, the later ones
+    (measured on transformers 5.24's random weights: 0.023-0.056). A window one position too short or too long
+    in the fused path moves them by 0.2-5.2 in every step, so the bound is 0.1."""
     path = convert_hf_to_gguf(wide[2], tmp_path / "q8.gguf", ftype="Q8_0", progress=False)
     fused = load_model(path).model
     loop = load_model(path).model
@@ -366,8 +372,8 @@ def test_fused_decode_equals_the_per_layer_path(wide, tokens, tmp_path):
         return torch.cat(out)
 
     for batch in (False, True):
-        err = (steps(fused, batch) - steps(loop, batch)).abs().max().item()
-        assert err < 1e-4, (batch, err)
+        errs = (steps(fused, batch) - steps(loop, batch)).abs().amax(dim=-1)  # per row of every step
+        assert errs.max() < 0.1, (batch, errs.tolist())
 
 
 # --------------------------------------------------------------------------------------------- KV rings
