@@ -196,15 +196,18 @@ def concave(curve: list[int]) -> list[int]:
 
 def allocation_table(learn_records, held_records, n_experts: int, k: int, totals: list[int]) -> str:
     """Held-out hit rates of the even spread, the exact allocation and the envelope's, learned on one trace."""
-    from moerun.experts.allocate import allocate, floor_slots, hit_curves, hits_of, uniform
+    from moerun.experts.allocate import allocate, floor_slots, guarded_allocate, hit_curves, hits_of, uniform
 
     learn, held = hit_curves(learn_records, n_experts), hit_curves(held_records, n_experts)
     smooth = {layer: concave(c) for layer, c in learn.items()}
     q = sum(len(r.experts) for r in held_records)
     rows = [f"| {t} | {100 * hits_of(held, uniform(learn, t)) / q:.1f}% | "
             f"{100 * hits_of(held, allocate(learn, t, floor_slots(t, len(learn), k))) / q:.1f}% | "
-            f"{100 * hits_of(held, allocate(smooth, t, floor_slots(t, len(learn), k))) / q:.1f}% |" for t in totals]
-    return ("| total slots | uniform | trace (exact) | trace (concave envelope) |\n|---:|---:|---:|---:|\n"
+            f"{100 * hits_of(held, allocate(smooth, t, floor_slots(t, len(learn), k))) / q:.1f}% | "
+            f"{100 * hits_of(held, guarded_allocate(learn_records, t, n_experts, floor_slots(t, len(learn), k))[0]) / q:.1f}% |"
+            for t in totals]
+    return ("| total slots | uniform | trace (exact) | trace (concave envelope) | trace (guarded) |\n"
+            "|---:|---:|---:|---:|---:|\n"
             + "\n".join(rows))
 
 
@@ -228,7 +231,14 @@ def main() -> None:
     p.add_argument("--append", action="store_true")
     args = p.parse_args()
     sys.path.insert(0, str(HERE))
-    from moerun.experts.allocate import allocate, floor_slots, hit_curves, hits_of, uniform, write_plan
+    from moerun.experts.allocate import (
+        floor_slots,
+        guarded_allocate,
+        hit_curves,
+        hits_of,
+        uniform,
+        write_plan,
+    )
     from moerun.experts.trace import read_trace
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -255,7 +265,8 @@ def main() -> None:
         learn = hit_curves(dec["greedy A"], min(n, total), policy)
         held = hit_curves(dec["greedy B"], min(n, total), policy)
         queries = sum(len(r.experts) for r in dec["greedy B"])
-        even, chosen = uniform(learn, total), allocate(learn, total, floor_slots(total, layers, k))
+        even = uniform(learn, total)
+        chosen, _ = guarded_allocate(dec["greedy A"], total, n, floor_slots(total, layers, k), policy)
         plan_path = args.out / f"plan-{total}-{policy}.json"
         write_plan(plan_path, chosen, total_slots=total, policy=policy)
         live_even = live_hit_rate(args.model, text_b, args.tokens, slots=total // layers, policy=policy)

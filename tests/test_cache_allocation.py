@@ -173,3 +173,20 @@ def test_estimate_replays_prompts_only_for_a_cache_that_takes_them(tmp_path):
             w.write(TraceRecord(0, t, "decode", 0, (2, 3), (0.5, 0.5)))
     assert trace_hit_rates(tmp_path / "p.jsonl", [2], 1, "lru") == pytest.approx((6 / 8,))
     assert trace_hit_rates(tmp_path / "p.jsonl", [2], 1, "lru", prefill=True) == pytest.approx((1.0,))
+
+
+def test_the_guarded_allocation_keeps_to_uniform_where_layers_are_alike(tmp_path):
+    """Layers drawn alike (top-2 of 16 at random, 8 requests): an exact fit to one trace is noise, the halves
+    disagree, and the even spread is kept; with layers that differ the trace's allocation is kept."""
+    from moerun.experts.allocate import guarded_allocate
+
+    rng = random.Random(3)
+    alike = [TraceRecord(q, t, "decode", layer, tuple(rng.sample(range(16), 2)), (0.5, 0.5))
+             for q in range(8) for t in range(40) for layer in range(3)]
+    plan, gain = guarded_allocate(alike, 18, 16, 2)
+    assert gain <= 0 and plan == uniform(range(3), 18)
+    from moerun.experts.trace import read_trace
+
+    differ = read_trace(write_trace(tmp_path / "t.jsonl")).records  # one request: halves in time
+    plan, gain = guarded_allocate(differ, 16, 32, 2)
+    assert gain > 0 and plan == allocate(hit_curves(differ, 16), 16, 2)

@@ -104,6 +104,34 @@ def read_plan(path: Path) -> dict[int, int]:
     return plan
 
 
+def guarded_allocate(records: list[TraceRecord], total: int, max_slots: int, min_slots: int = 0,
+                     policy: str = "lru", group: str = "token") -> tuple[dict[int, int], int]:
+    """The exact allocation for the records' curves, kept only where it generalises: the requests are split in
+    two halves (by id parity; a single request by time), each half's allocation is scored on the other half
+    against the even spread, and unless both halves gain the even spread is returned instead. -> (plan, the
+    cross-validated gain in hits when kept, else the worse half's; 0 when it cannot be measured)."""
+    ids = sorted({r.request_id for r in records})
+    if len(ids) > 1:
+        halves = [[r for r in records if ids.index(r.request_id) % 2 == h] for h in (0, 1)]
+    else:
+        cut = len(records) // 2
+        halves = [records[:cut], records[cut:]]
+    top = min(total, max_slots)
+    curves = hit_curves(records, top, policy, group)
+    even = uniform(curves, total)
+    if not all(halves):
+        return even, 0
+    half = [hit_curves(h, top, policy, group) for h in halves]
+    gains = []
+    for h in (0, 1):
+        if set(half[h]) != set(curves):
+            return even, 0  # a layer one half never routes: no honest score
+        fit = allocate(half[1 - h], total, min_slots)
+        gains.append(hits_of(half[h], fit) - hits_of(half[h], uniform(half[h], total)))
+    keep = min(gains) > 0  # both halves gain: a fit to the other half's noise rarely helps both
+    return (allocate(curves, total, min_slots) if keep else even), sum(gains) if keep else min(gains)
+
+
 def plan_from_trace(trace: Trace | str | Path, slots: dict[int, int], n_experts: int, policy: str = "lru",
                     groups: Iterable[Iterable[int]] | None = None, prefill: bool = False) -> dict[int, int]:
     """`slots` re-shared for the most hits on a trace's decode steps (and its prompts', with `prefill`: a cache
@@ -124,8 +152,7 @@ def plan_from_trace(trace: Trace | str | Path, slots: dict[int, int], n_experts:
         if not layers:
             continue
         mine = [r for r in records if r.layer in set(layers)]
-        curves = hit_curves(mine, min(n_experts, total), policy)
-        plan = allocate(curves, total, min_slots=floor_slots(total, len(layers), trace.header.k))
+        plan, _ = guarded_allocate(mine, total, n_experts, floor_slots(total, len(layers), trace.header.k), policy)
         spare = total - sum(plan.values())  # slots the trace finds no use for still cost nothing: spread them
         while spare > 0 and any(plan[layer] < n_experts for layer in layers):
             for layer in sorted(layers, key=lambda x: plan[x]):

@@ -142,15 +142,24 @@ def simulate_cmd(file: Path, slots: list[int], policies: list[str], group: str, 
 def _allocate(file: Path, tr: Trace, total: int, how: str, policy: str, group: str, write: Path | None,
               as_json: bool) -> None:
     """`--total-slots`: the uniform and the chosen allocation side by side, replayed; the chosen one written."""
-    from moerun.experts.allocate import allocate, floor_slots, hit_curves, hits_of, uniform, write_plan
+    from moerun.experts.allocate import (
+        floor_slots,
+        guarded_allocate,
+        hit_curves,
+        hits_of,
+        uniform,
+        write_plan,
+    )
 
     n = tr.header.n_experts
     curves = hit_curves(tr, min(total, n), policy, group)
     queries = simulate(tr, 1, policy, group=group).get().queries or 1
     plans = {"uniform": uniform(curves, total)}
     plans["uniform"] = {layer: min(s, n) for layer, s in plans["uniform"].items()}
-    if how == "trace":  # every layer keeps a slot when the total allows: a layer at 0 always misses
-        plans["trace"] = allocate(curves, total, min_slots=floor_slots(total, len(curves), tr.header.k))
+    cv_gain = None
+    if how == "trace":  # every layer keeps k slots when the total allows; kept only if it holds across halves
+        plans["trace"], cv_gain = guarded_allocate(list(tr.records), total, n,
+                                                   floor_slots(total, len(curves), tr.header.k), policy, group)
     chosen = plans[how]
     rates = {name: hits_of(curves, p) / queries for name, p in plans.items()}
     if write is not None:
@@ -159,11 +168,15 @@ def _allocate(file: Path, tr: Trace, total: int, how: str, policy: str, group: s
     if as_json:
         click.echo(json.dumps({"trace": str(file), "policy": policy, "total_slots": total, "allocate": how,
                                "plans": {k: {"slots": v, "hit_rate": rates[k]} for k, v in plans.items()},
+                               "cross_validated_gain": cv_gain,
                                "plan_file": None if write is None else str(write)}, indent=2))
         return
     click.echo(f"trace {file}: {len(curves)} layers, {n} experts, {policy}, {total} slots in all")
     for name, p in plans.items():
         click.echo(f"{name:8s} hit rate {100 * rates[name]:.1f}%  slots per layer: "
                    + " ".join(f"{layer}:{s}" for layer, s in p.items()))
+    if cv_gain is not None:
+        click.echo(f"cross-validated gain over uniform (each half's allocation on the other half): {cv_gain} hits"
+                   + ("" if cv_gain > 0 else "; no gain, so the trace allocation is the uniform one"))
     if write is not None:
         click.echo(f"plan written to {write} (run with --expert-cache-plan {write})")
