@@ -10,6 +10,8 @@ holds for curves that are not concave (LRU's need not be), where a greedy pick o
 A plan is a JSON object {"slots": {layer: slots}, ...} (`write_plan` / `read_plan`): `moerun trace simulate
 --write-plan FILE` writes one, `--expert-cache-plan FILE` runs with it. `--expert-cache-trace FILE` computes
 one at start (`plan_from_trace`): the slots a cache size gives, re-shared over the layers by the trace's curves.
+Both go through `guarded_allocate`: an exact fit to one trace is kept only where it generalises across the
+trace's two halves, since on layers that are alike it fits noise and loses to the even spread on other text.
 """
 
 from __future__ import annotations
