@@ -113,6 +113,54 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
 
+DRAFT_ROWS_MAX = 15  # drafts per verify step at most: with the token before them, the fused decode path's 16 rows
+
+
+@dataclass(frozen=True)
+class DraftParams:
+    """Speculative decoding (moerun.engine.speculative), llama.cpp's names and defaults.
+
+    draft_max    tokens drafted per step at most (llama.cpp's --draft-max; moerun verifies at most
+                 DRAFT_ROWS_MAX, which with the token before them fill the fused decode path's 16 rows).
+    draft_min    a draft shorter than this is not verified (the step decodes one token); 0: any draft.
+    draft_p_min  a draft model stops drafting where its most likely token is less likely than this.
+    lookup_ngram prompt lookup: the longest n-gram matched against the prompt and the text so far; 0: off.
+    adaptive     choose each step's draft length from the acceptance so far and the measured cost of a
+                 verify step of each length, up to draft_max (False: always up to draft_max).
+    """
+
+    draft_max: int = 16
+    draft_min: int = 0
+    draft_p_min: float = 0.75
+    lookup_ngram: int = 0
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not (_is_int(self.draft_max) and self.draft_max >= 0):
+            problems.append(f"draft_max must be an integer >= 0, got {self.draft_max!r}")
+        if not (_is_int(self.draft_min) and self.draft_min >= 0):
+            problems.append(f"draft_min must be an integer >= 0, got {self.draft_min!r}")
+        elif _is_int(self.draft_max) and self.draft_min > self.draft_max:
+            problems.append(f"draft_min ({self.draft_min}) must not exceed draft_max ({self.draft_max})")
+        if not (_is_number(self.draft_p_min) and 0.0 <= self.draft_p_min <= 1.0):
+            problems.append(f"draft_p_min must be a probability in [0, 1], got {self.draft_p_min!r}")
+        if not (_is_int(self.lookup_ngram) and self.lookup_ngram >= 0):
+            problems.append(f"lookup_ngram must be an integer >= 0 (0: off), got {self.lookup_ngram!r}")
+        if not isinstance(self.adaptive, bool):
+            problems.append(f"adaptive must be a bool, got {self.adaptive!r}")
+        if problems:
+            raise ValueError("invalid draft parameters: " + "; ".join(problems))
+
+    @property
+    def rows(self) -> int:
+        """Drafts a verify step takes at most."""
+        return min(self.draft_max, DRAFT_ROWS_MAX)
+
+    def replace(self, **changes) -> DraftParams:
+        return dataclasses.replace(self, **changes)
+
+
 CACHE_POLICIES = POLICIES
 # LFRU, by the routing bench model's held-out traces: +6 points over LRU at 25% residency (bench/RESULTS.md).
 DEFAULT_CACHE_POLICY = "lfru"
@@ -168,6 +216,8 @@ class RuntimeConfig:
     h2d_gbps: float | None = None
     vram_gbps: float | None = None
     kv_contexts: int = 1  # contexts of KV a GPU stage's plan reserves (serve's -np)
+    model_draft: str | None = None  # a draft model for speculative decoding (same vocabulary), run on the CPU
+    draft: DraftParams = DraftParams()
 
     def __post_init__(self) -> None:
         from moerun.device import canonical
@@ -240,6 +290,10 @@ class RuntimeConfig:
             problems.append(f"prefetch must be a bool, got {self.prefetch!r}")
         if not (_is_int(self.n_cpu_moe) and self.n_cpu_moe >= 0):
             problems.append(f"n_cpu_moe must be >= 0, got {self.n_cpu_moe!r}")
+        if not isinstance(self.draft, DraftParams):
+            problems.append(f"draft must be DraftParams, got {type(self.draft).__name__}")
+        if self.model_draft is not None and self.pipeline_world_size > 1:
+            problems.append("a draft model runs with a single-process model only (not a pipeline over processes)")
         if problems:
             raise ValueError("invalid runtime configuration: " + "; ".join(problems))
 

@@ -230,8 +230,27 @@ def build(cfg: RuntimeConfig) -> Runtime:
     caches = [st for st in stages if st.cache is not None]
     cache = None if not caches else caches[0].cache if len(stages) == 1 else StageCaches(stages)
     tok = Tokenizer.from_model_file(loaded.file)
-    engine = Engine(model, tok, ctx_size=ctx, ubatch=cfg.ubatch, expert_cache=cache)
+    engine = Engine(model, tok, ctx_size=ctx, ubatch=cfg.ubatch, expert_cache=cache, draft=cfg.draft)
+    engine.drafter = make_drafter(cfg, engine)
     return Runtime(engine, the_plan, cache, warnings, stages)
+
+
+def make_drafter(cfg: RuntimeConfig, target: Engine):
+    """The drafter cfg asks for (moerun.engine.speculative): prompt lookup, a draft model of the target's
+    vocabulary (loaded whole into RAM, run on the CPU with the same threads), or None."""
+    from moerun.engine.speculative import LookupDrafter, ModelDrafter, check_vocabularies
+
+    if cfg.model_draft is not None and cfg.draft.lookup_ngram:
+        raise MoerunError("give a draft model (--model-draft) or prompt lookup (--lookup-ngram), not both")
+    if cfg.draft.lookup_ngram:
+        return LookupDrafter(cfg.draft.lookup_ngram)
+    if cfg.model_draft is None:
+        return None
+    loaded = load_model(model_path(cfg.model_draft), dtype=getattr(torch, cfg.dtype), home="ram")
+    draft = Engine(loaded.model, Tokenizer.from_model_file(loaded.file), ctx_size=target.ctx_size,
+                   ubatch=cfg.ubatch)
+    check_vocabularies(target, draft)
+    return ModelDrafter(draft)
 
 
 def _join(cfg: RuntimeConfig, the_plan: Plan, home: str):

@@ -407,3 +407,61 @@ def check_estimate(path: str, arch: str, tmp_path, monkeypatch) -> dict:
     assert by_class["shared_experts"] > 0 and by_class["dense_ffn"] > 0
     assert d["decode"]["expected"]["tok_s"] > 0
     return d
+
+
+class NoisyOracle:
+    """A drafter that knows the greedy continuation (`ref`, after `prompt`) and gets every `every`-th drafted
+    token wrong: steps keep some drafts and reject the rest, at every depth (moerun.engine.speculative)."""
+
+    name = "oracle"
+
+    def __init__(self, prompt: list[int], ref: list[int], vocab: int, every: int = 3):
+        self.text, self.start, self.vocab, self.every = prompt + ref, len(prompt), vocab, every
+        self.calls = 0
+
+    def session(self):
+        return self
+
+    def propose(self, context, n, p_min):
+        at = len(context)
+        if self.text[:at] != list(context):
+            return []
+        out = self.text[at:at + n]
+        self.calls += 1
+        return [(t + 1) % self.vocab if (self.calls + i) % self.every == 0 else t for i, t in enumerate(out)]
+
+    def free(self):
+        pass
+
+
+def check_speculative(path: str, n: int = 24) -> None:
+    """Greedy tokens with prompt lookup, with the model as its own draft (every draft accepted), and with drafts
+    that are partly wrong (steps rolled back at every depth) equal those without drafts; a seeded sampled run
+    gives its tokens with drafts too."""
+    from moerun.config import DraftParams
+
+    def tokens(params=None, drafter=None, **kw):
+        rt = build_runtime(RuntimeConfig(model=path, threads=1, **kw))
+        eng = rt.engine
+        if drafter is not None:
+            eng.drafter = drafter
+        ids = eng.tokenizer.encode(TEXT)
+        gen = eng.generate(ids, params or SamplingParams.greedy(max_tokens=n, ignore_eos=True)).run()
+        rt.close()
+        return ids, gen.tokens, gen.timings
+
+    ids, ref, t = tokens()
+    assert t.draft_n is None
+    _, got, t = tokens(draft=DraftParams(lookup_ngram=3))
+    assert got == ref and t.draft_n > 0
+    _, got, t = tokens(model_draft=path, draft=DraftParams(draft_p_min=0.0, adaptive=False))
+    assert got == ref and t.draft_n == t.draft_n_accepted > n // 2
+    rt = build_runtime(RuntimeConfig(model=path, threads=1))
+    oracle = NoisyOracle(ids, ref, rt.engine.model.spec.vocab)
+    rt.close()
+    _, got, t = tokens(drafter=oracle, draft=DraftParams(draft_max=5, adaptive=False))
+    assert got == ref and 0 < t.draft_n_accepted < t.draft_n
+    sampled = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=5, max_tokens=n, ignore_eos=True)
+    _, plain, _ = tokens(sampled)
+    _, got, t = tokens(sampled, model_draft=path, draft=DraftParams(draft_p_min=0.0))
+    assert got == plain and t.draft_n > 0

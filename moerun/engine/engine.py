@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moerun.config import SamplingParams
+from moerun.config import DraftParams, SamplingParams
 from moerun.engine.kv_cache import ContextOverflowError, KVPool, SeqKV
 from moerun.engine.sampler import Sampler, StopChecker
+from moerun.engine.speculative import Drafter, DraftLength, Speculation, bytes_cost
 from moerun.engine.timings import Timings
 from moerun.experts.cache import ExpertCache
 from moerun.model.model import MoEModel
@@ -28,10 +29,13 @@ class Sequence:
 
     kv: SeqKV
     tokens: list[int] = field(default_factory=list)
+    draft: object | None = None  # its drafter's session (moerun.engine.speculative), kept between requests
 
     def free(self) -> None:
         self.kv.free()
         self.tokens = []
+        if self.draft is not None:
+            self.draft.free()
 
     def publish(self) -> None:
         """Offer the full blocks of what this sequence holds to other sequences (moerun.engine.blocks)."""
@@ -55,14 +59,22 @@ def prompt_chunks(todo: torch.Tensor, ubatch: int, recurrent: bool) -> list[torc
     return [*todo[:-1].split(ubatch), todo[-1:]]
 
 
+DEFAULT_DRAFT = DraftParams()
+
+
 class Engine:
+    """drafter (moerun.engine.speculative): speculative decoding with these `draft` settings; draft_cost: rows ->
+    a verify step's cost relative to one row's, for choosing draft lengths (default: speculative.bytes_cost)."""
+
     def __init__(self, model: MoEModel, tokenizer: Tokenizer, ctx_size: int = 4096, ubatch: int = 512,
-                 expert_cache: ExpertCache | None = None):
+                 expert_cache: ExpertCache | None = None, drafter: Drafter | None = None,
+                 draft: DraftParams = DEFAULT_DRAFT, draft_cost=None):
         if ctx_size <= 0 or ubatch <= 0:
             raise ValueError("ctx_size and ubatch must be positive")
         self.model, self.tokenizer = model, tokenizer
         self.expert_cache = expert_cache  # the model's expert cache, when it has one (for its statistics)
         self.ctx_size, self.ubatch = ctx_size, ubatch
+        self.drafter, self.draft, self.draft_cost = drafter, draft, draft_cost
         self.pool = KVPool(model.spec, ctx_size, dtype=model.dtype, segments=model.kv_segments)
 
     @property
@@ -122,15 +134,30 @@ class Engine:
                 seq.kv.checkpoint()  # a recurrent state to come back to (a prompt resent, a reply redone)
         return logits[-1], len(todo)
 
-    def generate(self, prompt: list[int], params: SamplingParams, seq: Sequence | None = None) -> Generation:
-        return Generation(self, prompt, params, seq or self.new_sequence())
+    def generate(self, prompt: list[int], params: SamplingParams, seq: Sequence | None = None,
+                 draft: DraftParams | None = None) -> Generation:
+        """draft: this request's draft settings (default: the engine's); drafts need the engine's drafter."""
+        return Generation(self, prompt, params, seq or self.new_sequence(), draft or self.draft)
+
+    def speculation(self, seq: Sequence, draft: DraftParams) -> Speculation | None:
+        """Speculative decoding of `seq` with these settings, or None without a drafter or with no drafts."""
+        if self.drafter is None or draft.rows == 0:
+            return None
+        if self.draft_cost is None:
+            models = [st.model for st in self.model.stages] if hasattr(self.model, "stages") else [self.model]
+            self.draft_cost = bytes_cost(models)
+        if seq.draft is None:
+            seq.draft = self.drafter.session()
+        return Speculation(self, seq, seq.draft, draft, DraftLength(draft.rows, self.draft_cost, draft.adaptive))
 
 
 class Generation:
     """One request's output: iterate for text pieces; then `.text`, `.tokens`, `.finish_reason`, `.timings`."""
 
-    def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams, seq: Sequence):
+    def __init__(self, engine: Engine, prompt: list[int], params: SamplingParams, seq: Sequence,
+                 draft: DraftParams = DEFAULT_DRAFT):
         self.engine, self.prompt, self.params, self.seq = engine, prompt, params, seq
+        self.spec = engine.speculation(seq, draft)
         self.sampler = Sampler(params, engine.model.spec.vocab, device=engine.model.logits_device)
         self.tokens: list[int] = []
         self.text = ""
@@ -151,12 +178,13 @@ class Generation:
         t.prompt_n, t.prompt_ms, t.cache_n = n_run, (t1 - t0) * 1e3, len(self.prompt) - n_run
         decoder, stops = tok.incremental_decoder(), StopChecker(p.stop)
         history = torch.tensor(self.seq.tokens, dtype=torch.long)
+        spec, rows = self.spec, [logits]  # rows: logits still to sample from (a verify step's, in order)
         try:
             while True:
                 if self.cancelled:
                     self.finish_reason = "cancelled"
                     break
-                nxt = int(self.sampler.sample(logits, history))
+                nxt = int(self.sampler.sample(rows.pop(0), history))
                 if nxt in tok.eos_ids and not p.ignore_eos:
                     self.finish_reason = "stop"
                     break
@@ -171,14 +199,23 @@ class Generation:
                 if len(self.tokens) >= p.max_tokens:
                     self.finish_reason = "length"
                     break
-                if len(self.seq.tokens) + 1 > eng.ctx_size:
+                fed = len(self.seq.tokens) - (len(spec.drafts) if spec else 0)  # positions accepted so far
+                if fed + 1 > eng.ctx_size:
                     self.finish_reason = "length"  # context full
                     break
                 history = torch.cat((history, torch.tensor([nxt])))
-                logits = eng.model.forward(torch.tensor([nxt]), self.seq.kv, last_only=True)[-1]
-                self.seq.tokens.append(nxt)
-                if self.seq.kv.length % self.seq.kv.pool.block_size == 0:
+                if spec is None:
+                    rows = [eng.model.forward(torch.tensor([nxt]), self.seq.kv, last_only=True)[-1]]
+                    self.seq.tokens.append(nxt)
+                elif not spec.match(nxt):  # a drafted row holds nxt already when it matches
+                    spec.rollback()
+                    limit = min(p.max_tokens - len(self.tokens), eng.ctx_size - len(self.seq.tokens)) - 1
+                    rows = list(spec.feed(nxt, limit))
+                if not (spec and spec.drafts) and self.seq.kv.length % self.seq.kv.pool.block_size == 0:
                     self.seq.publish()
+            if spec is not None:
+                spec.rollback()  # the drafts after the last token
+                self.seq.publish()
             if not stops.stopped:  # text held back (partial characters, a possible stop-string start)
                 rest, _ = stops.feed(decoder.flush())
                 rest += "" if stops.stopped else stops.flush()
@@ -186,6 +223,9 @@ class Generation:
                     self.text += rest
                     yield rest
         finally:
+            if spec is not None:
+                spec.rollback()
+                t.draft_n, t.draft_n_accepted = spec.draft_n, spec.accepted
             t.predicted_n = len(self.tokens)
             t.predicted_ms = (time.perf_counter() - t1) * 1e3
 

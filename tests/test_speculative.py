@@ -1,0 +1,111 @@
+"""Speculative decoding (issue 20): prompt lookup and draft models keep the target's output, greedy and
+sampled; the draft length chooser; the settings' validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from family_checks import check_speculative
+from hf_models import FAMILIES
+
+from moerun.config import DraftParams, SamplingParams
+from moerun.engine.engine import Engine
+from moerun.engine.speculative import DraftLength, LookupDrafter, ModelDrafter
+from moerun.loading import load_model
+from moerun.text import Tokenizer
+from moerun.tools.convert import convert_hf_to_gguf
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_drafts_keep_the_greedy_and_the_seeded_output(hf_model, family, tmp_path):
+    _, folder = hf_model(family)
+    path = tmp_path / f"{family}.gguf"
+    convert_hf_to_gguf(folder, path)
+    check_speculative(str(path))
+
+
+def test_lookup_drafts_what_followed_the_latest_match():
+    d = LookupDrafter(3)
+    ctx = [1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 1, 2, 3, 4]
+    assert d.propose(ctx, 2) == [7, 8]  # the latest earlier "2 3 4" was followed by 7 8
+    assert d.propose([5, 6, 1, 2, 9, 6, 1], 4) == [2, 9, 6, 1]  # "6 1" matched; the draft runs to the end
+    assert d.propose([1, 2, 3], 4) == []  # nothing repeats
+    assert d.propose([4, 1, 4], 3) == [1, 4]  # a 1-gram match when no longer one repeats
+    assert d.propose([4, 1, 4], 0) == []
+
+
+def test_draft_length_follows_acceptance_and_cost():
+    def cost(rows):  # each row adds half a step
+        return 1.0 + 0.5 * (rows - 1)
+
+    good = DraftLength(8, cost)
+    for _ in range(30):
+        n = good.choose(8)
+        good.record(n, n, cost(n + 1) * 1e-3)  # every draft accepted
+    assert good.choose(8) == 8
+    bad = DraftLength(8, cost)
+    for _ in range(30):
+        n = bad.choose(8)
+        bad.record(n, 0, cost(n + 1) * 1e-3)  # none accepted
+    chosen = [bad.choose(8) for _ in range(DraftLength.PROBE * 2)]
+    assert chosen.count(0) >= len(chosen) - 2  # it stops drafting, probing now and then
+    assert good.choose(3) == 3 and bad.choose(0) == 0  # never past what the caller allows
+    # expected tokens per step: 1 + a + a^2 + ...
+    assert math.isclose(DraftLength(4).expected(2), 3.0)
+
+
+def test_speculative_sampling_keeps_the_target_distribution(hf_model):
+    """Chi-square: the third generated token's frequencies over many seeds, drafts from the model itself (kept
+    with the target's probability), against its exact distribution, summed over the first two tokens."""
+    _, folder = hf_model("qwen3moe")
+    loaded = load_model(folder)
+    tok = Tokenizer.from_model_file(loaded.file)
+    target = Engine(loaded.model, tok, ctx_size=64)
+    draft = Engine(load_model(folder).model, tok, ctx_size=64)
+    spec = Engine(loaded.model, tok, ctx_size=64, drafter=ModelDrafter(draft),
+                  draft=DraftParams(draft_p_min=0.0, draft_max=4, adaptive=False))
+    prompt, k = [5, 17, 300, 42], 4
+    p = {"temperature": 1.0, "top_k": k, "top_p": 1.0, "min_p": 0.0, "max_tokens": 3, "ignore_eos": True}
+
+    def dist(ctx):  # the sampler's distribution: top-k then softmax at temperature 1
+        logits = loaded.model.forward(torch.tensor(ctx))[-1]
+        v, i = logits.topk(k)
+        return dict(zip(i.tolist(), torch.softmax(v, 0).tolist()))
+
+    expected: dict[int, float] = {}
+    for a, pa in dist(prompt).items():
+        for b, pb in dist(prompt + [a]).items():
+            for c, pc in dist(prompt + [a, b]).items():
+                expected[c] = expected.get(c, 0.0) + pa * pb * pc
+    seq = spec.new_sequence()
+    runs, counts, drafted, kept = 3000, {}, 0, 0
+    for seed in range(runs):
+        g = spec.generate(prompt, SamplingParams(seed=seed, **p), seq).run()
+        counts[g.tokens[2]] = counts.get(g.tokens[2], 0) + 1
+        drafted, kept = drafted + g.timings.draft_n, kept + g.timings.draft_n_accepted
+    assert 0 < kept < drafted  # drafts both kept and rejected
+    # cells of at least 5 expected draws; the rest pooled
+    big = [c for c, q in expected.items() if q * runs >= 5]
+    obs = [counts.get(c, 0) for c in big] + [runs - sum(counts.get(c, 0) for c in big)]
+    exp = [expected[c] * runs for c in big] + [runs * (1 - sum(expected[c] for c in big))]
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(obs, exp) if e > 0)
+    df = len([e for e in exp if e > 0]) - 1
+    # the 99.9% quantile of chi-square (Wilson-Hilferty): a correct sampler fails 1 run in 1000
+    z = 3.09
+    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    assert chi2 < crit, (chi2, crit, df)
+    # the same seeds without drafts give the same tokens
+    plain = target.generate(prompt, SamplingParams(seed=7, **p)).run().tokens
+    assert spec.generate(prompt, SamplingParams(seed=7, **p), seq).run().tokens == plain
+
+
+def test_draft_settings_are_checked():
+    with pytest.raises(ValueError, match="draft_min"):
+        DraftParams(draft_max=2, draft_min=3)
+    with pytest.raises(ValueError, match="draft_p_min"):
+        DraftParams(draft_p_min=1.5)
+    with pytest.raises(ValueError, match="lookup_ngram"):
+        DraftParams(lookup_ngram=-1)
+    assert DraftParams(draft_max=64).rows == 15
