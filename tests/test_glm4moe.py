@@ -22,6 +22,7 @@ from family_checks import (
     check_greedy_generate,
     check_inspect_counts,
     check_server_completion,
+    check_speculative,
     check_standin_hf_logits,
     check_standin_miss_paths,
     check_triton_standin,
@@ -308,6 +309,12 @@ def wide_q4km(tmp_path_factory):
 @pytest.mark.parametrize("which", ["q8_0", "q4_k_m"])
 def test_expert_cache_never_changes_the_output(preset_gguf, wide_q4km, which):
     check_expert_cache(preset_gguf if which == "q8_0" else wide_q4km)
+
+
+@pytest.mark.parametrize("which", ["q8_0", "q4_k_m"])
+def test_drafts_keep_the_output(preset_gguf, wide_q4km, which):
+    check_speculative(preset_gguf if which == "q8_0" else wide_q4km)
+
 
 
 @pytest.mark.parametrize("split", [(1.0, 1.0), (1.0, 3.0)])

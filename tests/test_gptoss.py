@@ -24,6 +24,7 @@ from family_checks import (
     check_greedy_generate,
     check_inspect_counts,
     check_server_completion,
+    check_speculative,
     check_standin_hf_logits,
     check_standin_miss_paths,
     check_triton_standin,
@@ -523,6 +524,12 @@ def preset_mxfp4(tmp_path_factory):
 @pytest.mark.parametrize("which", ["q8_0", "mxfp4_moe"])
 def test_expert_cache_never_changes_the_output(preset_gguf, preset_mxfp4, which):
     check_expert_cache(preset_gguf if which == "q8_0" else preset_mxfp4)
+
+
+@pytest.mark.parametrize("which", ["q8_0", "mxfp4_moe"])
+def test_drafts_keep_the_output(preset_gguf, preset_mxfp4, which):
+    check_speculative(preset_gguf if which == "q8_0" else preset_mxfp4)
+
 
 
 @pytest.mark.parametrize("split", [(1.0, 1.0), (1.0, 3.0)])

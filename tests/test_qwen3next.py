@@ -15,6 +15,7 @@ from family_checks import (
     check_expert_cache,
     check_greedy_generate,
     check_server_completion,
+    check_speculative,
     gguf_fields,
     names_outside_llama_cpp,
     prompt_and_steps,
@@ -233,6 +234,11 @@ def test_two_stages_split_at_a_linear_layer(hybrid):
 
 def test_expert_cache_does_not_change_the_output(hybrid):
     check_expert_cache(hybrid[3])
+
+
+def test_drafts_keep_the_output(hybrid):
+    """Speculative decoding over recurrent layers: a rejected draft sends the state back to its checkpoint."""
+    check_speculative(hybrid[3])
 
 
 def test_server_completion(hybrid, tmp_path):
