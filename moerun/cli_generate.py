@@ -88,6 +88,21 @@ def model_options(f):
         click.option("--trace-routing", type=click.Path(path_type=Path), default=None,
                      help="Record every routing decision (JSON Lines) for `moerun trace simulate`."),
         click.option("-v", "--verbose", is_flag=True, help="Per-layer expert-cache figures."),
+        click.option("-md", "--model-draft", type=click.Path(exists=True, path_type=Path), default=None,
+                     help="Speculative decoding with this draft model (GGUF or HF folder sharing the model's "
+                          "vocabulary; loaded into RAM, run on the CPU)."),
+        click.option("--lookup-ngram", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="Speculative decoding by prompt lookup: drafts are what followed the latest earlier match "
+                          "of the last N tokens (N down to 1) in the prompt and the text so far; 0 is off."),
+        click.option("--draft-max", "--draft", "--draft-n", "draft_max", type=click.IntRange(min=0), default=16,
+                     show_default=True, help="Tokens to draft per step at most (moerun verifies at most 15)."),
+        click.option("--draft-min", "--draft-n-min", "draft_min", type=click.IntRange(min=0), default=0,
+                     show_default=True, help="Drafts shorter than this are not verified."),
+        click.option("--draft-p-min", type=click.FloatRange(0, 1), default=0.75, show_default=True,
+                     help="The draft model stops where its most likely token is less likely than this."),
+        click.option("--draft-adaptive/--no-draft-adaptive", default=True, show_default=True,
+                     help="Choose each step's draft length from the acceptance so far and the measured cost of "
+                          "verifying it (up to --draft-max), or always draft up to --draft-max."),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -137,7 +152,8 @@ RUNTIME_OPTIONS = ("model", "ctx_size", "ubatch", "threads", "dtype", "expert_ca
                    "cache_policy", "cache_prefill", "prefetch", "use_mmap", "repack", "device", "gpus", "ram_budget",
                    "vram_budget", "n_cpu_moe", "override_tensor", "print_plan", "devices", "tensor_split",
                    "pipeline_rank", "pipeline_world_size", "master_addr", "master_port", "pipeline_timeout",
-                   "miss_path", "h2d_bw", "vram_bw")
+                   "miss_path", "h2d_bw", "vram_bw", "model_draft", "lookup_ngram", "draft_max", "draft_min",
+                   "draft_p_min", "draft_adaptive")
 
 
 def gpu_devices(gpus: str) -> tuple[str, ...]:
@@ -165,7 +181,7 @@ def runtime_config(kw: dict):
 
     On a pipeline rank other than 0 it does not return: the process serves its stage until rank 0 stops it,
     then exits (the other ranks run no command of their own; rank 0 runs run, chat or serve)."""
-    from moerun.config import RuntimeConfig
+    from moerun.config import DraftParams, RuntimeConfig
     from moerun.placement.devices import parse_size
     from moerun.placement.planner import parse_device, parse_override
 
@@ -191,7 +207,10 @@ def runtime_config(kw: dict):
             tensor_split=_split_list(o["tensor_split"], float, "--tensor-split"),
             pipeline_rank=o["pipeline_rank"], pipeline_world_size=o["pipeline_world_size"],
             master_addr=o["master_addr"], master_port=o["master_port"], pipeline_timeout=o["pipeline_timeout"],
-            miss_path=o["miss_path"], h2d_gbps=o["h2d_bw"], vram_gbps=o["vram_bw"])
+            miss_path=o["miss_path"], h2d_gbps=o["h2d_bw"], vram_gbps=o["vram_bw"],
+            model_draft=None if o["model_draft"] is None else str(o["model_draft"]),
+            draft=DraftParams(draft_max=o["draft_max"], draft_min=o["draft_min"], draft_p_min=o["draft_p_min"],
+                              lookup_ngram=o["lookup_ngram"], adaptive=o["draft_adaptive"]))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if cfg.pipeline_rank > 0:
@@ -228,12 +247,15 @@ def _trace(eng, path: Path | None):
     return rec
 
 
-def _log(rt, timings, verbose: bool) -> None:
-    """llama.cpp's timing lines, then the expert cache's (its figures since the last report): one line per
-    stage when there are several, then their total; a lone stage on a device (GPU) names it."""
+def _log(rt, timings, verbose: bool, gen=None) -> None:
+    """llama.cpp's timing lines (and the draft lengths chosen, with drafts), then the expert cache's (its figures
+    since the last report): one line per stage when there are several, then their total; a lone stage on a
+    device (GPU) names it."""
     from moerun.experts.stats import CacheStats
 
     lines = timings.log_lines()
+    if gen is not None and gen.spec is not None:
+        lines.append(gen.spec.lengths_line())
     stages = rt.stage_stats(reset=True)
     if stages:
         total = sum((s for _, s in stages), CacheStats())
@@ -298,7 +320,7 @@ def run(prompt, prompt_file, no_display_prompt, as_json, trace_routing, verbose,
         sys.stdout.flush()
     click.echo()
     sys.stdout.flush()
-    _log(rt, gen.timings, verbose)
+    _log(rt, gen.timings, verbose, gen)
     if tracer is not None:
         tracer.writer.close()
     rt.close()
@@ -431,7 +453,7 @@ def chat(system, reasoning_format, show_reasoning, trace_routing, verbose, **kw)
             conv.turns = before
             continue
         conv.turns.append(show.message())
-        _log(rt, gen.timings, verbose)
+        _log(rt, gen.timings, verbose, gen)
         if tracer is not None:
             tracer.request += 1
     if tracer is not None:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from moerun import device
-from moerun.config import SamplingParams
+from moerun.config import DraftParams, SamplingParams
 from moerun.engine.engine import Engine, Sequence, common_prefix
 from moerun.engine.kv_cache import ContextOverflowError, SeqKV
 from moerun.engine.sampler import Sampler, StopChecker
@@ -93,6 +93,7 @@ class Request:
     logprobs: list[tuple] = field(default_factory=list)
     grammar: str | None = None  # llguidance's: the output must follow it (moerun.engine.grammar)
     on_prompt: Callable[[], None] | None = None  # called on the engine thread once the prompt is in the cache
+    draft: DraftParams | None = None  # speculative decoding's settings for this request (None: the engine's)
 
     def cancel(self) -> None:
         """Drop the request at the next step (its client went away)."""
@@ -136,6 +137,7 @@ class Slot:
         self.t_prefill = self.t_token = 0.0
         self.unsent = 0  # log-probability entries not yet sent with an event
         self.constraint = None  # the request's grammar state (moerun.engine.grammar.Constraint)
+        self.spec = None  # the request's speculative decoding (moerun.engine.speculative.Speculation)
 
     @property
     def kv(self) -> SeqKV:
@@ -169,6 +171,8 @@ class Scheduler:
         self.observer = observer or Observer()
         bs = engine.pool.block_size
         engine.resize_pool(parallel * -(-engine.ctx_size // bs) * bs, seqs=parallel)  # every slot can fill the context
+        if hasattr(engine.drafter, "resize"):  # a draft model's KV: a context for every slot too
+            engine.drafter.resize(parallel)
         self.slots = [Slot(i, engine.new_sequence(), engine.ctx_size) for i in range(parallel)]
         self._waiting: deque[Request] = deque()
         self._active = 0  # admitted, not finished
@@ -316,6 +320,7 @@ class Scheduler:
         slot.stops = StopChecker(req.params.stop)
         slot.history[:len(req.prompt)] = torch.tensor(req.prompt)
         slot.n_history, slot.next_token, slot.t_prefill, slot.unsent = len(req.prompt), None, 0.0, 0
+        slot.spec = self.engine.speculation(slot.seq, req.draft or self.engine.draft)
         try:
             slot.constraint = None if req.grammar is None else self.engine.grammars.constraint(req.grammar)
         except MoerunError as e:  # compiled when the request came in, so this is not expected: fail it alone
@@ -353,19 +358,37 @@ class Scheduler:
 
     def _decode(self) -> None:
         batch = [s for s in self.slots if s.req is not None and s.next_token is not None]
-        if not batch:
-            return
-        tokens = torch.tensor([s.next_token for s in batch], dtype=torch.long)
-        kvs = [s.kv for s in batch]
-        logits = self._run(batch, "decode", self.engine.model.decode, tokens, kvs)
+        plain = [s for s in batch if s.spec is None]
+        if plain:
+            tokens = torch.tensor([s.next_token for s in plain], dtype=torch.long)
+            logits = self._run(plain, "decode", self.engine.model.decode, tokens, [s.kv for s in plain])
+            for slot, row in zip(plain, () if logits is None else logits):
+                slot.seq.tokens.append(slot.next_token)
+                slot.next_token = None
+                if slot.kv.length % slot.kv.pool.block_size == 0:  # a block just filled
+                    slot.seq.publish()
+                self._sample(slot, row)
+        for slot in batch:
+            if slot.spec is not None:
+                self._verify(slot)
+
+    def _verify(self, slot: Slot) -> None:
+        """A speculative slot's step: its token and drafts in one pass (moerun.engine.speculative), then each
+        row sampled in turn while the sampled token is the next draft."""
+        spec, req = slot.spec, slot.req
+        limit = min(req.params.max_tokens - len(req.tokens), self.engine.ctx_size - slot.kv.length) - 1
+        logits = self._run([slot], "decode", spec.feed, slot.next_token, limit)
         if logits is None:
             return
-        for slot, row in zip(batch, logits):
-            slot.seq.tokens.append(slot.next_token)
-            slot.next_token = None
-            if slot.kv.length % slot.kv.pool.block_size == 0:  # a block just filled
-                slot.seq.publish()
+        slot.next_token = None
+        for row in logits:
             self._sample(slot, row)
+            if slot.req is None or not spec.match(slot.next_token):
+                break  # finished, or the token is not the draft: it is fed next step
+            slot.next_token = None  # its row is in the cache already
+        if slot.req is not None:
+            spec.rollback()
+            slot.seq.publish()
 
     def _prefill(self) -> None:
         spent, ub = 0, self.engine.ubatch
@@ -444,6 +467,11 @@ class Scheduler:
         if reason in ("stop", "length") and not slot.stops.stopped:  # text held back: partial characters, stop prefixes
             rest, _ = slot.stops.feed(slot.decoder.flush())
             rest += "" if slot.stops.stopped else slot.stops.flush()
+        if slot.spec is not None:
+            if reason in ("stop", "length") and req.cache_prompt:  # the cache, kept, ends where the text does
+                slot.spec.rollback()
+            req.timings.draft_n, req.timings.draft_n_accepted = slot.spec.draft_n, slot.spec.accepted
+            slot.spec = None
         req.t_end = time.perf_counter()
         req.finish_reason = reason
         if slot.t_prefill and not slot.todo:

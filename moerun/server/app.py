@@ -42,6 +42,7 @@ from moerun.server.protocol import (
     DetokenizeRequest,
     Reply,
     TokenizeRequest,
+    draft_params,
     message_texts,
     sampling_params,
     usage,
@@ -207,8 +208,9 @@ class Server:
         events = _Events(asyncio.get_running_loop())
         cache_prompt = self.cfg.cache_prompt if body.cache_prompt is None else body.cache_prompt
         n = body.n or 1
+        draft = draft_params(body, eng.draft)
         reqs = [EngineRequest(prompt, _nth(params, i), emit=functools.partial(events.tagged, i),
-                              cache_prompt=cache_prompt, top_logprobs=body.top_n(), grammar=grammar)
+                              cache_prompt=cache_prompt, top_logprobs=body.top_n(), grammar=grammar, draft=draft)
                 for i in range(n)]
         if n > 1:  # the others start once the first's prompt is in the cache: they take its blocks
             reqs[0].on_prompt = functools.partial(_submit_rest, ready.scheduler, reqs[1:])

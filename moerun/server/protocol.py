@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from moerun.config import REASONING_FORMATS, SamplingParams
+from moerun.config import REASONING_FORMATS, DraftParams, SamplingParams
 from moerun.server.errors import APIError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat completions (its legacy completions: 5)
@@ -177,6 +177,26 @@ def sampling_params(req: _Sampling, defaults: SamplingParams, max_tokens: int) -
         return defaults.replace(**changes)
     except ValueError as e:
         raise APIError(400, str(e)) from None
+
+
+# llama-server's per-request draft settings (dotted keys of the body) -> DraftParams' fields
+DRAFT_KEYS = {"speculative.n_max": "draft_max", "speculative.n_min": "draft_min", "speculative.p_min": "draft_p_min"}
+
+
+def draft_params(req: _Sampling, defaults: DraftParams) -> DraftParams | None:
+    """The request's draft settings over the server's (None: the server's own)."""
+    extra = req.model_extra or {}
+    changes = {field: extra[key] for key, field in DRAFT_KEYS.items() if key in extra}
+    if not changes:
+        return None
+    if "draft_max" in changes and "draft_min" not in changes:
+        changes["draft_min"] = min(defaults.draft_min, changes["draft_max"]) if isinstance(changes["draft_max"], int) \
+            else defaults.draft_min
+    try:
+        return defaults.replace(**changes)
+    except ValueError as e:
+        key = next((k for k, f in DRAFT_KEYS.items() if f in str(e)), None)
+        raise APIError(400, str(e), param=key) from None
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's
