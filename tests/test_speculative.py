@@ -4,6 +4,7 @@ sampled; the draft length chooser; the settings' validation."""
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import pytest
 import torch
@@ -43,14 +44,20 @@ def test_draft_length_follows_acceptance_and_cost():
     good = DraftLength(8, cost)
     for _ in range(30):
         n = good.choose(8)
-        good.record(n, n, cost(n + 1) * 1e-3)  # every draft accepted
+        good.record(n, n, n, cost(n + 1) * 1e-3)  # every draft accepted
     assert good.choose(8) == 8
     bad = DraftLength(8, cost)
     for _ in range(30):
         n = bad.choose(8)
-        bad.record(n, 0, cost(n + 1) * 1e-3)  # none accepted
-    chosen = [bad.choose(8) for _ in range(DraftLength.PROBE * 2)]
-    assert chosen.count(0) >= len(chosen) - 2  # it stops drafting, probing now and then
+        bad.record(n, n, 0, cost(n + 1) * 1e-3)  # none accepted
+    chosen = []
+    for _ in range(200):
+        chosen.append(bad.choose(8))
+        if chosen[-1]:
+            bad.record(chosen[-1], chosen[-1], 0, cost(chosen[-1] + 1) * 1e-3)
+    probes = [i for i, n in enumerate(chosen) if n]
+    assert 2 <= len(probes) <= 6  # it stops drafting, and asks again less and less often
+    assert all(b - a >= DraftLength.PROBE for a, b in pairwise(probes))
     assert good.choose(3) == 3 and bad.choose(0) == 0  # never past what the caller allows
     # expected tokens per step: 1 + a + a^2 + ...
     assert math.isclose(DraftLength(4).expected(2), 3.0)

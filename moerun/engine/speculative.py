@@ -191,43 +191,54 @@ def bytes_cost(models) -> Callable[[int], float]:
 class DraftLength:
     """Each step's draft length: the n in [0, most] with the most tokens per second, E(n) / t(n).
 
-    E(n) = 1 + a + ... + a^n, the tokens a step of n drafts emits when each draft is kept with probability a
-    given the one before it was (a: kept drafts over kept drafts and rejections, the last ~10 steps counting
-    most). t(n): the smoothed time of steps of n drafts where there are some; else the cost model's relative
-    cost (`cost`, rows -> a step's cost relative to one row's), scaled by the measured steps of the nearest
-    length. Where n = 0 wins, one step in PROBE still drafts, so the acceptance keeps being measured.
+    A request for n drafts gets some with probability d (a draft model below --draft-p-min, or no n-gram
+    match, gives none) and each is kept with probability a given the one before it was (a: kept drafts over
+    kept drafts and rejections; d and a smoothed, the last ~10 requests counting most). So a step emits
+    E(n) = 1 + d (a + ... + a^n) tokens and takes t(n) = ask + v(0) + d (v(n) - v(0)): `ask` the drafter's
+    smoothed seconds per request, v(n) the smoothed time of steps that verified n drafts where there are some,
+    else the cost model's relative cost (`cost`, rows -> a step's cost relative to one row's) scaled by the
+    measured steps of the nearest length. Where n = 0 wins, a step still asks now and then (after PROBE steps,
+    twice as long after each request that kept nothing, up to PROBE_MAX), so d and a keep being measured.
     """
 
     DECAY = 0.9  # per verify step
-    PROBE = 8
+    PROBE, PROBE_MAX = 8, 128
 
     def __init__(self, most: int, cost: Callable[[int], float] | None = None, adaptive: bool = True):
         self.most, self.adaptive = most, adaptive
         self.cost = cost or (lambda rows: 1.0)
         self.kept, self.lost = 1.0, 0.0  # a prior of one kept draft: the first steps draft fully
-        self.times: dict[int, float] = {}  # drafts -> smoothed seconds of a verify step
-        self.draft_s = 0.0  # smoothed seconds the drafter takes per drafted token
+        self.got, self.asked = 0.5, 0.5  # requests that got drafts, of all requests (d), with a prior of half a one
+        self.probe = self.PROBE  # steps between requests while n = 0 wins
+        self.times: dict[int, float] = {}  # drafts verified -> smoothed seconds of the verify step
+        self.ask_s: float | None = None  # smoothed seconds of asking the drafter for drafts
         self.since = 0
-        self.chosen: Counter[int] = Counter()
+        self.chosen: Counter[int] = Counter()  # drafts asked for -> steps
 
     @property
     def acceptance(self) -> float:
         return self.kept / (self.kept + self.lost)
 
     def expected(self, n: int) -> float:
-        a = self.acceptance
-        return n + 1.0 if a >= 1.0 else (1.0 - a ** (n + 1)) / (1.0 - a)
+        """Tokens a step asking for n drafts emits."""
+        a, d = self.acceptance, self.got / self.asked
+        chain = n if a >= 1.0 else (a - a ** (n + 1)) / (1.0 - a)  # a + ... + a^n
+        return 1.0 + d * chain
+
+    def verify(self, n: int) -> float:
+        if n in self.times:
+            return self.times[n]
+        if not self.times:
+            return self.cost(n + 1)
+        m = min(self.times, key=lambda k: (abs(k - n), k))
+        return self.times[m] / self.cost(m + 1) * self.cost(n + 1)
 
     def seconds(self, n: int) -> float:
-        """A step of n drafts: drafting them and verifying them."""
-        if n in self.times:
-            verify = self.times[n]
-        elif not self.times:
-            return self.cost(n + 1)
-        else:
-            m = min(self.times, key=lambda k: (abs(k - n), k))
-            verify = self.times[m] / self.cost(m + 1) * self.cost(n + 1)
-        return verify + n * self.draft_s
+        """A step asking for n drafts: asking, and verifying what comes."""
+        if n == 0:
+            return self.verify(0)
+        d = self.got / self.asked
+        return (self.ask_s or 0.0) + self.verify(0) + d * (self.verify(n) - self.verify(0))
 
     def choose(self, limit: int) -> int:
         most = min(self.most, limit)
@@ -237,17 +248,22 @@ class DraftLength:
             return most
         n = max(range(most + 1), key=lambda k: self.expected(k) / self.seconds(k))
         self.since = 0 if n else self.since + 1
-        if n == 0 and self.since >= self.PROBE:
+        if n == 0 and self.since >= self.probe:
             self.since, n = 0, most
         return n
 
-    def record(self, drafted: int, kept: int, seconds: float, drafting: float = 0.0) -> None:
-        """A verify step of `drafted` drafts, `kept` of them accepted, took `seconds`; drafting them `drafting`."""
+    def record(self, asked: int, drafted: int, kept: int, seconds: float, drafting: float = 0.0) -> None:
+        """A step asked for `asked` drafts and got `drafted`, `kept` of them accepted; drafting took `drafting`
+        seconds and the verify step `seconds`."""
+        if asked:
+            self.chosen[asked] += 1
+            self.ask_s = drafting if self.ask_s is None else 0.8 * self.ask_s + 0.2 * drafting
+            self.got, self.asked = self.got * self.DECAY + (drafted > 0), self.asked * self.DECAY + 1
         if drafted:
-            self.draft_s = 0.8 * self.draft_s + 0.2 * drafting / drafted
             self.kept = self.kept * self.DECAY + kept
             self.lost = self.lost * self.DECAY + (kept < drafted)
-            self.chosen[drafted] += 1
+        if asked:
+            self.probe = self.PROBE if kept else min(2 * self.probe, self.PROBE_MAX)
         old = self.times.get(drafted)
         self.times[drafted] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
@@ -261,7 +277,7 @@ class Speculation:
         self.engine, self.seq, self.session, self.params, self.length = engine, seq, session, params, length
         self.drafts: list[int] = []  # drafted tokens in the cache that no sampled token has matched yet
         self.draft_n = self.accepted = 0
-        self._step: tuple | None = None  # the last verify step: drafts, kept so far, its seconds, drafting's
+        self._step: tuple | None = None  # the last step: asked, drafted, kept so far, its seconds, drafting's
 
     def feed(self, token: int, limit: int) -> torch.Tensor:
         """Run `token` (sampled, not yet in the cache) and up to `limit` drafts after it -> logits [1 + n, V]:
@@ -278,7 +294,7 @@ class Speculation:
         logits = self.engine.model.forward(torch.tensor([token, *drafts]), seq.kv, phase="decode")
         seq.tokens += [token, *drafts]
         self.drafts, self.draft_n = list(drafts), self.draft_n + len(drafts)
-        self._step = (len(drafts), 0, time.perf_counter() - t0, drafting)
+        self._step = (n, len(drafts), 0, time.perf_counter() - t0, drafting)
         return logits
 
     def match(self, token: int) -> bool:
@@ -287,8 +303,8 @@ class Speculation:
             return False
         self.drafts.pop(0)
         self.accepted += 1
-        n, kept, *times = self._step
-        self._step = (n, kept + 1, *times)
+        asked, n, kept, *times = self._step
+        self._step = (asked, n, kept + 1, *times)
         return True
 
     def rollback(self) -> None:
@@ -318,5 +334,6 @@ class Speculation:
         steps = sum(chosen.values())
         mean = sum(k * v for k, v in chosen.items()) / steps if steps else 0.0
         spread = ", ".join(f"{k}: {v}" for k, v in sorted(chosen.items()))
-        return (f"draft lengths: {steps} verify steps, {mean:.1f} drafts per step ({spread}); acceptance "
-                f"estimate {self.length.acceptance:.2f}")
+        d = self.length.got / self.length.asked
+        return (f"draft lengths: {steps} requests, {mean:.1f} drafts asked per request ({spread}); estimates: "
+                f"drafts given {d:.2f} of the time, each kept {self.length.acceptance:.2f}")

@@ -1,0 +1,195 @@
+"""Speculative decoding on the CPU (issue 20): decode t/s without drafts, with prompt lookup and with a draft
+model, on a code-editing prompt whose reply repeats much of the prompt, and the same settings in llama.cpp.
+
+    python bench/speculative.py MODEL [--draft DRAFT] [-t 2] [-n 128] [--rounds 3] [--llama-bin DIR]
+
+Two prompts. "fresh": a function of the standard library (textwrap.indent, with its docstring); its reply
+repeats little. "edit": a reply that repeats the prompt, as an agent's edit of code does. Our small trained
+models cannot follow an instruction to rewrite and do not copy a function by themselves, so the prompt is
+built from the model's own text: the function's first 60 tokens X, a reply Y, X again, with Y the model's
+reply to X + Y + X (iterated from its reply to X until it stays): the reply then repeats Y. The share of the
+reply's 8-grams found in the prompt is printed with each table. Every setting runs in one process on one loaded model (the drafter swapped
+between runs), greedy, `-n` tokens past end of text; the settings take turns within each round and the
+medians are reported. "same text" checks the output against the plain run's (greedy output must not change).
+
+With --llama-bin, llama.cpp's own tools run the same token ids' text at the same threads, after moerun (never
+together): `llama-lookup` (its prompt-lookup decoding, n-gram cache of the prompt and the text so far) and
+`llama-speculative-simple` (-md), with the t/s and acceptance they print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import re
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+
+from moerun.config import DraftParams, RuntimeConfig, SamplingParams
+from moerun.engine.speculative import LookupDrafter
+from moerun.runtime import build, make_drafter
+
+
+def fresh_prompt() -> str:
+    return textwrap.dedent(inspect.getsource(textwrap.indent))
+
+
+def edit_prompt(eng, n: int, head: int = 60) -> list[int]:
+    """The function's first `head` tokens X, a reply Y, X again, where Y is what the model writes after that
+    prompt (the reply to X + Y + X, iterated from Y = the reply to X until it stays; module docstring) ->
+    token ids."""
+    x = eng.tokenizer.encode(fresh_prompt())[:head]
+    gap = eng.tokenizer.encode("\n\n", add_special=False)
+
+    def greedy(ids):
+        gen = eng.generate(ids, SamplingParams.greedy(max_tokens=n, ignore_eos=True)).run()
+        gen.seq.free()
+        return gen.tokens
+
+    y = greedy(x)
+    for _ in range(4):
+        z = greedy(x + y + gap + x)
+        if z == y:
+            break
+        y = z
+    return x + y + gap + x
+
+
+def settings(args) -> list[tuple[str, DraftParams, str | None]]:
+    """(label, draft settings, drafter kind: None | lookup | model)."""
+    out = [("plain", DraftParams(), None),
+           ("lookup 3, adaptive", DraftParams(lookup_ngram=3), "lookup"),
+           ("lookup 3, fixed 8", DraftParams(lookup_ngram=3, draft_max=8, adaptive=False), "lookup")]
+    if args.draft:
+        out += [("draft model, adaptive", DraftParams(), "model"),
+                ("draft model, fixed 8", DraftParams(draft_max=8, adaptive=False), "model")]
+    return out
+
+
+def run_moerun(args, eng, drafters, ids: list[int]) -> list[dict]:
+    params = SamplingParams.greedy(max_tokens=args.n, ignore_eos=True)
+    rows = {label: {"label": label, "tps": [], "draft_n": 0, "accepted": 0, "lengths": ""}
+            for label, _, _ in settings(args)}
+    ref = None
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for label, draft, kind in settings(args):
+            eng.drafter = drafters[kind]
+            seq = eng.new_sequence()
+            gen = eng.generate(ids, params, seq, draft=draft).run()
+            seq.free()
+            if kind is None and ref is None:
+                ref = gen.tokens
+            row = rows[label]
+            row["same"] = gen.tokens == ref if ref is not None else None
+            if r == 0:
+                continue
+            row["tps"].append(gen.timings.to_dict()["predicted_per_second"])
+            row["text"] = eng.tokenizer.decode(gen.tokens)
+            if gen.spec is not None:
+                row["draft_n"] += gen.timings.draft_n
+                row["accepted"] += gen.timings.draft_n_accepted
+                row["lengths"] = gen.spec.lengths_line()
+    out = []
+    base = statistics.median(rows["plain"]["tps"])
+    for row in rows.values():
+        row["median"] = statistics.median(row["tps"])
+        row["ratio"] = row["median"] / base
+        out.append(row)
+    return out, overlap(ids, ref)
+
+
+def overlap(prompt: list[int], reply: list[int], n: int = 8) -> float:
+    seen = {tuple(prompt[i:i + n]) for i in range(len(prompt) - n + 1)}
+    grams = [tuple(reply[i:i + n]) for i in range(len(reply) - n + 1)]
+    return sum(g in seen for g in grams) / max(1, len(grams))
+
+
+def run_llama(args, prompt: str) -> list[dict]:
+    """llama.cpp's tools on the same prompt text: t/s and acceptance as they print them."""
+    bin_dir = Path(args.llama_bin)
+    common = ["-m", args.model, "-t", str(args.threads), "-n", str(args.n), "--temp", "0", "-c", str(args.ctx),
+              "--ignore-eos", "-p", prompt]
+    runs = [("llama.cpp plain (lookup, --draft 0)", [bin_dir / "llama-lookup", *common, "--draft", "0"]),
+            ("llama.cpp llama-lookup --draft 8", [bin_dir / "llama-lookup", *common, "--draft", "8"])]
+    if args.draft:
+        runs.append(("llama.cpp speculative-simple -md, --draft-max 8",
+                     [bin_dir / "llama-speculative-simple", *common, "-md", args.draft, "--draft-max", "8",
+                      "--draft-min", "0", "-td", str(args.threads)]))
+    rows = {label: {"label": label, "tps": []} for label, _ in runs}
+    for r in range(args.rounds):
+        for label, cmd in runs:
+            p = subprocess.run([str(c) for c in cmd], check=False, capture_output=True, text=True, timeout=600)
+            log = p.stdout + p.stderr
+            m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) s, speed:\s+([\d.]+) t/s", log)
+            if p.returncode != 0 or m is None:
+                raise RuntimeError(f"{cmd[0]} failed ({p.returncode}):\n{log[-2000:]}")
+            rows[label]["tps"].append(float(m.group(3)))
+            for key in ("n_draft", "n_accept", "accept"):
+                km = re.search(rf"{key}\s*=\s*([\d.]+)", log)
+                if km:
+                    rows[label][key] = km.group(1)
+    out = []
+    base = statistics.median(next(iter(rows.values()))["tps"])
+    for row in rows.values():
+        row["median"] = statistics.median(row["tps"])
+        row["ratio"] = row["median"] / base
+        out.append(row)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--draft", help="a draft model of the same vocabulary")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-n", type=int, default=128)
+    ap.add_argument("-c", "--ctx", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--llama-bin", help="a folder with llama.cpp's llama-lookup and llama-speculative-simple")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    t0 = time.time()
+    rt = build(RuntimeConfig(model=args.model, threads=args.threads, ctx_size=args.ctx))
+    eng = rt.engine
+    drafters = {None: None, "lookup": LookupDrafter(3)}
+    if args.draft:
+        drafters["model"] = make_drafter(RuntimeConfig(model=args.model, model_draft=args.draft,
+                                                       threads=args.threads), eng)
+    prompts = {"fresh": eng.tokenizer.encode(fresh_prompt()), "edit": edit_prompt(eng, args.n)}
+    texts = {}
+    for name, ids in prompts.items():
+        rows, shared = run_moerun(args, eng, drafters, ids)
+        print(f"\n{name} prompt: {len(ids)} tokens, reply {args.n} tokens; {shared:.0%} of the reply's 8-grams "
+              "are in the prompt\n")
+        print("| setting | decode t/s (runs) | median | vs plain | drafted | accepted | same text |")
+        print("|---|---|---:|---:|---:|---:|---|")
+        for row in rows:
+            runs = ", ".join(f"{x:.1f}" for x in row["tps"])
+            acc = f"{row['accepted']} ({row['accepted'] / row['draft_n']:.0%})" if row["draft_n"] else "-"
+            print(f"| moerun {row['label']} | {runs} | {row['median']:.1f} | {row['ratio']:.2f}x | "
+                  f"{row['draft_n'] or '-'} | {acc} | {'yes' if row['same'] else 'NO'} |")
+        for row in rows:
+            if row["lengths"]:
+                print(f"- {row['label']}: {row['lengths']} (last round)")
+        texts[name] = eng.tokenizer.decode(ids)
+    rt.close()
+    if args.llama_bin:
+        for name, text in texts.items():
+            print(f"\nllama.cpp, {name} prompt (the same text, tokenized by llama.cpp)\n")
+            print("| setting | decode t/s (runs) | median | vs plain | drafted | accepted |")
+            print("|---|---|---:|---:|---:|---:|")
+            for row in run_llama(args, text):
+                runs = ", ".join(f"{x:.1f}" for x in row["tps"])
+                print(f"| {row['label']} | {runs} | {row['median']:.1f} | {row['ratio']:.2f}x | "
+                      f"{row.get('n_draft', '-')} | {row.get('n_accept', '-')} |")
+    print(f"({time.time() - t0:.0f} s)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
