@@ -12,9 +12,11 @@ reply's 8-grams found in the prompt is printed with each table. Every setting ru
 between runs), greedy, `-n` tokens past end of text; the settings take turns within each round and the
 medians are reported. "same text" checks the output against the plain run's (greedy output must not change).
 
-With --llama-bin, llama.cpp's own tools run the same token ids' text at the same threads, after moerun (never
-together): `llama-lookup` (its prompt-lookup decoding, n-gram cache of the prompt and the text so far) and
-`llama-speculative-simple` (-md), with the t/s and acceptance they print.
+With --llama-bin, llama.cpp's `llama-speculative-simple` runs the same prompts' text at the same threads, after
+moerun (never together): plain, its n-gram drafter (`--spec-type ngram-simple`, the prompt lookup equivalent)
+and a draft model (`--spec-type draft-simple -md`), with the t/s and draft counts it prints (the last
+round's). Build it from llama.cpp's sources (e.g. those llama-cpp-python's sdist vendors) with cmake, target
+llama-speculative-simple; this script does not build it.
 """
 
 from __future__ import annotations
@@ -111,29 +113,31 @@ def overlap(prompt: list[int], reply: list[int], n: int = 8) -> float:
 
 
 def run_llama(args, prompt: str) -> list[dict]:
-    """llama.cpp's tools on the same prompt text: t/s and acceptance as they print them."""
-    bin_dir = Path(args.llama_bin)
-    common = ["-m", args.model, "-t", str(args.threads), "-n", str(args.n), "--temp", "0", "-c", str(args.ctx),
-              "--ignore-eos", "-p", prompt]
-    runs = [("llama.cpp plain (lookup, --draft 0)", [bin_dir / "llama-lookup", *common, "--draft", "0"]),
-            ("llama.cpp llama-lookup --draft 8", [bin_dir / "llama-lookup", *common, "--draft", "8"])]
+    """llama.cpp's llama-speculative-simple on the same prompt text: t/s and drafts as it prints them. Plain
+    decode is its n-gram drafter with a hit count no n-gram reaches (no drafts), so all three runs are the same
+    program."""
+    common = [str(Path(args.llama_bin) / "llama-speculative-simple"), "-m", args.model, "-t", str(args.threads),
+              "-n", str(args.n), "--temp", "0", "-c", str(args.ctx), "--ignore-eos", "-p", prompt]
+    ngram = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3"]
+    runs = [("llama.cpp plain (no drafts)", [*ngram, "--spec-ngram-simple-min-hits", "1000000"]),
+            ("llama.cpp ngram-simple 3, --spec-draft-n-max 8",
+             [*ngram, "--spec-ngram-simple-size-m", "8", "--spec-draft-n-max", "8"])]
     if args.draft:
-        runs.append(("llama.cpp speculative-simple -md, --draft-max 8",
-                     [bin_dir / "llama-speculative-simple", *common, "-md", args.draft, "--draft-max", "8",
-                      "--draft-min", "0", "-td", str(args.threads)]))
+        runs.append(("llama.cpp draft-simple -md, --spec-draft-n-max 8, p-min 0.75",
+                     ["--spec-type", "draft-simple", "-md", args.draft, "--spec-draft-n-max", "8",
+                      "--spec-draft-p-min", "0.75"]))
     rows = {label: {"label": label, "tps": []} for label, _ in runs}
-    for r in range(args.rounds):
-        for label, cmd in runs:
-            p = subprocess.run([str(c) for c in cmd], check=False, capture_output=True, text=True, timeout=600)
+    for _ in range(args.rounds):
+        for label, extra in runs:
+            p = subprocess.run(common + extra, check=False, capture_output=True, text=True, timeout=600)
             log = p.stdout + p.stderr
-            m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) s, speed:\s+([\d.]+) t/s", log)
+            m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", log)
             if p.returncode != 0 or m is None:
-                raise RuntimeError(f"{cmd[0]} failed ({p.returncode}):\n{log[-2000:]}")
+                raise RuntimeError(f"llama-speculative-simple failed ({p.returncode}):\n{log[-2000:]}")
             rows[label]["tps"].append(float(m.group(3)))
-            for key in ("n_draft", "n_accept", "accept"):
-                km = re.search(rf"{key}\s*=\s*([\d.]+)", log)
-                if km:
-                    rows[label][key] = km.group(1)
+            for key in ("n_drafted", "n_accept"):
+                km = re.search(rf"{key}\s*=\s*(\d+)", log)
+                rows[label][key] = int(km.group(1)) if km else None
     out = []
     base = statistics.median(next(iter(rows.values()))["tps"])
     for row in rows.values():
@@ -187,7 +191,7 @@ def main() -> None:
             for row in run_llama(args, text):
                 runs = ", ".join(f"{x:.1f}" for x in row["tps"])
                 print(f"| {row['label']} | {runs} | {row['median']:.1f} | {row['ratio']:.2f}x | "
-                      f"{row.get('n_draft', '-')} | {row.get('n_accept', '-')} |")
+                      f"{row['n_drafted'] or '-'} | {row['n_accept'] if row['n_drafted'] else '-'} |")
     print(f"({time.time() - t0:.0f} s)", file=sys.stderr)
 
 

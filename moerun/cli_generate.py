@@ -88,17 +88,17 @@ def model_options(f):
         click.option("--trace-routing", type=click.Path(path_type=Path), default=None,
                      help="Record every routing decision (JSON Lines) for `moerun trace simulate`."),
         click.option("-v", "--verbose", is_flag=True, help="Per-layer expert-cache figures."),
-        click.option("-md", "--model-draft", type=click.Path(exists=True, path_type=Path), default=None,
+        click.option("-md", "--model-draft", "--spec-draft-model", "model_draft", type=click.Path(exists=True, path_type=Path), default=None,
                      help="Speculative decoding with this draft model (GGUF or HF folder sharing the model's "
                           "vocabulary; loaded into RAM, run on the CPU)."),
         click.option("--lookup-ngram", type=click.IntRange(min=0), default=0, show_default=True,
                      help="Speculative decoding by prompt lookup: drafts are what followed the latest earlier match "
                           "of the last N tokens (N down to 1) in the prompt and the text so far; 0 is off."),
-        click.option("--draft-max", "--draft", "--draft-n", "draft_max", type=click.IntRange(min=0), default=16,
+        click.option("--draft-max", "--draft", "--draft-n", "--spec-draft-n-max", "draft_max", type=click.IntRange(min=0), default=16,
                      show_default=True, help="Tokens to draft per step at most (moerun verifies at most 15)."),
-        click.option("--draft-min", "--draft-n-min", "draft_min", type=click.IntRange(min=0), default=0,
+        click.option("--draft-min", "--draft-n-min", "--spec-draft-n-min", "draft_min", type=click.IntRange(min=0), default=0,
                      show_default=True, help="Drafts shorter than this are not verified."),
-        click.option("--draft-p-min", type=click.FloatRange(0, 1), default=0.75, show_default=True,
+        click.option("--draft-p-min", "--spec-draft-p-min", "draft_p_min", type=click.FloatRange(0, 1), default=0.75, show_default=True,
                      help="The draft model stops where its most likely token is less likely than this."),
         click.option("--draft-adaptive/--no-draft-adaptive", default=True, show_default=True,
                      help="Choose each step's draft length from the acceptance so far and the measured cost of "
