@@ -27,6 +27,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -114,12 +115,14 @@ def overlap(prompt: list[int], reply: list[int], n: int = 8) -> float:
 
 def run_llama(args, prompt: str) -> list[dict]:
     """llama.cpp's llama-speculative-simple on the same prompt text: t/s and drafts as it prints them. Plain
-    decode is its n-gram drafter with a hit count no n-gram reaches (no drafts), so all three runs are the same
+    decode is its n-gram drafter allowed no drafts (--spec-draft-n-max 0), so all three runs are the same
     program."""
+    prompt_file = Path(tempfile.mkstemp(suffix=".txt")[1])
+    prompt_file.write_text(prompt, encoding="utf-8")
     common = [str(Path(args.llama_bin) / "llama-speculative-simple"), "-m", args.model, "-t", str(args.threads),
-              "-n", str(args.n), "--temp", "0", "-c", str(args.ctx), "--ignore-eos", "-p", prompt]
+              "-n", str(args.n), "--temp", "0", "-c", str(args.ctx), "--ignore-eos", "-f", str(prompt_file)]
     ngram = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3"]
-    runs = [("llama.cpp plain (no drafts)", [*ngram, "--spec-ngram-simple-min-hits", "1000000"]),
+    runs = [("llama.cpp plain (no drafts)", [*ngram, "--spec-draft-n-max", "0"]),
             ("llama.cpp ngram-simple 3, --spec-draft-n-max 8",
              [*ngram, "--spec-ngram-simple-size-m", "8", "--spec-draft-n-max", "8"])]
     if args.draft:
@@ -129,8 +132,8 @@ def run_llama(args, prompt: str) -> list[dict]:
     rows = {label: {"label": label, "tps": []} for label, _ in runs}
     for _ in range(args.rounds):
         for label, extra in runs:
-            p = subprocess.run(common + extra, check=False, capture_output=True, text=True, timeout=600)
-            log = p.stdout + p.stderr
+            p = subprocess.run(common + extra, check=False, capture_output=True, timeout=600)
+            log = (p.stdout + p.stderr).decode("utf-8", errors="replace")
             m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", log)
             if p.returncode != 0 or m is None:
                 raise RuntimeError(f"llama-speculative-simple failed ({p.returncode}):\n{log[-2000:]}")
@@ -138,6 +141,7 @@ def run_llama(args, prompt: str) -> list[dict]:
             for key in ("n_drafted", "n_accept"):
                 km = re.search(rf"{key}\s*=\s*(\d+)", log)
                 rows[label][key] = int(km.group(1)) if km else None
+    prompt_file.unlink()
     out = []
     base = statistics.median(next(iter(rows.values()))["tps"])
     for row in rows.values():

@@ -422,6 +422,9 @@ class NoisyOracle:
     def session(self):
         return self
 
+    def prime(self, context):
+        pass
+
     def propose(self, context, n, p_min):
         at = len(context)
         if self.text[:at] != list(context):

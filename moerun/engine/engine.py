@@ -174,6 +174,8 @@ class Generation:
         tok = eng.tokenizer
         t0 = time.perf_counter()
         logits, n_run = eng.prefill(self.seq, self.prompt)
+        if self.spec is not None:
+            self.spec.session.prime(self.prompt)  # a draft model's prompt is prompt time too
         t1 = time.perf_counter()
         t.prompt_n, t.prompt_ms, t.cache_n = n_run, (t1 - t0) * 1e3, len(self.prompt) - n_run
         decoder, stops = tok.incremental_decoder(), StopChecker(p.stop)

@@ -408,6 +408,8 @@ class Scheduler:
                 if len(rest) == 1:
                     slot.kv.checkpoint()
                 if not rest:
+                    if slot.spec is not None:
+                        slot.spec.session.prime(slot.req.prompt)  # a draft model's prompt is prompt time too
                     req, now = slot.req, time.perf_counter()
                     req.timings.prompt_n = len(req.prompt) - req.timings.cache_n
                     req.timings.prompt_ms = (now - slot.t_prefill) * 1e3

@@ -49,6 +49,10 @@ if TYPE_CHECKING:
 class DraftSession(Protocol):
     """One sequence's drafter."""
 
+    def prime(self, context: list[int]) -> None:
+        """Take in the prompt while the target runs it (a draft model runs it too), so the first drafts do
+        not wait for it."""
+
     def propose(self, context: list[int], n: int, p_min: float) -> list[int]:
         """Up to n tokens that may follow `context` (all of the sequence's tokens, the last one not yet run)."""
 
@@ -76,6 +80,9 @@ class LookupDrafter:
 
     def session(self) -> LookupDrafter:
         return self
+
+    def prime(self, context: list[int]) -> None:
+        pass
 
     def propose(self, context: list[int], n: int, p_min: float = 0.0) -> list[int]:
         if n < 1 or len(context) < 2:
@@ -114,6 +121,13 @@ class ModelDrafter:
 class _ModelSession:
     def __init__(self, engine: Engine):
         self.engine, self.seq = engine, engine.new_sequence()
+
+    def prime(self, context: list[int]) -> None:
+        if 1 < len(context) < self.engine.ctx_size:
+            try:
+                self.engine.prefill(self.seq, context[:-1])
+            except ContextOverflowError:
+                self.seq.free()
 
     def propose(self, context: list[int], n: int, p_min: float) -> list[int]:
         eng = self.engine
@@ -192,8 +206,9 @@ class DraftLength:
     """Each step's draft length: the n in [0, most] with the most tokens per second, E(n) / t(n).
 
     A request for n drafts gets some with probability d (a draft model below --draft-p-min, or no n-gram
-    match, gives none) and each is kept with probability a given the one before it was (a: kept drafts over
-    kept drafts and rejections; d and a smoothed, the last ~10 requests counting most). So a step emits
+    match, gives none), and then each draft is there and kept with probability a given the one before it was
+    (a: kept drafts over kept drafts and chains that ended short of the request, by a rejection or because the
+    drafter had no more; d and a smoothed, the last ~10 requests counting most). So a step emits
     E(n) = 1 + d (a + ... + a^n) tokens and takes t(n) = ask + v(0) + d (v(n) - v(0)): `ask` the drafter's
     smoothed seconds per request, v(n) the smoothed time of steps that verified n drafts where there are some,
     else the cost model's relative cost (`cost`, rows -> a step's cost relative to one row's) scaled by the
@@ -259,9 +274,9 @@ class DraftLength:
             self.chosen[asked] += 1
             self.ask_s = drafting if self.ask_s is None else 0.8 * self.ask_s + 0.2 * drafting
             self.got, self.asked = self.got * self.DECAY + (drafted > 0), self.asked * self.DECAY + 1
-        if drafted:
+        if drafted:  # a chain ends short of what was asked by a rejection or by the drafter: both end it
             self.kept = self.kept * self.DECAY + kept
-            self.lost = self.lost * self.DECAY + (kept < drafted)
+            self.lost = self.lost * self.DECAY + (kept < asked)
         if asked:
             self.probe = self.PROBE if kept else min(2 * self.probe, self.PROBE_MAX)
         old = self.times.get(drafted)
