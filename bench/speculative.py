@@ -115,16 +115,15 @@ def overlap(prompt: list[int], reply: list[int], n: int = 8) -> float:
 
 def run_llama(args, prompt: str) -> list[dict]:
     """llama.cpp's llama-speculative-simple on the same prompt text: t/s and drafts as it prints them. Plain
-    decode is its n-gram drafter allowed no drafts (--spec-draft-n-max 0), so all three runs are the same
-    program."""
+    decode is its n-gram drafter looking for 1000-grams, which never match (no drafts; --spec-draft-n-max 0
+    does not stop it), so all three runs are the same program."""
     prompt_file = Path(tempfile.mkstemp(suffix=".txt")[1])
     prompt_file.write_text(prompt, encoding="utf-8")
     common = [str(Path(args.llama_bin) / "llama-speculative-simple"), "-m", args.model, "-t", str(args.threads),
               "-n", str(args.n), "--temp", "0", "-c", str(args.ctx), "--ignore-eos", "-f", str(prompt_file)]
-    ngram = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3"]
-    runs = [("llama.cpp plain (no drafts)", [*ngram, "--spec-draft-n-max", "0"]),
-            ("llama.cpp ngram-simple 3, --spec-draft-n-max 8",
-             [*ngram, "--spec-ngram-simple-size-m", "8", "--spec-draft-n-max", "8"])]
+    ngram = ["--spec-type", "ngram-simple", "--spec-draft-n-max", "8", "--spec-ngram-simple-size-n"]
+    runs = [("llama.cpp plain (no drafts)", [*ngram, "1000"]),
+            ("llama.cpp ngram-simple 3, --spec-draft-n-max 8", [*ngram, "3", "--spec-ngram-simple-size-m", "8"])]
     if args.draft:
         runs.append(("llama.cpp draft-simple -md, --spec-draft-n-max 8, p-min 0.75",
                      ["--spec-type", "draft-simple", "-md", args.draft, "--spec-draft-n-max", "8",

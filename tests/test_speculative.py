@@ -59,8 +59,13 @@ def test_draft_length_follows_acceptance_and_cost():
     assert 2 <= len(probes) <= 6  # it stops drafting, and asks again less and less often
     assert all(b - a >= DraftLength.PROBE for a, b in pairwise(probes))
     assert good.choose(3) == 3 and bad.choose(0) == 0  # never past what the caller allows
-    # expected tokens per step: 1 + a + a^2 + ...
-    assert math.isclose(DraftLength(4).expected(2), 3.0)
+    # expected tokens per step, 1 + d (S(1) + S(2) + ...): the prior halves the chain's survival at each depth
+    assert math.isclose(DraftLength(4).expected(2), 1.0 + 0.5 + 0.25)  # d's prior is 1
+    bursty = DraftLength(8, cost)
+    for _ in range(40):  # chains that get past the first draft go to the end
+        bursty.record(8, 8, 0, 1e-3)
+        bursty.record(8, 8, 8, 3e-3)
+    assert bursty.survival(8)[0] < 0.6 and bursty.survival(8)[-1] > 0.45
 
 
 def test_speculative_sampling_keeps_the_target_distribution(hf_model):

@@ -206,23 +206,30 @@ class DraftLength:
     """Each step's draft length: the n in [0, most] with the most tokens per second, E(n) / t(n).
 
     A request for n drafts gets some with probability d (a draft model below --draft-p-min, or no n-gram
-    match, gives none), and then each draft is there and kept with probability a given the one before it was
-    (a: kept drafts over kept drafts and chains that ended short of the request, by a rejection or because the
-    drafter had no more; d and a smoothed, the last ~10 requests counting most). So a step emits
-    E(n) = 1 + d (a + ... + a^n) tokens and takes t(n) = ask + v(0) + d (v(n) - v(0)): `ask` the drafter's
+    match, gives none), and then the i-th draft is there and kept with probability S(i): the chains' survival
+    by depth, estimated as Kaplan and Meier do from how deep each chain got (a chain ends at a rejection or
+    where the drafter had no more; one that reached the request's end is censored there); each depth's hazard
+    has one pseudo-chain at the hazard of the depth before (1/2 before the first), so depths no chain reached
+    yet follow the deepest measured. Acceptance is bursty (a copied passage goes on or does not), which a survival curve
+    follows and one acceptance rate per draft does not. d and the counts are smoothed, the last ~10 requests
+    counting most. So a step emits E(n) = 1 + d (S(1) + ... + S(n)) tokens and takes
+    t(n) = ask + v(0) + d (v(n) - v(0)): `ask` the drafter's
     smoothed seconds per request, v(n) the smoothed time of steps that verified n drafts where there are some,
     else the cost model's relative cost (`cost`, rows -> a step's cost relative to one row's) scaled by the
-    measured steps of the nearest length. Where n = 0 wins, a step still asks now and then (after PROBE steps,
-    twice as long after each request that kept nothing, up to PROBE_MAX), so d and a keep being measured.
+    measured steps of the nearest length. Where n = 0 wins, a step still asks for PROBE_DRAFTS now and then
+    (after PROBE steps, twice as long after each request that kept nothing, up to PROBE_MAX), so d and a keep
+    being measured. The prior starts with short drafts.
     """
 
     DECAY = 0.9  # per verify step
-    PROBE, PROBE_MAX = 8, 128
+    PROBE, PROBE_MAX, PROBE_DRAFTS = 8, 128, 2
+    PRIOR_HAZARD = 0.5
 
     def __init__(self, most: int, cost: Callable[[int], float] | None = None, adaptive: bool = True):
         self.most, self.adaptive = most, adaptive
         self.cost = cost or (lambda rows: 1.0)
-        self.kept, self.lost = 1.0, 0.0  # a prior of one kept draft: the first steps draft fully
+        self.reached = [0.0] * (most + 2)  # by depth i (1..most): chains that got to the i-th draft, and ended
+        self.ended = [0.0] * (most + 2)  # there
         self.got, self.asked = 0.5, 0.5  # requests that got drafts, of all requests (d), with a prior of half a one
         self.probe = self.PROBE  # steps between requests while n = 0 wins
         self.times: dict[int, float] = {}  # drafts verified -> smoothed seconds of the verify step
@@ -232,13 +239,21 @@ class DraftLength:
 
     @property
     def acceptance(self) -> float:
-        return self.kept / (self.kept + self.lost)
+        """The estimated chance that a first draft is kept."""
+        return self.survival(1)[-1]
+
+    def survival(self, n: int) -> list[float]:
+        """S(1)..S(n): the chance that the chain keeps its i-th draft."""
+        out, s, h = [], 1.0, self.PRIOR_HAZARD
+        for i in range(1, n + 1):
+            h = (self.ended[i] + h) / (self.reached[i] + 1.0)  # one pseudo-chain at the depth before's hazard
+            s *= 1.0 - h
+            out.append(s)
+        return out
 
     def expected(self, n: int) -> float:
         """Tokens a step asking for n drafts emits."""
-        a, d = self.acceptance, self.got / self.asked
-        chain = n if a >= 1.0 else (a - a ** (n + 1)) / (1.0 - a)  # a + ... + a^n
-        return 1.0 + d * chain
+        return 1.0 + self.got / self.asked * sum(self.survival(n))
 
     def verify(self, n: int) -> float:
         if n in self.times:
@@ -264,7 +279,7 @@ class DraftLength:
         n = max(range(most + 1), key=lambda k: self.expected(k) / self.seconds(k))
         self.since = 0 if n else self.since + 1
         if n == 0 and self.since >= self.probe:
-            self.since, n = 0, most
+            self.since, n = 0, min(most, self.PROBE_DRAFTS)
         return n
 
     def record(self, asked: int, drafted: int, kept: int, seconds: float, drafting: float = 0.0) -> None:
@@ -275,8 +290,12 @@ class DraftLength:
             self.ask_s = drafting if self.ask_s is None else 0.8 * self.ask_s + 0.2 * drafting
             self.got, self.asked = self.got * self.DECAY + (drafted > 0), self.asked * self.DECAY + 1
         if drafted:  # a chain ends short of what was asked by a rejection or by the drafter: both end it
-            self.kept = self.kept * self.DECAY + kept
-            self.lost = self.lost * self.DECAY + (kept < asked)
+            self.reached = [r * self.DECAY for r in self.reached]
+            self.ended = [e * self.DECAY for e in self.ended]
+            for i in range(1, min(kept + 1, asked) + 1):
+                self.reached[i] += 1
+            if kept < asked:
+                self.ended[kept + 1] += 1
         if asked:
             self.probe = self.PROBE if kept else min(2 * self.probe, self.PROBE_MAX)
         old = self.times.get(drafted)
@@ -351,4 +370,5 @@ class Speculation:
         spread = ", ".join(f"{k}: {v}" for k, v in sorted(chosen.items()))
         d = self.length.got / self.length.asked
         return (f"draft lengths: {steps} requests, {mean:.1f} drafts asked per request ({spread}); estimates: "
-                f"drafts given {d:.2f} of the time, each kept {self.length.acceptance:.2f}")
+                f"drafts given {d:.2f} of the time, the first kept {self.length.acceptance:.2f}, the first 8 "
+                f"{self.length.survival(min(8, self.length.most))[-1]:.2f}")
