@@ -86,12 +86,12 @@ def run_moerun(args, eng, drafters, ids: list[int]) -> list[dict]:
             seq = eng.new_sequence()
             gen = eng.generate(ids, params, seq, draft=draft).run()
             seq.free()
-            if kind is None and ref is None:
-                ref = gen.tokens
-            row = rows[label]
-            row["same"] = gen.tokens == ref if ref is not None else None
+            if kind is None:  # each round's plain run: the prompt's blocks shared as for the others (round 0
+                ref = gen.tokens  # prefills it cold, which can move a near tie of a random model's logits)
             if r == 0:
                 continue
+            row = rows[label]
+            row["same"] = row.get("same", True) and gen.tokens == ref
             row["tps"].append(gen.timings.to_dict()["predicted_per_second"])
             row["text"] = eng.tokenizer.decode(gen.tokens)
             if gen.spec is not None:
