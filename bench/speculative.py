@@ -64,6 +64,28 @@ def edit_prompt(eng, n: int, head: int = 60) -> list[int]:
     return x + y + gap + x
 
 
+def verify_cost(eng, rows=(1, 2, 4, 8, 16), runs: int = 5) -> str:
+    """A verify step's time against its rows (random tokens after a 200-token prompt; median of `runs`), beside
+    the bytes model the draft length chooser starts from (moerun.engine.speculative.bytes_cost)."""
+    from moerun.engine.speculative import bytes_cost
+
+    m, seq = eng.model, eng.new_sequence()
+    m.forward(torch.tensor(eng.tokenizer.encode(fresh_prompt())[:200]), seq.kv, last_only=True)
+    start, g, times = seq.kv.length, torch.Generator().manual_seed(0), {n: [] for n in rows}
+    for _ in range(runs):
+        for n in rows:
+            t0 = time.perf_counter()
+            m.forward(torch.randint(0, m.spec.vocab, (n,), generator=g), seq.kv, phase="decode")
+            times[n].append(time.perf_counter() - t0)
+            seq.kv.truncate(start)
+    seq.free()
+    cost, one = bytes_cost([m]), statistics.median(times[rows[0]])
+    measured = " | ".join(f"{statistics.median(times[n]) / one:.2f}" for n in rows[1:])
+    model = " | ".join(f"{cost(n):.2f}" for n in rows[1:])
+    return (f"| model | rows: {' | '.join(map(str, rows))} |\n|---|{'---:|' * len(rows)}\n"
+            f"| measured | {one * 1e3:.1f} ms (1.00) | {measured} |\n| bytes model | 1.00 | {model} |")
+
+
 def settings(args) -> list[tuple[str, DraftParams, str | None]]:
     """(label, draft settings, drafter kind: None | lookup | model)."""
     out = [("plain", DraftParams(), None),
@@ -168,6 +190,7 @@ def main() -> None:
     if args.draft:
         drafters["model"] = make_drafter(RuntimeConfig(model=args.model, model_draft=args.draft,
                                                        threads=args.threads), eng)
+    print("verify step against its rows:\n\n" + verify_cost(eng))
     prompts = {"fresh": eng.tokenizer.encode(fresh_prompt()), "edit": edit_prompt(eng, args.n)}
     texts = {}
     for name, ids in prompts.items():
