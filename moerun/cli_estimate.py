@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from moerun.config import CACHE_POLICIES, DEFAULT_CACHE_POLICY
+from moerun.config import CACHE_POLICIES, DEFAULT_CACHE_POLICY, KV_CACHE_TYPES
 from moerun.errors import MoerunError
 
 MiB = 1 << 20
@@ -105,6 +105,14 @@ def default_figures(rates, qtypes: list[str], reads_file: bool) -> list[str]:
     return out
 
 
+def _kv_bytes(name: str | None) -> float:
+    """Bytes per value of a KV cache type, without torch (ggml's block sizes); None: float32, run's default."""
+    from moerun.quant.ggml_types import QType, block_size
+
+    elems, nbytes = block_size(QType[(name or "f32").upper()])
+    return nbytes / elems
+
+
 @click.command()
 @click.argument("model", type=click.Path(path_type=Path))
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None,
@@ -150,9 +158,14 @@ def default_figures(rates, qtypes: list[str], reads_file: bool) -> list[str]:
 @click.option("--assume-gpus", default=None,
               help="Plan for GPUs of these memory sizes instead of the ones found, e.g. 24GiB or 24GiB,12GiB "
                    "(size a machine you do not have; give their links with --h2d-bw and --vram-bw).")
+@click.option("-ctk", "--cache-type-k", type=click.Choice(KV_CACHE_TYPES), default=None,
+              help="KV cache type of the keys, as `moerun run` takes it (default: float32).")
+@click.option("-ctv", "--cache-type-v", type=click.Choice(KV_CACHE_TYPES), default=None,
+              help="KV cache type of the values (default: float32).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_mib, ctx_size, ram_bw, disk_bw, vram_bw, h2d_bw,
-             measure, trace_path, cache_policy, cache_plan, cache_trace, n_prompt, ubatch, device, assume_gpus, as_json):
+             measure, trace_path, cache_policy, cache_plan, cache_trace, n_prompt, ubatch, device, assume_gpus,
+             cache_type_k, cache_type_v, as_json):
     """Predict decode and prefill speed and memory for MODEL on this machine, without loading weights
     (`default`: the built-in model)."""
     from moerun.arch import resolve
@@ -206,7 +219,8 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
         elif vram is not None and len(vram) == 1:
             vram = vram[0]
         budgets = Budgets(devices=devices, ram=None if ram_budget is None else parse_size(ram_budget), vram=vram,
-                          ctx_size=ctx, kv_dtype_bytes=4, ubatch=ubatch,
+                          ctx_size=ctx, kv_dtype_bytes=_kv_bytes(cache_type_k), kv_v_bytes=_kv_bytes(cache_type_v),
+                          ubatch=ubatch,
                           cache_mib=None if expert_cache_mib is None else int(expert_cache_mib))
     except ValueError as e:
         raise MoerunError(f"{e}") from None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from moerun.config import CACHE_POLICIES, DEFAULT_CACHE_POLICY, REASONING_FORMATS
+from moerun.config import CACHE_POLICIES, DEFAULT_CACHE_POLICY, KV_CACHE_TYPES, REASONING_FORMATS
 from moerun.errors import MoerunError
 
 
@@ -100,6 +100,12 @@ def model_options(f):
                      show_default=True, help="Drafts shorter than this are not verified."),
         click.option("--draft-p-min", "--spec-draft-p-min", "draft_p_min", type=click.FloatRange(0, 1), default=0.75, show_default=True,
                      help="The draft model stops where its most likely token is less likely than this."),
+        click.option("-ctk", "--cache-type-k", type=click.Choice(KV_CACHE_TYPES), default=None,
+                     help="KV cache type of the keys (llama.cpp's): f32, f16, bf16, or q8_0 / q4_0 blocks of 32 "
+                          "values (default: the compute dtype; the fused C decode path reads float32 only, so "
+                          "other types decode through torch for now)."),
+        click.option("-ctv", "--cache-type-v", type=click.Choice(KV_CACHE_TYPES), default=None,
+                     help="KV cache type of the values (as -ctk)."),
         click.option("--draft-adaptive/--no-draft-adaptive", default=True, show_default=True,
                      help="Choose each step's draft length from the acceptance so far and the measured cost of "
                           "verifying it (up to --draft-max), or always draft up to --draft-max."),
@@ -153,7 +159,7 @@ RUNTIME_OPTIONS = ("model", "ctx_size", "ubatch", "threads", "dtype", "expert_ca
                    "vram_budget", "n_cpu_moe", "override_tensor", "print_plan", "devices", "tensor_split",
                    "pipeline_rank", "pipeline_world_size", "master_addr", "master_port", "pipeline_timeout",
                    "miss_path", "h2d_bw", "vram_bw", "model_draft", "lookup_ngram", "draft_max", "draft_min",
-                   "draft_p_min", "draft_adaptive")
+                   "draft_p_min", "draft_adaptive", "cache_type_k", "cache_type_v")
 
 
 def gpu_devices(gpus: str) -> tuple[str, ...]:
@@ -209,6 +215,7 @@ def runtime_config(kw: dict):
             master_addr=o["master_addr"], master_port=o["master_port"], pipeline_timeout=o["pipeline_timeout"],
             miss_path=o["miss_path"], h2d_gbps=o["h2d_bw"], vram_gbps=o["vram_bw"],
             model_draft=None if o["model_draft"] is None else str(o["model_draft"]),
+            cache_type_k=o["cache_type_k"], cache_type_v=o["cache_type_v"],
             draft=DraftParams(draft_max=o["draft_max"], draft_min=o["draft_min"], draft_p_min=o["draft_p_min"],
                               lookup_ngram=o["lookup_ngram"], adaptive=o["draft_adaptive"]))
     except ValueError as e:

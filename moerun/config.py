@@ -162,6 +162,7 @@ class DraftParams:
 
 
 CACHE_POLICIES = POLICIES
+KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")  # moerun.engine.kv_types (llama.cpp's -ctk / -ctv)
 # LFRU, by the routing bench model's held-out traces: +6 points over LRU at 25% residency (bench/RESULTS.md).
 DEFAULT_CACHE_POLICY = "lfru"
 MISS_PATHS = ("auto", "fetch", "home")
@@ -217,6 +218,8 @@ class RuntimeConfig:
     vram_gbps: float | None = None
     kv_contexts: int = 1  # contexts of KV a GPU stage's plan reserves (serve's -np)
     model_draft: str | None = None  # a draft model for speculative decoding (same vocabulary), run on the CPU
+    cache_type_k: str | None = None  # KV cache types (moerun.engine.kv_types.KV_TYPES); None: the compute dtype
+    cache_type_v: str | None = None
     draft: DraftParams = DraftParams()
 
     def __post_init__(self) -> None:
@@ -290,6 +293,12 @@ class RuntimeConfig:
             problems.append(f"prefetch must be a bool, got {self.prefetch!r}")
         if not (_is_int(self.n_cpu_moe) and self.n_cpu_moe >= 0):
             problems.append(f"n_cpu_moe must be >= 0, got {self.n_cpu_moe!r}")
+        for name in ("cache_type_k", "cache_type_v"):
+            t = getattr(self, name)
+            if t is not None and t not in KV_CACHE_TYPES:
+                problems.append(f"{name} must be one of {', '.join(KV_CACHE_TYPES)}, got {t!r}")
+            elif t is not None and self.pipeline_world_size > 1:
+                problems.append(f"{name}: a pipeline over processes keeps its KV cache in the compute dtype")
         if not isinstance(self.draft, DraftParams):
             problems.append(f"draft must be DraftParams, got {type(self.draft).__name__}")
         if self.model_draft is not None and self.pipeline_world_size > 1:

@@ -22,6 +22,7 @@ from moerun.arch import resolve
 from moerun.builtin import DEFAULT_MODEL, default_model_path, model_path  # noqa: F401 (re-exported)
 from moerun.config import RuntimeConfig
 from moerun.engine.engine import Engine
+from moerun.engine.kv_types import kv_type
 from moerun.engine.pipeline import Stage, StageCaches, StagedModel
 from moerun.errors import MoerunError
 from moerun.experts.cache import ExpertCache
@@ -155,7 +156,8 @@ def _prepare(cfg: RuntimeConfig) -> tuple[Path, int, Plan, str]:
     budgets = Budgets(devices=cfg.stage_devices, tensor_split=cfg.tensor_split, ram=cfg.ram_budget, vram=vram,
                       ctx_size=ctx, ubatch=cfg.ubatch, kv_contexts=cfg.kv_contexts,
                       n_cpu_moe=cfg.n_cpu_moe, override_tensor=cfg.override_tensor,
-                      kv_dtype_bytes=torch.finfo(getattr(torch, cfg.dtype)).bits // 8,
+                      kv_dtype_bytes=kv_value_bytes(cfg.cache_type_k, cfg.dtype),
+                      kv_v_bytes=kv_value_bytes(cfg.cache_type_v, cfg.dtype),
                       cache_slots=cfg.expert_cache_slots,
                       cache_mib=cfg.expert_cache_mib)
     inventory = detect(gpus=any(d.is_cuda for d in accel))
@@ -174,6 +176,11 @@ def _prepare(cfg: RuntimeConfig) -> tuple[Path, int, Plan, str]:
     else:
         home = "mmap" if cfg.cache_requested or the_plan.home == "disk" else "ram"
     return path, ctx, the_plan, home
+
+
+def kv_value_bytes(name: str | None, dtype: str) -> float:
+    """Bytes per value of a KV cache type (None: the compute dtype's)."""
+    return kv_type(name, getattr(torch, dtype)).bytes_per_value
 
 
 def plan_for(cfg: RuntimeConfig) -> Plan:
@@ -230,7 +237,8 @@ def build(cfg: RuntimeConfig) -> Runtime:
     caches = [st for st in stages if st.cache is not None]
     cache = None if not caches else caches[0].cache if len(stages) == 1 else StageCaches(stages)
     tok = Tokenizer.from_model_file(loaded.file)
-    engine = Engine(model, tok, ctx_size=ctx, ubatch=cfg.ubatch, expert_cache=cache, draft=cfg.draft)
+    engine = Engine(model, tok, ctx_size=ctx, ubatch=cfg.ubatch, expert_cache=cache, draft=cfg.draft,
+                    kv_types=(cfg.cache_type_k, cfg.cache_type_v))
     engine.drafter = make_drafter(cfg, engine)
     return Runtime(engine, the_plan, cache, warnings, stages)
 

@@ -470,3 +470,41 @@ def check_speculative(path: str, n: int = 24) -> None:
     _, plain, _ = tokens(sampled)
     _, got, t = tokens(sampled, model_draft=path, draft=DraftParams(draft_p_min=0.0))
     assert got == plain and t.draft_n > 0
+
+
+def check_kv_types(path: str) -> None:
+    """f16 and q8_0 keys and values (moerun.engine.kv_types) through every layer kind: the logits of a prompt (two
+    chunks) and of decode steps equal those of a float32 cache whose values are rounded through the type as they
+    are written (the torch path for both). The rounding itself is gguf.quants' (tests/test_kv_types.py), so this
+    checks where the cache stores, rings and reads them. Logits against an unrounded cache are not compared
+    here: these presets' routers have near ties, and a 1e-5 relative change of the cache already moves the tiny
+    gpt-oss's logits by 6% (measured). A model whose rows are not whole blocks of 32 gets one clear error."""
+    from moerun.engine.kv_types import KV_TYPES, KVType
+
+    def logits(kv: str | None, rounding: KVType | None = None) -> torch.Tensor:
+        rt = build_runtime(RuntimeConfig(model=path, threads=1, cache_type_k=kv, cache_type_v=kv))
+        eng = rt.engine
+        eng.model.fused = None  # the float32 reference goes through SeqKV.write, like the other types
+        ids = eng.tokenizer.encode(TEXT)
+        seq = eng.new_sequence()
+        encode = KVType.encode
+        if rounding is not None:
+            KVType.encode = lambda self, x, stored: rounding.decode(encode(rounding, x, torch.uint8 if rounding.qtype
+                                                                            else rounding.dtype),
+                                                                     tuple(x.shape[1:]), torch.float32).to(stored)
+        try:
+            out = [eng.model.forward(torch.tensor(ids[:9]), seq.kv), eng.model.forward(torch.tensor(ids[9:]), seq.kv)]
+            out += [eng.model.forward(torch.tensor([t]), seq.kv) for t in ids[:6]]
+        finally:
+            KVType.encode = encode
+        rt.close()
+        return torch.cat(out)
+
+    for t in ("f16", "q8_0"):
+        try:
+            got = logits(t)
+        except ValueError as e:
+            assert t == "q8_0" and "blocks of 32" in str(e)
+            continue
+        ref = logits(None, KV_TYPES[t])
+        assert (got - ref).abs().max().item() < 1e-4, t

@@ -22,6 +22,7 @@ from family_checks import (
     check_expert_cache,
     check_gpu_logits,
     check_inspect_counts,
+    check_kv_types,
     check_server_completion,
     check_speculative,
     check_standin_hf_logits,
@@ -516,6 +517,12 @@ def test_expert_cache_never_changes_the_output(preset_gguf, wide_q4km, which):
 @pytest.mark.parametrize("which", ["v3-q8_0", "v2-q4_k_m"])
 def test_drafts_keep_the_output(preset_gguf, wide_q4km, which):
     check_speculative(preset_gguf if which == "v3-q8_0" else wide_q4km)
+
+
+@pytest.mark.parametrize("which", ["v3-q8_0", "v2-q4_k_m"])
+def test_kv_cache_types(preset_gguf, wide_q4km, which):
+    check_kv_types(preset_gguf if which == "v3-q8_0" else wide_q4km)
+
 
 
 

@@ -21,6 +21,7 @@ from family_checks import (
     check_gpu_logits,
     check_greedy_generate,
     check_inspect_counts,
+    check_kv_types,
     check_server_completion,
     check_speculative,
     check_standin_hf_logits,
@@ -314,6 +315,12 @@ def test_expert_cache_never_changes_the_output(preset_gguf, wide_q4km, which):
 @pytest.mark.parametrize("which", ["q8_0", "q4_k_m"])
 def test_drafts_keep_the_output(preset_gguf, wide_q4km, which):
     check_speculative(preset_gguf if which == "q8_0" else wide_q4km)
+
+
+@pytest.mark.parametrize("which", ["q8_0", "q4_k_m"])
+def test_kv_cache_types(preset_gguf, wide_q4km, which):
+    check_kv_types(preset_gguf if which == "q8_0" else wide_q4km)
+
 
 
 

@@ -23,6 +23,7 @@ from family_checks import (
     check_expert_cache,
     check_greedy_generate,
     check_inspect_counts,
+    check_kv_types,
     check_server_completion,
     check_speculative,
     check_standin_hf_logits,
@@ -529,6 +530,12 @@ def test_expert_cache_never_changes_the_output(preset_gguf, preset_mxfp4, which)
 @pytest.mark.parametrize("which", ["q8_0", "mxfp4_moe"])
 def test_drafts_keep_the_output(preset_gguf, preset_mxfp4, which):
     check_speculative(preset_gguf if which == "q8_0" else preset_mxfp4)
+
+
+@pytest.mark.parametrize("which", ["q8_0", "mxfp4_moe"])
+def test_kv_cache_types(preset_gguf, preset_mxfp4, which):
+    check_kv_types(preset_gguf if which == "q8_0" else preset_mxfp4)
+
 
 
 

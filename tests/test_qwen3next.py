@@ -14,6 +14,7 @@ import torch
 from family_checks import (
     check_expert_cache,
     check_greedy_generate,
+    check_kv_types,
     check_server_completion,
     check_speculative,
     gguf_fields,
@@ -234,6 +235,10 @@ def test_two_stages_split_at_a_linear_layer(hybrid):
 
 def test_expert_cache_does_not_change_the_output(hybrid):
     check_expert_cache(hybrid[3])
+
+
+def test_kv_cache_types(hybrid):
+    check_kv_types(hybrid[3])
 
 
 def test_drafts_keep_the_output(hybrid):

@@ -253,14 +253,17 @@ class ModelSpec:
         return KVLayout((self.n_kv_heads, self.head_dim), (self.n_kv_heads, self.head_dim),
                         self.sliding_window if self.sliding(layer) else 0)
 
-    def kv_bytes(self, layer: int, positions: int, dtype_bytes: int) -> int:
-        """Bytes of layer `layer`'s KV cache for `positions` positions (of one sequence); a linear layer's
-        recurrent state (float32 always, whatever the KV type) for any positions > 0."""
+    def kv_bytes(self, layer: int, positions: int, dtype_bytes: float, v_bytes: float | None = None) -> int:
+        """Bytes of layer `layer`'s KV cache for `positions` positions (of one sequence), at dtype_bytes per key
+        value and v_bytes per value value (None: the same; a quantized type's bytes per value are fractions); a
+        linear layer's recurrent state (float32 always, whatever the KV type) for any positions > 0."""
         st = self.state_layout(layer)
         if st is not None:
             return st.elems() * 4 if positions > 0 else 0
         lay = self.kv_layout(layer)
-        return lay.held(positions) * lay.elems() * dtype_bytes
+        vb = dtype_bytes if v_bytes is None else v_bytes
+        per = math.prod(lay.k) * dtype_bytes + (math.prod(lay.v) * vb if lay.v else 0)
+        return math.ceil(lay.held(positions) * per)
 
     def sliding(self, layer: int) -> bool:
         """Whether `layer` attends to the last `sliding_window` positions only."""

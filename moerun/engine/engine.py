@@ -64,18 +64,21 @@ DEFAULT_DRAFT = DraftParams()
 
 class Engine:
     """drafter (moerun.engine.speculative): speculative decoding with these `draft` settings; draft_cost: rows ->
-    a verify step's cost relative to one row's, for choosing draft lengths (default: speculative.bytes_cost)."""
+    a verify step's cost relative to one row's, for choosing draft lengths (default: speculative.bytes_cost).
+    kv_types: the KV cache's key and value types (moerun.engine.kv_types; None: the compute dtype)."""
 
     def __init__(self, model: MoEModel, tokenizer: Tokenizer, ctx_size: int = 4096, ubatch: int = 512,
                  expert_cache: ExpertCache | None = None, drafter: Drafter | None = None,
-                 draft: DraftParams = DEFAULT_DRAFT, draft_cost=None):
+                 draft: DraftParams = DEFAULT_DRAFT, draft_cost=None,
+                 kv_types: tuple[str | None, str | None] = (None, None)):
         if ctx_size <= 0 or ubatch <= 0:
             raise ValueError("ctx_size and ubatch must be positive")
         self.model, self.tokenizer = model, tokenizer
         self.expert_cache = expert_cache  # the model's expert cache, when it has one (for its statistics)
         self.ctx_size, self.ubatch = ctx_size, ubatch
         self.drafter, self.draft, self.draft_cost = drafter, draft, draft_cost
-        self.pool = KVPool(model.spec, ctx_size, dtype=model.dtype, segments=model.kv_segments)
+        self.kv_types = kv_types
+        self.pool = KVPool(model.spec, ctx_size, dtype=model.dtype, segments=model.kv_segments, kv_types=kv_types)
 
     @property
     def grammars(self):
@@ -102,6 +105,7 @@ class Engine:
             raise RuntimeError("resize_pool with sequences still holding KV blocks")
         self.pool = None  # the old pool's memory goes before the new one is allocated
         self.pool = KVPool(self.model.spec, n_tokens, dtype=self.model.dtype, segments=self.model.kv_segments,
+                           kv_types=self.kv_types,
                            seqs=seqs)
 
     def reuse_prefix(self, seq: Sequence, prompt: list[int], shared: bool = True) -> list[int]:

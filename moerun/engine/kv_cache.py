@@ -32,6 +32,7 @@ import torch
 
 from moerun.arch.spec import ModelSpec
 from moerun.engine.blocks import BlockAllocator, ContextOverflowError, block_hashes
+from moerun.engine.kv_types import kv_type
 
 __all__ = ["BlockAllocator", "ContextOverflowError", "KVPool", "SeqKV"]
 
@@ -39,13 +40,17 @@ __all__ = ["BlockAllocator", "ContextOverflowError", "KVPool", "SeqKV"]
 class KVPool:
     """segments: (first layer, stop layer, torch device) of each consecutive range the pool holds, in order;
     default: every layer of the model on `device`. seqs: sequences holding blocks at once, for the rings of
-    sliding-window layers (module docstring); windows=False: those layers keep every position."""
+    sliding-window layers (module docstring); windows=False: those layers keep every position. kv_types: the
+    keys' and the values' storage (moerun.engine.kv_types; None: `dtype`, the compute dtype reads return)."""
 
     def __init__(self, spec: ModelSpec, n_tokens: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu",
                  segments: list[tuple[int, int, str | torch.device]] | None = None, seqs: int = 1,
-                 windows: bool = True, checkpoints: int = 1, share: bool = True):
+                 windows: bool = True, checkpoints: int = 1, share: bool = True,
+                 kv_types: tuple[str | None, str | None] = (None, None)):
         self.block_size = block_size
+        self.k_type, self.v_type = (kv_type(t, dtype) for t in kv_types)
+        self.shapes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # layer -> its k and v rows' shapes
         n_blocks = -(-n_tokens // block_size)
         self.n_slots = n_blocks * block_size
         segments = segments or [(0, spec.n_layers, device)]
@@ -89,12 +94,21 @@ class KVPool:
                     slots = self.n_slots if not lay.window else seqs * self.ring * block_size
                     if lay.window:
                         self.windowed |= set(range(start, i))
-                    k = torch.zeros((i - start, slots, *lay.k), dtype=dtype, device=dev)
-                    v = torch.zeros((i - start, slots, *lay.v), dtype=dtype, device=dev) if lay.v else \
-                        torch.zeros((i - start, slots, 0), dtype=dtype, device=dev)
+                    self.k_type.check(lay.k, f"layer {start}'s keys")
+                    self.v_type.check(lay.v, f"layer {start}'s values")
+                    if (self.k_type.qtype or self.v_type.qtype) and torch.device(dev).type != "cpu":
+                        raise ValueError("quantized KV cache types (q8_0, q4_0) are for KV on the CPU; a GPU "
+                                         "stage's cache takes f32, f16 or bf16")
+                    kshape, kdt = self.k_type.storage(lay.k, dtype)
+                    vshape, vdt = self.v_type.storage(lay.v, dtype) if lay.v else ((0,), dtype)
+                    k = torch.zeros((i - start, slots, *kshape), dtype=kdt, device=dev)
+                    v = torch.zeros((i - start, slots, *vshape), dtype=vdt, device=dev)
+                    self.shapes |= {j: (lay.k, lay.v) for j in range(start, i)}
                     self.segments.append((start, i, k, v))
                     start = i
         self.dtype = dtype
+        # keys and values stored as the compute dtype: reads are views, and the fused C path can use the pool
+        self.plain = self.k_type.dtype == dtype and self.v_type.dtype == dtype
         self.allocator = BlockAllocator(n_blocks)
         # prefix blocks shared between sequences (moerun.engine.blocks): not with per-sequence rings or states,
         # which a block of another sequence's prefix does not bring along
@@ -345,18 +359,25 @@ class SeqKV:
             cut = k.shape[0] - self.pool.ring * self.pool.block_size
             k, v, start = k[cut:], None if v is None else v[cut:], start + cut
         slots = self._slots(kc.device, start, end, ring)
-        kc.index_copy_(0, slots, k.to(kc.dtype))
+        pool = self.pool
+        kc.index_copy_(0, slots, pool.k_type.encode(k, kc.dtype))
         if v is not None:
-            vc.index_copy_(0, slots, v.to(vc.dtype))
+            vc.index_copy_(0, slots, pool.v_type.encode(v, vc.dtype))
 
     def read(self, layer: int, end: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [end - start, kv_heads, head_dim] for positions start..end: a view when the blocks are
         consecutive in the pool (the usual case for a single sequence), else a gather. A windowed layer's ring
         holds the positions of the last window only."""
-        kc, vc = self.pool.layer(layer)
-        ring = layer in self.pool.windowed
+        pool = self.pool
+        kc, vc = pool.layer(layer)
+        ring = layer in pool.windowed
         if end > start and self._contiguous and not ring:
-            first = self.blocks[0] * self.pool.block_size
-            return kc[first + start:first + end], vc[first + start:first + end]
-        slots = self._slots(kc.device, start, end, ring)
-        return kc.index_select(0, slots), vc.index_select(0, slots)
+            first = self.blocks[0] * pool.block_size
+            k, v = kc[first + start:first + end], vc[first + start:first + end]
+        else:
+            slots = self._slots(kc.device, start, end, ring)
+            k, v = kc.index_select(0, slots), vc.index_select(0, slots)
+        if pool.plain:
+            return k, v
+        ks, vs = pool.shapes[layer]
+        return pool.k_type.decode(k, ks, pool.dtype), pool.v_type.decode(v, vs, pool.dtype) if vs else v

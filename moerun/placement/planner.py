@@ -77,7 +77,8 @@ class Budgets:
     cache_mib: float | None = None
     cache_slots: int | None = None
     ctx_size: int = 4096
-    kv_dtype_bytes: int = 2
+    kv_dtype_bytes: float = 2  # bytes per key value of the KV cache (a quantized type's: a fraction)
+    kv_v_bytes: float | None = None  # per value value; None: as the keys
     n_cpu_moe: int = 0
     override_tensor: tuple[tuple[str, str], ...] = ()
     tensor_split: tuple[float, ...] | None = None
@@ -345,9 +346,9 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
 
 def _context_bytes(spec, budgets: Budgets) -> tuple[list[int], list[int]]:
     """Per layer, the KV and recurrent state of one context of ctx_size positions, and the state's part."""
-    ctx, dt = budgets.ctx_size, budgets.kv_dtype_bytes
+    ctx, dt, vt = budgets.ctx_size, budgets.kv_dtype_bytes, budgets.kv_v_bytes
     state = [STATE_COPIES * spec.kv_bytes(i, ctx, dt) if spec.linear(i) else 0 for i in range(spec.n_layers)]
-    kv = [state[i] if spec.linear(i) else spec.kv_bytes(i, ctx, dt) for i in range(spec.n_layers)]
+    kv = [state[i] if spec.linear(i) else spec.kv_bytes(i, ctx, dt, vt) for i in range(spec.n_layers)]
     return kv, state
 
 
