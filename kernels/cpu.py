@@ -538,13 +538,14 @@ def _max_slot(tables: list[torch.Tensor], plist: list[int]) -> int:
 def attn_block(layer: AttnLayer, x: torch.Tensor, rows: AttnRows, k_cache: torch.Tensor, v_cache: torch.Tensor,
                eps: float, clip: float | None = None, *, moe: bool = False, isa: str | None = None):
     """The attention half of a layer for rows.B rows (see kernels/csrc/attn.h), x [B, hidden] updated in
-    place. k_cache / v_cache: this layer's [slots, kv_heads, head_dim] float32, holding every slot the
-    rows' tables name. Returns (xn [B, hidden]: ffn_norm of the new x, ids [B, k] int64, weights [B, k]
-    float32), the last two None for a dense layer. moe=True (a layer built with its experts): x also gets
-    the routed experts' output, so the whole layer is done."""
+    place. k_cache / v_cache: this layer's [slots, ...] cache holding every slot the rows' tables name, float32
+    or float16 of kv_heads x head_dim values a slot, or uint8 of the same values in Q8_0 blocks (KV_Q8_0_BYTES
+    per 32; head_dim a multiple of 32). Returns (xn [B, hidden]: ffn_norm of the new x, ids [B, k] int64,
+    weights [B, k] float32), the last two None for a dense layer. moe=True (a layer built with its experts): x
+    also gets the routed experts' output, so the whole layer is done."""
     isa_id = _isa(isa)
     _check_step(layer.hidden, x, rows, k_cache, v_cache)
-    _check_cache(layer.kv_dim, rows, k_cache, v_cache, layer.window)
+    kt, vt = _check_cache(layer.kv_dim, rows, k_cache, v_cache, layer.window)
     if moe and not layer.whole:
         raise ValueError("moe=True needs a layer built with its experts")
     B = rows.B
@@ -554,7 +555,7 @@ def attn_block(layer: AttnLayer, x: torch.Tensor, rows: AttnRows, k_cache: torch
     slots = rows.wslots if layer.window else rows.slots
     _cpu.attn_block(isa_id, layer.desc.data_ptr(), x.data_ptr(), B, slots.data_ptr(), rows.pos.data_ptr(),
                     k_cache.data_ptr(), v_cache.data_ptr(), rows.cos.data_ptr(), rows.sin.data_ptr(), eps,
-                    clip or 0.0, xn.data_ptr(), ids.data_ptr(), w.data_ptr(), int(moe))
+                    clip or 0.0, xn.data_ptr(), ids.data_ptr(), w.data_ptr(), int(moe), kt, vt)
     return (xn, ids, w) if layer.routed else (xn, None, None)
 
 
@@ -582,9 +583,13 @@ def decode_layers(stack: LayerStack, x: torch.Tensor, rows: AttnRows, caches: li
     n = len(stack.layers)
     if len(caches) != n:
         raise ValueError(f"{len(caches)} caches for the stack's {n} layers")
+    types = set()
     for la, (kc, vc) in zip(stack.layers, caches):
         _check_step(stack.hidden, x, rows, kc, vc)
-        _check_cache(stack.kv_dim, rows, kc, vc, la.window)
+        types.add(_check_cache(stack.kv_dim, rows, kc, vc, la.window))
+    if len(types) != 1:
+        raise ValueError(f"the stack's caches must be of one type, got {sorted(types)}")
+    kt, vt = types.pop()
     kcs = torch.tensor([kc.data_ptr() for kc, _ in caches], dtype=torch.int64)
     vcs = torch.tensor([vc.data_ptr() for _, vc in caches], dtype=torch.int64)
     B = rows.B
@@ -599,7 +604,7 @@ def decode_layers(stack: LayerStack, x: torch.Tensor, rows: AttnRows, caches: li
     _cpu.decode_layers(isa_id, n, stack.addrs.data_ptr(), x.data_ptr(), B, rows.slots.data_ptr(),
                        rows.wslots.data_ptr(), rows.pos.data_ptr(), kcs.data_ptr(), vcs.data_ptr(),
                        rows.cos.data_ptr(), rows.sin.data_ptr(), eps, clip or 0.0, xn.data_ptr(), ids.data_ptr(),
-                       w.data_ptr(), *tail)
+                       w.data_ptr(), *(tail or (0, 0, 0, 0, 0)), kt, vt)
     return x if head is None else logits
 
 
@@ -623,17 +628,26 @@ def _check_step(hidden: int, x, rows: AttnRows, k_cache, v_cache) -> None:
     if x.shape != (rows.B, hidden):
         raise ValueError(f"x {tuple(x.shape)} must be [{rows.B}, {hidden}]")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
+        if t.dtype not in KV_GGML_TYPES or not t.is_cpu or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float32, float16 or uint8 (Q8_0) CPU tensor")
 
 
-def _check_cache(kv_dim: int, rows: AttnRows, k_cache, v_cache, window: int = 0) -> None:
-    """One layer's caches: kv_dim values for each slot its tables (a windowed layer's: the rings) name."""
+KV_GGML_TYPES = {torch.float32: 0, torch.float16: 1, torch.uint8: 8}  # a cache's storage -> its ggml type id
+KV_Q8_0_BYTES = 34  # a Q8_0 block: an f16 scale and 32 int8
+
+
+def _check_cache(kv_dim: int, rows: AttnRows, k_cache, v_cache, window: int = 0) -> tuple[int, int]:
+    """One layer's caches: kv_dim values for each slot its tables (a windowed layer's: the rings) name -> their
+    ggml type ids."""
     top = rows.max_wslot if window else rows.max_slot
+    out = []
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dim() < 1 or t[0].numel() != kv_dim or t.shape[0] <= top:
-            raise ValueError(f"{name} must be a contiguous float32 CPU tensor of {kv_dim} values for each "
-                             f"of > {top} slots")
+        want = kv_dim // 32 * KV_Q8_0_BYTES if t.dtype == torch.uint8 else kv_dim
+        if t.dim() < 1 or t[0].numel() != want or t.shape[0] <= top or (t.dtype == torch.uint8 and kv_dim % 32):
+            raise ValueError(f"{name} must be a contiguous CPU tensor of {kv_dim} values (float32, float16 or Q8_0 "
+                             f"blocks) for each of > {top} slots")
+        out.append(KV_GGML_TYPES[t.dtype])
+    return tuple(out)
 
 
 # ------------------------------------------------------------------------------------------ checks

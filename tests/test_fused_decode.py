@@ -47,8 +47,9 @@ def test_dequant_rows_rejects_out_of_range_rows():
 # ------------------------------------------------------------------ the attention block kernel
 
 
-def torch_block(p, x, tables, pos, kc, vc, cos, sin, eps, clip):
-    """The same layer half in plain torch, row by row (GQA, per-head q/k norm, neox RoPE, bias, clamp)."""
+def torch_block(p, x, tables, pos, kc, vc, cos, sin, eps, clip, stored=lambda t: t):
+    """The same layer half in plain torch, row by row (GQA, per-head q/k norm, neox RoPE, bias, clamp); `stored`:
+    what the cache keeps of a row written to it (a KV type's rounding)."""
     nh, nkv, D = p["n_heads"], p["n_kv_heads"], p["head_dim"]
 
     def rms(v, w):
@@ -65,7 +66,7 @@ def torch_block(p, x, tables, pos, kc, vc, cos, sin, eps, clip):
     for r in range(len(x)):
         qr = rope(rms(q[r].view(nh, D), p["q_norm"]), cos[pos[r]], sin[pos[r]])
         kr = rope(rms(k[r].view(nkv, D), p["k_norm"]), cos[pos[r]], sin[pos[r]])
-        kc[tables[r][pos[r]]], vc[tables[r][pos[r]]] = kr, v[r].view(nkv, D)
+        kc[tables[r][pos[r]]], vc[tables[r][pos[r]]] = stored(kr), stored(v[r].view(nkv, D))
     for r in range(len(x)):
         qr = rope(rms(q[r].view(nh, D), p["q_norm"]), cos[pos[r]], sin[pos[r]])
         keys, vals = kc[tables[r][: pos[r] + 1]], vc[tables[r][: pos[r] + 1]]  # [n, nkv, D]
@@ -113,6 +114,60 @@ def test_attn_block_matches_plain_torch(head_dim):
         assert (xn - want[1]).abs().max() < 2e-5, isa
         assert torch.equal(ids, want[2]), isa
         assert (w - want[3]).abs().max() < 1e-5, isa
+
+
+@pytest.mark.parametrize("kv", ["f16", "q8_0"])
+@pytest.mark.parametrize("head_dim", [32, 128])
+def test_attn_block_reads_and_writes_f16_and_q8_0_caches(head_dim, kv):
+    """The same block over a cache of halves or Q8_0 blocks (moerun.engine.kv_types): against the plain-torch
+    block over the float values those hold, the new rows rounded as the type stores them; the rows the kernel
+    wrote decode to the reference's rounded k and v."""
+    from moerun.engine.kv_types import KV_TYPES
+
+    t = KV_TYPES[kv]
+    g = torch.Generator().manual_seed(7 + head_dim)
+    H, nh, nkv, E = 64, 4, 2, 8
+
+    def rnd(*shape, scale=0.3):
+        return (torch.randn(*shape, generator=g) * scale).contiguous()
+
+    def stored(v):  # [..., nkv, D] float -> what the type keeps, as floats
+        shape = tuple(v.shape[-2:])
+        flat = v.reshape(-1, *shape)
+        return t.decode(t.encode(flat, t.storage(shape, torch.float32)[1]), shape, torch.float32).view(v.shape)
+
+    p = {"n_heads": nh, "n_kv_heads": nkv, "head_dim": head_dim, "n_used": 2,
+         "attn_norm": 1 + rnd(H), "ffn_norm": 1 + rnd(H), "q_norm": 1 + rnd(head_dim), "k_norm": 1 + rnd(head_dim),
+         "wq": rnd(nh * head_dim, H), "wk": rnd(nkv * head_dim, H), "wv": rnd(nkv * head_dim, H),
+         "bq": rnd(nh * head_dim), "bk": rnd(nkv * head_dim), "bv": rnd(nkv * head_dim),
+         "wo": rnd(H, nh * head_dim, scale=0.1), "router": rnd(E, H)}
+    layer = cpu.AttnLayer(hidden=H, n_heads=nh, n_kv_heads=nkv, head_dim=head_dim, qk_norm="head", rope_style="neox",
+                          attn_norm=p["attn_norm"], ffn_norm=p["ffn_norm"], wq=p["wq"], wk=p["wk"], wv=p["wv"],
+                          wo=p["wo"], q_norm=p["q_norm"], k_norm=p["k_norm"], bq=p["bq"], bk=p["bk"], bv=p["bv"],
+                          router=p["router"], n_used=2, norm_topk=True)
+    slots = torch.randperm(120, generator=g)
+    tables = [slots[:60].clone(), slots[60:].clone()]
+    pos = torch.tensor([41, 9])
+    kf, vf = stored(rnd(120, nkv, head_dim, scale=1.0)), stored(rnd(120, nkv, head_dim, scale=1.0))
+    inv = 1.0 / (1e4 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    ang = torch.arange(64).float()[:, None] * inv
+    cos, sin = ang.cos().contiguous(), ang.sin().contiguous()
+    x = rnd(2, H, scale=1.0)
+    kr, vr = kf.clone(), vf.clone()
+    want = torch_block(p, x, tables, pos, kr, vr, cos, sin, 1e-6, 1.5, stored)
+    shape, dt = t.storage((nkv, head_dim), torch.float32)
+    for isa in cpu.features()["isas"]:
+        xk = x.clone()
+        kc, vc = (t.encode(c, dt).view(120, *shape).contiguous() for c in (kf, vf))
+        xn, ids, _ = cpu.attn_block(layer, xk, cpu.AttnRows(tables, pos, cos, sin), kc, vc, 1e-6, 1.5, isa=isa)
+        assert (xn - want[1]).abs().max() < 1e-4, isa
+        assert (xk - want[0]).abs().max() < 1e-4, (isa, (xk - want[0]).abs().max())
+        assert torch.equal(ids, want[2]), isa
+        new = torch.stack([tables[r][pos[r]] for r in range(2)])
+        for c, ref in ((kc, kr), (vc, vr)):
+            got = t.decode(c[new], (nkv, head_dim), torch.float32)
+            step = 2e-3 if kv == "f16" else ref[new].abs().amax() / 100  # one rounding step apart at most
+            assert (got - ref[new]).abs().max() <= step, isa
 
 
 def test_attn_rows_and_caches_are_checked():

@@ -85,3 +85,25 @@ def test_bad_types_are_one_clear_error(hf_model):
     spec = model.spec
     with pytest.raises(ValueError, match="blocks of 32"):  # 2 KV heads x 16 = 32 values a row fit; 8 do not
         KVPool(type(spec)(**{**spec.__dict__, "head_dim": 4}), 64, kv_types=("q8_0", None))
+
+
+@pytest.mark.parametrize("kv", ["f16", "q8_0"])
+def test_the_fused_decode_path_reads_the_types_as_torch_does(tmp_path, kv):
+    """Decode steps through the C block (kernels/csrc/attn.c reading halves or Q8_0 blocks) against the torch path
+    over the same cache type: F32 weights (no activation rounding), head_dim 32 (whole Q8_0 blocks per head)."""
+    from hf_models import build, hf_config, save
+
+    config = hf_config("qwen3moe")
+    config.head_dim = 32
+    folder = save(build("qwen3moe", config=config), tmp_path / "hd32")
+    out = {}
+    for fused in (True, False):
+        loaded = load_model(folder)
+        eng = Engine(loaded.model, Tokenizer.from_model_file(loaded.file), ctx_size=256, kv_types=(kv, kv))
+        if not fused:
+            eng.model.fused = None
+        seq = eng.new_sequence()
+        eng.model.forward(torch.tensor(PROMPT), seq.kv)
+        assert eng.model._fused_ok(1, [seq.kv]) == fused
+        out[fused] = torch.cat([eng.model.forward(torch.tensor([t]), seq.kv) for t in STEPS])
+    assert (out[True] - out[False]).abs().max().item() < 1e-4

@@ -17,25 +17,78 @@
 
 /* ------------------------------------------------------------------ attention inner loops */
 
-/* s[j] = scale * q . k_j, k_j = kbase + slot[j] * stride, for j < n (D floats each). */
-typedef void (*scores_fn)(float *s, const float *q, int64_t n, const float *kbase, const int64_t *slot,
+/* The cache's storage kinds (KV_F32, KV_F16, KV_Q8_0: ggml's blocks of 32, an f16 scale then 32 int8). A row of
+ * D values of one head starts at base + slot * stride (bytes); a Q8_0 head holds D / 32 whole blocks. */
+enum { KV_F32, KV_F16, KV_Q8_0, KV_KINDS };
+
+/* s[j] = scale * q . k_j, k_j at kbase + slot[j] * stride, for j < n (D values each). */
+typedef void (*scores_fn)(float *s, const float *q, int64_t n, const uint8_t *kbase, const int64_t *slot,
                           int64_t stride, int64_t D, float scale);
 /* s[j] = exp(s[j] - max) for j < n; returns the sum. */
 typedef float (*softmax_fn)(float *s, int64_t n, float max);
-/* out[D] = sum_j p[j] * v_j, v_j = vbase + slot[j] * stride. */
-typedef void (*wsum_fn)(float *out, const float *p, int64_t n, const float *vbase, const int64_t *slot,
+/* out[D] = sum_j p[j] * v_j, v_j at vbase + slot[j] * stride. */
+typedef void (*wsum_fn)(float *out, const float *p, int64_t n, const uint8_t *vbase, const int64_t *slot,
                         int64_t stride, int64_t D);
 
 typedef struct {
-    scores_fn scores;
+    scores_fn scores[KV_KINDS];
     softmax_fn exp_sum;
-    wsum_fn wsum;
+    wsum_fn wsum[KV_KINDS];
 } attn_kernels;
 
-static void scores_scalar(float *s, const float *q, int64_t n, const float *kbase, const int64_t *slot,
+/* One row of n values into the cache's kind: floats, halves (round to nearest even), or Q8_0 blocks as
+ * moerun.quant.quantize writes them (d = absmax / 127 as an f16; round(x / d) half away from zero, in
+ * gguf.quants' float steps), so the C and the torch paths store the same bytes. */
+static uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0)); /* inf, nan */
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds past the largest half */
+    if (ax < 0x38800000u) { /* a subnormal half (or 0): scale into its integer range, round to even */
+        float a;
+        memcpy(&a, &ax, 4);
+        const float t = a * 0x1p24f;
+        uint32_t m = (uint32_t)t;
+        const float rem = t - (float)m;
+        if (rem > 0.5f || (rem == 0.5f && (m & 1u))) m++;
+        return (uint16_t)(sign | m);
+    }
+    uint32_t m = ax + 0xc8000000u; /* rebias the exponent by -112 */
+    m += 0x0fffu + ((m >> 13) & 1u); /* round to nearest even */
+    return (uint16_t)(sign | (m >> 13));
+}
+
+static float gguf_roundf(float v) {
+    const float a = fabsf(v), fl = floorf(a);
+    const float r = fl + floorf(2.0f * (a - fl));
+    return v < 0 ? -r : r;
+}
+
+static void store_row(int kind, uint8_t *dst, const float *src, int64_t n) {
+    if (kind == KV_F32) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    } else if (kind == KV_F16) {
+        for (int64_t i = 0; i < n; i++) {
+            const uint16_t h = f32_to_f16(src[i]);
+            memcpy(dst + 2 * i, &h, 2);
+        }
+    } else {
+        for (int64_t b = 0; b < n / 32; b++, dst += 34, src += 32) {
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fabsf(src[i]) > amax ? fabsf(src[i]) : amax;
+            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            const uint16_t h = f32_to_f16(d);
+            memcpy(dst, &h, 2);
+            for (int i = 0; i < 32; i++) dst[2 + i] = (uint8_t)(int8_t)gguf_roundf(src[i] * id);
+        }
+    }
+}
+
+static void scores_scalar(float *s, const float *q, int64_t n, const uint8_t *kbase, const int64_t *slot,
                           int64_t stride, int64_t D, float scale) {
     for (int64_t j = 0; j < n; j++) {
-        const float *k = kbase + slot[j] * stride;
+        const float *k = (const float *)(kbase + slot[j] * stride);
         float acc = 0.0f;
         for (int64_t i = 0; i < D; i++) acc += q[i] * k[i];
         s[j] = acc * scale;
@@ -48,24 +101,70 @@ static float exp_sum_scalar(float *s, int64_t n, float max) {
     return sum;
 }
 
-static void wsum_scalar(float *out, const float *p, int64_t n, const float *vbase, const int64_t *slot,
+static void wsum_scalar(float *out, const float *p, int64_t n, const uint8_t *vbase, const int64_t *slot,
                         int64_t stride, int64_t D) {
     for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
     for (int64_t j = 0; j < n; j++) {
-        const float *v = vbase + slot[j] * stride;
+        const float *v = (const float *)(vbase + slot[j] * stride);
         for (int64_t i = 0; i < D; i++) out[i] += p[j] * v[i];
     }
 }
 
-static const attn_kernels ATTN_SCALAR = {scores_scalar, exp_sum_scalar, wsum_scalar};
+static void scores_f16_scalar(float *s, const float *q, int64_t n, const uint8_t *kbase, const int64_t *slot,
+                              int64_t stride, int64_t D, float scale) {
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *k = kbase + slot[j] * stride;
+        float acc = 0.0f;
+        for (int64_t i = 0; i < D; i++) acc += q[i] * qk_f16_at(k + 2 * i);
+        s[j] = acc * scale;
+    }
+}
+
+static void wsum_f16_scalar(float *out, const float *p, int64_t n, const uint8_t *vbase, const int64_t *slot,
+                            int64_t stride, int64_t D) {
+    for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *v = vbase + slot[j] * stride;
+        for (int64_t i = 0; i < D; i++) out[i] += p[j] * qk_f16_at(v + 2 * i);
+    }
+}
+
+static void scores_q8_scalar(float *s, const float *q, int64_t n, const uint8_t *kbase, const int64_t *slot,
+                             int64_t stride, int64_t D, float scale) {
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *k = kbase + slot[j] * stride;
+        float acc = 0.0f;
+        for (int64_t b = 0; b < D / 32; b++, k += 34) {
+            float dot = 0.0f;
+            for (int i = 0; i < 32; i++) dot += q[32 * b + i] * (float)(int8_t)k[2 + i];
+            acc += qk_f16_at(k) * dot;
+        }
+        s[j] = acc * scale;
+    }
+}
+
+static void wsum_q8_scalar(float *out, const float *p, int64_t n, const uint8_t *vbase, const int64_t *slot,
+                           int64_t stride, int64_t D) {
+    for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *v = vbase + slot[j] * stride;
+        for (int64_t b = 0; b < D / 32; b++, v += 34) {
+            const float w = p[j] * qk_f16_at(v);
+            for (int i = 0; i < 32; i++) out[32 * b + i] += w * (float)(int8_t)v[2 + i];
+        }
+    }
+}
+
+static const attn_kernels ATTN_SCALAR = {{scores_scalar, scores_f16_scalar, scores_q8_scalar}, exp_sum_scalar,
+                                         {wsum_scalar, wsum_f16_scalar, wsum_q8_scalar}};
 
 #if QK_X86
 #include "x86_common.h"
 
-static QK_AVX2 void scores_avx2(float *s, const float *q, int64_t n, const float *kbase, const int64_t *slot,
+static QK_AVX2 void scores_avx2(float *s, const float *q, int64_t n, const uint8_t *kbase, const int64_t *slot,
                                 int64_t stride, int64_t D, float scale) {
     for (int64_t j = 0; j < n; j++) {
-        const float *k = kbase + slot[j] * stride;
+        const float *k = (const float *)(kbase + slot[j] * stride);
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         int64_t i = 0;
         for (; i + 32 <= D; i += 32) {
@@ -114,8 +213,10 @@ static QK_AVX2 float exp_sum_avx2(float *s, int64_t n, float max) {
 }
 
 /* 64 output floats at a time in eight accumulators; every v row is read once per chunk. */
-static QK_AVX2 void wsum_avx2(float *out, const float *p, int64_t n, const float *vbase, const int64_t *slot,
+static QK_AVX2 void wsum_avx2(float *out, const float *p, int64_t n, const uint8_t *vbytes, const int64_t *slot,
                               int64_t stride, int64_t D) {
+    const float *vbase = (const float *)vbytes;
+    stride /= (int64_t)sizeof(float);
     int64_t i = 0;
     for (; i + 64 <= D; i += 64) {
         __m256 a[8];
@@ -140,7 +241,88 @@ static QK_AVX2 void wsum_avx2(float *out, const float *p, int64_t n, const float
     }
 }
 
-static const attn_kernels ATTN_AVX2 = {scores_avx2, exp_sum_avx2, wsum_avx2};
+/* Halves: 8 at a time through F16C. */
+static QK_AVX2 void scores_f16_avx2(float *s, const float *q, int64_t n, const uint8_t *kbase, const int64_t *slot,
+                                    int64_t stride, int64_t D, float scale) {
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *k = kbase + slot[j] * stride;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+        int64_t i = 0;
+        for (; i + 16 <= D; i += 16) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_cvtph_ps(_mm_loadu_si128((const void *)(k + 2 * i))),
+                                 a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8),
+                                 _mm256_cvtph_ps(_mm_loadu_si128((const void *)(k + 2 * i + 16))), a1);
+        }
+        for (; i + 8 <= D; i += 8)
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_cvtph_ps(_mm_loadu_si128((const void *)(k + 2 * i))),
+                                 a0);
+        float acc = avx2_hsum(_mm256_add_ps(a0, a1));
+        for (; i < D; i++) acc += q[i] * qk_f16_at(k + 2 * i);
+        s[j] = acc * scale;
+    }
+}
+
+static QK_AVX2 void wsum_f16_avx2(float *out, const float *p, int64_t n, const uint8_t *vbase, const int64_t *slot,
+                                  int64_t stride, int64_t D) {
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j++)
+            a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]),
+                                _mm256_cvtph_ps(_mm_loadu_si128((const void *)(vbase + slot[j] * stride + 2 * i))), a);
+        _mm256_storeu_ps(out + i, a);
+    }
+    for (; i < D; i++) {
+        float a = 0.0f;
+        for (int64_t j = 0; j < n; j++) a += p[j] * qk_f16_at(vbase + slot[j] * stride + 2 * i);
+        out[i] = a;
+    }
+}
+
+/* 8 int8 of a Q8_0 block -> 8 floats. */
+QK_AVX2_INLINE __m256 q8_8(const uint8_t *b) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void *)b)));
+}
+
+static QK_AVX2 void scores_q8_avx2(float *s, const float *q, int64_t n, const uint8_t *kbase, const int64_t *slot,
+                                   int64_t stride, int64_t D, float scale) {
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *k = kbase + slot[j] * stride;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t b = 0; b < D / 32; b++, k += 34) {
+            const float *qb = q + 32 * b;
+            __m256 d0 = _mm256_mul_ps(_mm256_loadu_ps(qb), q8_8(k + 2));
+            __m256 d1 = _mm256_mul_ps(_mm256_loadu_ps(qb + 8), q8_8(k + 10));
+            d0 = _mm256_fmadd_ps(_mm256_loadu_ps(qb + 16), q8_8(k + 18), d0);
+            d1 = _mm256_fmadd_ps(_mm256_loadu_ps(qb + 24), q8_8(k + 26), d1);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(qk_f16_at(k)), _mm256_add_ps(d0, d1), acc);
+        }
+        s[j] = avx2_hsum(acc) * scale;
+    }
+}
+
+static QK_AVX2 void wsum_q8_avx2(float *out, const float *p, int64_t n, const uint8_t *vbase, const int64_t *slot,
+                                 int64_t stride, int64_t D) {
+    for (int64_t b = 0; b < D / 32; b++) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t j = 0; j < n; j++) {
+            const uint8_t *v = vbase + slot[j] * stride + 34 * b;
+            const __m256 w = _mm256_set1_ps(p[j] * qk_f16_at(v));
+            a0 = _mm256_fmadd_ps(w, q8_8(v + 2), a0);
+            a1 = _mm256_fmadd_ps(w, q8_8(v + 10), a1);
+            a2 = _mm256_fmadd_ps(w, q8_8(v + 18), a2);
+            a3 = _mm256_fmadd_ps(w, q8_8(v + 26), a3);
+        }
+        _mm256_storeu_ps(out + 32 * b, a0);
+        _mm256_storeu_ps(out + 32 * b + 8, a1);
+        _mm256_storeu_ps(out + 32 * b + 16, a2);
+        _mm256_storeu_ps(out + 32 * b + 24, a3);
+    }
+}
+
+static const attn_kernels ATTN_AVX2 = {{scores_avx2, scores_f16_avx2, scores_q8_avx2}, exp_sum_avx2,
+                                       {wsum_avx2, wsum_f16_avx2, wsum_q8_avx2}};
 #endif
 
 static const attn_kernels *attn_kernels_for(int isa) {
@@ -156,17 +338,30 @@ static const attn_kernels *attn_kernels_for(int isa) {
 typedef struct {
     const attn_kernels *k;
     int64_t nh, nkv, D, maxkeys, items, window;
-    const float *q, *kc, *vc, *sinks;
+    int kkind, vkind;
+    int64_t krow, vrow, khead, vhead; /* bytes: a slot's row, one head's part of it */
+    const uint8_t *kc, *vc;
+    const float *q, *sinks;
     float *att, *scores, scale;
     const int64_t *const *slots;
     const int64_t *pos;
     atomic_long next;
 } attn_ctx;
 
+/* Bytes of n values of a kind (n a multiple of 32 for Q8_0). */
+static int64_t kind_bytes(int kind, int64_t n) {
+    return kind == KV_F32 ? 4 * n : kind == KV_F16 ? 2 * n : n / 32 * 34;
+}
+
+/* ggml's type id of a cache (0 F32, 1 F16, 8 Q8_0) -> its kind, or -1. */
+static int kv_kind(int ggml_type) {
+    return ggml_type == 0 ? KV_F32 : ggml_type == 1 ? KV_F16 : ggml_type == 8 ? KV_Q8_0 : -1;
+}
+
 static void attn_task(void *p, int tid, int nth) {
     attn_ctx *c = p;
     (void)tid, (void)nth;
-    const int64_t g = c->nh / c->nkv, kd = c->nkv * c->D, qd = c->nh * c->D;
+    const int64_t g = c->nh / c->nkv, qd = c->nh * c->D;
     for (int64_t it; (it = atomic_fetch_add(&c->next, 1)) < c->items;) {
         const int64_t r = it / c->nkv, h = it % c->nkv;
         const int64_t first = c->window && c->pos[r] >= c->window ? c->pos[r] - c->window + 1 : 0;
@@ -175,14 +370,15 @@ static void attn_task(void *p, int tid, int nth) {
         for (int64_t gi = 0; gi < g; gi++) {
             const int64_t head = h * g + gi;
             float *s = c->scores + (r * c->nh + head) * c->maxkeys;
-            c->k->scores(s, c->q + r * qd + head * c->D, n, c->kc + h * c->D, slot, kd, c->D, c->scale);
+            c->k->scores[c->kkind](s, c->q + r * qd + head * c->D, n, c->kc + h * c->khead, slot, c->krow, c->D,
+                                   c->scale);
             float max = c->sinks ? c->sinks[head] : -INFINITY;
             for (int64_t j = 0; j < n; j++) max = s[j] > max ? s[j] : max;
             float sum = c->k->exp_sum(s, n, max);
             if (c->sinks) sum += expf(c->sinks[head] - max);  /* the sink's share of the softmax, no value */
             const float inv = 1.0f / sum;
             for (int64_t j = 0; j < n; j++) s[j] *= inv;
-            c->k->wsum(c->att + r * qd + head * c->D, s, n, c->vc + h * c->D, slot, kd, c->D);
+            c->k->wsum[c->vkind](c->att + r * qd + head * c->D, s, n, c->vc + h * c->vhead, slot, c->vrow, c->D);
         }
     }
 }
@@ -271,14 +467,19 @@ static void route(const float *logits, int64_t E, int64_t k, int norm, int gatin
 /* ------------------------------------------------------------------------------------ the call */
 
 int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_t *const *slots,
-                  const int64_t *pos, float *kc, float *vc, const float *rope_cos, const float *rope_sin,
-                  float eps, float clip, float *xn_out, int64_t *ids_out, float *w_out, int moe) {
+                  const int64_t *pos, void *kc, void *vc, const float *rope_cos, const float *rope_sin,
+                  float eps, float clip, float *xn_out, int64_t *ids_out, float *w_out, int moe, int ktype,
+                  int vtype) {
     const int64_t H = d->hidden, nh = d->n_heads, nkv = d->n_kv_heads, D = d->head_dim;
     const int64_t qd = nh * D, kd = nkv * D, E = d->router ? d->n_experts : 0;
+    const int kkind = kv_kind(ktype), vkind = kv_kind(vtype);
     if (!qk_kernels(isa)) return QK_EISA;
     if (B < 1 || H < 1 || nh < 1 || nkv < 1 || nh % nkv || D < 2 || D % 2 || (E && (d->n_used < 1 ||
         d->n_used > E)))
         return QK_ESHAPE;
+    if (kkind < 0 || vkind < 0) return QK_ETYPE;
+    if ((kkind == KV_Q8_0 || vkind == KV_Q8_0) && D % 32) return QK_ESHAPE; /* a head is whole blocks */
+    const int64_t krow = kind_bytes(kkind, kd), vrow = kind_bytes(vkind, kd);
     int64_t maxkeys = 1;
     for (int64_t r = 0; r < B; r++) {
         if (pos[r] < 0) return QK_ESHAPE;
@@ -303,12 +504,14 @@ int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int
         const float *cs = rope_cos + pos[r] * (D / 2), *sn = rope_sin + pos[r] * (D / 2);
         finish_qkv(d, q + r * qd, k + r * kd, v + r * kd, cs, sn, eps, clip);
         const int64_t slot = slots[r][pos[r]];
-        memcpy(kc + slot * kd, k + r * kd, (size_t)kd * sizeof(float));
-        memcpy(vc + slot * kd, v + r * kd, (size_t)kd * sizeof(float));
+        store_row(kkind, (uint8_t *)kc + slot * krow, k + r * kd, kd);
+        store_row(vkind, (uint8_t *)vc + slot * vrow, v + r * kd, kd);
     }
     if (!rc) {
         attn_ctx c = {.k = attn_kernels_for(isa), .nh = nh, .nkv = nkv, .D = D, .maxkeys = maxkeys,
-                      .items = B * nkv, .window = d->window, .q = q, .kc = kc, .vc = vc, .sinks = fptr(d->sinks),
+                      .items = B * nkv, .window = d->window, .kkind = kkind, .vkind = vkind, .krow = krow,
+                      .vrow = vrow, .khead = kind_bytes(kkind, D), .vhead = kind_bytes(vkind, D), .q = q,
+                      .kc = kc, .vc = vc, .sinks = fptr(d->sinks),
                       .att = att, .scores = scores, .scale = (float)(1.0 / sqrt((double)D)), .slots = slots,
                       .pos = pos};
         atomic_init(&c.next, 0);
@@ -348,14 +551,14 @@ int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int
 
 int qk_decode_layers(int isa, int64_t n, const qk_attn_desc *const *descs, float *x, int64_t B,
                      const int64_t *const *slots, const int64_t *const *wslots, const int64_t *pos,
-                     float *const *kcs, float *const *vcs, const float *rope_cos, const float *rope_sin, float eps,
+                     void *const *kcs, void *const *vcs, const float *rope_cos, const float *rope_sin, float eps,
                      float clip, float *xn_out, int64_t *ids_out, float *w_out, const float *out_norm,
-                     const qk_wmat *head, float *logits) {
+                     const qk_wmat *head, float *logits, int ktype, int vtype) {
     for (int64_t l = 0; l < n; l++) {
         const qk_attn_desc *d = descs[l];
         if (!d->router || !d->gate || !d->up || !d->down) return QK_EMISSING;
         const int rc = qk_attn_block(isa, d, x, B, d->window ? wslots : slots, pos, kcs[l], vcs[l], rope_cos,
-                                     rope_sin, eps, clip, xn_out, ids_out, w_out, 1);
+                                     rope_sin, eps, clip, xn_out, ids_out, w_out, 1, ktype, vtype);
         if (rc) return rc;
     }
     return head ? qk_head(isa, x, B, descs[n - 1]->hidden, out_norm, eps, head, xn_out, logits) : QK_OK;

@@ -40,12 +40,16 @@ typedef struct {
  *   0..pos[r] (the last `window` of them; with sinks in the denominator); x += o Wo + bo (in place);
  *   xn_out = ffn_norm(x); for MoE layers ids_out / w_out [B, n_used] = the chosen experts of xn_out Wr + br
  *   as `gating` says, best first.
+ * ktype / vtype: the caches' storage as ggml type ids: 0 F32, 1 F16 (kc, vc then hold halves), 8 Q8_0 (each
+ * slot's row in blocks of 32 values, an f16 scale and 32 int8; head_dim must be whole blocks); written here as
+ * moerun.quant.quantize writes them and read directly by the attention loops.
  * Rows of one sequence see each other's keys (the causal mask within the step). With moe != 0 and the
  * experts given, the routed experts' output (qk_moe_ffn of xn_out) is added to x too: the whole layer.
  * Returns 0 or QK_E*. */
 int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_t *const *slots,
-                  const int64_t *pos, float *kc, float *vc, const float *rope_cos, const float *rope_sin,
-                  float eps, float clip, float *xn_out, int64_t *ids_out, float *w_out, int moe);
+                  const int64_t *pos, void *kc, void *vc, const float *rope_cos, const float *rope_sin,
+                  float eps, float clip, float *xn_out, int64_t *ids_out, float *w_out, int moe, int ktype,
+                  int vtype);
 
 /* n whole layers (descs[l], each with its experts) one after the other on the same rows: layer l's caches
  * kcs[l], vcs[l], its slot tables wslots for a windowed layer (its ring), else slots. xn_out, ids_out, w_out:
@@ -55,9 +59,9 @@ int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int
  * streamed the weights through the caches, the first torch operation alone took ~0.1 ms, cold code). */
 int qk_decode_layers(int isa, int64_t n, const qk_attn_desc *const *descs, float *x, int64_t B,
                      const int64_t *const *slots, const int64_t *const *wslots, const int64_t *pos,
-                     float *const *kcs, float *const *vcs, const float *rope_cos, const float *rope_sin, float eps,
+                     void *const *kcs, void *const *vcs, const float *rope_cos, const float *rope_sin, float eps,
                      float clip, float *xn_out, int64_t *ids_out, float *w_out, const float *out_norm,
-                     const qk_wmat *head, float *logits);
+                     const qk_wmat *head, float *logits, int ktype, int vtype);
 
 /* logits [B, head->N] = rms_norm(x [B, H], out_norm) head^T (xn: B * H floats of scratch). */
 int qk_head(int isa, const float *x, int64_t B, int64_t H, const float *out_norm, float eps, const qk_wmat *head,

@@ -272,48 +272,50 @@ static PyObject *py_attn_fields(PyObject *self, PyObject *args) {
     return t;
 }
 
-/* attn_block(isa, desc, x, B, slots, pos, kc, vc, cos, sin, eps, clip, xn_out, ids_out, w_out, moe=0): see
- * qk_attn_block; desc is the address of a qk_attn_desc, slots of B addresses of int64 slot tables. */
+/* attn_block(isa, desc, x, B, slots, pos, kc, vc, cos, sin, eps, clip, xn_out, ids_out, w_out, moe=0, ktype=0,
+ * vtype=0): see qk_attn_block; desc is the address of a qk_attn_desc, slots of B addresses of int64 slot tables;
+ * ktype / vtype the caches' ggml types. */
 static PyObject *py_attn_block(PyObject *self, PyObject *args) {
     (void)self;
-    int isa, moe = 0;
+    int isa, moe = 0, ktype = 0, vtype = 0;
     unsigned long long desc, x, slots, pos, kc, vc, cs, sn, xn, ids, w;
     long long B;
     float eps, clip;
-    if (!PyArg_ParseTuple(args, "iKKLKKKKKKffKKK|i", &isa, &desc, &x, &B, &slots, &pos, &kc, &vc, &cs, &sn, &eps,
-                          &clip, &xn, &ids, &w, &moe))
+    if (!PyArg_ParseTuple(args, "iKKLKKKKKKffKKK|iii", &isa, &desc, &x, &B, &slots, &pos, &kc, &vc, &cs, &sn, &eps,
+                          &clip, &xn, &ids, &w, &moe, &ktype, &vtype))
         return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = qk_attn_block(
         isa, (const qk_attn_desc *)(uintptr_t)desc, (float *)(uintptr_t)x, B,
-        (const int64_t *const *)(uintptr_t)slots, (const int64_t *)(uintptr_t)pos, (float *)(uintptr_t)kc,
-        (float *)(uintptr_t)vc, (const float *)(uintptr_t)cs, (const float *)(uintptr_t)sn, eps, clip,
-        (float *)(uintptr_t)xn, (int64_t *)(uintptr_t)ids, (float *)(uintptr_t)w, moe);
+        (const int64_t *const *)(uintptr_t)slots, (const int64_t *)(uintptr_t)pos, (void *)(uintptr_t)kc,
+        (void *)(uintptr_t)vc, (const float *)(uintptr_t)cs, (const float *)(uintptr_t)sn, eps, clip,
+        (float *)(uintptr_t)xn, (int64_t *)(uintptr_t)ids, (float *)(uintptr_t)w, moe, ktype, vtype);
     Py_END_ALLOW_THREADS return raise_code(rc);
 }
 
 /* decode_layers(isa, n, descs, x, B, slots, wslots, pos, kcs, vcs, cos, sin, eps, clip, xn_out, ids_out, w_out,
- *               out_norm=0, head=0, head_type=0, head_rows=0, logits=0):
+ *               out_norm=0, head=0, head_type=0, head_rows=0, logits=0, ktype=0, vtype=0):
  * see qk_decode_layers; descs, kcs and vcs are addresses of n addresses each, slots and wslots of B; head 0: no
  * logits. */
 static PyObject *py_decode_layers(PyObject *self, PyObject *args) {
     (void)self;
-    int isa, head_type = 0;
+    int isa, head_type = 0, ktype = 0, vtype = 0;
     unsigned long long descs, x, slots, wslots, pos, kcs, vcs, cs, sn, xn, ids, w, norm = 0, head = 0, logits = 0;
     long long n, B, head_rows = 0;
     float eps, clip;
-    if (!PyArg_ParseTuple(args, "iLKKLKKKKKKKffKKK|KKiLK", &isa, &n, &descs, &x, &B, &slots, &wslots, &pos, &kcs,
-                          &vcs, &cs, &sn, &eps, &clip, &xn, &ids, &w, &norm, &head, &head_type, &head_rows, &logits))
+    if (!PyArg_ParseTuple(args, "iLKKLKKKKKKKffKKK|KKiLKii", &isa, &n, &descs, &x, &B, &slots, &wslots, &pos, &kcs,
+                          &vcs, &cs, &sn, &eps, &clip, &xn, &ids, &w, &norm, &head, &head_type, &head_rows, &logits,
+                          &ktype, &vtype))
         return NULL;
     const qk_wmat hw = {(const uint8_t *)(uintptr_t)head, head_type, head_rows};
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = qk_decode_layers(
         isa, n, (const qk_attn_desc *const *)(uintptr_t)descs, (float *)(uintptr_t)x, B,
         (const int64_t *const *)(uintptr_t)slots, (const int64_t *const *)(uintptr_t)wslots,
-        (const int64_t *)(uintptr_t)pos, (float *const *)(uintptr_t)kcs, (float *const *)(uintptr_t)vcs,
+        (const int64_t *)(uintptr_t)pos, (void *const *)(uintptr_t)kcs, (void *const *)(uintptr_t)vcs,
         (const float *)(uintptr_t)cs, (const float *)(uintptr_t)sn, eps, clip, (float *)(uintptr_t)xn,
         (int64_t *)(uintptr_t)ids, (float *)(uintptr_t)w, (const float *)(uintptr_t)norm, head ? &hw : NULL,
-        (float *)(uintptr_t)logits);
+        (float *)(uintptr_t)logits, ktype, vtype);
     Py_END_ALLOW_THREADS return raise_code(rc);
 }
 
@@ -355,7 +357,8 @@ static PyMethodDef methods[] = {
     {"dequant_rows", py_dequant_rows, METH_VARARGS, "dequant_rows(ggml, w, N, K, rows, n, out)"},
     {"attn_fields", py_attn_fields, METH_NOARGS, "Field names of the attention block's layer descriptor."},
     {"attn_block", py_attn_block, METH_VARARGS,
-     "attn_block(isa, desc, x, B, slots, pos, kc, vc, cos, sin, eps, clip, xn_out, ids_out, w_out, moe=0)"},
+     "attn_block(isa, desc, x, B, slots, pos, kc, vc, cos, sin, eps, clip, xn_out, ids_out, w_out, moe=0, ktype=0, "
+     "vtype=0)"},
     {"head", py_head, METH_VARARGS, "head(isa, x, B, H, norm, eps, head, head_type, head_rows, xn, logits)"},
     {"decode_layers", py_decode_layers, METH_VARARGS,
      "decode_layers(isa, n, descs, x, B, slots, wslots, pos, kcs, vcs, cos, sin, eps, clip, xn_out, ids_out, w_out)"},

@@ -77,6 +77,14 @@ class FusedAttention:
     def usable(self, n_rows: int, device: torch.device) -> bool:
         return n_rows <= self.MAX_ROWS and device.type == "cpu"
 
+    def reads(self, pool) -> bool:
+        """Whether the C block reads this pool's keys and values: float32, f16, or Q8_0 with whole blocks per head
+        (moerun.engine.kv_types); bf16 and Q4_0 go through torch."""
+        def ok(t) -> bool:
+            return t.name in ("f32", "f16") or (t.name == "q8_0" and self.spec.head_dim % 32 == 0)
+
+        return ok(pool.k_type) and ok(pool.v_type)
+
     def _rope(self, top: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [> top positions, head_dim / 2], grown by doubling and kept."""
         if self._cos.shape[0] <= top:

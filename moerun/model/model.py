@@ -414,7 +414,7 @@ class MoEModel:
     def _fused_ok(self, n_rows: int, kvs: list[SeqKV]) -> bool:
         pool = kvs[0].pool
         return (self.fused is not None and self.first < self.stop and self.fused.usable(n_rows, pool.device(self.first))
-                and pool.dtype == torch.float32 and pool.plain and all(kv.pool is pool for kv in kvs))
+                and pool.dtype == torch.float32 and self.fused.reads(pool) and all(kv.pool is pool for kv in kvs))
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None and self.fused.head is not None and x.dtype == torch.float32 and x.is_cpu:
