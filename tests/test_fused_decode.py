@@ -79,17 +79,13 @@ def torch_block(p, x, tables, pos, kc, vc, cos, sin, eps, clip, stored=lambda t:
     return x, xn2, ids, w / w.sum(-1, keepdim=True)
 
 
-@pytest.mark.parametrize("head_dim", [12, 64, 128])
-def test_attn_block_matches_plain_torch(head_dim):
-    """F32 weights (no activation rounding): every piece of the block, keys in scattered slots, two
-    sequences of different lengths in one call, up to 70 positions (the vector and tail paths)."""
-    g = torch.Generator().manual_seed(head_dim)
-    H, nh, nkv, E = 64, 6, 2, 8
-
+def random_block(g, head_dim: int, H: int, nh: int, nkv: int, E: int, n_used: int):
+    """A random F32 attention block: its weights as torch_block takes them, the kernel's AttnLayer, and the
+    drawing function (rnd(*shape, scale))."""
     def rnd(*shape, scale=0.3):
         return (torch.randn(*shape, generator=g) * scale).contiguous()
 
-    p = {"n_heads": nh, "n_kv_heads": nkv, "head_dim": head_dim, "n_used": 3,
+    p = {"n_heads": nh, "n_kv_heads": nkv, "head_dim": head_dim, "n_used": n_used,
          "attn_norm": 1 + rnd(H), "ffn_norm": 1 + rnd(H), "q_norm": 1 + rnd(head_dim), "k_norm": 1 + rnd(head_dim),
          "wq": rnd(nh * head_dim, H), "wk": rnd(nkv * head_dim, H), "wv": rnd(nkv * head_dim, H),
          "bq": rnd(nh * head_dim), "bk": rnd(nkv * head_dim), "bv": rnd(nkv * head_dim),
@@ -97,7 +93,17 @@ def test_attn_block_matches_plain_torch(head_dim):
     layer = cpu.AttnLayer(hidden=H, n_heads=nh, n_kv_heads=nkv, head_dim=head_dim, qk_norm="head", rope_style="neox",
                           attn_norm=p["attn_norm"], ffn_norm=p["ffn_norm"], wq=p["wq"], wk=p["wk"], wv=p["wv"],
                           wo=p["wo"], q_norm=p["q_norm"], k_norm=p["k_norm"], bq=p["bq"], bk=p["bk"], bv=p["bv"],
-                          router=p["router"], n_used=3, norm_topk=True)
+                          router=p["router"], n_used=n_used, norm_topk=True)
+    return p, layer, rnd
+
+
+@pytest.mark.parametrize("head_dim", [12, 64, 128])
+def test_attn_block_matches_plain_torch(head_dim):
+    """F32 weights (no activation rounding): every piece of the block, keys in scattered slots, two
+    sequences of different lengths in one call, up to 70 positions (the vector and tail paths)."""
+    g = torch.Generator().manual_seed(head_dim)
+    H, nh, nkv = 64, 6, 2
+    p, layer, rnd = random_block(g, head_dim, H, nh, nkv, E=8, n_used=3)
     slots = torch.randperm(200, generator=g)
     tables = [slots[:80].clone(), slots[80:160].clone()]
     pos = torch.tensor([69, 17])
@@ -126,25 +132,14 @@ def test_attn_block_reads_and_writes_f16_and_q8_0_caches(head_dim, kv):
 
     t = KV_TYPES[kv]
     g = torch.Generator().manual_seed(7 + head_dim)
-    H, nh, nkv, E = 64, 4, 2, 8
-
-    def rnd(*shape, scale=0.3):
-        return (torch.randn(*shape, generator=g) * scale).contiguous()
+    H, nh, nkv = 64, 4, 2
+    p, layer, rnd = random_block(g, head_dim, H, nh, nkv, E=8, n_used=2)
 
     def stored(v):  # [..., nkv, D] float -> what the type keeps, as floats
         shape = tuple(v.shape[-2:])
         flat = v.reshape(-1, *shape)
         return t.decode(t.encode(flat, t.storage(shape, torch.float32)[1]), shape, torch.float32).view(v.shape)
 
-    p = {"n_heads": nh, "n_kv_heads": nkv, "head_dim": head_dim, "n_used": 2,
-         "attn_norm": 1 + rnd(H), "ffn_norm": 1 + rnd(H), "q_norm": 1 + rnd(head_dim), "k_norm": 1 + rnd(head_dim),
-         "wq": rnd(nh * head_dim, H), "wk": rnd(nkv * head_dim, H), "wv": rnd(nkv * head_dim, H),
-         "bq": rnd(nh * head_dim), "bk": rnd(nkv * head_dim), "bv": rnd(nkv * head_dim),
-         "wo": rnd(H, nh * head_dim, scale=0.1), "router": rnd(E, H)}
-    layer = cpu.AttnLayer(hidden=H, n_heads=nh, n_kv_heads=nkv, head_dim=head_dim, qk_norm="head", rope_style="neox",
-                          attn_norm=p["attn_norm"], ffn_norm=p["ffn_norm"], wq=p["wq"], wk=p["wk"], wv=p["wv"],
-                          wo=p["wo"], q_norm=p["q_norm"], k_norm=p["k_norm"], bq=p["bq"], bk=p["bk"], bv=p["bv"],
-                          router=p["router"], n_used=2, norm_topk=True)
     slots = torch.randperm(120, generator=g)
     tables = [slots[:60].clone(), slots[60:].clone()]
     pos = torch.tensor([41, 9])
