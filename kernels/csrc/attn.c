@@ -266,6 +266,17 @@ static QK_AVX2 void scores_f16_avx2(float *s, const float *q, int64_t n, const u
 static QK_AVX2 void wsum_f16_avx2(float *out, const float *p, int64_t n, const uint8_t *vbase, const int64_t *slot,
                                   int64_t stride, int64_t D) {
     int64_t i = 0;
+    for (; i + 64 <= D; i += 64) { /* as wsum_avx2: eight accumulators, each v row read once per chunk */
+        __m256 a[8];
+        for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            const uint8_t *v = vbase + slot[j] * stride + 2 * i;
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            for (int c = 0; c < 8; c++)
+                a[c] = _mm256_fmadd_ps(pj, _mm256_cvtph_ps(_mm_loadu_si128((const void *)(v + 16 * c))), a[c]);
+        }
+        for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + i + 8 * c, a[c]);
+    }
     for (; i + 8 <= D; i += 8) {
         __m256 a = _mm256_setzero_ps();
         for (int64_t j = 0; j < n; j++)
