@@ -312,16 +312,10 @@ def test_expert_cache_never_changes_the_output(preset_gguf, wide_q4km, which):
     check_expert_cache(preset_gguf if which == "q8_0" else wide_q4km)
 
 
+@pytest.mark.parametrize("check", [check_speculative, check_kv_types], ids=["drafts", "kv_types"])
 @pytest.mark.parametrize("which", ["q8_0", "q4_k_m"])
-def test_drafts_keep_the_output(preset_gguf, wide_q4km, which):
-    check_speculative(preset_gguf if which == "q8_0" else wide_q4km)
-
-
-@pytest.mark.parametrize("which", ["q8_0", "q4_k_m"])
-def test_kv_cache_types(preset_gguf, wide_q4km, which):
-    check_kv_types(preset_gguf if which == "q8_0" else wide_q4km)
-
-
+def test_drafts_and_kv_types_keep_the_output(preset_gguf, wide_q4km, which, check):
+    check(preset_gguf if which == "q8_0" else wide_q4km)
 
 
 @pytest.mark.parametrize("split", [(1.0, 1.0), (1.0, 3.0)])

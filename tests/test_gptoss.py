@@ -527,16 +527,10 @@ def test_expert_cache_never_changes_the_output(preset_gguf, preset_mxfp4, which)
     check_expert_cache(preset_gguf if which == "q8_0" else preset_mxfp4)
 
 
+@pytest.mark.parametrize("check", [check_speculative, check_kv_types], ids=["drafts", "kv_types"])
 @pytest.mark.parametrize("which", ["q8_0", "mxfp4_moe"])
-def test_drafts_keep_the_output(preset_gguf, preset_mxfp4, which):
-    check_speculative(preset_gguf if which == "q8_0" else preset_mxfp4)
-
-
-@pytest.mark.parametrize("which", ["q8_0", "mxfp4_moe"])
-def test_kv_cache_types(preset_gguf, preset_mxfp4, which):
-    check_kv_types(preset_gguf if which == "q8_0" else preset_mxfp4)
-
-
+def test_drafts_and_kv_types_keep_the_output(preset_gguf, preset_mxfp4, which, check):
+    check(preset_gguf if which == "q8_0" else preset_mxfp4)
 
 
 @pytest.mark.parametrize("split", [(1.0, 1.0), (1.0, 3.0)])

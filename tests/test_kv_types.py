@@ -107,3 +107,10 @@ def test_the_fused_decode_path_reads_the_types_as_torch_does(tmp_path, kv):
         assert eng.model._fused_ok(1, [seq.kv]) == fused
         out[fused] = torch.cat([eng.model.forward(torch.tensor([t]), seq.kv) for t in STEPS])
     assert (out[True] - out[False]).abs().max().item() < 1e-4
+
+
+def test_the_config_names_the_types_the_cache_has():
+    from moerun.config import KV_CACHE_TYPES
+    from moerun.engine.kv_types import KV_TYPES
+
+    assert tuple(KV_TYPES) == KV_CACHE_TYPES

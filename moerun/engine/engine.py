@@ -219,9 +219,6 @@ class Generation:
                     rows = list(spec.feed(nxt, limit))
                 if not (spec and spec.drafts) and self.seq.kv.length % self.seq.kv.pool.block_size == 0:
                     self.seq.publish()
-            if spec is not None:
-                spec.rollback()  # the drafts after the last token
-                self.seq.publish()
             if not stops.stopped:  # text held back (partial characters, a possible stop-string start)
                 rest, _ = stops.feed(decoder.flush())
                 rest += "" if stops.stopped else stops.flush()
@@ -229,8 +226,9 @@ class Generation:
                     self.text += rest
                     yield rest
         finally:
-            if spec is not None:
+            if spec is not None:  # the drafts after the last token go; the cache ends where the text does
                 spec.rollback()
+                self.seq.publish()
                 t.draft_n, t.draft_n_accepted = spec.draft_n, spec.accepted
             t.predicted_n = len(self.tokens)
             t.predicted_ms = (time.perf_counter() - t1) * 1e3
