@@ -121,3 +121,23 @@ def test_draft_settings_are_checked():
     with pytest.raises(ValueError, match="lookup_ngram"):
         DraftParams(lookup_ngram=-1)
     assert DraftParams(draft_max=64).rows == 15
+
+
+def test_the_device_stand_in_gives_the_cpu_tokens_with_drafts_and_f16_kv():
+    """The GPU code path (the CPU standing in for a device, moerun.device) with prompt lookup and an f16 cache:
+    the CPU's plain greedy tokens."""
+    from moerun.config import RuntimeConfig
+    from moerun.runtime import build
+
+    def tokens(**kw):
+        rt = build(RuntimeConfig(threads=1, repack=False, **kw))
+        eng = rt.engine
+        ids = eng.tokenizer.encode("def fib(n):\n    return fib(n - 1) + fib(n - 2)\n\ndef fib(")
+        gen = eng.generate(ids, SamplingParams.greedy(max_tokens=24, ignore_eos=True)).run()
+        rt.close()
+        return gen.tokens, gen.timings
+
+    ref, _ = tokens()
+    got, t = tokens(devices=("standin:0",), expert_cache_slots=2, cache_type_k="f16", cache_type_v="f16",
+                    draft=DraftParams(lookup_ngram=2, adaptive=False))
+    assert got == ref and t.draft_n > 0
