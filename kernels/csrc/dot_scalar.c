@@ -228,18 +228,21 @@ static const kernel_set SCALAR = {
      [QT_Q4_K] = qk_dot_scalar_q4_k, [QT_Q5_K] = qk_dot_scalar_q5_k, [QT_Q6_K] = qk_dot_scalar_q6_k,
      [QT_IQ4_XS] = qk_dot_scalar_iq4_xs, [QT_Q4_K_R8] = qk_dot_scalar_q4_k_r8,
      [QT_Q8_0_R8] = qk_dot_scalar_q8_0_r8, [QT_MXFP4_R8] = qk_dot_scalar_mxfp4_r8},
+    {NULL},
 };
 
 #if QK_X86
-#define X86_SET(NAME, SUFFIX)                                                                      \
+#define X86_SET(NAME, SUFFIX, ...)                                                                 \
     {NAME,                                                                                         \
      {[ACT_Q8K] = qk_quant_q8k_avx2, [ACT_Q8_0] = qk_quant_q8_0_avx2},                            \
      {[QT_Q4_0] = qk_dot_q4_0##SUFFIX, [QT_Q8_0] = qk_dot_q8_0##SUFFIX, [QT_MXFP4] = qk_dot_mxfp4##SUFFIX, \
       [QT_Q4_K] = qk_dot_q4_k##SUFFIX, [QT_Q5_K] = qk_dot_q5_k##SUFFIX, [QT_Q6_K] = qk_dot_q6_k##SUFFIX,  \
       [QT_IQ4_XS] = qk_dot_iq4_xs##SUFFIX, [QT_Q4_K_R8] = qk_dot_q4_k_r8##SUFFIX,                \
-      [QT_Q8_0_R8] = qk_dot_q8_0_r8##SUFFIX, [QT_MXFP4_R8] = qk_dot_mxfp4_r8##SUFFIX}}
-static const kernel_set AVX2 = X86_SET("avx2", _avx2);
-static const kernel_set VNNI = X86_SET("avx512vnni", _vnni);
+      [QT_Q8_0_R8] = qk_dot_q8_0_r8##SUFFIX, [QT_MXFP4_R8] = qk_dot_mxfp4_r8##SUFFIX},              \
+     {__VA_ARGS__}}
+static const kernel_set AVX2 = X86_SET("avx2", _avx2, NULL);
+static const kernel_set VNNI = X86_SET("avx512vnni", _vnni, [QT_Q8_0_R8] = qk_dot16_q8_0_r8_vnni,
+                                           [QT_Q4_K_R8] = qk_dot16_q4_k_r8_vnni);
 
 static int cpu_has(int isa) {
     __builtin_cpu_init();
@@ -260,6 +263,7 @@ static const kernel_set NEON = {
      [QT_Q4_K] = qk_dot_q4_k_neon, [QT_Q5_K] = qk_dot_scalar_q5_k, [QT_Q6_K] = qk_dot_q6_k_neon,
      [QT_IQ4_XS] = qk_dot_scalar_iq4_xs, [QT_Q4_K_R8] = qk_dot_q4_k_r8_neon, [QT_Q8_0_R8] = qk_dot_q8_0_r8_neon,
      [QT_MXFP4_R8] = qk_dot_scalar_mxfp4_r8},
+    {NULL},
 };
 
 static int neon_dotprod(void) {

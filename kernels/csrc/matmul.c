@@ -103,6 +103,7 @@ static int quantize_rows(quant_fn quant, const float *x, int64_t rows, int64_t K
 
 typedef struct {
     dot_fn dot;
+    dot16_fn dot16;        /* two groups of interleaved rows per call, or NULL */
     const uint8_t *w;
     int64_t N, nb, row_bytes; /* row_bytes: per dot call (a group of `rows` rows) */
     int rows;
@@ -131,11 +132,16 @@ static void mm_rows(const mm_mat *m, int64_t T, int64_t r0, int64_t r1) {
         const int nt = (int)min64(m->nt, T - t);
         const void *xs[DOT_MAX_NT];
         for (int j = 0; j < nt; j++) xs[j] = m->xq + (t + j) * m->xq_row;
-        for (int64_t r = r0; r < r1; r += rows) {
-            float o[DOT_MAX_NT * DOT_MAX_ROWS];
-            dot(nb, m->w + r / rows * rb, xs, nt, o);
+        for (int64_t r = r0; r < r1;) {
+            float o[DOT_MAX_NT * 2 * DOT_MAX_ROWS];
+            const int n = m->dot16 && r + 2 * rows <= r1 ? 2 * rows : rows;
+            if (n > rows)
+                m->dot16(nb, m->w + r / rows * rb, rb, xs, nt, o);
+            else
+                dot(nb, m->w + r / rows * rb, xs, nt, o);
             for (int j = 0; j < nt; j++)
-                for (int q = 0; q < rows; q++) m->out[(t + j) * N + r + q] = o[j * rows + q];
+                for (int q = 0; q < n; q++) m->out[(t + j) * N + r + q] = o[j * n + q];
+            r += n;
         }
     }
 }
@@ -166,7 +172,7 @@ int qk_matmuls(int isa, int n, const qk_wmat *w, int64_t K, const float *x, int6
         rows += m->N;
         const dot_fn fd = qk_fdot(isa, w[j].ggml);
         if (fd) {
-            *m = (mm_mat){fd, w[j].w, w[j].N, K, K * (w[j].ggml == GGML_F32 ? 4 : 2), 1, 4, -1,
+            *m = (mm_mat){fd, NULL, w[j].w, w[j].N, K, K * (w[j].ggml == GGML_F32 ? 4 : 2), 1, 4, -1,
                           (const uint8_t *)x, K * (int64_t)sizeof(float), out[j], 0};
             continue;
         }
@@ -175,6 +181,8 @@ int qk_matmuls(int isa, int n, const qk_wmat *w, int64_t K, const float *x, int6
         const qtype_info *ti = &QK_TYPES[qt];
         if (K % ti->blk_elems || m->N % ti->rows) return QK_ESHAPE;
         m->dot = ks->dot[qt];
+        m->dot16 = T > 1 ? ks->dot16[qt] : NULL; /* a batch: 16 rows per call where the set has it */
+        if (m->dot16 && 2 * ti->rows > group) group = 2 * ti->rows;
         m->nb = K / ti->blk_elems;
         m->row_bytes = m->nb * ti->blk_bytes;
         m->rows = ti->rows;
@@ -230,6 +238,7 @@ typedef struct {
     const int64_t *first, *order, *pos;
     /* gate / up: rows of H elements; x quantized once per activation format */
     dot_fn dot_g, dot_u;
+    dot16_fn dot16_g, dot16_u, dot16_d; /* or NULL */
     const uint8_t **gate, **up, *xg, *xu; /* per active expert */
     int64_t nb_g, nb_u, rowb_g, rowb_u, xrow_g, xrow_u, I;
     int rows_g, rows_u, step_a; /* rows per dot call; gate and up rows are taken step_a at a time */
@@ -265,13 +274,18 @@ static float swiglu_oai(float g, float u, float alpha, float limit) {
 
 /* Rows [r, r + n) of a matrix of `rows` rows per dot call (n a multiple of it; each call reads rowb bytes)
  * against nt activation rows: o[t * n + j] = row r + j . x[t]. */
-static void dot_span(dot_fn dot, int rows, int64_t nb, const uint8_t *w, int64_t rowb, int64_t r, int n,
-                     const void *const *xs, int nt, float *o) {
-    float tmp[DOT_MAX_NT * DOT_MAX_ROWS];
-    for (int j = 0; j < n; j += rows) {
-        dot(nb, w + (r + j) / rows * rowb, xs, nt, tmp);
+static void dot_span(dot_fn dot, dot16_fn dot16, int rows, int64_t nb, const uint8_t *w, int64_t rowb, int64_t r,
+                     int n, const void *const *xs, int nt, float *o) {
+    float tmp[DOT_MAX_NT * 2 * DOT_MAX_ROWS];
+    for (int j = 0; j < n;) {
+        const int m = dot16 && j + 2 * rows <= n ? 2 * rows : rows;
+        if (m > rows)
+            dot16(nb, w + (r + j) / rows * rowb, rowb, xs, nt, tmp);
+        else
+            dot(nb, w + (r + j) / rows * rowb, xs, nt, tmp);
         for (int t = 0; t < nt; t++)
-            for (int q = 0; q < rows; q++) o[t * n + j + q] = tmp[t * rows + q];
+            for (int q = 0; q < m; q++) o[t * n + j + q] = tmp[t * m + q];
+        j += m;
     }
 }
 
@@ -296,9 +310,9 @@ static void moe_gate_up_task(void *p, int tid, int nth) {
             }
             const int n = c->step_a;
             for (int64_t r = r0; r < r1; r += n) {
-                float g[DOT_MAX_NT * DOT_MAX_ROWS], u[DOT_MAX_NT * DOT_MAX_ROWS];
-                dot_span(c->dot_g, c->rows_g, c->nb_g, gw, c->rowb_g, r, n, xg, nt, g);
-                dot_span(c->dot_u, c->rows_u, c->nb_u, uw, c->rowb_u, r, n, xu, nt, u);
+                float g[DOT_MAX_NT * 2 * DOT_MAX_ROWS], u[DOT_MAX_NT * 2 * DOT_MAX_ROWS];
+                dot_span(c->dot_g, c->dot16_g, c->rows_g, c->nb_g, gw, c->rowb_g, r, n, xg, nt, g);
+                dot_span(c->dot_u, c->dot16_u, c->rows_u, c->nb_u, uw, c->rowb_u, r, n, xu, nt, u);
                 if (gb || ub)
                     for (int j = 0; j < nt; j++)
                         for (int q = 0; q < n; q++) {
@@ -338,13 +352,18 @@ static void moe_down_task(void *p, int tid, int nth) {
                 const int nt = (int)min64(c->nt_d, c->first[a + 1] - s);
                 const void *xs[DOT_MAX_NT];
                 for (int j = 0; j < nt; j++) xs[j] = c->hq + (s + j) * c->hrow;
-                const int n = c->rows_d;
-                for (int64_t r = r0; r < r1; r += n) {
-                    float o[DOT_MAX_NT * DOT_MAX_ROWS];
-                    c->dot_d(c->nb_d, dw + r / n * c->rowb_d, xs, nt, o);
+                const int rows = c->rows_d;
+                for (int64_t r = r0; r < r1;) {
+                    float o[DOT_MAX_NT * 2 * DOT_MAX_ROWS];
+                    const int n = c->dot16_d && r + 2 * rows <= r1 ? 2 * rows : rows;
+                    if (n > rows)
+                        c->dot16_d(c->nb_d, dw + r / rows * c->rowb_d, c->rowb_d, xs, nt, o);
+                    else
+                        c->dot_d(c->nb_d, dw + r / rows * c->rowb_d, xs, nt, o);
                     for (int j = 0; j < nt; j++)
                         for (int q = 0; q < n; q++)
                             y[(s + j) * c->rows_b + (r - r0) + q] = o[j * n + q] + (db ? db[r + q] : 0.0f);
+                    r += n;
                 }
             }
         }
@@ -398,7 +417,12 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
     const int64_t hrow = I / qk_act_elems(ad) * qk_act_bytes(ad);
     int64_t rows_b = rows_per_item(H, nth);
     while (rows_b > 4 && P * rows_b * (int64_t)sizeof(float) > SCRATCH_BYTES) rows_b /= 2;
-    rows_b = (rows_b + td->rows - 1) / td->rows * td->rows; /* whole groups of interleaved rows */
+    /* A batch takes two groups of interleaved rows per call where the kernel set has such kernels. */
+    dot16_fn d16_g = T > 1 ? ks->dot16[qg] : NULL, d16_u = T > 1 ? ks->dot16[qu] : NULL;
+    dot16_fn d16_d = T > 1 ? ks->dot16[qd] : NULL;
+    const int step = (d16_g || d16_u) && I % (2 * step_a) == 0 ? 2 * step_a : step_a;
+    const int group_d = d16_d && H % (2 * td->rows) == 0 ? 2 * td->rows : td->rows;
+    rows_b = (rows_b + group_d - 1) / group_d * group_d; /* whole groups of interleaved rows */
 
     /* One allocation for all scratch: first (E + 1), cursor (E), order and pos (P each) as int64;
      * done (E counters); gate, up and down addresses (3 E); act_e (E int32); h (P * I floats); down
@@ -463,7 +487,8 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
         .dot_g = ks->dot[qg], .dot_u = ks->dot[qu], .gate = pg, .up = pu, .xg = xg, .xu = xu,
         .nb_g = H / tg->blk_elems, .nb_u = H / tu->blk_elems, .rowb_g = H / tg->blk_elems * tg->blk_bytes,
         .rowb_u = H / tu->blk_elems * tu->blk_bytes, .xrow_g = xrow_g, .xrow_u = xrow_u, .I = I,
-        .rows_g = tg->rows, .rows_u = tu->rows, .step_a = step_a, .rows_d = td->rows,
+        .rows_g = tg->rows, .rows_u = tu->rows, .step_a = step, .rows_d = td->rows,
+        .dot16_g = d16_g, .dot16_u = d16_u, .dot16_d = d16_d,
         .nt_a = tg->max_nt < tu->max_nt ? tg->max_nt : tu->max_nt, .nt_d = td->max_nt,
         .h = h, .quant_h = ks->quant[ad], .hq = hq, .hrow = hrow, .done = done,
         .dot_d = ks->dot[qd], .down = pd, .nb_d = I / td->blk_elems,
@@ -472,7 +497,7 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
         .fn = fn ? *fn : (qk_expert_fn){QK_ACT_SWIGLU, 0.0f, 0.0f, NULL, NULL, NULL},
     };
     c.rows_a = rows_per_item(nact * I, nth);
-    c.rows_a = (c.rows_a + step_a - 1) / step_a * step_a;
+    c.rows_a = (c.rows_a + step - 1) / step * step;
     if (c.rows_a > I) c.rows_a = I;
     c.items_per_expert = (I + c.rows_a - 1) / c.rows_a;
     c.items_b = (H + rows_b - 1) / rows_b;

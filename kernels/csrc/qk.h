@@ -114,10 +114,15 @@ typedef struct {
     int max_nt;     /* tokens per dot call at most (<= DOT_MAX_NT): more tokens per pass over the weights */
 } qtype_info;
 
+/* Two adjacent groups of an interleaved type at once (16 rows): groups w and w + gstride, out[16 t + r] = dot(row r,
+ * x[t]) with rows 8..15 the second group's, bit for bit what two dot calls give; for batches of tokens. */
+typedef void (*dot16_fn)(int64_t nb, const uint8_t *w, int64_t gstride, const void *const *x, int nt, float *out);
+
 typedef struct {
     const char *name;
     quant_fn quant[ACT_COUNT];
     dot_fn dot[QT_COUNT];
+    dot16_fn dot16[QT_COUNT]; /* NULL where the set has none */
 } kernel_set;
 
 extern const qtype_info QK_TYPES[QT_COUNT];
@@ -168,6 +173,8 @@ void qk_quant_q8_0_avx2(const float *x, void *out, int64_t k);
     void qk_dot_mxfp4_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);
 QK_DECLARE_X86_DOTS(_avx2)
 QK_DECLARE_X86_DOTS(_vnni)
+void qk_dot16_q8_0_r8_vnni(int64_t, const uint8_t *, int64_t, const void *const *, int, float *);
+void qk_dot16_q4_k_r8_vnni(int64_t, const uint8_t *, int64_t, const void *const *, int, float *);
 #endif
 #if QK_NEON
 void qk_dot_q8_0_neon(int64_t, const uint8_t *, const void *const *, int, float *);
