@@ -101,6 +101,19 @@ static int quantize_rows(quant_fn quant, const float *x, int64_t rows, int64_t K
 
 /* ------------------------------------------------------------------------------------ matmul */
 
+/* Rows r.. of a matrix of `rows` rows per dot call (each call's group: rowb bytes) against nt activation rows, in
+ * one call: two groups through dot16 where it is given and both lie below `end`, else one group. o[t * n + q] =
+ * row r + q . x[t]; returns n, the rows done. */
+static inline int dot_groups(dot_fn dot, dot16_fn dot16, int rows, int64_t nb, const uint8_t *w, int64_t rowb,
+                             int64_t r, int64_t end, const void *const *xs, int nt, float *o) {
+    if (dot16 && r + 2 * rows <= end) {
+        dot16(nb, w + r / rows * rowb, rowb, xs, nt, o);
+        return 2 * rows;
+    }
+    dot(nb, w + r / rows * rowb, xs, nt, o);
+    return rows;
+}
+
 typedef struct {
     dot_fn dot;
     dot16_fn dot16;        /* two groups of interleaved rows per call, or NULL */
@@ -134,11 +147,7 @@ static void mm_rows(const mm_mat *m, int64_t T, int64_t r0, int64_t r1) {
         for (int j = 0; j < nt; j++) xs[j] = m->xq + (t + j) * m->xq_row;
         for (int64_t r = r0; r < r1;) {
             float o[DOT_MAX_NT * 2 * DOT_MAX_ROWS];
-            const int n = m->dot16 && r + 2 * rows <= r1 ? 2 * rows : rows;
-            if (n > rows)
-                m->dot16(nb, m->w + r / rows * rb, rb, xs, nt, o);
-            else
-                dot(nb, m->w + r / rows * rb, xs, nt, o);
+            const int n = dot_groups(dot, m->dot16, rows, nb, m->w, rb, r, r1, xs, nt, o);
             for (int j = 0; j < nt; j++)
                 for (int q = 0; q < n; q++) m->out[(t + j) * N + r + q] = o[j * n + q];
             r += n;
@@ -278,11 +287,7 @@ static void dot_span(dot_fn dot, dot16_fn dot16, int rows, int64_t nb, const uin
                      int n, const void *const *xs, int nt, float *o) {
     float tmp[DOT_MAX_NT * 2 * DOT_MAX_ROWS];
     for (int j = 0; j < n;) {
-        const int m = dot16 && j + 2 * rows <= n ? 2 * rows : rows;
-        if (m > rows)
-            dot16(nb, w + (r + j) / rows * rowb, rowb, xs, nt, tmp);
-        else
-            dot(nb, w + (r + j) / rows * rowb, xs, nt, tmp);
+        const int m = dot_groups(dot, dot16, rows, nb, w, rowb, r + j, r + n, xs, nt, tmp);
         for (int t = 0; t < nt; t++)
             for (int q = 0; q < m; q++) o[t * n + j + q] = tmp[t * m + q];
         j += m;
@@ -355,11 +360,7 @@ static void moe_down_task(void *p, int tid, int nth) {
                 const int rows = c->rows_d;
                 for (int64_t r = r0; r < r1;) {
                     float o[DOT_MAX_NT * 2 * DOT_MAX_ROWS];
-                    const int n = c->dot16_d && r + 2 * rows <= r1 ? 2 * rows : rows;
-                    if (n > rows)
-                        c->dot16_d(c->nb_d, dw + r / rows * c->rowb_d, c->rowb_d, xs, nt, o);
-                    else
-                        c->dot_d(c->nb_d, dw + r / rows * c->rowb_d, xs, nt, o);
+                    const int n = dot_groups(c->dot_d, c->dot16_d, rows, c->nb_d, dw, c->rowb_d, r, r1, xs, nt, o);
                     for (int j = 0; j < nt; j++)
                         for (int q = 0; q < n; q++)
                             y[(s + j) * c->rows_b + (r - r0) + q] = o[j * n + q] + (db ? db[r + q] : 0.0f);
