@@ -143,6 +143,20 @@ def test_bandwidth_cache_keeps_other_keys_and_survives_garbage(cache_dir):
     assert bandwidth.host_read_bandwidth(4) == (33.5, "cached")
 
 
+def test_an_older_probe_revision_is_measured_again(cache_dir):
+    """A kernel-pool figure from before PROBE_REVISION (the probe that read too little) does not count; figures
+    given by hand (no method) do."""
+    old = {"gbps": 21.0, "method": "kernel pool, 1 stream(s) per thread, prefetch 0 B"}
+    bandwidth.store_host_read_bandwidth(2, old)
+    assert bandwidth.host_read_bandwidth(2) == (bandwidth.DEFAULT_HOST_READ_GBPS, "default")
+    bandwidth.store_host_read_bandwidth(2, {**old, "probe": bandwidth.PROBE_REVISION})
+    assert bandwidth.host_read_bandwidth(2) == (21.0, "cached")
+    bandwidth.store_host_read_bandwidth(3, {"gbps": 30.0})
+    assert bandwidth.host_read_bandwidth(3) == (30.0, "cached")
+    entry = bandwidth.measure_host_read_bandwidth(1, nbytes=1 << 20, runs=1)
+    assert entry["probe"] == bandwidth.PROBE_REVISION
+
+
 def test_measure_restores_torch_threads():
     import torch
 
