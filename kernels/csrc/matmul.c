@@ -12,7 +12,8 @@
  *
  * moe_ffn runs two pool jobs: (A) gate and up rows of every routed expert, h = act(g, u), and, by
  * whichever thread finishes an expert's last item, h quantized for the down projection; (B) per block
- * of output rows, the down rows of every routed expert, then the weighted combine of those rows. */
+ * of output rows, the down rows of every routed expert, then the weighted combine of those rows; for a few tokens
+ * (decode), long runs of one expert's down rows instead, and the combine after them. */
 #include "matmul.h"
 
 #include <math.h>
@@ -27,6 +28,10 @@
 #define MAX_ROWS_PER_ITEM 64
 #define SCRATCH_BYTES (1 << 20) /* per-thread budget for the MoE down projection's outputs */
 #define PARALLEL_QUANT_ELEMS (1 << 16) /* quantize activations on the pool above this many values */
+/* MoE down projection by expert up to this many tokens (each weight row serves few of them), in items of at least
+ * 1 / BY_EXPERT_ITEMS of a thread's share */
+#define BY_EXPERT_TOKENS 8
+#define BY_EXPERT_ITEMS 2
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -265,8 +270,9 @@ typedef struct {
     int64_t nb_d, rowb_d, H, rows_b, items_b;
     int rows_d;
     const float *wts;
-    float *out, *scratch;     /* scratch: rows_b floats per pair, for each of nscratch threads */
+    float *out, *scratch;     /* scratch: rows_b floats per pair, for each of nscratch threads; by expert: H per pair */
     int64_t nscratch, T;
+    int64_t parts;            /* by expert (small batches): items are (expert, 1/parts of its rows), else 0 */
     int pairs;                /* out holds one weighted row per pair instead of their sum per token */
     qk_expert_fn fn;
     workq qa, qb;
@@ -341,6 +347,46 @@ static void moe_gate_up_task(void *p, int tid, int nth) {
     }
 }
 
+/* Down rows [r0, r1) of active expert a for its pairs: y[s * ystride + (r - r0)] = row r . h of pair s (+ bias). */
+static void down_rows(const moe_ctx *c, int64_t a, int64_t r0, int64_t r1, float *y, int64_t ystride) {
+    const uint8_t *dw = c->down[a];
+    const float *db = c->fn.down_b ? c->fn.down_b + c->act_e[a] * c->H : NULL;
+    for (int64_t s = c->first[a]; s < c->first[a + 1]; s += c->nt_d) {
+        const int nt = (int)min64(c->nt_d, c->first[a + 1] - s);
+        const void *xs[DOT_MAX_NT];
+        for (int j = 0; j < nt; j++) xs[j] = c->hq + (s + j) * c->hrow;
+        for (int64_t r = r0; r < r1;) {
+            float o[DOT_MAX_NT * 2 * DOT_MAX_ROWS];
+            const int n = dot_groups(c->dot_d, c->dot16_d, c->rows_d, c->nb_d, dw, c->rowb_d, r, r1, xs, nt, o);
+            for (int j = 0; j < nt; j++)
+                for (int q = 0; q < n; q++) y[(s + j) * ystride + (r - r0) + q] = o[j * n + q] + (db ? db[r + q] : 0.0f);
+            r += n;
+        }
+    }
+}
+
+/* Output rows [r0, r1) from the pairs' down rows (y[pos * ystride + (r - r0)]), in the order of each token's k
+ * choices (pos < 0: a skipped pair): the weighted rows themselves with c->pairs, else their sum per token. */
+static void combine_rows(const moe_ctx *c, int64_t r0, int64_t r1, const float *y, int64_t ystride) {
+    if (c->pairs) {
+        for (int64_t p = 0; p < c->T * c->k; p++)
+            for (int64_t r = r0; r < r1; r++)
+                c->out[p * c->H + r] = c->pos[p] < 0 ? 0.0f : c->wts[p] * y[c->pos[p] * ystride + (r - r0)];
+        return;
+    }
+    for (int64_t t = 0; t < c->T; t++) {
+        for (int64_t r = r0; r < r1; r++) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < c->k; j++) {
+                const int64_t s = c->pos[t * c->k + j];
+                if (s >= 0) acc += c->wts[t * c->k + j] * y[s * ystride + (r - r0)];
+            }
+            c->out[t * c->H + r] = acc;
+        }
+    }
+}
+
+/* A batch: per block of output rows, the down rows of every routed expert, then their combine (in cache). */
 static void moe_down_task(void *p, int tid, int nth) {
     moe_ctx *c = p;
     (void)nth;
@@ -350,41 +396,21 @@ static void moe_down_task(void *p, int tid, int nth) {
     int cur = tid % c->qb.n;
     for (int64_t it; (it = wq_next(&c->qb, &cur)) >= 0;) {
         const int64_t r0 = it * c->rows_b, r1 = min64(r0 + c->rows_b, c->H);
-        for (int64_t a = 0; a < c->nact; a++) {
-            const uint8_t *dw = c->down[a];
-            const float *db = c->fn.down_b ? c->fn.down_b + c->act_e[a] * c->H : NULL;
-            for (int64_t s = c->first[a]; s < c->first[a + 1]; s += c->nt_d) {
-                const int nt = (int)min64(c->nt_d, c->first[a + 1] - s);
-                const void *xs[DOT_MAX_NT];
-                for (int j = 0; j < nt; j++) xs[j] = c->hq + (s + j) * c->hrow;
-                const int rows = c->rows_d;
-                for (int64_t r = r0; r < r1;) {
-                    float o[DOT_MAX_NT * 2 * DOT_MAX_ROWS];
-                    const int n = dot_groups(c->dot_d, c->dot16_d, rows, c->nb_d, dw, c->rowb_d, r, r1, xs, nt, o);
-                    for (int j = 0; j < nt; j++)
-                        for (int q = 0; q < n; q++)
-                            y[(s + j) * c->rows_b + (r - r0) + q] = o[j * n + q] + (db ? db[r + q] : 0.0f);
-                    r += n;
-                }
-            }
-        }
-        /* Combine in the order of each token's k choices (pos < 0: a skipped pair). */
-        if (c->pairs) {
-            for (int64_t p = 0; p < c->T * c->k; p++)
-                for (int64_t r = r0; r < r1; r++)
-                    c->out[p * c->H + r] = c->pos[p] < 0 ? 0.0f : c->wts[p] * y[c->pos[p] * c->rows_b + (r - r0)];
-            continue;
-        }
-        for (int64_t t = 0; t < c->T; t++) {
-            for (int64_t r = r0; r < r1; r++) {
-                float acc = 0.0f;
-                for (int64_t j = 0; j < c->k; j++) {
-                    const int64_t s = c->pos[t * c->k + j];
-                    if (s >= 0) acc += c->wts[t * c->k + j] * y[s * c->rows_b + (r - r0)];
-                }
-                c->out[t * c->H + r] = acc;
-            }
-        }
+        for (int64_t a = 0; a < c->nact; a++) down_rows(c, a, r0, r1, y, c->rows_b);
+        combine_rows(c, r0, r1, y, c->rows_b);
+    }
+}
+
+/* A few tokens (decode): each item one long run of one expert's down rows, so a thread streams whole matrices
+ * instead of switching experts every few KB; the combine follows on the caller (moe_down_combine). */
+static void moe_down_expert_task(void *p, int tid, int nth) {
+    moe_ctx *c = p;
+    (void)nth;
+    int cur = tid % c->qb.n;
+    const int64_t span = (c->H / c->parts + c->rows_d - 1) / c->rows_d * c->rows_d;
+    for (int64_t it; (it = wq_next(&c->qb, &cur)) >= 0;) {
+        const int64_t a = it / c->parts, r0 = it % c->parts * span, r1 = min64(r0 + span, c->H);
+        if (r0 < r1) down_rows(c, a, r0, r1, c->scratch + r0, c->H);
     }
 }
 
@@ -418,6 +444,7 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
     const int64_t hrow = I / qk_act_elems(ad) * qk_act_bytes(ad);
     int64_t rows_b = rows_per_item(H, nth);
     while (rows_b > 4 && P * rows_b * (int64_t)sizeof(float) > SCRATCH_BYTES) rows_b /= 2;
+    const int by_expert = T <= BY_EXPERT_TOKENS; /* down pass by expert (see moe_down_expert_task) */
     /* A batch takes two groups of interleaved rows per call where the kernel set has such kernels. */
     dot16_fn d16_g = T > 1 ? ks->dot16[qg] : NULL, d16_u = T > 1 ? ks->dot16[qu] : NULL;
     dot16_fn d16_d = T > 1 ? ks->dot16[qd] : NULL;
@@ -429,7 +456,7 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
      * done (E counters); gate, up and down addresses (3 E); act_e (E int32); h (P * I floats); down
      * outputs (nth * P * rows_b floats); quantized x (one copy per activation format) and quantized h. */
     const int64_t n_i64 = 5 * E + 1 + 2 * P;
-    const int64_t n_f32 = P * I + (int64_t)nth * P * rows_b;
+    const int64_t n_f32 = P * I + (by_expert ? P * H : (int64_t)nth * P * rows_b);
     const int64_t n_u8 = T * xrow_g + (au != ag ? T * xrow_u : 0) + P * hrow;
     uint8_t *mem = malloc((size_t)(n_i64 * 8 + E * (int64_t)sizeof(atomic_long) + (E + 1) / 2 * 8 + n_f32 * 4 + n_u8));
     if (!mem) return QK_ENOMEM;
@@ -439,7 +466,7 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
     int32_t *act_e = (int32_t *)(done + E);
     float *h = (float *)(act_e + (E + 1) / 2 * 2); /* 8-byte aligned */
     float *scratch = h + P * I;
-    uint8_t *xg = (uint8_t *)(scratch + (int64_t)nth * P * rows_b);
+    uint8_t *xg = (uint8_t *)(scratch + (by_expert ? P * H : (int64_t)nth * P * rows_b));
     uint8_t *xu = au != ag ? xg + T * xrow_g : xg;
     uint8_t *hq = xu + (au != ag ? T * xrow_u : T * xrow_g);
 
@@ -501,11 +528,22 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
     c.rows_a = (c.rows_a + step - 1) / step * step;
     if (c.rows_a > I) c.rows_a = I;
     c.items_per_expert = (I + c.rows_a - 1) / c.rows_a;
-    c.items_b = (H + rows_b - 1) / rows_b;
+    if (by_expert) { /* parts: at least BY_EXPERT_ITEMS items per thread in all, for balance */
+        c.parts = (BY_EXPERT_ITEMS * nth + nact - 1) / nact;
+        if (c.parts > H / td->rows) c.parts = H / td->rows;
+        c.items_b = nact * c.parts;
+    } else {
+        c.items_b = (H + rows_b - 1) / rows_b;
+    }
     wq_init(&c.qa, nact * c.items_per_expert, nth);
     wq_init(&c.qb, c.items_b, nth);
     qk_pool_run(moe_gate_up_task, &c);
-    qk_pool_run(moe_down_task, &c);
+    if (by_expert) {
+        qk_pool_run(moe_down_expert_task, &c);
+        combine_rows(&c, 0, H, scratch, H);
+    } else {
+        qk_pool_run(moe_down_task, &c);
+    }
     free(mem);
     return QK_OK;
 }
