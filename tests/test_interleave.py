@@ -1,4 +1,4 @@
-"""The CPU kernels' interleaved layouts (Q4_K_R8, Q8_0_R8, MXFP4_R8: kernels/csrc/r8.c, dot_x86_r8.inc).
+"""The CPU kernels' interleaved layouts (Q4_K_R8, Q6_K_R8, Q8_0_R8, MXFP4_R8: kernels/csrc/r8.c, dot_x86_r8.inc).
 
 The layout only reorders bytes, so it is checked three ways: the round trip gives the file's bytes back for
 any bytes; a matmul over it equals x @ W^T with W dequantized by gguf.quants from the original bytes (the
@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="moerun.kernels._cpu
 
 ISAS = cpu.features()["isas"]
 Q4K = QType.Q4_K
-QTYPES = pytest.mark.parametrize("qt", [QType.Q4_K, QType.Q8_0, QType.MXFP4], ids=lambda q: q.name)
+QTYPES = pytest.mark.parametrize("qt", [QType.Q4_K, QType.Q6_K, QType.Q8_0, QType.MXFP4], ids=lambda q: q.name)
+K_QUANTS = (QType.Q4_K, QType.Q6_K)  # activations in blocks of 256
 
 
 def q4k(rows: int, cols: int, seed: int = 0, random_bytes: bool = False, lead: tuple[int, ...] = (),
@@ -44,7 +45,7 @@ def gguf_dequant(w: QTensor) -> torch.Tensor:
 def emulate_act(x: torch.Tensor, qt: QType = Q4K) -> torch.Tensor:
     """x after the kernels' activation rounding (d = absmax / 127 per 256 values for K-quants, per 32 for
     Q8_0; round half to even)."""
-    xb = x.reshape(-1, 256 if qt == Q4K else 32)
+    xb = x.reshape(-1, 256 if qt in K_QUANTS else 32)
     amax = xb.abs().amax(-1, keepdim=True)
     q = torch.round(xb * torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax)))
     return (q.double() * (amax / 127.0).double()).reshape(x.shape)
@@ -69,10 +70,12 @@ def test_round_trip_gives_the_file_bytes_back(shape, random_bytes, qt):
     assert torch.equal(il.dequantize().double(), gguf_dequant(w))
 
 
-def test_any_bytes_round_trip():
-    """Every scale/min bit pattern (12 packed bytes -> 6-bit values and back is one to one)."""
-    raw = torch.randint(0, 256, (16, 144 * 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    w = QTensor.from_bytes(raw, Q4K, (16, 512))
+@pytest.mark.parametrize("qt,block", [(Q4K, 144), (QType.Q6_K, 210)], ids=["Q4_K", "Q6_K"])
+def test_any_bytes_round_trip(qt, block):
+    """Every bit pattern: Q4_K's 12 packed scale bytes -> 6-bit values and back is one to one; Q6_K's low and high
+    bits of each weight, its int8 scales and d land in one place each."""
+    raw = torch.randint(0, 256, (16, block * 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    w = QTensor.from_bytes(raw, qt, (16, 512))
     assert torch.equal(cpu.deinterleave(cpu.interleave(w)).data, raw)
 
 
@@ -88,17 +91,18 @@ def test_stacked_experts_interleave_per_expert(qt):
 
 def test_what_cannot_be_interleaved():
     assert not cpu.can_interleave(q4k(12, 256))  # rows not a multiple of 8
-    q6 = QTensor.from_bytes(quantize(torch.randn(8, 256), QType.Q6_K), QType.Q6_K, (8, 256))
+    q5 = QTensor.from_bytes(random_blocks(QType.Q5_K, 8, 256, torch.Generator().manual_seed(0)), QType.Q5_K,
+                            (8, 256))  # no interleaved layout
     assert not cpu.can_interleave(q4k(12, 64, qt=QType.Q8_0))
-    assert not cpu.can_interleave(q6)
+    assert not cpu.can_interleave(q5)
     assert not cpu.can_interleave(cpu.interleave(q4k(8, 256)))  # already
-    for bad in (q4k(12, 256), q6):
+    for bad in (q4k(12, 256), q5):
         with pytest.raises(ValueError):
             cpu.interleave(bad)
     with pytest.raises(ValueError):
         cpu.deinterleave(q4k(8, 256))
     with pytest.raises(ValueError):  # the layout is validated with the tensor
-        QTensor(q6.data, QType.Q6_K, (8, 256), interleave=8)
+        QTensor(q5.data, QType.Q5_K, (8, 256), interleave=8)
     with pytest.raises(ValueError):
         QTensor(q4k(8, 256).data, Q4K, (8, 256), interleave=4)
     il = cpu.interleave(q4k(16, 256))

@@ -338,8 +338,8 @@ static PyObject *py_head(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"features", py_features, METH_NOARGS, "Kernel sets this CPU runs, the best one, thread pool settings."},
     {"qtypes", py_qtypes, METH_NOARGS, "ggml type ids (GGUF layouts) with kernels."},
-    {"repack", py_repack, METH_VARARGS, "repack(to, src, dst, N, K): Q4_K rows into an interleaved layout."},
-    {"unpack", py_unpack, METH_VARARGS, "unpack(from, src, dst, N, K): an interleaved layout back to Q4_K."},
+    {"repack", py_repack, METH_VARARGS, "repack(to, src, dst, N, K): GGUF rows (Q4_K, Q6_K, Q8_0, MXFP4) into an interleaved layout."},
+    {"unpack", py_unpack, METH_VARARGS, "unpack(from, src, dst, N, K): an interleaved layout back to GGUF rows."},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n, spin_us=-1): size the thread pool."},
     {"get_threads", py_get_threads, METH_NOARGS, "Threads of the pool (caller included)."},
     {"set_active", py_set_active, METH_VARARGS, "set_active(n): jobs run on min(n, threads) threads (0: all)."},

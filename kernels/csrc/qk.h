@@ -27,7 +27,7 @@
  *          | ((scales_h >> 2i) & 3) << 4) - 32. qs[16i + j] low nibble -> el 32i + j, high -> 32i+16+j.
  *          value = d * scale * KV_IQ4NL[q].
  *
- * Interleaved layout (ours, internal; made at load time by qk_repack, repack.c, for weights in memory moerun
+ * Interleaved layout (ours, internal; made at load time by qk_repack, r8.c, for weights in memory moerun
  * owns; never in a file). Its type id is the source type's + QK_R8 (Q4_K_R8 = 1012). Rows go in groups of
  * 8; block i of a group (the 8 rows' block i) is one 1152-byte "R8 block", the bytes of the 8 source
  * blocks rearranged so that one 32-byte load holds 4 consecutive weights of each of the 8 rows, one
@@ -40,6 +40,14 @@
  *          V3; hi[j] = the four values' top 2 bits, V0's in bits 0-1 .. V3's in bits 6-7.
  *          qs[256g + 32c + 4r + i] = source row r's qs[32g + 4c + i] (g < 4, c < 8, i < 4): low nibble
  *          = el 64g + 4c + i, high nibble = el 64g + 32 + 4c + i.
+ *   Q6_K_R8 @0 d[8] f16 | @16 sc[128] int8 | @144 16 x (ql vector 2m, ql vector 2m + 1, qh vector m), 32 B each.
+ *          1680 B. Let q[e] be row r's 6-bit value (0..63) of element e and W_c the 8 rows' elements 4c..4c+3
+ *          (c < 64), byte 4r + i = row r's element 4c + i. sc[16p + 2r + k] = row r's scale 2p + k (p < 8): the
+ *          8 rows' pairs of scales, int16 pairs once widened. ql vector c (c < 32): low nibble = low 4 bits of
+ *          W_c, high nibble = of W_{c+32} (el 128 + 4c + i). qh vector m: top 2 bits of W_{2m} in bits 0-1,
+ *          W_{2m+1} in 2-3, W_{2m+32} in 4-5, W_{2m+33} in 6-7. So the kernels read a block once, front to
+ *          back (two streams, ql and qh, left the prefetchers behind: 6 GB/s), 96 bytes giving four weights of
+ *          sub-blocks m/2 and m/2 + 8. value = d * sc[el / 16] * (q - 32), as Q6_K.
  *   Q8_0_R8 @0 d[8] f16 | @16 qs[256]: qs[32c + 4r + i] = row r's element 4c + i (c < 8, i < 4). 272 B.
  *   MXFP4_R8 @0 e[8] (E8M0) | @8 qs[128]: qs[32g + 4r + i] = row r's qs[4g + i] (g < 4, i < 4): low nibble = el
  *          4g + i, high nibble = el 16 + 4g + i, so the low and high nibbles of one 32-byte load are two 4-weight
@@ -73,7 +81,7 @@ enum { GGML_Q4_0 = 2, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K =
        GGML_IQ4_XS = 23, GGML_MXFP4 = 39 };
 /* Our interleaved layouts (see above): type id = source ggml id + QK_R8. */
 enum { QK_R8 = 1000, GGML_Q4_K_R8 = QK_R8 + GGML_Q4_K, GGML_Q8_0_R8 = QK_R8 + GGML_Q8_0,
-       GGML_MXFP4_R8 = QK_R8 + GGML_MXFP4 };
+       GGML_MXFP4_R8 = QK_R8 + GGML_MXFP4, GGML_Q6_K_R8 = QK_R8 + GGML_Q6_K };
 
 /* Float weight types, read by the fused decode path's matmuls (fdot.c). */
 enum { GGML_F32 = 0, GGML_F16 = 1 };
@@ -81,7 +89,7 @@ enum { FT_F32, FT_F16, FT_COUNT };
 
 /* Our dense indices for those types. */
 enum { QT_Q4_0, QT_Q8_0, QT_MXFP4, QT_Q4_K, QT_Q5_K, QT_Q6_K, QT_IQ4_XS, QT_Q4_K_R8, QT_Q8_0_R8, QT_MXFP4_R8,
-       QT_COUNT };
+       QT_Q6_K_R8, QT_COUNT };
 
 /* Activation formats. */
 enum { ACT_Q8K, ACT_Q8_0, ACT_COUNT };
@@ -155,6 +163,7 @@ void qk_dot_scalar_iq4_xs(int64_t, const uint8_t *, const void *const *, int, fl
 void qk_dot_scalar_q4_k_r8(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_q8_0_r8(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_mxfp4_r8(int64_t, const uint8_t *, const void *const *, int, float *);
+void qk_dot_scalar_q6_k_r8(int64_t, const uint8_t *, const void *const *, int, float *);
 /* The four 32-value scale vectors V0..V3 of a Q4_K_R8 block (r8.c). */
 void qk_r8_vectors(const uint8_t *b, uint8_t v[4][32]);
 #if QK_X86
@@ -170,11 +179,13 @@ void qk_quant_q8_0_avx2(const float *x, void *out, int64_t k);
     void qk_dot_q6_k##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
     void qk_dot_q4_k_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);  \
     void qk_dot_q8_0_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);  \
-    void qk_dot_mxfp4_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);
+    void qk_dot_mxfp4_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);  \
+    void qk_dot_q6_k_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);
 QK_DECLARE_X86_DOTS(_avx2)
 QK_DECLARE_X86_DOTS(_vnni)
 void qk_dot16_q8_0_r8_vnni(int64_t, const uint8_t *, int64_t, const void *const *, int, float *);
 void qk_dot16_q4_k_r8_vnni(int64_t, const uint8_t *, int64_t, const void *const *, int, float *);
+void qk_dot16_q6_k_r8_vnni(int64_t, const uint8_t *, int64_t, const void *const *, int, float *);
 #endif
 #if QK_NEON
 void qk_dot_q8_0_neon(int64_t, const uint8_t *, const void *const *, int, float *);

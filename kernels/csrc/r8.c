@@ -1,4 +1,4 @@
-/* The interleaved layouts Q4_K_R8, Q8_0_R8 and MXFP4_R8 (qk.h): repacking from and back to GGUF's blocks, and the
+/* The interleaved layouts Q4_K_R8, Q6_K_R8, Q8_0_R8 and MXFP4_R8 (qk.h): repacking from and back to GGUF's blocks, and the
  * portable dots.
  *
  * qk_repack and qk_unpack are exact inverses on any bytes (the 12-byte packed scales map one to one onto
@@ -14,6 +14,7 @@
 #define R8_BYTES (8 * Q4K_BYTES)
 #define Q80_BYTES 34
 #define MXFP4_BYTES 17
+#define Q6K_BYTES 210
 
 /* The four 32-value scale vectors of an R8 block (layout: qk.h). */
 void qk_r8_vectors(const uint8_t *b, uint8_t v[4][32]) {
@@ -101,6 +102,70 @@ static void mxfp4_unpack_block(const uint8_t *b, uint8_t *const dst[8]) {
     }
 }
 
+/* Row r's 6-bit values q[256] of a Q6_K block (qk.h), and back. */
+static void q6k_values(const uint8_t *blk, uint8_t q[256]) {
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 64; j++) {
+            const uint8_t l = blk[64 * h + j], hb = blk[128 + 32 * h + j % 32];
+            const int k = j / 32; /* el 128h + j takes qh bits 2k, el 128h + 64 + j bits 2(k + 2) */
+            q[128 * h + j] = (uint8_t)((l & 15) | ((hb >> (2 * k)) & 3) << 4);
+            q[128 * h + 64 + j] = (uint8_t)((l >> 4) | ((hb >> (2 * k + 4)) & 3) << 4);
+        }
+}
+
+static void q6k_store(const uint8_t q[256], uint8_t *blk) {
+    memset(blk + 128, 0, 64);
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 64; j++) {
+            const int k = j / 32;
+            blk[64 * h + j] = (uint8_t)((q[128 * h + j] & 15) | (q[128 * h + 64 + j] & 15) << 4);
+            blk[128 + 32 * h + j % 32] |= (uint8_t)((q[128 * h + j] >> 4) << (2 * k) | (q[128 * h + 64 + j] >> 4) << (2 * k + 4));
+        }
+}
+
+/* Q6_K_R8 (qk.h): element e of row r sits in ql vector c % 32 (c = e / 4; high nibble for c >= 32) and in qh vector
+ * m = c % 32 / 2, bit pair c % 2 + 2 (c >= 32), each at 4r + e % 4; -> the two vectors' byte offsets in the block. */
+static void q6r8_place(int e, int *ql_at, int *nib, int *qh_at, int *pair) {
+    const int c = e / 4, m = c % 32 / 2; /* W_c */
+    *ql_at = 144 + 96 * m + 32 * (c % 2);
+    *nib = c >= 32;
+    *qh_at = 144 + 96 * m + 64;
+    *pair = c % 2 + 2 * (c >= 32);
+}
+
+static void q6r8_pack_block(const uint8_t *const src[8], uint8_t *b) {
+    memset(b + 144, 0, 1536);
+    for (int r = 0; r < 8; r++) {
+        uint8_t q[256];
+        q6k_values(src[r], q);
+        memcpy(b + 2 * r, src[r] + 208, 2);
+        for (int s = 0; s < 16; s++) b[16 + 16 * (s / 2) + 2 * r + s % 2] = src[r][192 + s];
+        for (int e = 0; e < 256; e++) {
+            int lo, nib, hi, pair;
+            q6r8_place(e, &lo, &nib, &hi, &pair);
+            b[lo + 4 * r + e % 4] |= (uint8_t)((q[e] & 15) << (4 * nib));
+            b[hi + 4 * r + e % 4] |= (uint8_t)((q[e] >> 4) << (2 * pair));
+        }
+    }
+}
+
+/* Row r's 6-bit value of element e in a Q6_K_R8 block. */
+static int q6r8_value(const uint8_t *b, int r, int e) {
+    int lo, nib, hi, pair;
+    q6r8_place(e, &lo, &nib, &hi, &pair);
+    return (b[lo + 4 * r + e % 4] >> (4 * nib) & 15) | (b[hi + 4 * r + e % 4] >> (2 * pair) & 3) << 4;
+}
+
+static void q6r8_unpack_block(const uint8_t *b, uint8_t *const dst[8]) {
+    for (int r = 0; r < 8; r++) {
+        uint8_t q[256];
+        for (int e = 0; e < 256; e++) q[e] = (uint8_t)q6r8_value(b, r, e);
+        q6k_store(q, dst[r]);
+        for (int s = 0; s < 16; s++) dst[r][192 + s] = b[16 + 16 * (s / 2) + 2 * r + s % 2];
+        memcpy(dst[r] + 208, b + 2 * r, 2);
+    }
+}
+
 typedef struct {
     int type, src_type, blk_elems, blk_bytes; /* the interleaved type, its GGUF source and that's block */
     void (*pack)(const uint8_t *const src[8], uint8_t *b);
@@ -111,6 +176,7 @@ static const relayout_kind KINDS[] = {
     {GGML_Q4_K_R8, GGML_Q4_K, 256, Q4K_BYTES, r8_pack_block, r8_unpack_block},
     {GGML_Q8_0_R8, GGML_Q8_0, 32, Q80_BYTES, q8_pack_block, q8_unpack_block},
     {GGML_MXFP4_R8, GGML_MXFP4, 32, MXFP4_BYTES, mxfp4_pack_block, mxfp4_unpack_block},
+    {GGML_Q6_K_R8, GGML_Q6_K, 256, Q6K_BYTES, q6r8_pack_block, q6r8_unpack_block},
 };
 
 static const relayout_kind *kind_of(int type) {
@@ -230,6 +296,30 @@ void qk_dot_scalar_mxfp4_r8(int64_t nb, const uint8_t *w, const void *const *xv,
                     s += QK_KV_MXFP4[q & 15] * x[i].qs[e] + QK_KV_MXFP4[q >> 4] * x[i].qs[e + 16];
                 }
                 acc[r] += qk_e8m0_half(b[r]) * x[i].d * (float)s;
+            }
+        }
+        for (int r = 0; r < 8; r++) out[8 * t + r] = acc[r];
+    }
+}
+
+/* Portable Q6_K_R8 dot: out[8t + r] = sum_i y.d * d_r * (sum_s sc * (q . y)_s - 32 sum_s sc * bsum_s), the integer
+ * sums as the x86 kernels. */
+void qk_dot_scalar_q6_k_r8(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {
+    for (int t = 0; t < nt; t++) {
+        const act_q8k *x = xv[t];
+        float acc[8] = {0};
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *b = w + i * 8 * Q6K_BYTES;
+            for (int r = 0; r < 8; r++) {
+                int32_t isum = 0, bias = 0;
+                for (int s = 0; s < 16; s++) {
+                    const int sc = (int8_t)b[16 + 16 * (s / 2) + 2 * r + s % 2];
+                    int32_t sub = 0;
+                    for (int e = 16 * s; e < 16 * s + 16; e++) sub += q6r8_value(b, r, e) * x[i].qs[e];
+                    isum += sc * sub;
+                    bias += sc * x[i].bsums[s];
+                }
+                acc[r] += x[i].d * qk_f16_at(b + 2 * r) * (float)(isum - 32 * bias);
             }
         }
         for (int r = 0; r < 8; r++) out[8 * t + r] = acc[r];
