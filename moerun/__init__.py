@@ -1,5 +1,12 @@
 """moerun: run Mixture-of-Experts language models larger than your GPU."""
 
+import os
+
+# torch's OpenMP workers spin ~300k rounds (milliseconds) after each parallel region, on the cores the kernel pool
+# runs on next: 8% of a pp512's samples on 2 cores; a short spin keeps back-to-back torch ops warm (bench/RESULTS.md,
+# issue 21). Read when torch loads libgomp, so only where moerun is imported first; a user's setting stands.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
 from moerun.errors import ModelFormatError, MoerunError
 
 __version__ = "0.1.0"
