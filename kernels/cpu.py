@@ -27,7 +27,7 @@ import torch
 
 from moerun.quant.qtypes import INTERLEAVABLE, QTensor, QType
 
-__all__ = ["AttnLayer", "AttnRows", "Head", "LayerStack", "attn_block", "available", "can_interleave", "decode_layers",
+__all__ = ["AttnLayer", "AttnRows", "Head", "LayerStack", "attend_prompt", "attn_block", "available", "can_interleave", "decode_layers",
            "deinterleave", "dequant_rows", "features", "get_threads", "head_logits", "interleave", "matmul", "moe_ffn",
            "moe_ffn_experts", "set_threads", "supports"]
 
@@ -627,6 +627,30 @@ def head_logits(head: Head, x: torch.Tensor, eps: float, *, isa: str | None = No
         _cpu.head(isa_id, x.data_ptr(), T, head.hidden, head.norm.data_ptr(), eps, head.data.data_ptr(), head.type,
                   head.rows, xn.data_ptr(), logits.data_ptr())
     return logits
+
+
+def attend_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                  scale: float, sinks: torch.Tensor | None = None, window: int = 0, *, isa: str | None = None
+                  ) -> torch.Tensor:
+    """moerun.model.layers.attend in one call (flash style, on the pool): q [T, nh, D], k [S, nkv, D], v [S, nkv, Dv]
+    float32, positions [T] and [S] (k_pos ascending) -> [T, nh * Dv]. D <= 256, Dv a multiple of 16."""
+    isa_id = _isa(isa)
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError("q, k and v must be [T, heads, D]")
+    (T, nh, D), (S, nkv, Dv) = q.shape, v.shape
+    if k.shape != (S, nkv, D) or nh % nkv or len(q_pos) != T or len(k_pos) != S:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit GQA attention")
+    for name, t in (("q", q), ("k", k), ("v", v)) + ((("sinks", sinks),) if sinks is not None else ()):
+        if t.dtype != torch.float32 or not t.is_cpu:
+            raise ValueError(f"{name} must be a float32 CPU tensor")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    qp, kp = (p.to(device="cpu", dtype=torch.int64).contiguous() for p in (q_pos, k_pos))
+    sk = sinks.contiguous() if sinks is not None else None
+    out = torch.empty((T, nh * Dv), dtype=torch.float32)
+    if T and S:
+        _cpu.attn_prompt(isa_id, q.data_ptr(), T, nh, D, k.data_ptr(), v.data_ptr(), S, nkv, Dv, qp.data_ptr(),
+                         kp.data_ptr(), float(scale), int(window), 0 if sk is None else sk.data_ptr(), out.data_ptr())
+    return out
 
 
 def _check_step(hidden: int, x, rows: AttnRows, k_cache, v_cache) -> None:

@@ -67,4 +67,11 @@ int qk_decode_layers(int isa, int64_t n, const qk_attn_desc *const *descs, float
 int qk_head(int isa, const float *x, int64_t B, int64_t H, const float *out_norm, float eps, const qk_wmat *head,
             float *xn, float *logits);
 
+/* A prompt's causal GQA attention (attn_prompt.c): q [T, nh, D], k [S, nkv, D], v [S, nkv, Dv] floats, positions
+ * q_pos [T] and k_pos [S] (ascending); each query sees the keys at positions <= its own (and, window > 0, above
+ * its own - window); sinks [nh] or NULL: a logit per head in the softmax's sum, with no value. -> out [T, nh, Dv]. */
+int qk_attn_prompt(int isa, const float *q, int64_t T, int64_t nh, int64_t D, const float *k, const float *v,
+                   int64_t S, int64_t nkv, int64_t Dv, const int64_t *q_pos, const int64_t *k_pos, float scale,
+                   int64_t window, const float *sinks, float *out);
+
 #endif

@@ -335,6 +335,23 @@ static PyObject *py_head(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS return raise_code(rc);
 }
 
+static PyObject *py_attn_prompt(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa;
+    unsigned long long q, k, v, qp, kp, sinks, out;
+    long long T, nh, D, S, nkv, Dv, window;
+    float scale;
+    if (!PyArg_ParseTuple(args, "iKLLLKKLLLKKfLKK", &isa, &q, &T, &nh, &D, &k, &v, &S, &nkv, &Dv, &qp, &kp, &scale,
+                          &window, &sinks, &out))
+        return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = qk_attn_prompt(
+        isa, (const float *)(uintptr_t)q, T, nh, D, (const float *)(uintptr_t)k, (const float *)(uintptr_t)v, S, nkv,
+        Dv, (const int64_t *)(uintptr_t)qp, (const int64_t *)(uintptr_t)kp, scale, window,
+        (const float *)(uintptr_t)sinks, (float *)(uintptr_t)out);
+    Py_END_ALLOW_THREADS return raise_code(rc);
+}
+
 static PyMethodDef methods[] = {
     {"features", py_features, METH_NOARGS, "Kernel sets this CPU runs, the best one, thread pool settings."},
     {"qtypes", py_qtypes, METH_NOARGS, "ggml type ids (GGUF layouts) with kernels."},
@@ -359,6 +376,8 @@ static PyMethodDef methods[] = {
     {"attn_block", py_attn_block, METH_VARARGS,
      "attn_block(isa, desc, x, B, slots, pos, kc, vc, cos, sin, eps, clip, xn_out, ids_out, w_out, moe=0, ktype=0, "
      "vtype=0)"},
+    {"attn_prompt", py_attn_prompt, METH_VARARGS,
+     "attn_prompt(isa, q, T, nh, D, k, v, S, nkv, Dv, q_pos, k_pos, scale, window, sinks, out)"},
     {"head", py_head, METH_VARARGS, "head(isa, x, B, H, norm, eps, head, head_type, head_rows, xn, logits)"},
     {"decode_layers", py_decode_layers, METH_VARARGS,
      "decode_layers(isa, n, descs, x, B, slots, wslots, pos, kcs, vcs, cos, sin, eps, clip, xn_out, ids_out, w_out)"},

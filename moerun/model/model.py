@@ -18,7 +18,7 @@ from moerun.experts.store import ExpertReader, ExpertStore
 from moerun.formats.names import CName
 from moerun.model import deltanet
 from moerun.model.fused import FusedAttention
-from moerun.model.layers import apply_rope, attend, mla_form, rms_norm, rope_tables
+from moerun.model.layers import apply_rope, mla_form, rms_norm, rope_tables
 from moerun.model.moe import Experts, ResidentExperts, route
 from moerun.model.ops import ExpertFn, Weight, make_ops
 from moerun.quant.qtypes import FLOAT_QTYPES, QTensor
@@ -238,7 +238,7 @@ class MoEModel:
             kv.write(i, start, k, v)
             k, v = kv.read(i, end)  # [end, kv_heads, D]
             k_pos = torch.arange(end, device=x.device)
-        out = attend(q, k, v, pos, k_pos, scale=s.softmax_scale, sinks=lw.sinks, window=window)  # [T, nh * D]
+        out = self.ops.attend(q, k, v, pos, k_pos, scale=s.softmax_scale, sinks=lw.sinks, window=window)  # [T, nh*D]
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return mm(out, lw.wo, lw.bo)  # [T, H]

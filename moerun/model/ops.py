@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from moerun.experts.store import Expert
+from moerun.model.layers import SMALL_T, attend
 from moerun.quant.qtypes import FLOAT_QTYPES, QTensor
 
 Weight = torch.Tensor | QTensor
@@ -76,6 +77,10 @@ class ReferenceOps:
     def linears(self, x: torch.Tensor, ws: list[Weight]) -> list[torch.Tensor]:
         """[x @ w.T for w in ws]: several products of one input (the kernels take them in one call)."""
         return [self.linear(x, w) for w in ws]
+
+    def attend(self, q, k, v, q_pos, k_pos, scale=None, sinks=None, window=0) -> torch.Tensor:
+        """moerun.model.layers.attend (causal GQA attention) -> [T, nh * Dv]."""
+        return attend(q, k, v, q_pos, k_pos, scale=scale, sinks=sinks, window=window)
 
     def swiglu(self, x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor:
         """down(silu(gate x) * up x). x [T, H] -> [T, H]."""
@@ -155,6 +160,7 @@ class KernelOps(ReferenceOps):
 
         super().__init__()
         self.cpu = cpu
+        self.c_attention = cpu.features()["isa"] == "avx512vnni"  # prompt attention in C: its AVX-512 set only
 
     def step(self, n_tokens: int):
         """DESIGN decision 9, one thread budget: in small decode steps the kernel pool does the heavy work
@@ -165,6 +171,15 @@ class KernelOps(ReferenceOps):
 
     def _ok(self, x: torch.Tensor, qtype) -> bool:
         return x.device.type == "cpu" and x.dtype == torch.float32 and self.cpu.supports(qtype)
+
+    def attend(self, q, k, v, q_pos, k_pos, scale=None, sinks=None, window=0):
+        """A prompt's attention in C where the AVX-512 set runs (float32 on the CPU; measured against torch's
+        blocked SDPA in bench/RESULTS.md); decode-sized steps and other machines keep torch's path."""
+        if (q.shape[0] > SMALL_T and self.c_attention and q.dtype == k.dtype == v.dtype ==
+                torch.float32 and q.is_cpu and q.shape[-1] <= 256 and v.shape[-1] % 16 == 0):
+            return self.cpu.attend_prompt(q, k, v, q_pos, k_pos, q.shape[-1] ** -0.5 if scale is None else scale,
+                                          sinks, window)
+        return super().attend(q, k, v, q_pos, k_pos, scale, sinks, window)
 
     def linear(self, x, w, b=None):
         if isinstance(w, QTensor) and self._ok(x, w.qtype):
