@@ -1,4 +1,4 @@
-"""The CPU kernels' interleaved layouts (Q4_K_R8, Q6_K_R8, Q8_0_R8, MXFP4_R8: kernels/csrc/r8.c, dot_x86_r8.inc).
+"""The CPU kernels' interleaved layouts (Q4_K_R8, Q6_K_R8, Q8_0_R8, MXFP4_R8, IQ4_XS_R8: kernels/csrc/r8.c, dot_x86_r8.inc).
 
 The layout only reorders bytes, so it is checked three ways: the round trip gives the file's bytes back for
 any bytes; a matmul over it equals x @ W^T with W dequantized by gguf.quants from the original bytes (the
@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="moerun.kernels._cpu
 
 ISAS = cpu.features()["isas"]
 Q4K = QType.Q4_K
-QTYPES = pytest.mark.parametrize("qt", [QType.Q4_K, QType.Q6_K, QType.Q8_0, QType.MXFP4], ids=lambda q: q.name)
+QTYPES = pytest.mark.parametrize("qt", [QType.Q4_K, QType.Q6_K, QType.Q8_0, QType.MXFP4, QType.IQ4_XS],
+                                 ids=lambda q: q.name)
 K_QUANTS = (QType.Q4_K, QType.Q6_K)  # activations in blocks of 256
 
 
@@ -32,7 +33,10 @@ def q4k(rows: int, cols: int, seed: int = 0, random_bytes: bool = False, lead: t
         qt: QType = Q4K) -> QTensor:
     gen = torch.Generator().manual_seed(seed)
     n = int(np.prod(lead, dtype=np.int64)) * rows
-    data = random_blocks(qt, n, cols, gen) if random_bytes else quantize(torch.randn(n, cols, generator=gen) * 0.05, qt)
+    if random_bytes or qt == QType.IQ4_XS:  # moerun does not quantize IQ4_XS: gguf-valid random blocks
+        data = random_blocks(qt, n, cols, gen)
+    else:
+        data = quantize(torch.randn(n, cols, generator=gen) * 0.05, qt)
     return QTensor.from_bytes(data, qt, (*lead, rows, cols))
 
 

@@ -1,4 +1,4 @@
-/* The interleaved layouts Q4_K_R8, Q6_K_R8, Q8_0_R8 and MXFP4_R8 (qk.h): repacking from and back to GGUF's blocks, and the
+/* The interleaved layouts Q4_K_R8, Q6_K_R8, Q8_0_R8, MXFP4_R8 and IQ4_XS_R8 (qk.h): repacking from and back to GGUF's blocks, and the
  * portable dots.
  *
  * qk_repack and qk_unpack are exact inverses on any bytes (the 12-byte packed scales map one to one onto
@@ -15,6 +15,7 @@
 #define Q80_BYTES 34
 #define MXFP4_BYTES 17
 #define Q6K_BYTES 210
+#define IQ4XS_BYTES 136
 
 /* The four 32-value scale vectors of an R8 block (layout: qk.h). */
 void qk_r8_vectors(const uint8_t *b, uint8_t v[4][32]) {
@@ -102,6 +103,28 @@ static void mxfp4_unpack_block(const uint8_t *b, uint8_t *const dst[8]) {
     }
 }
 
+/* One IQ4_XS_R8 block from 8 IQ4_XS blocks, and back: d, scales_l by byte, scales_h, then per sub-block the 8 rows'
+ * 4-byte chunks as MXFP4_R8. */
+static void iq4xs_pack_block(const uint8_t *const src[8], uint8_t *b) {
+    for (int r = 0; r < 8; r++) {
+        memcpy(b + 2 * r, src[r], 2);
+        for (int j = 0; j < 4; j++) b[16 + 8 * j + r] = src[r][4 + j];
+        memcpy(b + 48 + 2 * r, src[r] + 2, 2);
+        for (int s = 0; s < 8; s++)
+            for (int g = 0; g < 4; g++) memcpy(b + 64 + 128 * s + 32 * g + 4 * r, src[r] + 8 + 16 * s + 4 * g, 4);
+    }
+}
+
+static void iq4xs_unpack_block(const uint8_t *b, uint8_t *const dst[8]) {
+    for (int r = 0; r < 8; r++) {
+        memcpy(dst[r], b + 2 * r, 2);
+        for (int j = 0; j < 4; j++) dst[r][4 + j] = b[16 + 8 * j + r];
+        memcpy(dst[r] + 2, b + 48 + 2 * r, 2);
+        for (int s = 0; s < 8; s++)
+            for (int g = 0; g < 4; g++) memcpy(dst[r] + 8 + 16 * s + 4 * g, b + 64 + 128 * s + 32 * g + 4 * r, 4);
+    }
+}
+
 /* Row r's 6-bit values q[256] of a Q6_K block (qk.h), and back. */
 static void q6k_values(const uint8_t *blk, uint8_t q[256]) {
     for (int h = 0; h < 2; h++)
@@ -177,6 +200,7 @@ static const relayout_kind KINDS[] = {
     {GGML_Q8_0_R8, GGML_Q8_0, 32, Q80_BYTES, q8_pack_block, q8_unpack_block},
     {GGML_MXFP4_R8, GGML_MXFP4, 32, MXFP4_BYTES, mxfp4_pack_block, mxfp4_unpack_block},
     {GGML_Q6_K_R8, GGML_Q6_K, 256, Q6K_BYTES, q6r8_pack_block, q6r8_unpack_block},
+    {GGML_IQ4_XS_R8, GGML_IQ4_XS, 256, IQ4XS_BYTES, iq4xs_pack_block, iq4xs_unpack_block},
 };
 
 static const relayout_kind *kind_of(int type) {
@@ -320,6 +344,32 @@ void qk_dot_scalar_q6_k_r8(int64_t nb, const uint8_t *w, const void *const *xv, 
                     bias += sc * x[i].bsums[s];
                 }
                 acc[r] += x[i].d * qk_f16_at(b + 2 * r) * (float)(isum - 32 * bias);
+            }
+        }
+        for (int r = 0; r < 8; r++) out[8 * t + r] = acc[r];
+    }
+}
+
+/* Portable IQ4_XS_R8 dot: out[8t + r] = sum_i sum_s (d_r * scale_rs) * y.d * (q_rs . y.qs), the code book looked up as
+ * in the GGUF-layout kernels, the float steps as the x86 kernels. */
+void qk_dot_scalar_iq4_xs_r8(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {
+    for (int t = 0; t < nt; t++) {
+        const act_q8_0 *x = xv[t];
+        float acc[8] = {0};
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *b = w + i * 8 * IQ4XS_BYTES;
+            for (int r = 0; r < 8; r++) {
+                const uint16_t sh = qk_rd16(b + 48 + 2 * r);
+                for (int s = 0; s < 8; s++) {
+                    const act_q8_0 *y = &x[8 * i + s];
+                    const int ls = (((b[16 + 8 * (s / 2) + r] >> (4 * (s % 2))) & 15) | (((sh >> (2 * s)) & 3) << 4)) - 32;
+                    int32_t sum = 0;
+                    for (int e = 0; e < 16; e++) {
+                        const uint8_t q = b[64 + 128 * s + 32 * (e / 4) + 4 * r + e % 4];
+                        sum += QK_KV_IQ4NL[q & 15] * y->qs[e] + QK_KV_IQ4NL[q >> 4] * y->qs[e + 16];
+                    }
+                    acc[r] += qk_f16_at(b + 2 * r) * (float)ls * y->d * (float)sum;
+                }
             }
         }
         for (int r = 0; r < 8; r++) out[8 * t + r] = acc[r];
