@@ -193,6 +193,8 @@ QK_DECLARE_X86_DOTS(_vnni)
 void qk_dot16_q8_0_r8_vnni(int64_t, const uint8_t *, int64_t, const void *const *, int, float *);
 void qk_dot16_q4_k_r8_vnni(int64_t, const uint8_t *, int64_t, const void *const *, int, float *);
 void qk_dot16_q6_k_r8_vnni(int64_t, const uint8_t *, int64_t, const void *const *, int, float *);
+void qk_dot16_mxfp4_r8_vnni(int64_t, const uint8_t *, int64_t, const void *const *, int, float *);
+void qk_dot16_iq4_xs_r8_vnni(int64_t, const uint8_t *, int64_t, const void *const *, int, float *);
 #endif
 #if QK_NEON
 void qk_dot_q8_0_neon(int64_t, const uint8_t *, const void *const *, int, float *);
