@@ -112,7 +112,7 @@ QK_AP_TARGET static void ap_item_avx512(const ap_ctx *c, int64_t h, int64_t t0, 
     }
     _Alignas(64) float kt[MAX_D * KC]; /* the chunk's keys transposed, by 16: kt[(j / 16 * D + d) * 16 + j % 16] */
     _Alignas(64) float s[MR * KC];
-    const __m512 scale = _mm512_set1_ps(c->scale), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 scale = _mm512_set1_ps(c->scale), ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
     const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const int64_t vstride = c->nkv * Dv;
     for (int64_t k0 = klo; k0 < khi; k0 += KC) {
@@ -168,7 +168,9 @@ QK_AP_TARGET static void ap_item_avx512(const ap_ctx *c, int64_t h, int64_t t0, 
                 al[m] = mx[r] == -INFINITY ? 0.0f : expf(mx[r] - mnew);
                 __m512 vsum = _mm512_setzero_ps();
                 for (int64_t u = 0; u < nsub; u++) {
-                    const __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(sr + u * 16), _mm512_set1_ps(mnew)));
+                    const __m512 su = _mm512_load_ps(sr + u * 16); /* hidden keys: exactly 0 */
+                    const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(su, ninf, _CMP_NEQ_OQ),
+                                                         exp16(_mm512_sub_ps(su, _mm512_set1_ps(mnew))));
                     vsum = _mm512_add_ps(vsum, e);
                     _mm512_store_ps(sr + u * 16, e);
                 }
@@ -192,8 +194,8 @@ QK_AP_TARGET static void ap_item_avx512(const ap_ctx *c, int64_t h, int64_t t0, 
                         x1[q] = _mm512_mul_ps(_mm512_loadu_ps(o1 + (i + q) * 16), al1);
                     }
                     for (int64_t j = jlo; j < jb; j++) {
-                        const __m512 w0 = _mm512_set1_ps(one && j >= a[m] && j < b[m] ? p0[j] : 0.0f);
-                        const __m512 w1 = _mm512_set1_ps(two && j >= a[m + 1] && j < b[m + 1] ? p1[j] : 0.0f);
+                        const __m512 w0 = one ? _mm512_set1_ps(p0[j]) : zero; /* 0 outside the row's keys */
+                        const __m512 w1 = two ? _mm512_set1_ps(p1[j]) : zero;
                         const float *vr = vc + j * vstride + i * 16;
                         for (int q = 0; q < w; q++) {
                             const __m512 vv = _mm512_loadu_ps(vr + q * 16);
