@@ -2,9 +2,10 @@
  * query row, so no [T, S] score matrix is stored and the keys a query cannot see are never read.
  *
  * A work item is one KV head and a block of consecutive queries: its rows are (query, query head of that KV
- * head), about ROWS_PER of them. Keys go in chunks (KC, NC for the portable set): each chunk is transposed once
- * ([D][16] per 16 keys) and then serves every row of the item from L1 (scores of 8 rows x 32 keys per step); the
- * weighted values go into an item-local output buffer, two rows per read of a value row. Per row, the visible keys are
+ * head), about ROWS_PER of them. Keys go in chunks (KC, NC for the portable set); the AVX-512 set transposes every
+ * head's keys once per call ([D][16] per 16 keys: a copy of K, S * nkv * D floats) and a chunk of them then serves
+ * every row of an item from L1 (scores of 8 rows x 32 keys per step); the weighted values go into an item-local
+ * output buffer, two rows per read of a value row. Per row, the visible keys are
  * one index range [lo, hi) (k_pos ascending: causal, and the window's start); a chunk outside every row's range
  * of a tile is skipped. Every value is computed by one thread in a fixed order: results do not depend on the
  * thread count. The AVX-512 set (ISA_VNNI) and the portable one run the same steps; their float sums differ
@@ -33,9 +34,11 @@
 typedef struct {
     const float *q, *k, *v, *sinks;
     const int64_t *lo, *hi; /* per query: visible key index range */
-    int64_t T, nh, nkv, g, D, Dv, qb, nblocks;
+    int64_t T, S, nh, nkv, g, D, Dv, qb, nblocks;
     float scale;
     int isa;
+    float *kt;              /* AVX-512 set: every KV head's keys transposed by 16, [nkv][S16 / 16][D][16] */
+    int64_t S16;
     float *obuf;            /* per thread: qb * g * Dv floats, then 2 * qb * g (running max, sum) */
     int64_t obuf_floats;
     float *out;
@@ -102,6 +105,32 @@ static inline __attribute__((always_inline, target("avx512f,fma"))) __m512 exp16
     return _mm512_scalef_ps(p, n);
 }
 
+/* Vectors i..i+w of two output rows: o = o * alpha + sum_j p_j v_j over keys [jlo, jb) (p 0 outside a row's keys;
+ * a row not `one` / `two` is not written). Inlined with w = 4 for the whole quarters. */
+static inline __attribute__((always_inline, target("avx512f,fma"))) void pv_part(
+    float *o0, float *o1, __m512 al0, __m512 al1, const float *p0, const float *p1, const float *vc, int64_t vstride,
+    int64_t jlo, int64_t jb, int one, int two, int64_t i, const int w) {
+    const __m512 zero = _mm512_setzero_ps();
+    __m512 x0[4], x1[4];
+    for (int q = 0; q < w; q++) {
+        x0[q] = _mm512_mul_ps(_mm512_loadu_ps(o0 + (i + q) * 16), al0);
+        x1[q] = _mm512_mul_ps(_mm512_loadu_ps(o1 + (i + q) * 16), al1);
+    }
+    for (int64_t j = jlo; j < jb; j++) {
+        const __m512 w0 = one ? _mm512_set1_ps(p0[j]) : zero, w1 = two ? _mm512_set1_ps(p1[j]) : zero;
+        const float *vr = vc + j * vstride;
+        for (int q = 0; q < w; q++) {
+            const __m512 vv = _mm512_loadu_ps(vr + q * 16);
+            x0[q] = _mm512_fmadd_ps(w0, vv, x0[q]);
+            x1[q] = _mm512_fmadd_ps(w1, vv, x1[q]);
+        }
+    }
+    for (int q = 0; q < w; q++) {
+        if (one) _mm512_storeu_ps(o0 + (i + q) * 16, x0[q]);
+        if (two) _mm512_storeu_ps(o1 + (i + q) * 16, x1[q]);
+    }
+}
+
 QK_AP_TARGET static void ap_item_avx512(const ap_ctx *c, int64_t h, int64_t t0, int64_t t1, float *o, float *mx,
                                         float *sm) {
     const int64_t g = c->g, D = c->D, Dv = c->Dv, nrows = (t1 - t0) * g, nv = Dv / 16;
@@ -110,17 +139,14 @@ QK_AP_TARGET static void ap_item_avx512(const ap_ctx *c, int64_t h, int64_t t0, 
         klo = c->lo[t] < klo ? c->lo[t] : klo;
         khi = c->hi[t] > khi ? c->hi[t] : khi;
     }
-    _Alignas(64) float kt[MAX_D * KC]; /* the chunk's keys transposed, by 16: kt[(j / 16 * D + d) * 16 + j % 16] */
+    const float *kth = c->kt + h * c->S16 * D; /* this head's keys, transposed by 16 (ap_transpose_task) */
     _Alignas(64) float s[MR * KC];
-    const __m512 scale = _mm512_set1_ps(c->scale), ninf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
+    const __m512 scale = _mm512_set1_ps(c->scale), ninf = _mm512_set1_ps(-INFINITY);
     const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const int64_t vstride = c->nkv * Dv;
-    for (int64_t k0 = klo; k0 < khi; k0 += KC) {
+    for (int64_t k0 = klo / 16 * 16; k0 < khi; k0 += KC) {
         const int64_t nk = khi - k0 < KC ? khi - k0 : KC, nsub = (nk + 15) / 16;
-        for (int64_t j = 0; j < nsub * 16; j++) {
-            const float *kr = c->k + ((k0 + (j < nk ? j : 0)) * c->nkv + h) * D;
-            for (int64_t d = 0; d < D; d++) kt[(j / 16 * D + d) * 16 + j % 16] = kr[d];
-        }
+        const float *kt = kth + k0 * D; /* kt[(j / 16 * D + d) * 16 + j % 16]: key k0 + j, element d */
         const float *vc = c->v + (k0 * c->nkv + h) * Dv;
         for (int64_t r0 = 0; r0 < nrows; r0 += MR) {
             const int mr = (int)(nrows - r0 < MR ? nrows - r0 : MR);
@@ -186,28 +212,9 @@ QK_AP_TARGET static void ap_item_avx512(const ap_ctx *c, int64_t h, int64_t t0, 
                 float *o0 = o + (r0 + m) * Dv, *o1 = o + (r0 + m + (two ? 1 : 0)) * Dv;
                 const __m512 al0 = _mm512_set1_ps(a[m] < b[m] ? al[m] : 1.0f), al1 = _mm512_set1_ps(two ? al[m + 1] : 1.0f);
                 const int one = a[m] < b[m];
-                for (int64_t i = 0; i < nv; i += 4) {
-                    const int w = nv - i < 4 ? (int)(nv - i) : 4;
-                    __m512 x0[4], x1[4];
-                    for (int q = 0; q < w; q++) {
-                        x0[q] = _mm512_mul_ps(_mm512_loadu_ps(o0 + (i + q) * 16), al0);
-                        x1[q] = _mm512_mul_ps(_mm512_loadu_ps(o1 + (i + q) * 16), al1);
-                    }
-                    for (int64_t j = jlo; j < jb; j++) {
-                        const __m512 w0 = one ? _mm512_set1_ps(p0[j]) : zero; /* 0 outside the row's keys */
-                        const __m512 w1 = two ? _mm512_set1_ps(p1[j]) : zero;
-                        const float *vr = vc + j * vstride + i * 16;
-                        for (int q = 0; q < w; q++) {
-                            const __m512 vv = _mm512_loadu_ps(vr + q * 16);
-                            x0[q] = _mm512_fmadd_ps(w0, vv, x0[q]);
-                            x1[q] = _mm512_fmadd_ps(w1, vv, x1[q]);
-                        }
-                    }
-                    for (int q = 0; q < w; q++) {
-                        if (one) _mm512_storeu_ps(o0 + (i + q) * 16, x0[q]);
-                        if (two) _mm512_storeu_ps(o1 + (i + q) * 16, x1[q]);
-                    }
-                }
+                int64_t i = 0;
+                for (; i + 4 <= nv; i += 4) pv_part(o0, o1, al0, al1, p0, p1, vc + i * 16, vstride, jlo, jb, one, two, i, 4);
+                if (i < nv) pv_part(o0, o1, al0, al1, p0, p1, vc + i * 16, vstride, jlo, jb, one, two, i, (int)(nv - i));
             }
         }
     }
@@ -215,6 +222,22 @@ QK_AP_TARGET static void ap_item_avx512(const ap_ctx *c, int64_t h, int64_t t0, 
 #endif
 
 /* ------------------------------------------------------------------------------------- the call */
+
+/* The AVX-512 set's prologue: each KV head's keys transposed by 16 once per call (not once per work item); keys past
+ * the last repeat it (they are always masked). */
+static void ap_transpose_task(void *p, int tid, int nth) {
+    ap_ctx *c = p;
+    const int64_t groups = c->S16 / 16, total = c->nkv * groups, D = c->D;
+    for (int64_t it = tid; it < total; it += nth) {
+        const int64_t h = it / groups, g0 = it % groups * 16;
+        float *dst = c->kt + (h * c->S16 + g0) * D;
+        for (int64_t j = 0; j < 16; j++) {
+            const int64_t key = g0 + j < c->S ? g0 + j : c->S - 1;
+            const float *kr = c->k + (key * c->nkv + h) * D;
+            for (int64_t d = 0; d < D; d++) dst[d * 16 + j] = kr[d];
+        }
+    }
+}
 
 static void ap_task(void *p, int tid, int nth) {
     ap_ctx *c = p;
@@ -279,11 +302,22 @@ int qk_attn_prompt(int isa, const float *q, int64_t T, int64_t nh, int64_t D, co
         free(lo);
         return QK_ENOMEM;
     }
-    ap_ctx c = {.q = q, .k = k, .v = v, .sinks = sinks, .lo = lo, .hi = hi, .T = T, .nh = nh, .nkv = nkv, .g = g,
+    ap_ctx c = {.q = q, .k = k, .v = v, .sinks = sinks, .lo = lo, .hi = hi, .T = T, .S = S, .nh = nh, .nkv = nkv, .g = g,
                 .D = D, .Dv = Dv, .qb = qb, .nblocks = (T + qb - 1) / qb, .scale = scale, .isa = isa, .obuf = obuf,
                 .obuf_floats = obuf_floats, .out = out};
     atomic_init(&c.next, 0);
+    if (isa == ISA_VNNI) {
+        c.S16 = (S + 15) / 16 * 16;
+        c.kt = aligned_alloc(64, (size_t)(nkv * c.S16 * D) * sizeof(float)); /* a multiple of 64 bytes: S16 % 16 = 0 */
+        if (!c.kt) {
+            free(obuf);
+            free(lo);
+            return QK_ENOMEM;
+        }
+        qk_pool_run(ap_transpose_task, &c);
+    }
     qk_pool_run(ap_task, &c);
+    free(c.kt);
     free(obuf);
     free(lo);
     return QK_OK;
