@@ -504,7 +504,8 @@ def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[in
         quick = not measure_bw and cached_host_read_bandwidth(t) is None
         if measure_bw or quick:
             log(f"measuring host read bandwidth with {t} thread(s)...")
-        bw[t] = host_read_bandwidth(t, measure=measure_bw or quick, **({"nbytes": 1 << 28, "runs": 3} if quick else {}))
+        size = {"nbytes": 1 << 28, "runs": 3} if quick else {}
+        bw[t] = host_read_bandwidth(t, measure=measure_bw or quick, **size)
         log(f"host read bandwidth, {t} thread(s): {bw[t][0]:.2f} GB/s, {bw[t][1]}")
     extra = [c for c, on in (("n_ubatch", list(n_ubatch) != [DEFAULT_UBATCH]), ("dtype", dtype != "float32")) if on]
     if placement:
