@@ -20,6 +20,7 @@ the physical cores this process may run on); idle workers sleep after a short sp
 from __future__ import annotations
 
 import os
+import weakref
 from array import array
 from collections.abc import Mapping
 
@@ -120,6 +121,12 @@ def read_bw(buf: torch.Tensor, streams: int = 1, prefetch: int = 0) -> int:
     if buf.dtype != torch.uint8 or not buf.is_cpu or not buf.is_contiguous() or buf.data_ptr() % 64:
         raise ValueError("buf must be a contiguous, 64-byte aligned CPU uint8 tensor")
     return _cpu.read_bw(buf.data_ptr(), buf.numel(), streams, prefetch)
+
+
+def others_runnable() -> int:
+    """Runnable threads of other processes now (/proc: Linux), or -1 where that cannot be read."""
+    _need()
+    return _cpu.others_runnable()
 
 
 def set_active(n: int) -> None:
@@ -528,10 +535,24 @@ class AttnRows:
             if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or t.shape[0] <= max(plist):
                 raise ValueError(f"{name} must be a contiguous float32 CPU table past position {max(plist)}")
         self.B, self.pos, self.cos, self.sin = B, pos.contiguous(), rope_cos, rope_sin
-        self.tables = slot_tables, ring_tables
+        self.tables, self._plist, self._max = (slot_tables, ring_tables), plist, None
         self.slots = torch.tensor([t.data_ptr() for t in slot_tables], dtype=torch.int64)
         self.wslots = torch.tensor([t.data_ptr() for t in ring_tables], dtype=torch.int64)
-        self.max_slot, self.max_wslot = (_max_slot(tables, plist) for tables in (slot_tables, ring_tables))
+
+    @property
+    def max_slot(self) -> int:
+        """The highest slot the slot tables name (positions 0..pos[r]), for attn_block's check of a cache's size
+        (decode_layers checks in C)."""
+        return self._maxes()[0]
+
+    @property
+    def max_wslot(self) -> int:
+        return self._maxes()[1]
+
+    def _maxes(self) -> tuple[int, int]:
+        if self._max is None:
+            self._max = tuple(_max_slot(tables, self._plist) for tables in self.tables)
+        return self._max
 
 
 def _max_slot(tables: list[torch.Tensor], plist: list[int]) -> int:
@@ -576,6 +597,44 @@ class LayerStack:
             raise ValueError("the layers of a stack must share hidden size, KV width and experts per token")
         self.layers, self.hidden, self.kv_dim, self.n_used = layers, first.hidden, first.kv_dim, first.n_used
         self.addrs = torch.tensor([la.desc.data_ptr() for la in layers], dtype=torch.int64)
+        self.bound: _Bound | None = None  # decode_layers' last caches and head, checked
+
+
+class _Bound:
+    """A LayerStack's binding to its layers' KV caches and head, checked once and kept on the stack, so that a
+    decode step is one call with little Python around it: after a step has streamed the weights through the
+    caches, every Python and torch operation runs from cold caches (~5x its warm time; ~0.9 ms of a 13 ms a3b-L12
+    token went to the checks and tensors made around the call before). It holds the caches by weak reference:
+    the same tensor objects, still alive, mean the same memory; anything else binds anew."""
+
+    def __init__(self, stack: LayerStack, caches: list[tuple[torch.Tensor, torch.Tensor]], head: Head | None):
+        n = len(stack.layers)
+        if len(caches) != n:
+            raise ValueError(f"{len(caches)} caches for the stack's {n} layers")
+        if head is not None and head.hidden != stack.hidden:
+            raise ValueError(f"the head takes {head.hidden} features, the layers give {stack.hidden}")
+        types, held = set(), {False: [], True: []}
+        for la, (kc, vc) in zip(stack.layers, caches):
+            for name, t in (("k_cache", kc), ("v_cache", vc)):
+                if not isinstance(t, torch.Tensor) or t.dtype not in KV_GGML_TYPES or not t.is_cpu or \
+                        not t.is_contiguous():
+                    raise ValueError(f"{name} must be a contiguous float32, float16 or uint8 (Q8_0) CPU tensor")
+            types.add(_check_cache(stack.kv_dim, None, kc, vc))
+            held[bool(la.window)].append(min(kc.shape[0], vc.shape[0]))
+        if len(types) != 1:
+            raise ValueError(f"the stack's caches must be of one type, got {sorted(types)}")
+        self.kt, self.vt = types.pop()
+        self.nslots, self.nwslots = (min(held[w], default=0) for w in (False, True))
+        self.refs = [weakref.ref(t) for pair in caches for t in pair]
+        self.head = head
+        self.kcs = torch.tensor([kc.data_ptr() for kc, _ in caches], dtype=torch.int64)
+        self.vcs = torch.tensor([vc.data_ptr() for _, vc in caches], dtype=torch.int64)
+        self.tail = (0, 0, 0, 0) if head is None else (head.norm.data_ptr(), head.data.data_ptr(), head.type, head.rows)
+        self.scratch: dict[int, tuple[torch.Tensor, ...]] = {}  # B -> xn, ids, w: written and read within a call
+
+    def fits(self, caches, head) -> bool:
+        return (head is self.head and len(caches) * 2 == len(self.refs)
+                and all(r() is t for r, t in zip(self.refs, (t for pair in caches for t in pair))))
 
 
 def decode_layers(stack: LayerStack, x: torch.Tensor, rows: AttnRows, caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -583,35 +642,30 @@ def decode_layers(stack: LayerStack, x: torch.Tensor, rows: AttnRows, caches: li
                   isa: str | None = None) -> torch.Tensor:
     """Every layer of the stack, whole (attention and routed experts), on rows.B rows: x [B, hidden] updated in
     place and returned, or with `head` the logits [B, head.rows] float32 of the result.
-    caches: layer l's (k, v) [slots, kv_heads, head_dim] float32 (a windowed layer's indexed by the rows' ring
-    tables)."""
+    caches: layer l's (k, v) [slots, kv_heads, head_dim] float32, float16 or Q8_0 (a windowed layer's indexed by
+    the rows' ring tables). The stack keeps what it checked of the caches and head for the next call with the same
+    ones (a pool hands out the same cache views each step); the slots the rows name are checked in C."""
     isa_id = _isa(isa)
-    n = len(stack.layers)
-    if len(caches) != n:
-        raise ValueError(f"{len(caches)} caches for the stack's {n} layers")
-    types = set()
-    for la, (kc, vc) in zip(stack.layers, caches):
-        _check_step(stack.hidden, x, rows, kc, vc)
-        types.add(_check_cache(stack.kv_dim, rows, kc, vc, la.window))
-    if len(types) != 1:
-        raise ValueError(f"the stack's caches must be of one type, got {sorted(types)}")
-    kt, vt = types.pop()
-    kcs = torch.tensor([kc.data_ptr() for kc, _ in caches], dtype=torch.int64)
-    vcs = torch.tensor([vc.data_ptr() for _, vc in caches], dtype=torch.int64)
+    bound = stack.bound
+    if bound is None or not bound.fits(caches, head):
+        bound = stack.bound = _Bound(stack, caches, head)
     B = rows.B
-    xn, w = torch.empty_like(x), torch.empty((B, stack.n_used), dtype=torch.float32)
-    ids = torch.empty((B, stack.n_used), dtype=torch.int64)
-    tail = ()
-    if head is not None:
-        if head.hidden != stack.hidden:
-            raise ValueError(f"the head takes {head.hidden} features, the layers give {stack.hidden}")
-        logits = torch.empty((B, head.rows), dtype=torch.float32)
-        tail = (head.norm.data_ptr(), head.data.data_ptr(), head.type, head.rows, logits.data_ptr())
-    _cpu.decode_layers(isa_id, n, stack.addrs.data_ptr(), x.data_ptr(), B, rows.slots.data_ptr(),
-                       rows.wslots.data_ptr(), rows.pos.data_ptr(), kcs.data_ptr(), vcs.data_ptr(),
+    if not (isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.is_cpu and x.is_contiguous()
+            and x.shape == (B, stack.hidden)):
+        _check_x(x, "x")
+        raise ValueError(f"x {tuple(x.shape)} must be [{B}, {stack.hidden}]")
+    scratch = bound.scratch.get(B)
+    if scratch is None:
+        scratch = bound.scratch[B] = (torch.empty((B, stack.hidden)), torch.empty((B, stack.n_used), dtype=torch.int64),
+                                      torch.empty((B, stack.n_used)))
+    xn, ids, w = scratch
+    logits = None if head is None else torch.empty((B, head.rows))
+    _cpu.decode_layers(isa_id, len(stack.layers), stack.addrs.data_ptr(), x.data_ptr(), B, rows.slots.data_ptr(),
+                       rows.wslots.data_ptr(), rows.pos.data_ptr(), bound.kcs.data_ptr(), bound.vcs.data_ptr(),
                        rows.cos.data_ptr(), rows.sin.data_ptr(), eps, clip or 0.0, xn.data_ptr(), ids.data_ptr(),
-                       w.data_ptr(), *(tail or (0, 0, 0, 0, 0)), kt, vt)
-    return x if head is None else logits
+                       w.data_ptr(), *bound.tail, 0 if logits is None else logits.data_ptr(), bound.kt, bound.vt,
+                       bound.nslots, bound.nwslots)
+    return x if logits is None else logits
 
 
 def head_logits(head: Head, x: torch.Tensor, eps: float, *, isa: str | None = None) -> torch.Tensor:
@@ -666,10 +720,10 @@ KV_GGML_TYPES = {torch.float32: 0, torch.float16: 1, torch.uint8: 8}  # a cache'
 KV_Q8_0_BYTES = 34  # a Q8_0 block: an f16 scale and 32 int8
 
 
-def _check_cache(kv_dim: int, rows: AttnRows, k_cache, v_cache, window: int = 0) -> tuple[int, int]:
-    """One layer's caches: kv_dim values for each slot its tables (a windowed layer's: the rings) name -> their
-    ggml type ids."""
-    top = rows.max_wslot if window else rows.max_slot
+def _check_cache(kv_dim: int, rows: AttnRows | None, k_cache, v_cache, window: int = 0) -> tuple[int, int]:
+    """One layer's caches: kv_dim values for each slot its tables (a windowed layer's: the rings) name (rows None:
+    at least one slot) -> their ggml type ids."""
+    top = 0 if rows is None else rows.max_wslot if window else rows.max_slot
     out = []
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         want = kv_dim // 32 * KV_Q8_0_BYTES if t.dtype == torch.uint8 else kv_dim

@@ -172,8 +172,6 @@ def test_attn_rows_and_caches_are_checked():
         cpu.AttnRows([t], torch.tensor([8]), cos, sin)  # position beyond its table
     with pytest.raises(ValueError, match="rope_cos"):
         cpu.AttnRows([t], torch.tensor([3]), torch.zeros(3, 4), sin)
-    with pytest.raises(ValueError, match="negative"):
-        cpu.AttnRows([torch.tensor([0, -1])], torch.tensor([1]), cos, sin)
     H = 32
     layer = cpu.AttnLayer(hidden=H, n_heads=1, n_kv_heads=1, head_dim=8, qk_norm=None, rope_style="neox",
                           attn_norm=torch.ones(H), ffn_norm=torch.ones(H), wq=torch.zeros(8, H), wk=torch.zeros(8, H),
@@ -183,6 +181,9 @@ def test_attn_rows_and_caches_are_checked():
         cpu.attn_block(layer, torch.zeros(1, H), rows, torch.zeros(5, 1, 8), torch.zeros(5, 1, 8), 1e-6)  # no slot 5
     xn, ids, w = cpu.attn_block(layer, torch.zeros(1, H), rows, torch.zeros(8, 1, 8), torch.zeros(8, 1, 8), 1e-6)
     assert xn.shape == (1, H) and ids is None and w is None
+    negative = cpu.AttnRows([torch.tensor([0, -1])], torch.tensor([1]), cos, sin)  # checked where a cache is read
+    with pytest.raises(ValueError, match="negative"):
+        cpu.attn_block(layer, torch.zeros(1, H), negative, torch.zeros(8, 1, 8), torch.zeros(8, 1, 8), 1e-6)
 
 
 def test_attn_layer_rejects_mismatched_weights():

@@ -27,6 +27,7 @@ def machine(monkeypatch):
         return real(path)
 
     monkeypatch.setattr(ops, "_read", fake)
+    monkeypatch.setattr(ops, "_kernel_reading", lambda: -1)  # the Python reading, through the fake files
     return runnable
 
 
@@ -114,3 +115,25 @@ def test_kernel_pool_results_do_not_depend_on_its_active_threads():
     finally:
         cpu.set_active(0)
         cpu.set_threads(threads)
+
+
+def test_the_kernels_reading_agrees_with_the_python_one():
+    """The C reading (kernels/csrc/sysload.c) against the Python one of the same files: the count moves with the
+    machine's load, so some of a few back-to-back pairs agree."""
+    from moerun.kernels import cpu
+
+    if not cpu.available() or not os.path.exists("/proc/loadavg"):
+        pytest.skip("needs the CPU kernels and /proc")
+    c = ops._kernel_reading()
+    assert isinstance(c, int) and c >= 0
+    real_c = ops._kernel_reading
+    try:
+        pairs = []
+        for _ in range(8):
+            ops._kernel_reading = lambda: -1
+            py = ops._others_runnable()
+            ops._kernel_reading = real_c
+            pairs.append((ops._others_runnable(), py))
+    finally:
+        ops._kernel_reading = real_c
+    assert any(a == b for a, b in pairs), pairs

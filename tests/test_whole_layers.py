@@ -108,6 +108,21 @@ def test_layer_stacks_and_caches_are_checked(q8_model, tokens32):
         f.decode_layers(0, 2, x, rows, pool.caches(0, 1))
     with pytest.raises(ValueError):
         f.decode_layers(0, 1, torch.zeros(2, model.spec.hidden), rows, pool.caches(0, 1))
+    n = len(model.layers)
+    f.decode_layers(0, n, x.clone(), rows, pool.caches(0, n))  # bound to the pool's caches
+    for bad in (pool.n_slots, -1):  # a slot the caches do not hold, checked before anything is written
+        table = kv.slot_table.clone()
+        table[0] = bad
+        before = [c.clone() for pair in pool.caches(0, n) for c in pair]
+        with pytest.raises(ValueError, match="slot"):
+            f.decode_layers(0, n, x.clone(), cpu.AttnRows([table], torch.tensor([0]), rows.cos, rows.sin),
+                            pool.caches(0, n))
+        assert all(torch.equal(a, b) for a, b in zip(before, (c for pair in pool.caches(0, n) for c in pair)))
+    small = KVPool(model.spec, 16)  # other caches: bound anew, and its 16 slots checked
+    table = torch.arange(32)
+    with pytest.raises(ValueError, match="slot"):
+        f.decode_layers(0, n, x.clone(), cpu.AttnRows([table], torch.tensor([20]), rows.cos, rows.sin),
+                        small.caches(0, n))
 
 
 def test_head_logits_match_the_reference(q8_model, tokens32):

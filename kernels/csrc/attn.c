@@ -560,11 +560,28 @@ int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int
     return rc;
 }
 
+/* Whether every slot tables[r] names for positions 0..pos[r] lies in [0, nslots). */
+static int slots_within(int64_t B, const int64_t *const *tables, const int64_t *pos, int64_t nslots) {
+    for (int64_t r = 0; r < B; r++) {
+        if (pos[r] < 0) return 0;
+        for (int64_t p = 0; p <= pos[r]; p++)
+            if (tables[r][p] < 0 || tables[r][p] >= nslots) return 0;
+    }
+    return 1;
+}
+
 int qk_decode_layers(int isa, int64_t n, const qk_attn_desc *const *descs, float *x, int64_t B,
                      const int64_t *const *slots, const int64_t *const *wslots, const int64_t *pos,
                      void *const *kcs, void *const *vcs, const float *rope_cos, const float *rope_sin, float eps,
                      float clip, float *xn_out, int64_t *ids_out, float *w_out, const float *out_norm,
-                     const qk_wmat *head, float *logits, int ktype, int vtype) {
+                     const qk_wmat *head, float *logits, int ktype, int vtype, int64_t nslots, int64_t nwslots) {
+    int windowed = 0, plain = 0;
+    for (int64_t l = 0; l < n; l++) {
+        if (descs[l]->window) windowed = 1;
+        else plain = 1;
+    }
+    if ((plain && !slots_within(B, slots, pos, nslots)) || (windowed && !slots_within(B, wslots, pos, nwslots)))
+        return QK_ESLOT;
     for (int64_t l = 0; l < n; l++) {
         const qk_attn_desc *d = descs[l];
         if (!d->router || !d->gate || !d->up || !d->down) return QK_EMISSING;

@@ -12,6 +12,7 @@
 #include "matmul.h"
 #include "pool.h"
 #include "qk.h"
+#include "sysload.h"
 
 static PyObject *raise_code(int rc) {
     switch (rc) {
@@ -23,6 +24,7 @@ static PyObject *raise_code(int rc) {
         return NULL;
     case QK_EIDS: PyErr_SetString(PyExc_ValueError, "expert id out of range"); return NULL;
     case QK_EMISSING: PyErr_SetString(PyExc_ValueError, "a routed expert's weights were not given"); return NULL;
+    case QK_ESLOT: PyErr_SetString(PyExc_ValueError, "a slot table names a slot the KV cache does not hold"); return NULL;
     default: Py_RETURN_NONE;
     }
 }
@@ -294,18 +296,18 @@ static PyObject *py_attn_block(PyObject *self, PyObject *args) {
 }
 
 /* decode_layers(isa, n, descs, x, B, slots, wslots, pos, kcs, vcs, cos, sin, eps, clip, xn_out, ids_out, w_out,
- *               out_norm=0, head=0, head_type=0, head_rows=0, logits=0, ktype=0, vtype=0):
+ *               out_norm, head, head_type, head_rows, logits, ktype, vtype, nslots, nwslots):
  * see qk_decode_layers; descs, kcs and vcs are addresses of n addresses each, slots and wslots of B; head 0: no
  * logits. */
 static PyObject *py_decode_layers(PyObject *self, PyObject *args) {
     (void)self;
-    int isa, head_type = 0, ktype = 0, vtype = 0;
-    unsigned long long descs, x, slots, wslots, pos, kcs, vcs, cs, sn, xn, ids, w, norm = 0, head = 0, logits = 0;
-    long long n, B, head_rows = 0;
+    int isa, head_type, ktype, vtype;
+    unsigned long long descs, x, slots, wslots, pos, kcs, vcs, cs, sn, xn, ids, w, norm, head, logits;
+    long long n, B, head_rows, nslots, nwslots;
     float eps, clip;
-    if (!PyArg_ParseTuple(args, "iLKKLKKKKKKKffKKK|KKiLKii", &isa, &n, &descs, &x, &B, &slots, &wslots, &pos, &kcs,
+    if (!PyArg_ParseTuple(args, "iLKKLKKKKKKKffKKKKKiLKiiLL", &isa, &n, &descs, &x, &B, &slots, &wslots, &pos, &kcs,
                           &vcs, &cs, &sn, &eps, &clip, &xn, &ids, &w, &norm, &head, &head_type, &head_rows, &logits,
-                          &ktype, &vtype))
+                          &ktype, &vtype, &nslots, &nwslots))
         return NULL;
     const qk_wmat hw = {(const uint8_t *)(uintptr_t)head, head_type, head_rows};
     int rc;
@@ -315,8 +317,16 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args) {
         (const int64_t *)(uintptr_t)pos, (void *const *)(uintptr_t)kcs, (void *const *)(uintptr_t)vcs,
         (const float *)(uintptr_t)cs, (const float *)(uintptr_t)sn, eps, clip, (float *)(uintptr_t)xn,
         (int64_t *)(uintptr_t)ids, (float *)(uintptr_t)w, (const float *)(uintptr_t)norm, head ? &hw : NULL,
-        (float *)(uintptr_t)logits, ktype, vtype);
+        (float *)(uintptr_t)logits, ktype, vtype, nslots, nwslots);
     Py_END_ALLOW_THREADS return raise_code(rc);
+}
+
+/* others_runnable() -> runnable threads of other processes (qk_others_runnable), or -1 where /proc cannot tell. */
+static PyObject *py_others_runnable(PyObject *self, PyObject *args) {
+    (void)self, (void)args;
+    int n;
+    Py_BEGIN_ALLOW_THREADS n = qk_others_runnable();
+    Py_END_ALLOW_THREADS return PyLong_FromLong(n);
 }
 
 /* head(isa, x, B, H, norm, eps, head, head_type, head_rows, xn, logits): see qk_head. */
@@ -378,9 +388,11 @@ static PyMethodDef methods[] = {
      "vtype=0)"},
     {"attn_prompt", py_attn_prompt, METH_VARARGS,
      "attn_prompt(isa, q, T, nh, D, k, v, S, nkv, Dv, q_pos, k_pos, scale, window, sinks, out)"},
+    {"others_runnable", py_others_runnable, METH_NOARGS, "others_runnable(): see moerun.model.ops.FreeCpus"},
     {"head", py_head, METH_VARARGS, "head(isa, x, B, H, norm, eps, head, head_type, head_rows, xn, logits)"},
     {"decode_layers", py_decode_layers, METH_VARARGS,
-     "decode_layers(isa, n, descs, x, B, slots, wslots, pos, kcs, vcs, cos, sin, eps, clip, xn_out, ids_out, w_out)"},
+     "decode_layers(isa, n, descs, x, B, slots, wslots, pos, kcs, vcs, cos, sin, eps, clip, xn_out, ids_out, w_out, "
+     "out_norm, head, head_type, head_rows, logits, ktype, vtype, nslots, nwslots)"},
     {NULL, NULL, 0, NULL},
 };
 

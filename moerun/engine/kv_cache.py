@@ -72,6 +72,7 @@ class KVPool:
         self._free_rings = list(range(seqs - 1, -1, -1)) if self.ring else []
         self.windowed: set[int] = set()  # layers whose cache is a ring per sequence
         self.segments = []  # (first, stop, k, v): consecutive layers of one device and one layout, stacked
+        self._caches: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}  # caches(a, b)
         # linear layers' states: slot group g (one per sequence) is slots g * per_seq (live) .. + checkpoints
         self.checkpoints = max(0, checkpoints)
         self.per_seq = 1 + self.checkpoints
@@ -167,11 +168,18 @@ class KVPool:
         return k[0], v[0]
 
     def caches(self, a: int, b: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each of layers [a, b)'s k, v (views)."""
-        return [self.layer(i) for i in range(a, b)]
+        """Each of layers [a, b)'s k, v (views): the same list every call, so a decode step's fused kernels bind it
+        once (moerun.model.fused)."""
+        got = self._caches.get((a, b))
+        if got is None:
+            got = self._caches[a, b] = [self.layer(i) for i in range(a, b)]
+        return got
 
     def device(self, i: int) -> torch.device:
-        return self.layer(i)[0].device
+        for first, stop, k, _ in self.segments:
+            if first <= i < stop:
+                return k.device
+        raise KeyError(f"layer {i} is not in this pool ({self.first}..{self.stop - 1})")
 
     @property
     def nbytes(self) -> int:

@@ -61,6 +61,9 @@ class FusedAttention:
                 self.head = cpu.Head(model.out_norm, model.head, s.hidden)
             except ValueError:
                 pass
+        # a small step can go from its embeddings to its logits in one call (decode_layers(..., logits=True))
+        self.whole_model = (self.head is not None and model.first == 0 and len(self.layers) > 0
+                            and all(la.whole for la in self.layers))
         self._stacks: dict[tuple[int, int], object] = {}  # (first, stop) -> cpu.LayerStack
         self._cos = self._sin = torch.empty((0, s.head_dim // 2))
 
@@ -117,7 +120,8 @@ class FusedAttention:
     def decode_layers(self, a: int, b: int, x: torch.Tensor, rows, caches: list[tuple[torch.Tensor, torch.Tensor]],
                       logits: bool = False) -> torch.Tensor:
         """Layers [a, b) (indices into the model's layers, all whole) on x in place, in one call; caches: each
-        layer's (k, v). -> x, or with `logits` (needs self.head) the logits [B, V]."""
+        layer's (k, v) (the stack checks them once: a pool hands out the same views each step, KVPool.caches).
+        -> x, or with `logits` (needs self.head) the logits [B, V]."""
         stack = self._stacks.get((a, b))
         if stack is None:
             stack = self._stacks[a, b] = self.cpu.LayerStack(self.layers[a:b])

@@ -401,15 +401,15 @@ class MoEModel:
         return (self.on_route is None and isinstance(self.experts, ResidentExperts)
                 and self.experts.store is self.store)
 
-    def _whole_logits(self, x: torch.Tensor, kvs: list[SeqKV], pos: torch.Tensor) -> torch.Tensor | None:
-        """A small step from its embeddings x [B, H] to its logits [B, V] in one C call (every layer whole, this
-        model holding them all and the head), or None where that does not apply."""
-        f, n = self.fused, self.stop - self.first
-        if (f is None or f.head is None or self.first != 0 or n == 0 or not self._fused_ok(len(pos), kvs)
-                or not self._direct() or not all(f.whole(j) for j in range(n))):
-            return None
-        pool = kvs[0].pool
-        return f.decode_layers(0, n, x, f.rows(kvs, pos), pool.caches(self.first, self.stop), logits=True)
+    def _whole(self, kvs: list[SeqKV] | None) -> bool:
+        """Whether a small step over kvs (a row each) can go from its embeddings to its logits in one C call (every
+        layer whole, this model holding them all and the head): `_whole_logits`."""
+        f = self.fused
+        return kvs is not None and f is not None and f.whole_model and self._fused_ok(len(kvs), kvs) and self._direct()
+
+    def _whole_logits(self, x: torch.Tensor, kvs: list[SeqKV], pos: torch.Tensor) -> torch.Tensor:
+        return self.fused.decode_layers(0, self.stop - self.first, x, self.fused.rows(kvs, pos),
+                                        kvs[0].pool.caches(self.first, self.stop), logits=True)
 
     def _fused_ok(self, n_rows: int, kvs: list[SeqKV]) -> bool:
         pool = kvs[0].pool
@@ -459,15 +459,17 @@ class MoEModel:
         if kv is not None:
             kv.reserve(len(tokens))
         pos = torch.arange(start, start + len(tokens))
-        with self.ops.step(len(tokens)):
+        kvs = None if kv is None else [kv] * len(tokens)
+        whole = self._whole(kvs)
+        with self.ops.step(len(tokens), c_only=whole):
             x = self.embed(tokens)
-            logits = None if kv is None else self._whole_logits(x, [kv] * len(tokens), pos)
-            if logits is None:
-                x = self.run_layers(x, pos, kv, phase)
+            if whole:
+                logits = self._whole_logits(x, kvs, pos)
+                kv.length = start + len(tokens)
+                return logits[-1:] if last_only and len(tokens) > 1 else logits
+            x = self.run_layers(x, pos, kv, phase)
             if kv is not None:
                 kv.length = start + len(tokens)
-            if logits is not None:
-                return logits[-1:] if last_only else logits
             return self._head(x[-1:] if last_only else x)
 
     @torch.inference_mode()
@@ -482,10 +484,12 @@ class MoEModel:
         for kv in kvs:
             kv.reserve(1)
         pos = torch.tensor([kv.length for kv in kvs], dtype=torch.int64)
-        with self.ops.step(B):
+        whole = self._whole(list(kvs))
+        with self.ops.step(B, c_only=whole):
             x = self.embed(tokens)
-            logits = self._whole_logits(x, list(kvs), pos)
-            if logits is None:
+            if whole:
+                logits = self._whole_logits(x, list(kvs), pos)
+            else:
                 logits = self._head(self.run_layers(x, pos, list(kvs), phase))
             for kv in kvs:
                 kv.length += 1

@@ -129,8 +129,9 @@ class ReferenceOps:
                 res[tok * k + slot] = self.expert(x[tok], experts[e], fn, e) * w[tok, slot, None]
         return res if out is None else out.copy_(res)
 
-    def step(self, n_tokens: int):
-        """Context for one forward step of n_tokens: torch's threads, as many as have a core (`FreeCpus`)."""
+    def step(self, n_tokens: int, c_only: bool = False):
+        """Context for one forward step of n_tokens: torch's threads, as many as have a core (`FreeCpus`).
+        c_only: the step runs in one C call of the kernels (KernelOps), torch's threads idle."""
         return step_threads(self.free_cpus)
 
 
@@ -162,12 +163,15 @@ class KernelOps(ReferenceOps):
         self.cpu = cpu
         self.c_attention = cpu.features()["isa"] == "avx512vnni"  # prompt attention in C: its AVX-512 set only
 
-    def step(self, n_tokens: int):
+    def step(self, n_tokens: int, c_only: bool = False):
         """DESIGN decision 9, one thread budget: in small decode steps the kernel pool does the heavy work
         and torch's OpenMP threads, left at the budget, spin against it (measured on a3b-L4 Q4_K_M, 2
         cores: 15 ms/token with 2 torch threads, 8 ms with 1). Prefill keeps torch's threads for attention,
-        as many as have a core to themselves (`FreeCpus`), and the kernel pool's threads likewise."""
-        return step_threads(self.free_cpus, 1 if n_tokens <= self.DECODE_TOKENS else None, self.cpu)
+        as many as have a core to themselves (`FreeCpus`), and the kernel pool's threads likewise. A step that
+        is one C call (c_only) leaves torch's threads as they are: it runs no parallel torch operation, and
+        setting them twice a token cost ~0.1 ms from cold caches."""
+        torch_n = 0 if c_only else 1 if n_tokens <= self.DECODE_TOKENS else None
+        return step_threads(self.free_cpus, torch_n, self.cpu)
 
     def _ok(self, x: torch.Tensor, qtype) -> bool:
         return x.device.type == "cpu" and x.dtype == torch.float32 and self.cpu.supports(qtype)
@@ -233,14 +237,17 @@ class FreeCpus:
     model's prefill at 2 threads fell to 0.25-0.37x of 1 thread's, issue 15 (bench/RESULTS.md). So each step
     runs on the cores that are free when it starts.
 
-    A reading is /proc/loadavg's count of runnable threads less this process's running ones (~60 us). Busy
-    processes show in every reading, a daemon waking for a moment in one: the count is the least of the last
-    `keep` readings, taken at most every `ttl` seconds and at most `fresh` seconds old. A long step (prefill)
-    tops them up to `keep` readings `gap` seconds apart first (~1 ms when the last ones are stale)."""
+    A reading is /proc/loadavg's count of runnable threads less this process's running ones (in C where the
+    kernels are built: ~0.1 ms from the cold caches a decode step leaves, several times that through Python's
+    files). Busy processes show in every reading, a daemon waking for a moment in one: the count is the least of
+    the last `keep` readings, taken at most every `ttl` seconds (with the CPUs this process may run on) and at most
+    `fresh` seconds old. A long step (prefill) tops them up to `keep` readings `gap` seconds apart first (~1 ms
+    when the last ones are stale)."""
 
-    def __init__(self, ttl: float = 0.02, keep: int = 3, fresh: float = 0.25, gap: float = 5e-4):
+    def __init__(self, ttl: float = 0.05, keep: int = 3, fresh: float = 0.25, gap: float = 5e-4):
         self.ttl, self.keep, self.fresh, self.gap = ttl, keep, fresh, gap
         self._readings: list[tuple[float, int]] = []  # (time, other processes' runnable threads)
+        self._cpus, self._at = 0, -1.0  # CPUs this process may run on (0: fewer than the machine's), when read
 
     def __call__(self, budget: int, long: bool = False) -> int:
         """Of `budget` threads, those that would have a core: the CPUs this process may run on less the
@@ -249,10 +256,12 @@ class FreeCpus:
         if budget <= 1:
             return 1
         try:
-            cpus = len(os.sched_getaffinity(0))
-            if cpus != os.cpu_count():
-                return budget
             now = time.monotonic()
+            if self._at < 0 or now - self._at > self.ttl:
+                cpus, self._at = len(os.sched_getaffinity(0)), now
+                self._cpus = cpus if cpus == os.cpu_count() else 0
+            if not self._cpus:
+                return budget
             self._readings = [r for r in self._readings if now - r[0] < self.fresh][-self.keep:]
             if not self._readings or now - self._readings[-1][0] > self.ttl:
                 self._readings.append((now, _others_runnable()))
@@ -261,18 +270,31 @@ class FreeCpus:
                 self._readings.append((time.monotonic(), _others_runnable()))
         except (OSError, ValueError, IndexError, AttributeError):
             return budget
-        return max(1, min(budget, cpus - min(o for _, o in self._readings[-self.keep:])))
+        return max(1, min(budget, self._cpus - min(o for _, o in self._readings[-self.keep:])))
 
 
 def _others_runnable() -> int:
     """Runnable threads of other processes: /proc/loadavg's machine-wide count less this process's running
     threads."""
+    n = _kernel_reading()
+    if n >= 0:
+        return n
     runnable = int(_read("/proc/loadavg").split()[3].split("/")[0])
     mine = 0
     for task in os.listdir("/proc/self/task"):
         stat = _read(f"/proc/self/task/{task}/stat")
         mine += stat[stat.rindex(")") + 2] == "R"
     return max(0, runnable - mine)
+
+
+def _kernel_reading() -> int:
+    """_others_runnable's reading by the CPU kernels' C (moerun.kernels.cpu.others_runnable), -1 where they are
+    not built or /proc cannot tell."""
+    try:
+        from moerun.kernels import cpu
+    except ImportError:
+        return -1
+    return cpu.others_runnable() if cpu.available() else -1
 
 
 def _read(path: str) -> str:
@@ -282,11 +304,11 @@ def _read(path: str) -> str:
 
 @contextmanager
 def step_threads(free: FreeCpus, torch_n: int | None = None, pool=None):
-    """torch's intra-op threads (torch_n, or as many of the budget as `free` finds free) and the kernel
-    pool's active threads (as many as `free` finds) for one step; the budget again after it."""
+    """torch's intra-op threads (torch_n, or as many of the budget as `free` finds free; 0: left as they are)
+    and the kernel pool's active threads (as many as `free` finds) for one step; the budget again after it."""
     before = torch.get_num_threads()
     n = free(max(before, pool.get_threads() if pool is not None else 1), long=torch_n is None)
-    want = min(before, n) if torch_n is None else torch_n
+    want = min(before, n) if torch_n is None else torch_n or before
     if pool is not None:
         pool.set_active(n)
     if want != before:
