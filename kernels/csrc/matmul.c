@@ -376,14 +376,14 @@ static void combine_rows(const moe_ctx *c, int64_t r0, int64_t r1, const float *
                 c->out[p * c->H + r] = c->pos[p] < 0 ? 0.0f : c->wts[p] * y[c->pos[p] * ystride + (r - r0)];
         return;
     }
-    for (int64_t t = 0; t < c->T; t++) {
-        for (int64_t r = r0; r < r1; r++) {
-            float acc = 0.0f;
-            for (int64_t j = 0; j < c->k; j++) {
-                const int64_t s = c->pos[t * c->k + j];
-                if (s >= 0) acc += c->wts[t * c->k + j] * y[s * ystride + (r - r0)];
-            }
-            c->out[t * c->H + r] = acc;
+    for (int64_t t = 0; t < c->T; t++) { /* choice by choice over the rows (vectorizes): each sum in choice order */
+        float *o = c->out + t * c->H + r0;
+        for (int64_t r = 0; r < r1 - r0; r++) o[r] = 0.0f;
+        for (int64_t j = 0; j < c->k; j++) {
+            const int64_t s = c->pos[t * c->k + j];
+            if (s < 0) continue;
+            const float w = c->wts[t * c->k + j], *yj = y + s * ystride;
+            for (int64_t r = 0; r < r1 - r0; r++) o[r] += w * yj[r];
         }
     }
 }
