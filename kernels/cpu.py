@@ -28,8 +28,8 @@ import torch
 
 from moerun.quant.qtypes import INTERLEAVABLE, QTensor, QType
 
-__all__ = ["AttnLayer", "AttnRows", "Head", "LayerStack", "attend_prompt", "attn_block", "available", "can_interleave", "decode_layers",
-           "deinterleave", "dequant_rows", "features", "get_threads", "head_logits", "interleave", "matmul", "moe_ffn",
+__all__ = ["AttnLayer", "AttnRows", "Embedding", "Head", "LayerStack", "attend_prompt", "attn_block", "available", "can_interleave", "decode_layers",
+           "decode_tokens", "deinterleave", "dequant_rows", "features", "get_threads", "head_logits", "interleave", "matmul", "moe_ffn",
            "moe_ffn_experts", "set_threads", "supports"]
 
 MODE = os.environ.get("MOERUN_KERNELS", "").strip().lower()  # "" / "auto", "scalar", "off"
@@ -507,6 +507,23 @@ class Head:
         self.norm, self.rows, self.hidden = norm, rows, hidden
 
 
+class Embedding:
+    """An embedding table decode_tokens looks tokens up in (in C, as dequant_rows does): a QTensor [V, hidden] in
+    GGUF's layout, of a type the kernels dequantize (else ValueError)."""
+
+    def __init__(self, table: QTensor, hidden: int):
+        _need()
+        if not isinstance(table, QTensor) or table.interleave != 1 or len(table.shape) != 2 or \
+                table.shape[1] != hidden or not table.data.is_cpu:
+            raise ValueError(f"the embedding must be a CPU QTensor [vocab, {hidden}] in GGUF's layout")
+        _check_q(table, "embedding", 2)
+        self.data, self.type, self.rows, self.hidden = table.data, _type(table), table.shape[0], hidden
+        try:  # no rows: only the type and width are checked
+            _cpu.dequant_rows(self.type, self.data.data_ptr(), self.rows, hidden, 0, 0, 0)
+        except ValueError:
+            raise ValueError(f"no CPU lookup for {table.qtype.name} embeddings") from None
+
+
 GATINGS = {"softmax": 0, "topk_softmax": 1}  # attn.h's gating
 
 
@@ -658,14 +675,56 @@ def decode_layers(stack: LayerStack, x: torch.Tensor, rows: AttnRows, caches: li
     if scratch is None:
         scratch = bound.scratch[B] = (torch.empty((B, stack.hidden)), torch.empty((B, stack.n_used), dtype=torch.int64),
                                       torch.empty((B, stack.n_used)))
-    xn, ids, w = scratch
+    xn, ids, w = scratch[:3]
     logits = None if head is None else torch.empty((B, head.rows))
     _cpu.decode_layers(isa_id, len(stack.layers), stack.addrs.data_ptr(), x.data_ptr(), B, rows.slots.data_ptr(),
                        rows.wslots.data_ptr(), rows.pos.data_ptr(), bound.kcs.data_ptr(), bound.vcs.data_ptr(),
                        rows.cos.data_ptr(), rows.sin.data_ptr(), eps, clip or 0.0, xn.data_ptr(), ids.data_ptr(),
                        w.data_ptr(), *bound.tail, 0 if logits is None else logits.data_ptr(), bound.kt, bound.vt,
-                       bound.nslots, bound.nwslots)
+                       bound.nslots, bound.nwslots, 0, 0, 0, 0, 0)
     return x if logits is None else logits
+
+
+def decode_tokens(stack: LayerStack, embd: Embedding, tokens: list[int], pos: list[int],
+                  slot_tables: list[torch.Tensor], ring_tables: list[torch.Tensor], rope_cos: torch.Tensor,
+                  rope_sin: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]], eps: float,
+                  clip: float | None, head: Head, threads: int = 0, *, isa: str | None = None) -> torch.Tensor:
+    """A whole small step from token ids to logits in one call: embd's rows for tokens (B ints), every layer of
+    the stack (row r at position pos[r] of the sequence whose slots slot_tables[r] / ring_tables[r] hold, as
+    AttnRows says), then the head -> logits [B, head.rows] float32. What decode_layers(..., head) gives on the
+    looked-up embeddings, with nothing built in torch but the logits (each torch operation after a step runs
+    from cold caches). threads > 0: the kernel pool runs the call on that many threads."""
+    isa_id = _isa(isa)
+    bound = stack.bound
+    if bound is None or not bound.fits(caches, head):
+        bound = stack.bound = _Bound(stack, caches, head)
+    B = len(tokens)
+    if head is None or not isinstance(embd, Embedding) or embd.hidden != stack.hidden:
+        raise ValueError("decode_tokens needs the model's head and an Embedding of the stack's width")
+    if B == 0 or len(pos) != B or len(slot_tables) != B or len(ring_tables) != B:
+        raise ValueError(f"{B} tokens need as many positions and slot tables (at least one)")
+    for t, p in zip(slot_tables + ring_tables, pos + pos):
+        if t.dtype != torch.int64 or not t.is_cpu or not t.is_contiguous() or t.dim() != 1 or not 0 <= p < len(t):
+            raise ValueError("slot tables must be contiguous int64 CPU vectors covering their row's position")
+    top = max(pos)
+    for name, t in (("rope_cos", rope_cos), ("rope_sin", rope_sin)):
+        if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or t.shape[0] <= top:
+            raise ValueError(f"{name} must be a contiguous float32 CPU table past position {top}")
+    scratch = bound.scratch.get(B)
+    if scratch is None or len(scratch) < 4:
+        scratch = bound.scratch[B] = (torch.empty((B, stack.hidden)), torch.empty((B, stack.n_used), dtype=torch.int64),
+                                      torch.empty((B, stack.n_used)), torch.empty((B, stack.hidden)))
+    xn, ids, w, x = scratch
+    toks, where = array("q", tokens), array("q", pos)
+    slots = array("Q", [t.data_ptr() for t in slot_tables])
+    wslots = array("Q", [t.data_ptr() for t in ring_tables])
+    logits = torch.empty((B, head.rows))
+    _cpu.decode_layers(isa_id, len(stack.layers), stack.addrs.data_ptr(), x.data_ptr(), B, slots.buffer_info()[0],
+                       wslots.buffer_info()[0], where.buffer_info()[0], bound.kcs.data_ptr(), bound.vcs.data_ptr(),
+                       rope_cos.data_ptr(), rope_sin.data_ptr(), eps, clip or 0.0, xn.data_ptr(), ids.data_ptr(),
+                       w.data_ptr(), *bound.tail, logits.data_ptr(), bound.kt, bound.vt, bound.nslots, bound.nwslots,
+                       embd.data.data_ptr(), embd.type, embd.rows, toks.buffer_info()[0], max(0, threads))
+    return logits
 
 
 def head_logits(head: Head, x: torch.Tensor, eps: float, *, isa: str | None = None) -> torch.Tensor:

@@ -309,7 +309,7 @@ def test_quantized_conversion_runs_through_the_c_kernels(wide, tokens, tmp_path,
     """Q8_0, Q4_K and MXFP4_MOE (experts MXFP4, the rest Q8_0) GGUFs: the torch reference path equals transformers
     on the gguf.quants-dequantized weights (1e-4); the prompt goes through the C kernels (every matmul, the routed
     experts in one moe_ffn call per layer: MXFP4 blocks through the MXFP4 kernel) and decode steps through the
-    fused C path (the whole model in one call per token). Measured relative logit error of the kernel path
+    fused C path (from the token id to the logits in one call per token). Measured relative logit error of the kernel path
     (`pytest tests/test_gptoss.py -k quantized -s`, 3 layers, hidden 256, expert inputs past the clamp): Q8_0 25.3%
     against the oracle (4.4% at the median position: top-2 of 8 has near ties, and the activations' Q8 rounding
     flips an expert at 3 of the 32 positions, where the oracle itself is far from the float model), 31.8% against
@@ -328,10 +328,10 @@ def test_quantized_conversion_runs_through_the_c_kernels(wide, tokens, tmp_path,
     assert (ref_path - oracle).abs().max().item() < 1e-4
     fast = load_model(path)
     assert fast.model.fused is not None and fast.model.store.get(0, 0).gate.qtype == experts
-    calls = count_kernel_calls(fast.model.ops, ("matmul", "moe_ffn", "head_logits", "decode_layers"))
+    calls = count_kernel_calls(fast.model.ops, ("matmul", "moe_ffn", "head_logits", "decode_tokens"))
     fast.model.fused.cpu = fast.model.ops.cpu  # the fused path's calls counted too
     got = fast.model.forward(tokens)
-    assert calls == {"matmul": 3 * 4, "moe_ffn": 3, "experts": 3, "head_logits": 1, "decode_layers": 0}, calls
+    assert calls == {"matmul": 3 * 4, "moe_ffn": 3, "experts": 3, "head_logits": 1, "decode_tokens": 0}, calls
     e_oracle, e_fp32 = rel_err(got, oracle), rel_err(got, reference_logits(model, tokens))
     typical = ((got - oracle).norm(dim=-1) / oracle.norm(dim=-1)).median().item()  # per position
     print(f"{ftype}: kernel path relative error {e_oracle:.4f} against the oracle (median position {typical:.4f}), "
@@ -341,7 +341,7 @@ def test_quantized_conversion_runs_through_the_c_kernels(wide, tokens, tmp_path,
     fast.model.forward(tokens[:20], kv)
     for t in tokens[20:24]:
         fast.model.forward(t.view(1), kv)
-    assert calls["decode_layers"] == 4, calls
+    assert calls["decode_tokens"] == 4, calls  # from the token id to the logits in one call
 
 
 def test_fused_decode_equals_the_per_layer_path(wide, tokens, tmp_path):

@@ -139,3 +139,47 @@ def test_head_logits_match_the_reference(q8_model, tokens32):
     assert ((got.double() - ref).norm() / ref.norm()).item() < 0.02  # the activations' 8-bit rounding
     same_kernel = model.ops.linear(xn, model.head).float()
     assert (got - same_kernel).abs().max().item() < 1e-4 * same_kernel.abs().max().item()
+
+
+def shared_prefill(model, tokens, n=2) -> list[SeqKV]:
+    """n sequences in one pool (a batched step needs its sequences' caches together), prefilled from tokens[i:]."""
+    pool = KVPool(model.spec, 64 * n)
+    kvs = [SeqKV(pool, 64) for _ in range(n)]
+    for i, kv in enumerate(kvs):
+        model.forward(tokens[i:i + 10], kv)
+    return kvs
+
+
+def test_a_step_from_token_ids_equals_a_step_from_embeddings(q8_model, tokens32, monkeypatch):
+    """forward / decode from ids in one call (the embedding looked up in C) give what the step from torch's
+    embeddings gives, bit for bit, for one sequence and for a batch."""
+    model = q8_model("qwen3moe")
+    assert model.fused.embd is not None
+    with monkeypatch.context() as m:
+        m.setattr(model, "embed", Forbidden("the embedding lookup"))
+        ids = decode_steps(model, tokens32)
+        kvs = shared_prefill(model, tokens32)
+        ids_batch = [model.decode(tokens32[10 + j:12 + j], kvs) for j in range(3)]
+    with monkeypatch.context() as m:
+        m.setattr(model.fused, "embd", None)
+        m.setattr(model.fused, "decode_tokens", Forbidden("the step from ids"))
+        embeddings = decode_steps(model, tokens32)
+        kvs = shared_prefill(model, tokens32)
+        emb_batch = [model.decode(tokens32[10 + j:12 + j], kvs) for j in range(3)]
+    assert torch.equal(ids, embeddings)
+    assert all(torch.equal(a, b) for a, b in zip(ids_batch, emb_batch))
+
+
+def test_a_token_outside_the_vocabulary_is_refused(q8_model, tokens32):
+    model = q8_model("qwen3moe")
+    kv = prefill(model, tokens32)
+    pool, n = kv.pool, len(model.layers)
+    before = [c.clone() for pair in pool.caches(0, n) for c in pair]
+    for bad in (model.spec.vocab, -1):
+        with pytest.raises(ValueError, match="token id"):
+            model.forward(torch.tensor([bad]), kv)
+    assert kv.length == 10
+    assert all(torch.equal(a, b) for a, b in zip(before, (c for pair in pool.caches(0, n) for c in pair)))
+    assert model.forward(tokens32[10:11], kv).shape == (1, model.spec.vocab)  # the sequence goes on
+    with pytest.raises(ValueError, match="embedding"):
+        cpu.Embedding(model.embd, model.spec.hidden + 32)

@@ -582,7 +582,8 @@ int qk_decode_layers(int isa, int64_t n, const qk_attn_desc *const *descs, float
                      const int64_t *const *slots, const int64_t *const *wslots, const int64_t *pos,
                      void *const *kcs, void *const *vcs, const float *rope_cos, const float *rope_sin, float eps,
                      float clip, float *xn_out, int64_t *ids_out, float *w_out, const float *out_norm,
-                     const qk_wmat *head, float *logits, int ktype, int vtype, int64_t nslots, int64_t nwslots) {
+                     const qk_wmat *head, float *logits, int ktype, int vtype, int64_t nslots, int64_t nwslots,
+                     const qk_wmat *embd, const int64_t *tokens) {
     int windowed = 0, plain = 0;
     for (int64_t l = 0; l < n; l++) {
         if (descs[l]->window) windowed = 1;
@@ -590,6 +591,12 @@ int qk_decode_layers(int isa, int64_t n, const qk_attn_desc *const *descs, float
     }
     if ((plain && !slots_within(B, slots, pos, nslots)) || (windowed && !slots_within(B, wslots, pos, nwslots)))
         return QK_ESLOT;
+    if (embd) {
+        for (int64_t r = 0; r < B; r++)
+            if (tokens[r] < 0 || tokens[r] >= embd->N) return QK_ETOKEN;
+        const int rc = qk_dequant_rows(embd->ggml, embd->w, embd->N, n ? descs[0]->hidden : 0, tokens, B, x);
+        if (rc) return rc;
+    }
     for (int64_t l = 0; l < n; l++) {
         const qk_attn_desc *d = descs[l];
         if (!d->router || !d->gate || !d->up || !d->down) return QK_EMISSING;

@@ -58,12 +58,15 @@ int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int
  * call from the embeddings to the logits (no torch operation between kernel calls: after a step has
  * streamed the weights through the caches, the first torch operation alone took ~0.1 ms, cold code).
  * nslots / nwslots: the slots the caches of the layers without / with a window hold; every slot the rows' tables
- * name for positions 0..pos[r] must lie below them (else QK_ESLOT, before anything is written). */
+ * name for positions 0..pos[r] must lie below them (else QK_ESLOT, before anything is written).
+ * embd (or NULL): x [B, hidden] is first set to the rows tokens[0..B) of this embedding table (GGUF layout,
+ * embd->N rows; a token outside it: QK_ETOKEN, nothing written), so the step starts from token ids. */
 int qk_decode_layers(int isa, int64_t n, const qk_attn_desc *const *descs, float *x, int64_t B,
                      const int64_t *const *slots, const int64_t *const *wslots, const int64_t *pos,
                      void *const *kcs, void *const *vcs, const float *rope_cos, const float *rope_sin, float eps,
                      float clip, float *xn_out, int64_t *ids_out, float *w_out, const float *out_norm,
-                     const qk_wmat *head, float *logits, int ktype, int vtype, int64_t nslots, int64_t nwslots);
+                     const qk_wmat *head, float *logits, int ktype, int vtype, int64_t nslots, int64_t nwslots,
+                     const qk_wmat *embd, const int64_t *tokens);
 
 /* logits [B, head->N] = rms_norm(x [B, H], out_norm) head^T (xn: B * H floats of scratch). */
 int qk_head(int isa, const float *x, int64_t B, int64_t H, const float *out_norm, float eps, const qk_wmat *head,

@@ -4,7 +4,8 @@
 
 #include <stdint.h>
 
-enum { QK_OK = 0, QK_ENOMEM = -1, QK_EISA = -2, QK_ETYPE = -3, QK_ESHAPE = -4, QK_EIDS = -5, QK_EMISSING = -6, QK_ESLOT = -7 };
+enum { QK_OK = 0, QK_ENOMEM = -1, QK_EISA = -2, QK_ETYPE = -3, QK_ESHAPE = -4, QK_EIDS = -5, QK_EMISSING = -6, QK_ESLOT = -7,
+       QK_ETOKEN = -8 };
 
 /* out[T, N] = x[T, K] @ W[N, K]^T; W is N rows of ggml type `ggml` (row stride: whole blocks). */
 int qk_matmul(int isa, int ggml, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t T,

@@ -25,6 +25,7 @@ static PyObject *raise_code(int rc) {
     case QK_EIDS: PyErr_SetString(PyExc_ValueError, "expert id out of range"); return NULL;
     case QK_EMISSING: PyErr_SetString(PyExc_ValueError, "a routed expert's weights were not given"); return NULL;
     case QK_ESLOT: PyErr_SetString(PyExc_ValueError, "a slot table names a slot the KV cache does not hold"); return NULL;
+    case QK_ETOKEN: PyErr_SetString(PyExc_ValueError, "token id outside the embedding table"); return NULL;
     default: Py_RETURN_NONE;
     }
 }
@@ -296,29 +297,39 @@ static PyObject *py_attn_block(PyObject *self, PyObject *args) {
 }
 
 /* decode_layers(isa, n, descs, x, B, slots, wslots, pos, kcs, vcs, cos, sin, eps, clip, xn_out, ids_out, w_out,
- *               out_norm, head, head_type, head_rows, logits, ktype, vtype, nslots, nwslots):
+ *               out_norm, head, head_type, head_rows, logits, ktype, vtype, nslots, nwslots, embd, embd_type,
+ *               embd_rows, tokens, active):
  * see qk_decode_layers; descs, kcs and vcs are addresses of n addresses each, slots and wslots of B; head 0: no
- * logits. */
+ * logits; embd 0: x holds the embeddings already. active > 0: the pool runs this call on that many threads
+ * (set_active for the call, then the setting before). */
 static PyObject *py_decode_layers(PyObject *self, PyObject *args) {
     (void)self;
     int isa, head_type, ktype, vtype;
     unsigned long long descs, x, slots, wslots, pos, kcs, vcs, cs, sn, xn, ids, w, norm, head, logits;
-    long long n, B, head_rows, nslots, nwslots;
+    unsigned long long embd, tokens;
+    long long n, B, head_rows, nslots, nwslots, embd_rows;
+    int embd_type, active;
     float eps, clip;
-    if (!PyArg_ParseTuple(args, "iLKKLKKKKKKKffKKKKKiLKiiLL", &isa, &n, &descs, &x, &B, &slots, &wslots, &pos, &kcs,
-                          &vcs, &cs, &sn, &eps, &clip, &xn, &ids, &w, &norm, &head, &head_type, &head_rows, &logits,
-                          &ktype, &vtype, &nslots, &nwslots))
+    if (!PyArg_ParseTuple(args, "iLKKLKKKKKKKffKKKKKiLKiiLLKiLKi", &isa, &n, &descs, &x, &B, &slots, &wslots, &pos,
+                          &kcs, &vcs, &cs, &sn, &eps, &clip, &xn, &ids, &w, &norm, &head, &head_type, &head_rows,
+                          &logits, &ktype, &vtype, &nslots, &nwslots, &embd, &embd_type, &embd_rows, &tokens, &active))
         return NULL;
     const qk_wmat hw = {(const uint8_t *)(uintptr_t)head, head_type, head_rows};
+    const qk_wmat ew = {(const uint8_t *)(uintptr_t)embd, embd_type, embd_rows};
     int rc;
-    Py_BEGIN_ALLOW_THREADS rc = qk_decode_layers(
+    Py_BEGIN_ALLOW_THREADS;
+    const int before = qk_pool_active();
+    if (active > 0) qk_pool_set_active(active);
+    rc = qk_decode_layers(
         isa, n, (const qk_attn_desc *const *)(uintptr_t)descs, (float *)(uintptr_t)x, B,
         (const int64_t *const *)(uintptr_t)slots, (const int64_t *const *)(uintptr_t)wslots,
         (const int64_t *)(uintptr_t)pos, (void *const *)(uintptr_t)kcs, (void *const *)(uintptr_t)vcs,
         (const float *)(uintptr_t)cs, (const float *)(uintptr_t)sn, eps, clip, (float *)(uintptr_t)xn,
         (int64_t *)(uintptr_t)ids, (float *)(uintptr_t)w, (const float *)(uintptr_t)norm, head ? &hw : NULL,
-        (float *)(uintptr_t)logits, ktype, vtype, nslots, nwslots);
-    Py_END_ALLOW_THREADS return raise_code(rc);
+        (float *)(uintptr_t)logits, ktype, vtype, nslots, nwslots, embd ? &ew : NULL, (const int64_t *)(uintptr_t)tokens);
+    if (active > 0) qk_pool_set_active(before);
+    Py_END_ALLOW_THREADS;
+    return raise_code(rc);
 }
 
 /* others_runnable() -> runnable threads of other processes (qk_others_runnable), or -1 where /proc cannot tell. */
@@ -392,7 +403,8 @@ static PyMethodDef methods[] = {
     {"head", py_head, METH_VARARGS, "head(isa, x, B, H, norm, eps, head, head_type, head_rows, xn, logits)"},
     {"decode_layers", py_decode_layers, METH_VARARGS,
      "decode_layers(isa, n, descs, x, B, slots, wslots, pos, kcs, vcs, cos, sin, eps, clip, xn_out, ids_out, w_out, "
-     "out_norm, head, head_type, head_rows, logits, ktype, vtype, nslots, nwslots)"},
+     "out_norm, head, head_type, head_rows, logits, ktype, vtype, nslots, nwslots, embd, embd_type, embd_rows, tokens, "
+     "active)"},
     {NULL, NULL, 0, NULL},
 };
 

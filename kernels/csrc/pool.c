@@ -183,6 +183,8 @@ int qk_pool_set_active(int n) {
     return 0;
 }
 
+int qk_pool_active(void) { return atomic_load(&P.active); }
+
 int qk_pool_run(qk_task fn, void *ctx) {
     pthread_mutex_lock(&P.run_lock);
     const int rc = start_workers();

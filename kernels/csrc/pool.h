@@ -18,6 +18,7 @@ int qk_pool_threads(void);
  * items are handed out as threads come for them, so any count computes the same result. Returns 0, or -1
  * when n is out of range. */
 int qk_pool_set_active(int n);
+int qk_pool_active(void); /* the last set_active's n */
 int qk_pool_spin_us(void);
 /* Returns 0, or -1 when worker threads could not be created (the job then ran on the caller). */
 int qk_pool_run(qk_task fn, void *ctx);

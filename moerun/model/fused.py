@@ -64,6 +64,12 @@ class FusedAttention:
         # a small step can go from its embeddings to its logits in one call (decode_layers(..., logits=True))
         self.whole_model = (self.head is not None and model.first == 0 and len(self.layers) > 0
                             and all(la.whole for la in self.layers))
+        self.embd = None  # the embedding table, where the kernels look tokens up too: a step from ids (decode_tokens)
+        if self.whole_model:
+            try:
+                self.embd = cpu.Embedding(model.embd, s.hidden)
+            except ValueError:
+                pass
         self._stacks: dict[tuple[int, int], object] = {}  # (first, stop) -> cpu.LayerStack
         self._cos = self._sin = torch.empty((0, s.head_dim // 2))
 
@@ -122,8 +128,20 @@ class FusedAttention:
         """Layers [a, b) (indices into the model's layers, all whole) on x in place, in one call; caches: each
         layer's (k, v) (the stack checks them once: a pool hands out the same views each step, KVPool.caches).
         -> x, or with `logits` (needs self.head) the logits [B, V]."""
+        return self.cpu.decode_layers(self._stack(a, b), x, rows, caches, self.spec.rms_eps, self.spec.clip_qkv,
+                                      self.head if logits else None)
+
+    def decode_tokens(self, tokens: list[int], kvs: list[SeqKV], pos: list[int],
+                      caches: list[tuple[torch.Tensor, torch.Tensor]], threads: int) -> torch.Tensor:
+        """A whole step (whole_model, with embd) from ids to logits [B, V] in one call: token r at position pos[r]
+        of the sequence cached in kvs[r], on `threads` of the kernel pool."""
+        return self.cpu.decode_tokens(self._stack(0, len(self.layers)), self.embd, tokens, pos,
+                                      [kv.slot_table for kv in kvs], [kv.ring_table for kv in kvs],
+                                      *self._rope(max(pos)), caches, self.spec.rms_eps, self.spec.clip_qkv, self.head,
+                                      threads)
+
+    def _stack(self, a: int, b: int):
         stack = self._stacks.get((a, b))
         if stack is None:
             stack = self._stacks[a, b] = self.cpu.LayerStack(self.layers[a:b])
-        return self.cpu.decode_layers(stack, x, rows, caches, self.spec.rms_eps, self.spec.clip_qkv,
-                                      self.head if logits else None)
+        return stack

@@ -407,6 +407,18 @@ class MoEModel:
         f = self.fused
         return kvs is not None and f is not None and f.whole_model and self._fused_ok(len(kvs), kvs) and self._direct()
 
+    def _from_ids(self, kvs: list[SeqKV]) -> bool:
+        """Whether a small step over kvs goes from token ids to logits in one C call (`_whole` and the embedding
+        looked up there too): `_ids_logits`."""
+        return self._whole(kvs) and self.fused.embd is not None
+
+    def _ids_logits(self, tokens: torch.Tensor, kvs: list[SeqKV], pos: list[int]) -> torch.Tensor:
+        """Logits [B, V] for token r at position pos[r] of kvs[r] (room reserved). No torch operation but the
+        logits' allocation: after a step has streamed the weights, each costs ~5x its warm time (~0.3 ms of
+        Python and torch around an a3b-L12 token, bench/RESULTS.md)."""
+        return self.fused.decode_tokens(tokens.tolist(), kvs, pos, kvs[0].pool.caches(self.first, self.stop),
+                                        self.ops.c_threads())
+
     def _whole_logits(self, x: torch.Tensor, kvs: list[SeqKV], pos: torch.Tensor) -> torch.Tensor:
         return self.fused.decode_layers(0, self.stop - self.first, x, self.fused.rows(kvs, pos),
                                         kvs[0].pool.caches(self.first, self.stop), logits=True)
@@ -446,7 +458,6 @@ class MoEModel:
             x = x + self.ffn(i, rms_norm(x, lw.ffn_norm, self.spec.rms_eps), phase, pos, resid=x)
         return x
 
-    @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, kv: SeqKV | None = None, last_only: bool = False,
                 phase: str | None = None) -> torch.Tensor:
         """tokens [T] at positions kv.length.. (0.. without a cache) -> logits [T, V] float32 ([1, V] if last_only).
@@ -454,6 +465,17 @@ class MoEModel:
         With `kv`, the tokens' keys and values are appended to the cache (room reserved here) and attention
         covers every cached position. phase (for expert-cache statistics): "prefill" when T > 1 by default.
         """
+        T = len(tokens)
+        if kv is not None and T and self._from_ids([kv] * T):
+            start = kv.length
+            kv.reserve(T)
+            logits = self._ids_logits(tokens, [kv] * T, list(range(start, start + T)))
+            kv.length = start + T
+            return logits[-1:] if last_only and T > 1 else logits
+        return self._forward(tokens, kv, last_only, phase)
+
+    @torch.inference_mode()
+    def _forward(self, tokens: torch.Tensor, kv: SeqKV | None, last_only: bool, phase: str | None) -> torch.Tensor:
         phase = phase or ("prefill" if len(tokens) > 1 else "decode")
         start = 0 if kv is None else kv.length
         if kv is not None:
@@ -472,7 +494,6 @@ class MoEModel:
                 kv.length = start + len(tokens)
             return self._head(x[-1:] if last_only else x)
 
-    @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, kvs: list[SeqKV], phase: str = "decode") -> torch.Tensor:
         """One new token for each of B sequences, together: tokens [B] (token b continues kvs[b], at position
         kvs[b].length) -> logits [B, V] float32. Each cache gets room for its token and advances by one; the
@@ -481,16 +502,26 @@ class MoEModel:
         if B != len(kvs) or B == 0 or len({id(kv) for kv in kvs}) != B:
             raise ValueError(f"decode takes one token for each of distinct sequences: {B} tokens, "
                              f"{len(kvs)} caches")
+        kvs = list(kvs)
         for kv in kvs:
             kv.reserve(1)
+        if self._from_ids(kvs):
+            logits = self._ids_logits(tokens, kvs, [kv.length for kv in kvs])
+            for kv in kvs:
+                kv.length += 1
+            return logits
+        return self._decode(tokens, kvs, phase)
+
+    @torch.inference_mode()
+    def _decode(self, tokens: torch.Tensor, kvs: list[SeqKV], phase: str) -> torch.Tensor:
         pos = torch.tensor([kv.length for kv in kvs], dtype=torch.int64)
-        whole = self._whole(list(kvs))
-        with self.ops.step(B, c_only=whole):
+        whole = self._whole(kvs)
+        with self.ops.step(len(kvs), c_only=whole):
             x = self.embed(tokens)
             if whole:
-                logits = self._whole_logits(x, list(kvs), pos)
+                logits = self._whole_logits(x, kvs, pos)
             else:
-                logits = self._head(self.run_layers(x, pos, list(kvs), phase))
+                logits = self._head(self.run_layers(x, pos, kvs, phase))
             for kv in kvs:
                 kv.length += 1
             return logits

@@ -173,6 +173,11 @@ class KernelOps(ReferenceOps):
         torch_n = 0 if c_only else 1 if n_tokens <= self.DECODE_TOKENS else None
         return step_threads(self.free_cpus, torch_n, self.cpu)
 
+    def c_threads(self) -> int:
+        """The kernel pool's threads for a step that is one C call, as step(c_only=True) sets them (for a call that
+        sets them itself: cpu.decode_tokens)."""
+        return self.free_cpus(max(torch.get_num_threads(), self.cpu.get_threads()))
+
     def _ok(self, x: torch.Tensor, qtype) -> bool:
         return x.device.type == "cpu" and x.dtype == torch.float32 and self.cpu.supports(qtype)
 
