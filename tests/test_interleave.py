@@ -1,4 +1,4 @@
-"""The CPU kernels' interleaved layouts (Q4_K_R8, Q6_K_R8, Q8_0_R8, MXFP4_R8, IQ4_XS_R8: kernels/csrc/r8.c, dot_x86_r8.inc).
+"""The CPU kernels' interleaved layouts (Q4_K_R8, Q5_K_R8, Q6_K_R8, Q8_0_R8, MXFP4_R8, IQ4_XS_R8: kernels/csrc/r8.c, dot_x86_r8.inc).
 
 The layout only reorders bytes, so it is checked three ways: the round trip gives the file's bytes back for
 any bytes; a matmul over it equals x @ W^T with W dequantized by gguf.quants from the original bytes (the
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import quants
-from qblocks import random_blocks
+from qblocks import q5_k_from_q4_k, random_blocks
 
 from moerun.experts.store import Expert
 from moerun.quant.qtypes import QTensor, QType
@@ -24,9 +24,9 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="moerun.kernels._cpu
 
 ISAS = cpu.features()["isas"]
 Q4K = QType.Q4_K
-QTYPES = pytest.mark.parametrize("qt", [QType.Q4_K, QType.Q6_K, QType.Q8_0, QType.MXFP4, QType.IQ4_XS],
+QTYPES = pytest.mark.parametrize("qt", [QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.MXFP4, QType.IQ4_XS],
                                  ids=lambda q: q.name)
-K_QUANTS = (QType.Q4_K, QType.Q6_K)  # activations in blocks of 256
+K_QUANTS = (QType.Q4_K, QType.Q5_K, QType.Q6_K)  # activations in blocks of 256
 
 
 def q4k(rows: int, cols: int, seed: int = 0, random_bytes: bool = False, lead: tuple[int, ...] = (),
@@ -35,6 +35,8 @@ def q4k(rows: int, cols: int, seed: int = 0, random_bytes: bool = False, lead: t
     n = int(np.prod(lead, dtype=np.int64)) * rows
     if random_bytes or qt == QType.IQ4_XS:  # moerun does not quantize IQ4_XS: gguf-valid random blocks
         data = random_blocks(qt, n, cols, gen)
+    elif qt == QType.Q5_K:  # nor Q5_K: Q4_K's blocks with a fifth bit
+        data = q5_k_from_q4_k(quantize(torch.randn(n, cols, generator=gen) * 0.05, Q4K), gen)
     else:
         data = quantize(torch.randn(n, cols, generator=gen) * 0.05, qt)
     return QTensor.from_bytes(data, qt, (*lead, rows, cols))
@@ -74,10 +76,10 @@ def test_round_trip_gives_the_file_bytes_back(shape, random_bytes, qt):
     assert torch.equal(il.dequantize().double(), gguf_dequant(w))
 
 
-@pytest.mark.parametrize("qt,block", [(Q4K, 144), (QType.Q6_K, 210)], ids=["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qt,block", [(Q4K, 144), (QType.Q5_K, 176), (QType.Q6_K, 210)], ids=["Q4_K", "Q5_K", "Q6_K"])
 def test_any_bytes_round_trip(qt, block):
-    """Every bit pattern: Q4_K's 12 packed scale bytes -> 6-bit values and back is one to one; Q6_K's low and high
-    bits of each weight, its int8 scales and d land in one place each."""
+    """Every bit pattern: Q4_K's (and Q5_K's) 12 packed scale bytes -> 6-bit values and back is one to one; Q5_K's
+    fifth bits, Q6_K's low and high bits of each weight, its int8 scales and d land in one place each."""
     raw = torch.randint(0, 256, (16, block * 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     w = QTensor.from_bytes(raw, qt, (16, 512))
     assert torch.equal(cpu.deinterleave(cpu.interleave(w)).data, raw)
@@ -95,8 +97,7 @@ def test_stacked_experts_interleave_per_expert(qt):
 
 def test_what_cannot_be_interleaved():
     assert not cpu.can_interleave(q4k(12, 256))  # rows not a multiple of 8
-    q5 = QTensor.from_bytes(random_blocks(QType.Q5_K, 8, 256, torch.Generator().manual_seed(0)), QType.Q5_K,
-                            (8, 256))  # no interleaved layout
+    q5 = QTensor.from_bytes(quantize(torch.randn(8, 256), QType.Q4_0), QType.Q4_0, (8, 256))  # no interleaved layout
     assert not cpu.can_interleave(q4k(12, 64, qt=QType.Q8_0))
     assert not cpu.can_interleave(q5)
     assert not cpu.can_interleave(cpu.interleave(q4k(8, 256)))  # already
@@ -106,7 +107,7 @@ def test_what_cannot_be_interleaved():
     with pytest.raises(ValueError):
         cpu.deinterleave(q4k(8, 256))
     with pytest.raises(ValueError):  # the layout is validated with the tensor
-        QTensor(q5.data, QType.Q5_K, (8, 256), interleave=8)
+        QTensor(q5.data, QType.Q4_0, (8, 256), interleave=8)
     with pytest.raises(ValueError):
         QTensor(q4k(8, 256).data, Q4K, (8, 256), interleave=4)
     il = cpu.interleave(q4k(16, 256))

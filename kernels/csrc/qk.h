@@ -40,6 +40,10 @@
  *          V3; hi[j] = the four values' top 2 bits, V0's in bits 0-1 .. V3's in bits 6-7.
  *          qs[256g + 32c + 4r + i] = source row r's qs[32g + 4c + i] (g < 4, c < 8, i < 4): low nibble
  *          = el 64g + 4c + i, high nibble = el 64g + 32 + 4c + i.
+ *   Q5_K_R8 @0..128 as Q4_K_R8 (d, dmin, lo, hi) | @128 four groups g of 320 B: Q4_K_R8's qs[256g .. 256g + 256],
+ *          then qh[64]: bit 2j + h of qh[32k + 4r + i] (k < 2, j < 4, h < 2) = the fifth bit of row r's element
+ *          64g + 32h + 4c + i, c = 4k + j (h: the nibble of qs vector c). 1408 B; the fifth bits sit beside the
+ *          nibbles they complete, so a block reads front to back. value = d * sc * q - dmin * m, q < 32.
  *   Q6_K_R8 @0 d[8] f16 | @16 sc[128] int8 | @144 16 x (ql vector 2m, ql vector 2m + 1, qh vector m), 32 B each.
  *          1680 B. Let q[e] be row r's 6-bit value (0..63) of element e and W_c the 8 rows' elements 4c..4c+3
  *          (c < 64), byte 4r + i = row r's element 4c + i. sc[16p + 2r + k] = row r's scale 2p + k (p < 8): the
@@ -86,7 +90,7 @@ enum { GGML_Q4_0 = 2, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K =
 /* Our interleaved layouts (see above): type id = source ggml id + QK_R8. */
 enum { QK_R8 = 1000, GGML_Q4_K_R8 = QK_R8 + GGML_Q4_K, GGML_Q8_0_R8 = QK_R8 + GGML_Q8_0,
        GGML_MXFP4_R8 = QK_R8 + GGML_MXFP4, GGML_Q6_K_R8 = QK_R8 + GGML_Q6_K,
-       GGML_IQ4_XS_R8 = QK_R8 + GGML_IQ4_XS };
+       GGML_IQ4_XS_R8 = QK_R8 + GGML_IQ4_XS, GGML_Q5_K_R8 = QK_R8 + GGML_Q5_K };
 
 /* Float weight types, read by the fused decode path's matmuls (fdot.c). */
 enum { GGML_F32 = 0, GGML_F16 = 1 };
@@ -94,7 +98,7 @@ enum { FT_F32, FT_F16, FT_COUNT };
 
 /* Our dense indices for those types. */
 enum { QT_Q4_0, QT_Q8_0, QT_MXFP4, QT_Q4_K, QT_Q5_K, QT_Q6_K, QT_IQ4_XS, QT_Q4_K_R8, QT_Q8_0_R8, QT_MXFP4_R8,
-       QT_Q6_K_R8, QT_IQ4_XS_R8, QT_COUNT };
+       QT_Q6_K_R8, QT_IQ4_XS_R8, QT_Q5_K_R8, QT_COUNT };
 
 /* Activation formats. */
 enum { ACT_Q8K, ACT_Q8_0, ACT_COUNT };
@@ -166,6 +170,7 @@ void qk_dot_scalar_q5_k(int64_t, const uint8_t *, const void *const *, int, floa
 void qk_dot_scalar_q6_k(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_iq4_xs(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_q4_k_r8(int64_t, const uint8_t *, const void *const *, int, float *);
+void qk_dot_scalar_q5_k_r8(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_q8_0_r8(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_mxfp4_r8(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_q6_k_r8(int64_t, const uint8_t *, const void *const *, int, float *);
@@ -184,6 +189,7 @@ void qk_quant_q8_0_avx2(const float *x, void *out, int64_t k);
     void qk_dot_q5_k##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
     void qk_dot_q6_k##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
     void qk_dot_q4_k_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);  \
+    void qk_dot_q5_k_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);  \
     void qk_dot_q8_0_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);  \
     void qk_dot_mxfp4_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);  \
     void qk_dot_q6_k_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
@@ -192,6 +198,7 @@ QK_DECLARE_X86_DOTS(_avx2)
 QK_DECLARE_X86_DOTS(_vnni)
 void qk_dot16_q8_0_r8_vnni(int64_t, const uint8_t *, int64_t, const void *const *, int, float *);
 void qk_dot16_q4_k_r8_vnni(int64_t, const uint8_t *, int64_t, const void *const *, int, float *);
+void qk_dot16_q5_k_r8_vnni(int64_t, const uint8_t *, int64_t, const void *const *, int, float *);
 void qk_dot16_q6_k_r8_vnni(int64_t, const uint8_t *, int64_t, const void *const *, int, float *);
 void qk_dot16_mxfp4_r8_vnni(int64_t, const uint8_t *, int64_t, const void *const *, int, float *);
 void qk_dot16_iq4_xs_r8_vnni(int64_t, const uint8_t *, int64_t, const void *const *, int, float *);

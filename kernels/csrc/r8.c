@@ -1,4 +1,4 @@
-/* The interleaved layouts Q4_K_R8, Q6_K_R8, Q8_0_R8, MXFP4_R8 and IQ4_XS_R8 (qk.h): repacking from and back to GGUF's blocks, and the
+/* The interleaved layouts Q4_K_R8, Q5_K_R8, Q6_K_R8, Q8_0_R8, MXFP4_R8 and IQ4_XS_R8 (qk.h): repacking from and back to GGUF's blocks, and the
  * portable dots.
  *
  * qk_repack and qk_unpack are exact inverses on any bytes (the 12-byte packed scales map one to one onto
@@ -11,7 +11,9 @@
 #include "qk.h"
 
 #define Q4K_BYTES 144
+#define Q5K_BYTES 176
 #define R8_BYTES (8 * Q4K_BYTES)
+#define Q5R8_BYTES (8 * Q5K_BYTES)
 #define Q80_BYTES 34
 #define MXFP4_BYTES 17
 #define Q6K_BYTES 210
@@ -32,9 +34,19 @@ void qk_r8_vectors(const uint8_t *b, uint8_t v[4][32]) {
 static int r8_sc(uint8_t v[4][32], int r, int s) { return v[s / 4][8 * (s % 4) + r]; }
 static int r8_m(uint8_t v[4][32], int r, int s) { return v[2 + s / 4][16 * (s / 2 % 2) + 2 * r + s % 2]; }
 
-/* One R8 block from 8 Q4_K blocks (src[r]: row r's block). */
-static void r8_pack_block(const uint8_t *const src[8], uint8_t *b) {
+/* Where Q4_K_R8 / Q5_K_R8 keep qs vector c of group g (qk.h), and Q4_K / Q5_K their qs. */
+static int r8_qs_at(int hb, int g, int c) { return 128 + (hb ? 320 : 256) * g + 32 * c; }
+static int k_qs_at(int hb) { return hb ? 48 : 16; }
+
+/* Q5_K_R8's byte of the fifth bits of row r's elements 64g + 32h + 4c + i (i < 4), and its bit. */
+static int q5r8_qh_at(int g, int c, int r, int i) { return 128 + 320 * g + 256 + 32 * (c / 4) + 4 * r + i; }
+static int q5r8_bit(int c, int h) { return 2 * (c % 4) + h; }
+
+/* One R8 block from 8 Q4_K (hb = 0) or Q5_K (hb = 1) blocks (src[r]: row r's block). */
+static void q45r8_pack_block(const uint8_t *const src[8], uint8_t *b, int hb) {
     uint8_t v[4][32];
+    if (hb)
+        for (int g = 0; g < 4; g++) memset(b + 128 + 320 * g + 256, 0, 64);
     for (int r = 0; r < 8; r++) {
         uint8_t sc[8], m[8];
         memcpy(b + 2 * r, src[r], 2);
@@ -45,7 +57,12 @@ static void r8_pack_block(const uint8_t *const src[8], uint8_t *b) {
             v[2 + s / 4][16 * (s / 2 % 2) + 2 * r + s % 2] = m[s];
         }
         for (int g = 0; g < 4; g++)
-            for (int c = 0; c < 8; c++) memcpy(b + 128 + 256 * g + 32 * c + 4 * r, src[r] + 16 + 32 * g + 4 * c, 4);
+            for (int c = 0; c < 8; c++) {
+                memcpy(b + r8_qs_at(hb, g, c) + 4 * r, src[r] + k_qs_at(hb) + 32 * g + 4 * c, 4);
+                for (int i = 0; hb && i < 4; i++) /* Q5_K: bit k of qh[j] is bit 4 of element 32k + j */
+                    for (int h = 0; h < 2; h++)
+                        b[q5r8_qh_at(g, c, r, i)] |= (uint8_t)((src[r][16 + 4 * c + i] >> (2 * g + h) & 1) << q5r8_bit(c, h));
+            }
     }
     for (int j = 0; j < 32; j++) {
         b[32 + j] = (uint8_t)((v[0][j] & 15) | (v[1][j] & 15) << 4);
@@ -54,12 +71,13 @@ static void r8_pack_block(const uint8_t *const src[8], uint8_t *b) {
     }
 }
 
-/* The 8 Q4_K blocks (dst[r]) of an R8 block. */
-static void r8_unpack_block(const uint8_t *b, uint8_t *const dst[8]) {
+/* The 8 Q4_K / Q5_K blocks (dst[r]) of an R8 block. */
+static void q45r8_unpack_block(const uint8_t *b, uint8_t *const dst[8], int hb) {
     uint8_t v[4][32];
     qk_r8_vectors(b, v);
     for (int r = 0; r < 8; r++) {
         uint8_t *o = dst[r];
+        if (hb) memset(o + 16, 0, 32);
         memcpy(o, b + 2 * r, 2);
         memcpy(o + 2, b + 16 + 2 * r, 2);
         for (int j = 0; j < 4; j++) { /* the 12-byte packing of qk_unpack_q4k_scales, inverted */
@@ -69,9 +87,19 @@ static void r8_unpack_block(const uint8_t *b, uint8_t *const dst[8]) {
             o[12 + j] = (uint8_t)((sh & 15) | (mh & 15) << 4);
         }
         for (int g = 0; g < 4; g++)
-            for (int c = 0; c < 8; c++) memcpy(o + 16 + 32 * g + 4 * c, b + 128 + 256 * g + 32 * c + 4 * r, 4);
+            for (int c = 0; c < 8; c++) {
+                memcpy(o + k_qs_at(hb) + 32 * g + 4 * c, b + r8_qs_at(hb, g, c) + 4 * r, 4);
+                for (int i = 0; hb && i < 4; i++)
+                    for (int h = 0; h < 2; h++)
+                        o[16 + 4 * c + i] |= (uint8_t)((b[q5r8_qh_at(g, c, r, i)] >> q5r8_bit(c, h) & 1) << (2 * g + h));
+            }
     }
 }
+
+static void r8_pack_block(const uint8_t *const src[8], uint8_t *b) { q45r8_pack_block(src, b, 0); }
+static void r8_unpack_block(const uint8_t *b, uint8_t *const dst[8]) { q45r8_unpack_block(b, dst, 0); }
+static void q5r8_pack_block(const uint8_t *const src[8], uint8_t *b) { q45r8_pack_block(src, b, 1); }
+static void q5r8_unpack_block(const uint8_t *b, uint8_t *const dst[8]) { q45r8_unpack_block(b, dst, 1); }
 
 /* One Q8_0_R8 block from 8 Q8_0 blocks, and back: d of row r at 2r, then 4-byte chunks c of the 8 rows. */
 static void q8_pack_block(const uint8_t *const src[8], uint8_t *b) {
@@ -197,6 +225,7 @@ typedef struct {
 
 static const relayout_kind KINDS[] = {
     {GGML_Q4_K_R8, GGML_Q4_K, 256, Q4K_BYTES, r8_pack_block, r8_unpack_block},
+    {GGML_Q5_K_R8, GGML_Q5_K, 256, Q5K_BYTES, q5r8_pack_block, q5r8_unpack_block},
     {GGML_Q8_0_R8, GGML_Q8_0, 32, Q80_BYTES, q8_pack_block, q8_unpack_block},
     {GGML_MXFP4_R8, GGML_MXFP4, 32, MXFP4_BYTES, mxfp4_pack_block, mxfp4_unpack_block},
     {GGML_Q6_K_R8, GGML_Q6_K, 256, Q6K_BYTES, q6r8_pack_block, q6r8_unpack_block},
@@ -259,14 +288,14 @@ int qk_unpack(int from, const uint8_t *src, uint8_t *dst, int64_t N, int64_t K) 
     return relayout(from, src, dst, N, K, 0);
 }
 
-/* Portable dot of 8 interleaved rows: out[8t + r] = sum_i y.d * (d_r * sum_s sc * (q . y)_s - dmin_r *
- * sum_s m * bsum_s), the integer sums exact as in the x86 kernels. */
-void qk_dot_scalar_q4_k_r8(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {
+/* Portable dot of 8 interleaved Q4_K (hb = 0) or Q5_K rows: out[8t + r] = sum_i y.d * (d_r * sum_s sc * (q . y)_s -
+ * dmin_r * sum_s m * bsum_s), the integer sums exact as in the x86 kernels. */
+static void q45r8_dot_scalar(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out, int hb) {
     for (int t = 0; t < nt; t++) {
         const act_q8k *x = xv[t];
         float acc[8] = {0};
         for (int64_t i = 0; i < nb; i++) {
-            const uint8_t *b = w + i * R8_BYTES;
+            const uint8_t *b = w + i * (hb ? Q5R8_BYTES : R8_BYTES);
             uint8_t v[4][32];
             qk_r8_vectors(b, v);
             for (int r = 0; r < 8; r++) {
@@ -276,7 +305,9 @@ void qk_dot_scalar_q4_k_r8(int64_t nb, const uint8_t *w, const void *const *xv, 
                     int32_t sub = 0;
                     for (int e = 0; e < 32; e++) {
                         const int c = e / 4, k = e % 4;
-                        sub += ((b[128 + 256 * g + 32 * c + 4 * r + k] >> shift) & 15) * x[i].qs[32 * s + e];
+                        int q = (b[r8_qs_at(hb, g, c) + 4 * r + k] >> shift) & 15;
+                        if (hb) q |= (b[q5r8_qh_at(g, c, r, k)] >> q5r8_bit(c, s % 2) & 1) << 4;
+                        sub += q * x[i].qs[32 * s + e];
                     }
                     isum += r8_sc(v, r, s) * sub;
                     msum += r8_m(v, r, s) * (x[i].bsums[2 * s] + x[i].bsums[2 * s + 1]);
@@ -286,6 +317,14 @@ void qk_dot_scalar_q4_k_r8(int64_t nb, const uint8_t *w, const void *const *xv, 
         }
         for (int r = 0; r < 8; r++) out[8 * t + r] = acc[r];
     }
+}
+
+void qk_dot_scalar_q4_k_r8(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {
+    q45r8_dot_scalar(nb, w, xv, nt, out, 0);
+}
+
+void qk_dot_scalar_q5_k_r8(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {
+    q45r8_dot_scalar(nb, w, xv, nt, out, 1);
 }
 
 /* Portable Q8_0_R8 dot: out[8t + r] = sum_i d_r * x.d * (q_r . x.qs), the integer sums as the x86 kernels. */

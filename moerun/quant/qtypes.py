@@ -12,8 +12,9 @@ __all__ = ["FLOAT_QTYPES", "SUPPORTED", "QTensor", "QType", "bits_per_weight", "
            "tensor_bytes"]
 
 FLOAT_QTYPES = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
-INTERLEAVABLE = {QType.Q4_K: (8,), QType.Q6_K: (8,), QType.Q8_0: (8,), QType.MXFP4: (8,), QType.IQ4_XS: (8,)}  # qtype -> row groups of the CPU kernels'
-# interleaved layouts
+# qtype -> row groups of the CPU kernels' interleaved layouts
+INTERLEAVABLE = {QType.Q4_K: (8,), QType.Q5_K: (8,), QType.Q6_K: (8,), QType.Q8_0: (8,), QType.MXFP4: (8,),
+                 QType.IQ4_XS: (8,)}
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class QTensor:
     so every weight has one representation; `dequantize()` is the torch reference.
 
     interleave: 1 for the bytes as GGUF stores them; 8 for the CPU kernels' interleaved layout (rows in
-    groups of 8, same bytes per group; made at load time by moerun.kernels.cpu.interleave; Q4_K, Q6_K, Q8_0, MXFP4, IQ4_XS).
+    groups of 8, same bytes per group; made at load time by moerun.kernels.cpu.interleave; Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS).
     An interleaved matrix's rows cannot be sliced out; its experts (outer dimensions) can.
     """
 
