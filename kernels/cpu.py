@@ -527,6 +527,18 @@ class Embedding:
 GATINGS = {"softmax": 0, "topk_softmax": 1}  # attn.h's gating
 
 
+def _check_rows(slot_tables: list[torch.Tensor], ring_tables: list[torch.Tensor], pos: list[int],
+                rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> None:
+    """A step's slot tables cover their rows' positions, and the RoPE tables reach past the last (AttnRows's and
+    decode_tokens' checks)."""
+    for t, p in zip(slot_tables + ring_tables, pos + pos):
+        if t.dtype != torch.int64 or not t.is_cpu or not t.is_contiguous() or t.dim() != 1 or not 0 <= p < len(t):
+            raise ValueError("slot tables must be contiguous int64 CPU vectors covering their row's position")
+    for name, t in (("rope_cos", rope_cos), ("rope_sin", rope_sin)):
+        if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or t.shape[0] <= max(pos):
+            raise ValueError(f"{name} must be a contiguous float32 CPU table past position {max(pos)}")
+
+
 class AttnRows:
     """The rows of one step for attn_block, checked once and shared by every layer.
 
@@ -545,12 +557,7 @@ class AttnRows:
         ring_tables = slot_tables if ring_tables is None else ring_tables
         if len(ring_tables) != B:
             raise ValueError(f"{len(ring_tables)} ring tables for {B} rows")
-        for t, p in zip(slot_tables + ring_tables, plist + plist):
-            if t.dtype != torch.int64 or not t.is_cpu or not t.is_contiguous() or t.dim() != 1 or not 0 <= p < len(t):
-                raise ValueError("slot tables must be contiguous int64 CPU vectors covering their row's position")
-        for name, t in (("rope_cos", rope_cos), ("rope_sin", rope_sin)):
-            if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or t.shape[0] <= max(plist):
-                raise ValueError(f"{name} must be a contiguous float32 CPU table past position {max(plist)}")
+        _check_rows(slot_tables, ring_tables, plist, rope_cos, rope_sin)
         self.B, self.pos, self.cos, self.sin = B, pos.contiguous(), rope_cos, rope_sin
         self.tables, self._plist, self._max = (slot_tables, ring_tables), plist, None
         self.slots = torch.tensor([t.data_ptr() for t in slot_tables], dtype=torch.int64)
@@ -703,13 +710,7 @@ def decode_tokens(stack: LayerStack, embd: Embedding, tokens: list[int], pos: li
         raise ValueError("decode_tokens needs the model's head and an Embedding of the stack's width")
     if B == 0 or len(pos) != B or len(slot_tables) != B or len(ring_tables) != B:
         raise ValueError(f"{B} tokens need as many positions and slot tables (at least one)")
-    for t, p in zip(slot_tables + ring_tables, pos + pos):
-        if t.dtype != torch.int64 or not t.is_cpu or not t.is_contiguous() or t.dim() != 1 or not 0 <= p < len(t):
-            raise ValueError("slot tables must be contiguous int64 CPU vectors covering their row's position")
-    top = max(pos)
-    for name, t in (("rope_cos", rope_cos), ("rope_sin", rope_sin)):
-        if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or t.shape[0] <= top:
-            raise ValueError(f"{name} must be a contiguous float32 CPU table past position {top}")
+    _check_rows(slot_tables, ring_tables, pos, rope_cos, rope_sin)
     scratch = bound.scratch.get(B)
     if scratch is None or len(scratch) < 4:
         scratch = bound.scratch[B] = (torch.empty((B, stack.hidden)), torch.empty((B, stack.n_used), dtype=torch.int64),
