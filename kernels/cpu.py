@@ -30,7 +30,7 @@ from moerun.quant.qtypes import INTERLEAVABLE, QTensor, QType
 
 __all__ = ["AttnLayer", "AttnRows", "Embedding", "Head", "LayerStack", "attend_prompt", "attn_block", "available", "can_interleave", "decode_layers",
            "decode_tokens", "deinterleave", "dequant_rows", "features", "get_threads", "head_logits", "interleave", "matmul", "moe_ffn",
-           "moe_ffn_experts", "set_threads", "supports"]
+           "moe_ffn_experts", "set_prefetch", "set_threads", "supports"]
 
 MODE = os.environ.get("MOERUN_KERNELS", "").strip().lower()  # "" / "auto", "scalar", "off"
 
@@ -67,8 +67,24 @@ def _physical_cores() -> int:
         return max(1, logical)
 
 
+def _env_prefetch() -> int:
+    """MOERUN_PREFETCH: the interleaved kernels' one-token prefetch distance in bytes (unset or "auto": the CPU's
+    default, see set_prefetch)."""
+    v = os.environ.get("MOERUN_PREFETCH", "auto").strip().lower()
+    if v in ("", "auto"):
+        return -1
+    if not v.isdigit() or int(v) % 64 or int(v) > 65536:
+        import warnings
+
+        warnings.warn(f"MOERUN_PREFETCH={v!r} is not auto or a multiple of 64 bytes in 0..65536: using the CPU's "
+                      "default", stacklevel=2)
+        return -1
+    return int(v)
+
+
 if _cpu is not None:
     _cpu.set_threads(_physical_cores())
+    _cpu.set_prefetch(_env_prefetch())
     _SUPPORTED = frozenset(QType(t) for t in _cpu.qtypes())
     _ISAS = tuple(_cpu.features()["isas"])
     _DEFAULT_ISA = "scalar" if MODE == "scalar" else _cpu.features()["best"]
@@ -85,13 +101,14 @@ def available() -> bool:
 
 def features() -> dict:
     """{"available", "isa" (the kernel set calls use), "isas" (all this CPU runs), "threads", "spin_us",
-    "qtypes", "reason" (why not available, else None)}."""
+    "prefetch" (set_prefetch's bytes), "qtypes", "reason" (why not available, else None)}."""
     if _cpu is None:
-        return {"available": False, "isa": None, "isas": [], "threads": 0, "spin_us": 0, "qtypes": [],
+        return {"available": False, "isa": None, "isas": [], "threads": 0, "spin_us": 0, "prefetch": 0, "qtypes": [],
                 "reason": _import_error}
     f = _cpu.features()
     return {"available": True, "isa": _DEFAULT_ISA, "isas": f["isas"], "threads": f["threads"],
-            "spin_us": f["spin_us"], "qtypes": sorted(q.name for q in _SUPPORTED), "reason": None}
+            "spin_us": f["spin_us"], "prefetch": f["prefetch"], "qtypes": sorted(q.name for q in _SUPPORTED),
+            "reason": None}
 
 
 def supports(qtype) -> bool:
@@ -111,6 +128,17 @@ def set_threads(n: int, spin_us: int | None = None) -> None:
     if spin_us is not None and (not isinstance(spin_us, int) or spin_us < 0):
         raise ValueError(f"spin_us must be a non-negative int, got {spin_us!r}")
     _cpu.set_threads(n, -1 if spin_us is None else spin_us)
+
+
+def set_prefetch(nbytes: int | None = None) -> None:
+    """How far ahead (bytes, a multiple of 64 up to 65536; 0: not at all) the interleaved-layout kernels prefetch
+    weight rows into L2 when they multiply one token. None: the CPU's default (2048 on Intel, 0 elsewhere; the
+    environment's MOERUN_PREFETCH overrides it at import). Results do not depend on it, only speed."""
+    _need()
+    if nbytes is not None and (not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0 or nbytes % 64
+                               or nbytes > 65536):
+        raise ValueError(f"prefetch must be a multiple of 64 bytes in 0..65536, got {nbytes!r}")
+    _cpu.set_prefetch(-1 if nbytes is None else nbytes)
 
 
 def read_bw(buf: torch.Tensor, streams: int = 1, prefetch: int = 0) -> int:

@@ -149,6 +149,39 @@ def test_matmul_random_bytes_every_scale_pattern(qt):
         assert rel_err(cpu.matmul(x, cpu.interleave(w), isa=isa), ref) < 2e-5
 
 
+@pytest.fixture
+def default_prefetch():
+    yield
+    cpu.set_prefetch()
+
+
+@QTYPES
+def test_one_token_prefetch_changes_no_result(qt, default_prefetch):
+    """The one-token kernels' L2 prefetch (any distance, past the matrix's end too: prefetches never fault) leaves
+    every output bit as it is."""
+    w = q4k(72, 1024, seed=3, qt=qt)
+    il, ref = cpu.interleave(w), gguf_dequant(w)
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(5))
+    for isa in ISAS:
+        cpu.set_prefetch(0)
+        base = cpu.matmul(x, il, isa=isa)
+        assert rel_err(base, emulate_act(x, qt) @ ref.T) < 2e-5, isa
+        for nbytes in (64, 2048, 65536):
+            cpu.set_prefetch(nbytes)
+            assert cpu.features()["prefetch"] == nbytes
+            assert torch.equal(cpu.matmul(x, il, isa=isa), base), (isa, nbytes)
+
+
+def test_set_prefetch_checks_its_distance(default_prefetch):
+    for bad in (-64, 100, 65600, 1.5, True):
+        with pytest.raises(ValueError, match="multiple of 64"):
+            cpu.set_prefetch(bad)
+    cpu.set_prefetch(0)
+    assert cpu.features()["prefetch"] == 0
+    cpu.set_prefetch()  # the CPU's default: 2048 on Intel, none elsewhere
+    assert cpu.features()["prefetch"] in (0, 2048)
+
+
 # ------------------------------------------------------------------------------------------ moe_ffn
 
 

@@ -44,8 +44,9 @@ static PyObject *py_features(PyObject *self, PyObject *args) {
         }
         Py_DECREF(s);
     }
-    return Py_BuildValue("{s:s,s:i,s:N,s:i,s:i}", "best", qk_isa_name(qk_best_isa()), "best_id", qk_best_isa(),
-                         "isas", isas, "threads", qk_pool_threads(), "spin_us", qk_pool_spin_us());
+    return Py_BuildValue("{s:s,s:i,s:N,s:i,s:i,s:i}", "best", qk_isa_name(qk_best_isa()), "best_id", qk_best_isa(),
+                         "isas", isas, "threads", qk_pool_threads(), "spin_us", qk_pool_spin_us(), "prefetch",
+                         qk_prefetch());
 }
 
 static PyObject *py_qtypes(PyObject *self, PyObject *args) {
@@ -68,6 +69,17 @@ static PyObject *py_set_threads(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS rc = qk_pool_set_threads(n, spin_us);
     Py_END_ALLOW_THREADS if (rc) {
         PyErr_SetString(PyExc_ValueError, "threads must be in 1..1024 and spin_us in 0..1000000");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_set_prefetch(PyObject *self, PyObject *args) {
+    (void)self;
+    int n;
+    if (!PyArg_ParseTuple(args, "i", &n)) return NULL;
+    if (qk_set_prefetch(n)) {
+        PyErr_SetString(PyExc_ValueError, "prefetch must be -1 or a multiple of 64 in 0..65536");
         return NULL;
     }
     Py_RETURN_NONE;
@@ -379,6 +391,8 @@ static PyMethodDef methods[] = {
     {"repack", py_repack, METH_VARARGS, "repack(to, src, dst, N, K): GGUF rows (Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS) into an interleaved layout."},
     {"unpack", py_unpack, METH_VARARGS, "unpack(from, src, dst, N, K): an interleaved layout back to GGUF rows."},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n, spin_us=-1): size the thread pool."},
+    {"set_prefetch", py_set_prefetch, METH_VARARGS,
+     "set_prefetch(bytes): the interleaved kernels' one-token prefetch distance (-1: the CPU's default, 0: none)."},
     {"get_threads", py_get_threads, METH_NOARGS, "Threads of the pool (caller included)."},
     {"set_active", py_set_active, METH_VARARGS, "set_active(n): jobs run on min(n, threads) threads (0: all)."},
     {"act_row_bytes", py_act_row_bytes, METH_VARARGS, "act_row_bytes(ggml, K)"},

@@ -42,7 +42,8 @@ static struct {
     atomic_int pending;       /* workers still inside the current job */
     atomic_int active;        /* threads a job runs on, caller included (0: all nthreads) */
     int job_n;                /* threads of the current job: workers with tid >= job_n sit it out */
-} P = {.run_lock = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER,
+    atomic_int prefetch;      /* qk_prefetch's bytes, or -1 until decided */
+} P = {.prefetch = -1, .run_lock = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER,
        .wake = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER, .spin_us = DEFAULT_SPIN_US};
 
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
@@ -219,4 +220,27 @@ int qk_pool_run(qk_task fn, void *ctx) {
     }
     pthread_mutex_unlock(&P.run_lock);
     return rc;
+}
+
+static int default_prefetch(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_is("intel")) return 2048;
+#endif
+    return 0;
+}
+
+int qk_set_prefetch(int bytes) {
+    if (bytes < -1 || bytes > 65536 || (bytes > 0 && bytes % 64)) return -1;
+    atomic_store(&P.prefetch, bytes < 0 ? default_prefetch() : bytes);
+    return 0;
+}
+
+int qk_prefetch(void) {
+    int n = atomic_load_explicit(&P.prefetch, memory_order_relaxed);
+    if (n < 0) {
+        n = default_prefetch();
+        atomic_store(&P.prefetch, n);
+    }
+    return n;
 }

@@ -6,6 +6,7 @@
 #ifndef MOERUN_X86_COMMON_H
 #define MOERUN_X86_COMMON_H
 
+#include "pool.h"
 #include "qk.h"
 
 #if QK_X86
@@ -39,6 +40,13 @@ QK_AVX2_INLINE __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
  * T = 1 Q4_K GEMV from ~11 to ~16 GB/s per thread). Past the end of a row it fetches the next row,
  * which is usually the next one read. Prefetches never fault. */
 #define QK_PREFETCH_AHEAD 2048
+
+/* The interleaved kernels' prefetch of the block `pf` bytes past b into L2 (pf: qk_prefetch() on one-token passes,
+ * else 0). */
+QK_AVX2_INLINE void r8_prefetch(const uint8_t *b, int bytes, int64_t pf) {
+    if (pf)
+        for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)b + pf + o, _MM_HINT_T1);
+}
 
 QK_AVX2_INLINE void avx2_prefetch_block(const uint8_t *b, int bytes) {
     for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)b + QK_PREFETCH_AHEAD + o, _MM_HINT_T0);
