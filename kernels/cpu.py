@@ -68,7 +68,7 @@ def _physical_cores() -> int:
 
 
 def _env_prefetch() -> int:
-    """MOERUN_PREFETCH: the interleaved kernels' one-token prefetch distance in bytes (unset or "auto": the CPU's
+    """MOERUN_PREFETCH: the interleaved kernels' prefetch distance for a few tokens, in bytes (unset or "auto": the CPU's
     default, see set_prefetch)."""
     v = os.environ.get("MOERUN_PREFETCH", "auto").strip().lower()
     if v in ("", "auto"):
@@ -132,7 +132,7 @@ def set_threads(n: int, spin_us: int | None = None) -> None:
 
 def set_prefetch(nbytes: int | None = None) -> None:
     """How far ahead (bytes, a multiple of 64 up to 65536; 0: not at all) the interleaved-layout kernels prefetch
-    weight rows into L2 when they multiply one token. None: the CPU's default (2048 on Intel, 0 elsewhere; the
+    weight rows into L2 when they multiply one token (or up to 8 with AVX-512 VNNI). None: the CPU's default (2048 on Intel, 0 elsewhere; the
     environment's MOERUN_PREFETCH overrides it at import). Results do not depend on it, only speed."""
     _need()
     if nbytes is not None and (not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0 or nbytes % 64

@@ -156,12 +156,13 @@ def default_prefetch():
 
 
 @QTYPES
-def test_one_token_prefetch_changes_no_result(qt, default_prefetch):
-    """The one-token kernels' L2 prefetch (any distance, past the matrix's end too: prefetches never fault) leaves
-    every output bit as it is."""
+@pytest.mark.parametrize("T", [1, 2, 5, 8])
+def test_prefetch_changes_no_result(qt, T, default_prefetch):
+    """The kernels' L2 prefetch for one to a few tokens (any distance, past the matrix's end too: prefetches never
+    fault) leaves every output bit as it is."""
     w = q4k(72, 1024, seed=3, qt=qt)
     il, ref = cpu.interleave(w), gguf_dequant(w)
-    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(T, 1024, generator=torch.Generator().manual_seed(5))
     for isa in ISAS:
         cpu.set_prefetch(0)
         base = cpu.matmul(x, il, isa=isa)

@@ -41,11 +41,12 @@ QK_AVX2_INLINE __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
  * which is usually the next one read. Prefetches never fault. */
 #define QK_PREFETCH_AHEAD 2048
 
-/* The interleaved kernels' prefetch of the block `pf` bytes past b into L2 (pf: qk_prefetch() on one-token passes,
- * else 0). */
+/* The interleaved kernels' prefetch into L2 of the lines that start within the `bytes` from `pf` bytes past b (pf:
+ * qk_prefetch() on one-token passes, else 0): over a run of contiguous blocks, each line once. */
 QK_AVX2_INLINE void r8_prefetch(const uint8_t *b, int bytes, int64_t pf) {
-    if (pf)
-        for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)b + pf + o, _MM_HINT_T1);
+    if (!pf) return;
+    const uintptr_t s = (uintptr_t)b + (uintptr_t)pf, e = s + (uintptr_t)bytes;
+    for (uintptr_t p = (s + 63) & ~(uintptr_t)63; p < e; p += 64) _mm_prefetch((const char *)p, _MM_HINT_T1);
 }
 
 QK_AVX2_INLINE void avx2_prefetch_block(const uint8_t *b, int bytes) {
