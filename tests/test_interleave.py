@@ -159,18 +159,19 @@ def default_prefetch():
 @pytest.mark.parametrize("T", [1, 2, 5, 8])
 def test_prefetch_changes_no_result(qt, T, default_prefetch):
     """The kernels' L2 prefetch for one to a few tokens (any distance, past the matrix's end too: prefetches never
-    fault) leaves every output bit as it is."""
+    fault), and the GGUF-layout kernels' hint that follows it, leave every output bit as they are."""
     w = q4k(72, 1024, seed=3, qt=qt)
     il, ref = cpu.interleave(w), gguf_dequant(w)
     x = torch.randn(T, 1024, generator=torch.Generator().manual_seed(5))
     for isa in ISAS:
         cpu.set_prefetch(0)
-        base = cpu.matmul(x, il, isa=isa)
+        base, gguf_base = cpu.matmul(x, il, isa=isa), cpu.matmul(x, w, isa=isa)  # GGUF's layout: an L1 or L2 hint
         assert rel_err(base, emulate_act(x, qt) @ ref.T) < 2e-5, isa
         for nbytes in (64, 2048, 65536):
             cpu.set_prefetch(nbytes)
             assert cpu.features()["prefetch"] == nbytes
             assert torch.equal(cpu.matmul(x, il, isa=isa), base), (isa, nbytes)
+            assert torch.equal(cpu.matmul(x, w, isa=isa), gguf_base), (isa, nbytes)
 
 
 def test_set_prefetch_checks_its_distance(default_prefetch):

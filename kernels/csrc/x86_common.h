@@ -49,8 +49,13 @@ QK_AVX2_INLINE void r8_prefetch(const uint8_t *b, int bytes, int64_t pf) {
     for (uintptr_t p = (s + 63) & ~(uintptr_t)63; p < e; p += 64) _mm_prefetch((const char *)p, _MM_HINT_T1);
 }
 
-QK_AVX2_INLINE void avx2_prefetch_block(const uint8_t *b, int bytes) {
-    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)b + QK_PREFETCH_AHEAD + o, _MM_HINT_T0);
+/* l2 (one token, and qk_prefetch() > 0: a CPU where the interleaved kernels prefetch too) prefetches into L2, not L1:
+ * on the Intel VM +8-11% for one GGUF-layout matrix from DRAM (RESULTS.md); Zen 4's best stays T0. */
+QK_AVX2_INLINE void avx2_prefetch_block(const uint8_t *b, int bytes, int l2) {
+    if (l2)
+        for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)b + QK_PREFETCH_AHEAD + o, _MM_HINT_T1);
+    else
+        for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)b + QK_PREFETCH_AHEAD + o, _MM_HINT_T0);
 }
 
 QK_AVX2_INLINE float avx2_f16(const uint8_t *p) { return _cvtsh_ss(qk_rd16(p)); }
