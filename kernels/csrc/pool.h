@@ -20,11 +20,12 @@ int qk_pool_threads(void);
 int qk_pool_set_active(int n);
 int qk_pool_active(void); /* the last set_active's n */
 int qk_pool_spin_us(void);
-/* How far ahead (bytes) the interleaved-layout kernels prefetch weights into L2 on passes of one token (8-row kernels)
- * or up to 8 (16-row kernels), 0 for not at all. -1 sets the CPU's default: 2048 on Intel, where a core's demand stream alone leaves memory idle
- * (an a3b decode token +13-36%), 0 elsewhere (on Zen 4 the hardware prefetchers keep up and prefetching cost 8%).
- * While it is > 0 the GGUF-layout kernels' one-token prefetch (2 KB ahead) goes to L2 rather than L1. Results do not
- * depend on it. Returns 0, or -1 when bytes is not -1 or a multiple of 64 in 0..65536. */
+/* How far ahead (bytes) the interleaved-layout kernels prefetch weights into L2 on passes of one token (8-row
+ * kernels) or up to 8 (16-row kernels), 0 for not at all. -1 sets the CPU's default: 2048 on Intel, where a core's
+ * demand stream alone leaves memory idle (an a3b decode token +6-36%), 0 elsewhere (on Zen 4 the hardware
+ * prefetchers keep up and prefetching cost 8%). While it is > 0 the GGUF-layout kernels' one-token prefetch (2 KB
+ * ahead) goes to L2 rather than L1. Results do not depend on it. Returns 0, or -1 when bytes is not -1 or a
+ * multiple of 64 in 0..65536. */
 int qk_set_prefetch(int bytes);
 int qk_prefetch(void);
 /* Returns 0, or -1 when worker threads could not be created (the job then ran on the caller). */
