@@ -6,9 +6,11 @@ Three kinds of device:
 - ``cuda:N``: a GPU. Dense weights, KV and expert slots live in its memory; expert pages come in from
   pinned host memory on a copy stream, ordered against compute by events.
 - ``standin:N``: the CPU standing in for a GPU. It has a device tier of its own, so every code path a GPU
-  runs (placement, VRAM accounting, slots, page-ins, streams, events, the miss path) runs on it too; its
-  memory is ordinary memory, its copies are synchronous, its events are wall-clock stamps and its kernels
-  the host's. CI checks the GPU path's logic through it; a GPU run then checks speed.
+  runs (placement, VRAM accounting, slots, page-ins, streams, events, the miss path) runs on it too. Its
+  memory is host memory and its kernels the host's, but its streams, copies, allocator, current device and
+  graphs keep CUDA's rules, adversarially (moerun.standin: late copies read as poison, freed blocks are
+  handed out again at once, a launch off the current device fails, syncs and launches are counted). CI
+  checks the GPU path's logic and its work per token through it; a GPU run then checks speed.
 
 Everything device-specific the rest of moerun needs is here: names, memory queries, buffers (device,
 pinned host), copies, streams, events, synchronisation, out-of-memory errors.
@@ -202,6 +204,10 @@ def synchronize(dev: Device) -> None:
 
     if dev.kind == "cuda":
         torch.cuda.synchronize(dev.index)
+    elif dev.kind == "standin":
+        from moerun import standin
+
+        standin.active().synchronize(dev.index)
 
 
 def release_memory() -> None:
@@ -221,15 +227,30 @@ def is_oom(exc: BaseException) -> bool:
 # ------------------------------------------------------------------------------------------ buffers
 
 
-def empty(dev: Device, nbytes: int) -> torch.Tensor:
-    """An uninitialised uint8 buffer of `nbytes` in the device's memory."""
+def empty(dev: Device, nbytes: int, stream: Stream | None = None) -> torch.Tensor:
+    """An uninitialised uint8 buffer of `nbytes` in the device's memory, from `stream`'s pool (default: the
+    compute stream's). Work on another stream may use it only after waiting for an event that `stream`
+    recorded after this allocation (and `record_stream` it, where that stream may still use it when it goes)."""
     import torch
 
     from moerun.hostmem import host_empty
 
     if dev.kind == "cuda":
-        return torch.empty(nbytes, dtype=torch.uint8, device=dev.torch)
+        with torch.cuda.stream(stream._s) if stream is not None else nullcontext():
+            return torch.empty(nbytes, dtype=torch.uint8, device=dev.torch)
+    if dev.kind == "standin":
+        from moerun import standin
+
+        return standin.active().empty(dev.index, nbytes, stream._ss if stream is not None else None)
     return host_empty(nbytes)
+
+
+def record_stream(t: torch.Tensor, stream: Stream) -> None:
+    """`t`'s memory is used by work on `stream`: when `t` goes, it is not handed out again before that work is done."""
+    if stream._s is not None and t.is_cuda:
+        t.record_stream(stream._s)
+    elif stream._ss is not None:
+        stream._ss.sim.record_stream(t, stream._ss)
 
 
 def to_device(t: torch.Tensor, dev: Device) -> torch.Tensor:
@@ -237,7 +258,10 @@ def to_device(t: torch.Tensor, dev: Device) -> torch.Tensor:
     if dev.kind == "cuda":
         return t.to(dev.torch)
     if dev.kind == "standin" and t.is_cpu:
-        return t  # the stand-in's memory is the host's: placing a tensor there moves nothing
+        from moerun import standin
+
+        standin.active().tag(t, dev.index)
+        return t  # the stand-in's memory is the host's: placing a tensor there moves nothing (it is tagged as its)
     return t.cpu()
 
 
@@ -254,7 +278,9 @@ class PinnedRegion:
             cudart = torch.cuda.cudart()
             rc = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
             self.pinned = int(rc) == 0
-            if self.pinned:
+            if not self.pinned:
+                cudart.cudaGetLastError()  # clear the sticky error, or the next kernel launch reports it
+            else:
                 self._done = weakref.finalize(self, cudart.cudaHostUnregister, t.data_ptr())
 
 
@@ -278,15 +304,21 @@ def pinned_empty(nbytes: int, dev: Device) -> torch.Tensor:
 
 
 class Stream:
-    """A CUDA stream, or the stand-in's: work "on" it runs at once, in order."""
+    """A CUDA stream, or the stand-in's (moerun.standin: the compute stream runs work at once, a side stream's copies
+    land when waited for)."""
 
     def __init__(self, dev: Device, current: bool = False):
         import torch
 
         self.dev = dev
-        self._s = None
+        self._s = self._ss = None
         if dev.kind == "cuda":
             self._s = torch.cuda.current_stream(dev.index) if current else torch.cuda.Stream(dev.torch)
+        elif dev.kind == "standin":
+            from moerun import standin
+
+            sim = standin.active()
+            self._ss = sim.compute(dev.index) if current else sim.stream(dev.index)
 
     def __enter__(self):
         import torch
@@ -302,10 +334,15 @@ class Stream:
         """Work queued on this stream from now on starts after `event`."""
         if self._s is not None and event._e is not None:
             self._s.wait_event(event._e)
+        elif self._ss is not None and event._se is not None:
+            self._ss.sim.wait(self._ss, event._se)
 
     def synchronize(self) -> None:
         if self._s is not None:
             self._s.synchronize()
+        elif self._ss is not None:
+            self._ss.sim.sync("stream.synchronize")
+            self._ss.flush()
 
 
 def compute_stream(dev: Device) -> Stream:
@@ -322,12 +359,19 @@ class Event:
 
         self.dev, self.timing = dev, timing
         self._e = torch.cuda.Event(enable_timing=timing) if dev.kind == "cuda" else None
+        self._se = None
+        if dev.kind == "standin":
+            from moerun import standin
+
+            self._se = standin.Event(standin.active(), dev.index)
         self._t: float | None = None
 
     def record(self, stream: Stream | None = None) -> Event:
         if self._e is not None:
             self._e.record(stream._s if stream is not None else None)
         else:
+            if self._se is not None:
+                self._se.record(stream._ss if stream is not None else None)
             self._t = time.perf_counter()
         return self
 
@@ -335,9 +379,13 @@ class Event:
         """Block the host until the event's work is done."""
         if self._e is not None:
             self._e.synchronize()
+        elif self._se is not None:
+            self._se.synchronize()
 
     def query(self) -> bool:
-        return self._e.query() if self._e is not None else True
+        if self._e is not None:
+            return self._e.query()
+        return self._se.query() if self._se is not None else True
 
     def seconds_to(self, end: Event) -> float:
         """Seconds from this event to `end` (both recorded with timing, `end` done)."""
@@ -348,8 +396,11 @@ class Event:
 
 def copy_(dst: torch.Tensor, src: torch.Tensor, stream: Stream | None = None) -> None:
     """dst <- src, asynchronous on `stream` for host-to-device copies from pinned memory (a pageable source is
-    refused: it would copy synchronously and stall both streams). The stand-in copies at once."""
-    if dst.is_cuda or src.is_cuda:
+    refused: it would copy synchronously and stall both streams). The stand-in's side-stream copies land when
+    waited for (moerun.standin)."""
+    if stream is not None and stream._ss is not None:
+        stream._ss.sim.copy(dst, src, stream._ss)
+    elif dst.is_cuda or src.is_cuda:
         if src.is_cpu and not src.is_pinned():
             raise DeviceError("host-to-device copy from pageable memory; stage it in pinned memory first")
         with stream if stream is not None else nullcontext():
@@ -358,9 +409,16 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, stream: Stream | None = None) ->
         dst.copy_(src)
 
 
-def upload(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
-    """A host tensor on the torch device `dev`, copied without waiting for the device: through pinned memory
-    (`t` itself when it is pinned), asynchronously on the current stream. The tensor itself off CUDA."""
+def upload(t: torch.Tensor, dev: torch.device | Device) -> torch.Tensor:
+    """A host tensor on the device `dev`, copied without waiting for the device: through pinned memory (`t`
+    itself when it is pinned), asynchronously on the current stream. Off CUDA the tensor itself (on the
+    stand-in, a copy counted as one)."""
+    if isinstance(dev, Device):
+        if dev.kind == "standin":
+            from moerun import standin
+
+            return standin.active().upload(t, dev.index)
+        dev = dev.torch
     if dev.type != "cuda":
         return t.to(dev)
     if not t.is_pinned():
@@ -368,11 +426,28 @@ def upload(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
     return t.to(dev, non_blocking=True)
 
 
-def to_host(tensors: list[torch.Tensor], out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+def move(x: torch.Tensor, dev: Device) -> torch.Tensor:
+    """The hidden state handed from one stage to the next on `dev`: a peer copy between GPUs (asynchronous, in the
+    current stream's order), a counted copy between stand-in devices, nothing where it is already there."""
+    if dev.kind == "cuda":
+        return x if x.device == dev.torch else x.to(dev.torch, non_blocking=True)
+    if dev.kind == "standin":
+        from moerun import standin
+
+        return standin.active().upload(x, dev.index)
+    return x.cpu()
+
+
+def to_host(tensors: list[torch.Tensor], out: list[torch.Tensor] | None = None,
+            dev: Device | None = None) -> list[torch.Tensor]:
     """Device tensors back to the host with one synchronisation (pinned destinations, async copies, one wait);
-    CPU tensors come back as they are."""
+    CPU tensors come back as they are (the stand-in's `dev`: copies, counted as one sync)."""
     import torch
 
+    if dev is not None and dev.kind == "standin":
+        from moerun import standin
+
+        return standin.active().to_host(list(tensors))
     if not any(t.is_cuda for t in tensors):
         return list(tensors)
     res = []
@@ -394,15 +469,119 @@ def measure_h2d_gbps(dev: Device, nbytes: int = 64 << 20, reps: int = 5) -> floa
 
     if dev.kind != "cuda":
         return None
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=dev.torch)
     times = []
-    for _ in range(reps + 1):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src, non_blocking=True)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
+    with use(dev):  # the events time this device's stream, not cuda:0's
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=dev.torch)
+        stream = torch.cuda.current_stream(dev.index)
+        for _ in range(reps + 1):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(stream)
+            dst.copy_(src, non_blocking=True)
+            b.record(stream)
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
     times = sorted(times[1:])  # the first copy warms the path up
     return nbytes / times[len(times) // 2] / 1e9
+
+
+# ------------------------------------------------------------------------- current device, launches
+
+
+def use(dev: Device):
+    """The context in which `dev` is the current device: kernels launched inside run there (CUDA's current device;
+    the stand-in's, whose launches check it). The only place that sets it."""
+    import torch
+
+    if dev.kind == "cuda":
+        return torch.cuda.device(dev.index)
+    if dev.kind == "standin":
+        from moerun import standin
+
+        return standin.active().use(dev.index)
+    return nullcontext()
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """kernel[grid](*args, **kwargs): the one way moerun launches a Triton kernel. The launch must be on the device
+    its tensors live on (the current one: `use`); it is counted (`counting`) and, inside a capture, recorded."""
+    from moerun import standin
+
+    sim = standin.current()
+    if sim is not None:
+        return sim.launch(kernel, grid, args, kwargs)
+    dev = next((a.device for a in args if hasattr(a, "is_cuda") and a.is_cuda), None)
+    if dev is not None:
+        import torch
+
+        if torch.cuda.current_device() != dev.index:
+            raise DeviceError(f"a kernel on {dev} launched while cuda:{torch.cuda.current_device()} is current "
+                              "(enter device.use(dev) first)")
+    return kernel[grid](*args, **kwargs)
+
+
+def counting(dev: Device):
+    """A context whose value (moerun.standin.Counts) counts the syncs, launches and bytes of the work inside: torch's
+    ops through a dispatch mode, Triton launches, copies; on the stand-in and on a GPU alike."""
+    from moerun import standin
+
+    return standin.active().counting(real=dev.kind == "cuda")
+
+
+def on_host(dev: Device):
+    """Work a device stage does on the CPU (home misses): not the device's syncs or launches."""
+    if dev.kind == "standin":
+        from moerun import standin
+
+        return standin.active().suspended()
+    return nullcontext()
+
+
+class Graph:
+    """A captured step (a CUDA graph; the stand-in's recording, with CUDA's rules: no sync inside, Python values
+    baked in). `capture()` runs the step once while recording it; `replay()` runs the recording again, reading and
+    writing the same buffers."""
+
+    def __init__(self, dev: Device):
+        import torch
+
+        self.dev = dev
+        self._g = torch.cuda.CUDAGraph() if dev.kind == "cuda" else None
+        self._sg = None
+        self.kernels: int | None = None  # kernels in the graph, where known (the stand-in's)
+
+    def capture(self):
+        import torch
+
+        if self._g is not None:
+            return torch.cuda.graph(self._g)
+        if self.dev.kind != "standin":
+            raise DeviceError(f"{self.dev}: graphs are for a GPU or its stand-in")
+        from moerun import standin
+
+        self._sg = standin.Graph()
+        return _Captured(self)
+
+    def replay(self) -> None:
+        if self._g is not None:
+            self._g.replay()
+        else:
+            from moerun import standin
+
+            self._sg.replay(standin.active())
+
+
+class _Captured:
+    def __init__(self, g: Graph):
+        self.g = g
+
+    def __enter__(self):
+        from moerun import standin
+
+        self._ctx = standin.active().capture(self.g._sg)
+        return self._ctx.__enter__()
+
+    def __exit__(self, *exc):
+        out = self._ctx.__exit__(*exc)
+        self.g.kernels = self.g._sg.kernels
+        return out

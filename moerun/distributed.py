@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moerun import device
 from moerun.arch import Arch, resolve
 from moerun.config import RuntimeConfig
 from moerun.engine.engine import Engine
@@ -204,6 +205,10 @@ class PipelineModel(StagedModel):
     @property
     def logits_device(self) -> torch.device:
         return torch.device("cpu")  # the last rank sends them here
+
+    @property
+    def dev(self) -> device.Device:
+        return device.CPU
 
     @torch.inference_mode()
     def _run(self, tokens, pos, kv, phase, last_only):

@@ -75,6 +75,7 @@ def test_transfers_copy_experts_bytes_exactly(pinned):
     t, stats = Transfers(store, sd, {0} if pinned else set()), CacheStats()
     nbytes = store.expert_bytes(0)
     bufs = [device.empty(sd, nbytes) for _ in range(5)]
+    t.adopt()
     total, ready = t.load(0, [(e, b) for e, b in zip((5, 1, 3, 0, 2), bufs)], "decode")
     t.wait(ready, 0, "decode")
     assert total == 5 * nbytes

@@ -30,6 +30,7 @@ from itertools import pairwise
 
 import torch
 
+from moerun import device as _device
 from moerun.arch.spec import ModelSpec
 from moerun.engine.blocks import BlockAllocator, ContextOverflowError, block_hashes
 from moerun.engine.kv_types import kv_type
@@ -352,8 +353,8 @@ class SeqKV:
         index = self._ring_index if ring else self._slot_index
         if device.type == "cpu":
             return index[start:end]
-        if (device, ring) not in self._on:
-            self._on[device, ring] = index.to(device)
+        if (device, ring) not in self._on:  # through pinned memory: a pageable upload would wait for the device
+            self._on[device, ring] = _device.upload(index, device)
         return self._on[device, ring][start:end]
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor | None = None) -> None:

@@ -3,7 +3,8 @@ with its own expert source and cache.
 
 A `StagedModel` has MoEModel's interface (forward, decode, spec, dtype, on_route, kv_segments,
 logits_device) for the Engine and the scheduler. The embeddings run on the first stage, the head on the
-last; between stages only the hidden state moves (`x.to(next stage's device)`). Stage k's KV cache is its
+last; between stages only the hidden state moves (`device.move`, a peer copy), each stage inside its device's
+context (`device.use`, where its kernels launch). Stage k's KV cache is its
 layers' segment of the sequence's pool, on its device. Expert statistics are kept per stage (each stage's
 ExpertCache has its own CacheStats); `StageCaches` reads them as one, so totals are the sum of the stages'
 figures by construction.
@@ -17,6 +18,7 @@ from itertools import pairwise
 
 import torch
 
+from moerun import device
 from moerun.engine.kv_cache import SeqKV
 from moerun.experts.cache import ExpertCache
 from moerun.experts.stats import CacheStats, Counters
@@ -129,15 +131,23 @@ class StagedModel:
     def logits_device(self) -> torch.device:
         return self.stages[-1].model.logits_device
 
+    @property
+    def dev(self) -> device.Device:
+        """Where the logits are computed (the last stage's device)."""
+        return self.stages[-1].model.dev
+
     @torch.inference_mode()
     def _run(self, tokens: torch.Tensor, pos: torch.Tensor, kv: SeqKV | list[SeqKV] | None, phase: str,
              last_only: bool) -> torch.Tensor:
         m = self.model
         with m.ops.step(len(tokens)):
-            x = m.embed(tokens)
-            for st in self.stages:
-                x = st.model.run_layers(x.to(st.model.dev.torch), pos, kv, phase)
-            return self.stages[-1].model._head(x[-1:] if last_only else x)
+            with device.use(m.dev):
+                x = m.embed(tokens)
+            for st in self.stages:  # each stage's kernels launch on its own device
+                with device.use(st.model.dev):
+                    x = st.model.run_layers(device.move(x, st.model.dev), pos, kv, phase)
+            with device.use(self.stages[-1].model.dev):
+                return self.stages[-1].model._head(x[-1:] if last_only else x)
 
     def forward(self, tokens: torch.Tensor, kv: SeqKV | None = None, last_only: bool = False,
                 phase: str | None = None) -> torch.Tensor:

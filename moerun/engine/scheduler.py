@@ -362,12 +362,18 @@ class Scheduler:
         if plain:
             tokens = torch.tensor([s.next_token for s in plain], dtype=torch.long)
             logits = self._run(plain, "decode", self.engine.model.decode, tokens, [s.kv for s in plain])
+            drawn = []
             for slot, row in zip(plain, () if logits is None else logits):
                 slot.seq.tokens.append(slot.next_token)
                 slot.next_token = None
                 if slot.kv.length % slot.kv.pool.block_size == 0:  # a block just filled
                     slot.seq.publish()
-                self._sample(slot, row)
+                drawn.append((slot, self._draw(slot, row)))
+            drawn = [(slot, d) for slot, d in drawn if d is not None]
+            if drawn:  # the step's one read back: every row's sampled id together
+                (ids,) = device.to_host([torch.stack([tok for _, (tok, _) in drawn])], dev=getattr(self.engine.model, "dev", None))
+                for (slot, (_, lp)), tok in zip(drawn, ids.tolist()):
+                    self._accept(slot, tok, lp)
         for slot in batch:
             if slot.spec is not None:
                 self._verify(slot)
@@ -421,15 +427,25 @@ class Scheduler:
                     self._sample(slot, logits[-1])
 
     def _sample(self, slot: Slot, logits: torch.Tensor) -> None:
-        req, p = slot.req, slot.req.params
+        drawn = self._draw(slot, logits)
+        if drawn is not None:
+            self._accept(slot, int(drawn[0]), drawn[1])
+
+    def _draw(self, slot: Slot, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The sampled id as a 0-d tensor on the logits' device (not read back yet), and the log-probabilities before
+        sampling when the request asked for them; None when the request failed here."""
+        req = slot.req
         lp = None if req.top_logprobs is None else torch.log_softmax(logits.float(), dim=-1).cpu()  # before sampling
         if slot.constraint is not None:  # the grammar's mask is the first step of the sampler chain
             try:
                 logits = slot.constraint.mask(logits)
             except MoerunError as e:  # the grammar cannot go on (llguidance's error state)
                 self._finish(slot, "error", str(e))
-                return
-        tok = int(slot.sampler.sample(logits, slot.history[:slot.n_history]))
+                return None
+        return slot.sampler.sample(logits, slot.history[:slot.n_history]), lp
+
+    def _accept(self, slot: Slot, tok: int, lp: torch.Tensor | None) -> None:
+        req, p = slot.req, slot.req.params
         now = time.perf_counter()
         first = req.t_first is None
         if first:

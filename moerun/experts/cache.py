@@ -106,6 +106,7 @@ class ExpertCache:
         self._used: dict[int, _device.Event] = {}  # per layer: the compute that last read its slots
         if self.dev.accelerator:
             self.transfers = Transfers(store, self.dev, set(pinned_layers or ()))
+            self.transfers.adopt()  # the slots above came from the compute stream's pool
             self.streamer = StreamBuffer(self.transfers, STREAM_CHUNK)
         self._relayout = {layer: _relayout_parts(store.get(layer, 0)) for layer in store.layers} if (
             interleave and self.dev.kind == "cpu") else {}

@@ -100,6 +100,11 @@ class Transfers:
         """An event after the compute queued so far (what a later copy into the same buffers waits for)."""
         return device.Event(self.dev).record(self.compute)
 
+    def adopt(self) -> None:
+        """Buffers were just allocated from the compute stream's pool: the copy stream's later work waits for the
+        compute queued before them (their memory's previous owner may still be read by it)."""
+        self.copy.wait(self.mark())
+
     def settle(self, stats: CacheStats, wait: bool = False) -> None:
         """Add the timed copies and stalls whose events are done (all of them with `wait`) to `stats`."""
         keep = []
@@ -129,12 +134,11 @@ class StreamBuffer:
 
     def _buffers(self, nbytes: int) -> list[torch.Tensor]:
         if not self._halves or self._halves[0].shape[1] < nbytes:
-            for ev in self._free:
-                if ev is not None:
-                    ev.synchronize()
-            self._halves = []  # the old halves go before the new ones are allocated
+            # the old halves go first: compute, their allocating stream, waited for every copy into them
+            self._halves = []
             self._halves = [device.empty(self.t.dev, self.chunk * nbytes).view(self.chunk, nbytes) for _ in (0, 1)]
             self._free = [None, None]
+            self.t.adopt()
         return self._halves
 
     def run(self, layer: int, experts: list[int], phase: str) -> Iterator[tuple[dict[int, Expert], int]]:

@@ -201,11 +201,16 @@ class MoEModel:
         cpu = getattr(self.ops, "cpu", None)
         if cpu is not None and cpu.supports(self.embd.qtype) and self.embd.data.is_cpu:
             return cpu.dequant_rows(self.embd, tokens).to(self.dtype)  # [T, H], the values gguf.quants gives
-        tokens = tokens.to(self.embd.data.device)
+        tokens = device.upload(tokens, self.dev)
         rows = QTensor(self.embd.data[tokens], self.embd.qtype, (len(tokens), self.spec.hidden))
         return rows.dequantize(self.dtype)  # [T, H]
 
-    def attention(self, i: int, x: torch.Tensor, pos: torch.Tensor, rope, kv: SeqKV | None) -> torch.Tensor:
+    def attention(self, i: int, x: torch.Tensor, pos: torch.Tensor, rope, kv: SeqKV | list[SeqKV] | None
+                  ) -> torch.Tensor:
+        """Attention of layer i on x [T, H]: one sequence's T positions continuing `kv` (a prompt chunk; None:
+        nothing cached), or one position of each of T sequences (kv a list: projected together, each row then
+        attending over its own cache). Positions in the cache come from the caches' lengths (host integers,
+        never read back from `pos`)."""
         if self.spec.attention == "mla":
             return self.latent_attention(i, x, pos, rope, kv)
         s, lw, T = self.spec, self.layers[i - self.first], x.shape[0]
@@ -225,23 +230,35 @@ class MoEModel:
         if s.qk_norm == "head":
             q, k = rms_norm(q, lw.q_norm, s.rms_eps), rms_norm(k, lw.k_norm, s.rms_eps)
         q, k = apply_rope(q, *rope, s.rope_style), apply_rope(k, *rope, s.rope_style)
+        if isinstance(kv, list):
+            out = torch.cat([self._attend_cached(i, q[r:r + 1], k[r:r + 1], v[r:r + 1], pos[r:r + 1], kv[r])
+                             for r in range(T)])
+        else:
+            out = self._attend_cached(i, q, k, v, pos, kv)  # [T, nh*D]
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return mm(out, lw.wo, lw.bo)  # [T, H]
+
+    def _attend_cached(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                       kv: SeqKV | None) -> torch.Tensor:
+        """q [T, nh, D], k / v [T, nkv, D] at positions kv.length.. (pos [T] on the device): written to the cache,
+        attended over everything it holds -> [T, nh * Dv]."""
+        s, lw, T = self.spec, self.layers[i - self.first], q.shape[0]
         window, k_pos = s.sliding_window if s.sliding(i) else 0, pos
+        if kv is not None:
+            start = kv.length
+            end = start + T
         if kv is not None and i in kv.pool.windowed:  # a ring of the last window: read what it held, then write
-            start, end = int(pos[0]), int(pos[-1]) + 1
             lo = max(0, start - window + 1)
             k_old, v_old = kv.read(i, start, lo)  # [start - lo, kv_heads, D]
             kv.write(i, start, k, v)
             k, v = torch.cat((k_old, k.to(k_old.dtype))), torch.cat((v_old, v.to(v_old.dtype)))
-            k_pos = torch.arange(lo, end, device=x.device)
+            k_pos = torch.arange(lo, end, device=q.device)
         elif kv is not None:  # append to the cache, attend over everything cached so far
-            start, end = int(pos[0]), int(pos[-1]) + 1
             kv.write(i, start, k, v)
             k, v = kv.read(i, end)  # [end, kv_heads, D]
-            k_pos = torch.arange(end, device=x.device)
-        out = self.ops.attend(q, k, v, pos, k_pos, scale=s.softmax_scale, sinks=lw.sinks, window=window)  # [T, nh*D]
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        return mm(out, lw.wo, lw.bo)  # [T, H]
+            k_pos = torch.arange(end, device=q.device)
+        return self.ops.attend(q, k, v, pos, k_pos, scale=s.softmax_scale, sinks=lw.sinks, window=window)
 
     def linear_attention(self, i: int, x: torch.Tensor, pos: torch.Tensor, kv: SeqKV | list[SeqKV] | None
                          ) -> torch.Tensor:
@@ -282,7 +299,7 @@ class MoEModel:
             ssm_all.index_copy_(0, slots, ssm1)
         else:
             conv0 = ssm0 = None
-            if kv is not None and int(pos[0]) > 0:
+            if kv is not None and kv.length > 0:
                 conv_all, ssm_all = kv.pool.state(i)
                 conv0, ssm0 = conv_all[kv.state_slot], ssm_all[kv.state_slot]
             y, conv1 = deltanet.conv_prompt(qkv, lw.conv, conv0)
@@ -311,13 +328,20 @@ class MoEModel:
         q_pe = apply_rope(q_pe, *rope, s.rope_style)  # [T, nh, rope]
         latent = torch.cat((rms_norm(c, lw.kv_a_norm, s.rms_eps),
                             apply_rope(k_pe[:, None], *rope, s.rope_style)[:, 0]), dim=-1)  # [T, rank + rope]
-        k_pos = pos
-        if kv is not None:
-            kv.write(i, int(pos[0]), latent)
-            latent = kv.read(i, int(pos[-1]) + 1)[0]  # [S, rank + rope]
-            k_pos = torch.arange(latent.shape[0], device=x.device)
-        out = mla_form(T)(q_nope, q_pe, latent, lw.wk_b, lw.wv_b, pos, k_pos, s.softmax_scale)  # [T, nh * v]
+        if isinstance(kv, list):  # one row per sequence, projected together above
+            out = torch.cat([self._latent_cached(i, mla_form(1), q_nope[r:r + 1], q_pe[r:r + 1], latent[r:r + 1],
+                                                 pos[r:r + 1], kv[r]) for r in range(T)])
+        else:
+            out = self._latent_cached(i, mla_form(T), q_nope, q_pe, latent, pos, kv)  # [T, nh * v]
         return mm(out, lw.wo)  # [T, H]
+
+    def _latent_cached(self, i: int, form, q_nope, q_pe, latent, pos, kv: SeqKV | None) -> torch.Tensor:
+        lw, k_pos = self.layers[i - self.first], pos
+        if kv is not None:
+            kv.write(i, kv.length, latent)
+            latent = kv.read(i, kv.length + latent.shape[0])[0]  # [S, rank + rope]
+            k_pos = torch.arange(latent.shape[0], device=latent.device)
+        return form(q_nope, q_pe, latent, lw.wk_b, lw.wv_b, pos, k_pos, self.spec.softmax_scale)
 
     def _delta_c(self, qkv: torch.Tensor, state: torch.Tensor) -> bool:
         """Whether decode steps' recurrence runs in C (moerun.kernels.delta): the kernels built, float32 on the CPU."""
@@ -443,16 +467,13 @@ class MoEModel:
         kvs = kv if isinstance(kv, list) else None if kv is None else [kv] * len(pos)
         if kvs is not None and self._fused_ok(len(pos), kvs):
             return self._layers_fused(x, kvs, pos, phase, span)
-        pos = pos.to(x.device)
+        pos = device.upload(pos, self.dev) if pos.device != x.device or self.dev.kind == "standin" else pos
         cos, sin = rope_tables(pos, self.spec.rotary_dim, self.spec.rope_theta, self.spec.yarn)
         for i in span:
             lw = self.layers[i - self.first]
             xn = rms_norm(x, lw.attn_norm, self.spec.rms_eps)
             if self.spec.linear(i):
                 x = x + self.linear_attention(i, xn, pos, kv)
-            elif isinstance(kv, list):
-                x = x + torch.cat([self.attention(i, xn[r:r + 1], pos[r:r + 1], (cos[r:r + 1], sin[r:r + 1]),
-                                                  kv[r]) for r in range(len(kv))])
             else:
                 x = x + self.attention(i, xn, pos, (cos, sin), kv)
             x = x + self.ffn(i, rms_norm(x, lw.ffn_norm, self.spec.rms_eps), phase, pos, resid=x)
@@ -483,7 +504,7 @@ class MoEModel:
         pos = torch.arange(start, start + len(tokens))
         kvs = None if kv is None else [kv] * len(tokens)
         whole = self._whole(kvs)
-        with self.ops.step(len(tokens), c_only=whole):
+        with self.ops.step(len(tokens), c_only=whole), device.use(self.dev):
             x = self.embed(tokens)
             if whole:
                 logits = self._whole_logits(x, kvs, pos)
@@ -516,7 +537,7 @@ class MoEModel:
     def _decode(self, tokens: torch.Tensor, kvs: list[SeqKV], phase: str) -> torch.Tensor:
         pos = torch.tensor([kv.length for kv in kvs], dtype=torch.int64)
         whole = self._whole(kvs)
-        with self.ops.step(len(kvs), c_only=whole):
+        with self.ops.step(len(kvs), c_only=whole), device.use(self.dev):
             x = self.embed(tokens)
             if whole:
                 logits = self._whole_logits(x, kvs, pos)

@@ -59,12 +59,13 @@ class DeviceExperts:
             if layer not in self._tables:
                 self._tables[layer] = self.ops.moe_table(self.resident[layer])
             return self.ops.moe(x, ids, w, self.resident[layer], table=self._tables[layer], fn=fn)
-        x_h, ids_h, w_h = device.to_host([x, ids, w])  # the step's one wait for the device
+        x_h, ids_h, w_h = device.to_host([x, ids, w], dev=self.dev)  # the step's one wait for the device
         need = Counter(ids_h.view(-1).tolist())
         if layer in self.home_layers or self.cache is None:
             home = {e: self.store.get(layer, e) for e in sorted(need)}
-            out = self.home_ops.moe(x_h.float().contiguous(), ids_h, w_h, home, fn=self._host_fn(layer, fn))
-            return device.upload(out, self.dev.torch).to(x.dtype)
+            with device.on_host(self.dev):
+                out = self.home_ops.moe(x_h.float().contiguous(), ids_h, w_h, home, fn=self._host_fn(layer, fn))
+            return device.upload(out, self.dev).to(x.dtype)
         return self._hybrid(layer, x, ids, w, x_h, ids_h, w_h, need, phase, fn)
 
     def _host_fn(self, layer: int, fn: ExpertFn) -> ExpertFn:
@@ -89,8 +90,9 @@ class DeviceExperts:
             pairs += ops.moe_pairs(x, ids, w, chunk, fn=fn)
         cache.computed(layer)
         if pl.home:  # on the CPU while the device works through what was queued above
-            rows = device.pinned_empty(T * k * x.shape[1] * 4, self.dev).view(torch.float32).view(T * k, -1)
-            self.home_ops.moe_pairs(x_h.float().contiguous(), ids_h, w_h, pl.home, out=rows,
-                                    fn=self._host_fn(layer, fn))
-            pairs += device.upload(rows, self.dev.torch)
+            with device.on_host(self.dev):
+                rows = device.pinned_empty(T * k * x.shape[1] * 4, self.dev).view(torch.float32).view(T * k, -1)
+                self.home_ops.moe_pairs(x_h.float().contiguous(), ids_h, w_h, pl.home, out=rows,
+                                        fn=self._host_fn(layer, fn))
+            pairs += device.upload(rows, self.dev)
         return sum_pairs(pairs, k).to(x.dtype)
