@@ -8,6 +8,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from moerun.arch.spec import Yarn
 
@@ -71,33 +72,56 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int = 0) -> torch.
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-           scale: float | None = None, sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+           scale: float | None = None, sinks: torch.Tensor | None = None, window: int = 0,
+           q_start: int | None = None) -> torch.Tensor:
     """Causal GQA attention. q [T, nh, D], k [S, nkv, D], v [S, nkv, Dv], positions [T] and [S] -> [T, nh*Dv].
 
     scale: of the scores (default D ** -0.5); sinks [nh]: a learned logit per head that joins the softmax's
     denominator and takes no value (gpt-oss); window: each query sees the last `window` positions only.
-    k_pos ascending (a cache's positions in order)."""
-    if sinks is not None and q.shape[0] > QUERY_BLOCK:  # a prompt: each block of queries against what it sees
+    k_pos ascending (a cache's positions in order). q_start: q_pos[0] as a host int where the positions are
+    consecutive and end together (q_pos = q_start .. q_start+T-1, k_pos = q_start+T-S .. q_start+T-1: a
+    sequence's chunk over its cache); with it no position is read from the tensors (on a GPU each read is a
+    synchronisation) and a GPU's prompt takes the causal kernels without a mask.
+
+    Forms: decode-sized steps and sinks: _attend_small (a prompt with sinks a QUERY_BLOCK of queries at a
+    time); a prompt on a GPU: attend_fused; on the CPU: _attend_blocks."""
+    T = q.shape[0]
+    if sinks is not None and T > QUERY_BLOCK:  # a prompt: each block of queries against what it sees
         out = []
-        for a in range(0, q.shape[0], QUERY_BLOCK):
-            qp = q_pos[a:a + QUERY_BLOCK]
-            lo = int(torch.searchsorted(k_pos, qp[0] - window + 1)) if window else 0
-            hi = int(torch.searchsorted(k_pos, qp[-1], right=True))
-            out.append(_attend_small(q[a:a + QUERY_BLOCK], k[lo:hi], v[lo:hi], qp, k_pos[lo:hi], scale, sinks, window))
+        for a in range(0, T, QUERY_BLOCK):
+            b = min(a + QUERY_BLOCK, T)
+            lo, hi = _key_bounds(q_pos, k_pos, a, b, window, q_start)
+            qs = None if q_start is None else q_start + a
+            out.append(_attend_small(q[a:b], k[lo:hi], v[lo:hi], q_pos[a:b], k_pos[lo:hi], scale, sinks, window, qs))
         return torch.cat(out)
-    if q.shape[0] <= SMALL_T or sinks is not None:
-        return _attend_small(q, k, v, q_pos, k_pos, scale, sinks, window)
-    return _attend_blocks(q, k, v, q_pos, k_pos, scale, window)
+    if T <= SMALL_T or sinks is not None:
+        return _attend_small(q, k, v, q_pos, k_pos, scale, sinks, window, q_start)
+    if q.is_cuda:
+        return attend_fused(q, k, v, q_pos, k_pos, scale, window, q_start)
+    return _attend_blocks(q, k, v, q_pos, k_pos, scale, window, q_start)
 
 
 SMALL_T = 16  # decode steps: two batched matmuls beat SDPA's CPU path 7-30x (measured, S = 16..1024)
 QUERY_BLOCK = 128  # a prompt's queries go in blocks: each block reads only the keys it sees (causal, window)
 
 
-def _attend_blocks(q, k, v, q_pos, k_pos, scale=None, window=0):
+def _key_bounds(q_pos, k_pos, a: int, b: int, window: int, q_start: int | None) -> tuple[int, int]:
+    """Keys [lo, hi) that queries a..b-1 see: from q_start by arithmetic, searched in host positions, or
+    every key where the positions live on a device (reading them there would synchronise)."""
+    S = k_pos.shape[0]
+    if q_start is not None:
+        k0 = q_start + q_pos.shape[0] - S  # k_pos[0]
+        return (max(0, q_start + a - window + 1 - k0) if window else 0), q_start + b - k0
+    if not q_pos.is_cpu:
+        return 0, S
+    lo = int(torch.searchsorted(k_pos, q_pos[a] - window + 1)) if window else 0
+    return lo, int(torch.searchsorted(k_pos, q_pos[b - 1], right=True))
+
+
+def _attend_blocks(q, k, v, q_pos, k_pos, scale=None, window=0, q_start=None):
     """A prompt's attention through SDPA, QUERY_BLOCK queries at a time against the keys each block sees, the g
     query heads of a KV head folded into the query length (SDPA's own GQA path and a mask over every key
-    were 3.5x slower: 118 vs 34 ms for 512 tokens, 32 heads on 4 KV heads of 128, 2 threads)."""
+    were 3.5x slower: 118 vs 34 ms for 512 tokens, 32 heads on 4 KV heads of 128, 2 threads). The CPU's form."""
     T, nh, D = q.shape
     _S, nkv, Dv = v.shape
     g = nh // nkv
@@ -106,8 +130,7 @@ def _attend_blocks(q, k, v, q_pos, k_pos, scale=None, window=0):
     for a in range(0, T, QUERY_BLOCK):
         qp = q_pos[a:a + QUERY_BLOCK]
         tb = len(qp)
-        lo = int(torch.searchsorted(k_pos, qp[0] - window + 1)) if window else 0
-        hi = int(torch.searchsorted(k_pos, qp[-1], right=True))
+        lo, hi = _key_bounds(q_pos, k_pos, a, a + tb, window, q_start)
         qb = q[a:a + tb].view(tb, nkv, g, D).permute(1, 2, 0, 3).reshape(nkv, g * tb, D)  # [nkv, g*tb, D]
         mask = visible(qp, k_pos[lo:hi], window).repeat(g, 1)  # [g*tb, hi-lo]
         o = F.scaled_dot_product_attention(qb, kt[:, lo:hi], vt[:, lo:hi], attn_mask=mask, scale=scale)
@@ -115,15 +138,48 @@ def _attend_blocks(q, k, v, q_pos, k_pos, scale=None, window=0):
     return torch.cat(out)
 
 
-def _attend_small(q, k, v, q_pos, k_pos, scale=None, sinks=None, window=0):
+def attend_fused(q, k, v, q_pos, k_pos, scale=None, window=0, q_start=None):
+    """A prompt's attention in one SDPA call that flash / memory-efficient kernels take (a GPU's form; exact on
+    any device): 4-D, in q's dtype, the g query heads of a KV head as the batch and the KV heads as views
+    expanded over it (stride 0: no copy; the memory-efficient kernels admit no GQA, so enable_gqa with a mask
+    would take the math path and its float32 [nh, T, S] scores). With q_start: is_causal where the queries
+    are the keys, lower-right causal after a cached prefix, a mask only for a window's band; without it, the
+    mask from the positions (gaps, rings), made on the positions' device. Shapes as attend."""
+    T, nh, D = q.shape
+    S, nkv, Dv = v.shape
+    g = nh // nkv
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    mask = None
+    if q_start is not None:
+        k0 = q_start + T - S  # k_pos[0]
+        lo = max(0, q_start - window + 1 - k0) if window else 0  # keys older than the first query's window
+        k, v, k_pos, S = k[lo:], v[lo:], k_pos[lo:], S - lo
+        if window and k0 + lo <= q_start + T - 1 - window:  # the last query's window starts inside the keys
+            mask = visible(q_pos, k_pos, window)  # [T, S]
+        elif S > T:
+            mask = causal_lower_right(T, S)
+    else:
+        mask = visible(q_pos, k_pos, window)  # [T, S]
+    qf = q.view(T, nkv, g, D).permute(2, 1, 0, 3)  # [g, nkv, T, D]
+    kf = k.transpose(0, 1)[None].expand(g, nkv, S, D)  # [g, nkv, S, D]
+    vf = v.transpose(0, 1)[None].expand(g, nkv, S, Dv)  # [g, nkv, S, Dv]
+    o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, is_causal=mask is None, scale=scale)
+    return o.permute(2, 1, 0, 3).reshape(T, nh * Dv)  # [g, nkv, T, Dv] -> [T, nh*Dv]
+
+
+def _attend_small(q, k, v, q_pos, k_pos, scale=None, sinks=None, window=0, q_start=None):
+    """Attention as two batched matmuls (decode steps, sinks). The mask is skipped where the shapes say nothing
+    is masked (one query, q_start given: it is the keys' last position; no window shorter than the keys) or
+    host positions say so; device positions are never read: there it is applied whether or not it masks."""
     T, nh, D = q.shape
     S, nkv, Dv = v.shape
     g = nh // nkv  # query heads per KV head
     qg = q.view(T, nkv, g, D).permute(1, 0, 2, 3).reshape(nkv, T * g, D)  # [nkv, T*g, D]
     s = torch.bmm(qg, k.permute(1, 2, 0)) * (D**-0.5 if scale is None else scale)  # [nkv, T*g, S]
-    masked = ~visible(q_pos, k_pos, window)  # [T, S]
-    if T > 1 or bool(masked.any()):
-        s = s.view(nkv, T, g, S).masked_fill(masked[None, :, None, :], float("-inf")).view(nkv, T * g, S)
+    if T > 1 or q_start is None or (window and S > window):
+        masked = ~visible(q_pos, k_pos, window)  # [T, S]
+        if T > 1 or q_start is not None or not q.is_cpu or bool(masked.any()):
+            s = s.view(nkv, T, g, S).masked_fill(masked[None, :, None, :], float("-inf")).view(nkv, T * g, S)
     if sinks is None:
         p = torch.softmax(s, dim=-1)
     else:  # the sink is one more column of the softmax, dropped after it
