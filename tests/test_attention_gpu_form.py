@@ -73,7 +73,7 @@ def test_fused_form_in_bfloat16(case):
 def test_fused_form_with_gapped_key_positions_follows_positions():
     """Keys whose positions skip (a ring, a chunked cache): no q_start, the mask made from the positions."""
     g = torch.Generator().manual_seed(5)
-    q, k, v = torch.randn(20, 4, 32, generator=g), torch.randn(30, 2, 32, generator=g), torch.randn(30, 2, 32, generator=g)
+    q, k, v = (torch.randn(*shape, generator=g) for shape in ((20, 4, 32), (30, 2, 32), (30, 2, 32)))
     k_pos = torch.cat((torch.arange(0, 20, 2), torch.arange(20, 40)))  # [30]: even positions, then every one
     q_pos = torch.arange(20, 40)
     for window in (0, 9):

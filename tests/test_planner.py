@@ -13,7 +13,8 @@ from moerun.formats import open_model
 from moerun.formats.names import CName, tensor_class
 from moerun.formats.records import TensorRecord
 from moerun.placement.devices import GPU, Inventory, detect, parse_cpu_features, parse_size
-from moerun.placement.planner import Budgets, Plan, PlanError, parse_device, parse_override, plan
+from moerun.placement.planner import (MASK_BYTES, Budgets, Plan, PlanError, attention_workspace_bytes, parse_device,
+                                      parse_override, plan, workspace_bytes)
 from moerun.quant.qtypes import QType, tensor_bytes
 from moerun.tools.presets import preset
 
@@ -169,8 +170,9 @@ def test_override_tensor(a3b):
 def test_plan_error_message(a3b):
     with pytest.raises(PlanError, match=r"dense weights need 24\d\.\d\d MiB .* cuda:0 has a budget of 200.00 MiB"):
         plan(a3b, ONE_GPU, Budgets(devices=("cuda:0",), vram=200 * MiB))
-    # 200 MiB less the workspace (124.5 MiB at -ub 512) and the embeddings, over ~10 MiB of dense + KV a layer
-    with pytest.raises(PlanError, match=r"124.50 MiB workspace for -ub 512\) .* about 2 of its 12 layers would fit"):
+    # 200 MiB less the workspace (140.5 MiB at -ub 512, 16 MiB of it the prompt attention's mask over -c 4096)
+    # and the embeddings, over ~10 MiB of dense + KV a layer
+    with pytest.raises(PlanError, match=r"140.50 MiB workspace for -ub 512\) .* about 1 of its 12 layers would fit"):
         plan(a3b, ONE_GPU, Budgets(devices=("cuda:0",), vram=200 * MiB))
     with pytest.raises(PlanError, match="about 5 of its 12 layers would fit"):  # a smaller workspace: more layers
         plan(a3b, ONE_GPU, Budgets(devices=("cuda:0",), vram=200 * MiB, ubatch=32))
@@ -281,3 +283,56 @@ def test_cpu_stages_budgets():
         Budgets(devices=("cuda:0", "standin:0"))
     with pytest.raises(ValueError):
         Budgets(devices=("cpu", "cpu"), tensor_split=(1, 1, 1))
+
+
+def test_prompt_attention_workspace_grows_with_the_context_and_the_chunk(a3b):
+    """A device's prompt attention over the context: the mask where fused kernels run (linear in chunk and
+    context), float32 scores where SDPA's math path would, QUERY_BLOCK queries at a time for sinks, MLA's
+    expanded keys and values."""
+    from moerun.model.layers import QUERY_BLOCK
+
+    spec = a3b.spec  # 32 heads on 4 KV heads of 128: fused
+    assert attention_workspace_bytes(spec, 512, 4096) == MASK_BYTES * 512 * 4096
+    assert attention_workspace_bytes(spec, 512, 8192) == 2 * attention_workspace_bytes(spec, 512, 4096)
+    assert attention_workspace_bytes(spec, 1024, 4096) == 2 * attention_workspace_bytes(spec, 512, 4096)
+    assert workspace_bytes(spec, 512, 8192, 0) - workspace_bytes(spec, 512, 4096, 0) == MASK_BYTES * 512 * 4096
+    math = replace(spec, head_dim=36)  # no fused kernel: the scores and their softmax in float32
+    assert attention_workspace_bytes(math, 512, 4096) == (2 * 4 * 32 + MASK_BYTES) * 512 * 4096
+    sinks = replace(spec, attn_sinks=True)  # blocks of QUERY_BLOCK queries: a longer chunk costs no more
+    block = attention_workspace_bytes(sinks, QUERY_BLOCK, 4096)
+    assert attention_workspace_bytes(sinks, 4 * QUERY_BLOCK, 4096) == block
+    assert attention_workspace_bytes(sinks, 512, 4096) > 3 * 4 * 32 * QUERY_BLOCK * 4096
+    mla = preset("v2lite-L4")
+    expanded = 4 * mla.n_heads * 4096 * (mla.qk_nope_dim + mla.head_dim + mla.v_head_dim)
+    assert attention_workspace_bytes(mla, 512, 4096) == MASK_BYTES * 512 * 4096 + expanded
+
+    def work(ctx, ub):
+        p = plan(a3b, ONE_GPU, Budgets(devices=("cuda:0",), vram=5 * GiB, ctx_size=ctx, ubatch=ub))
+        return p.devices[0].workspace_bytes
+
+    assert work(8192, 512) - work(4096, 512) == MASK_BYTES * 512 * 4096
+    assert work(4096, 512) - work(4096, 256) > MASK_BYTES * 256 * 4096  # the activations grow too
+
+
+def test_a_placement_within_the_attention_workspace_of_its_budget_reports_it(a3b):
+    """A budget that held dense weights, KV and the old workspace (a bool mask, one byte per query and key) by
+    less than the attention workspace it left out no longer fits, and the line says the workspace."""
+    ctx, ub = 4096, 512
+    fits = plan(a3b, ONE_GPU, Budgets(devices=("cuda:0",), vram=5 * GiB, ctx_size=ctx, ubatch=ub, cache_slots=0))
+    d = fits.devices[0]
+    need = d.dense_bytes + d.kv_bytes + d.workspace_bytes
+    left_out = (MASK_BYTES - 1) * ub * ctx
+    old_need = need - left_out
+    budget = old_need + left_out // 2  # fitted before by half of what it left out
+    with pytest.raises(PlanError, match=rf"{d.workspace_bytes / MiB:.2f} MiB workspace for -ub {ub}\) but cuda:0 "
+                                        rf"has a budget of {budget / MiB:.2f} MiB"):
+        plan(a3b, ONE_GPU, Budgets(devices=("cuda:0",), vram=budget, ctx_size=ctx, ubatch=ub, cache_slots=0))
+    exact = plan(a3b, ONE_GPU, Budgets(devices=("cuda:0",), vram=need, ctx_size=ctx, ubatch=ub, cache_slots=0))
+    assert exact.devices[0].used_bytes == need
+    small = GPU(0, "fake-0", 8 * GiB, need - 1, 4, 16, 256, 10000)  # the budget above what is free
+    inv = Inventory(32 * GiB, 30 * GiB, 6, 12, ("avx2",), (small,))
+    with pytest.raises(PlanError, match=r"workspace .* but only .* is free there; it fits with -c (\d+) ") as e:
+        plan(a3b, inv, Budgets(devices=("cuda:0",), vram=need, ctx_size=ctx, ubatch=ub, cache_slots=0))
+    shorter = int(e.value.args[0].split("fits with -c ")[1].split()[0])  # the KV and the attention's workspace
+    assert ctx - 16 < shorter < ctx  # what the line says fits, fits, with no more than a little to spare
+    plan(a3b, inv, Budgets(devices=("cuda:0",), vram=need, ctx_size=shorter, ubatch=ub, cache_slots=0))

@@ -37,17 +37,51 @@ def parse_device(name: str) -> str:
 
 def workspace_bytes(spec, ubatch: int, ctx_size: int, stream_expert_bytes: int) -> int:
     """Device memory a stage needs besides weights, KV and slots, for one prompt chunk of `ubatch` tokens:
-    float32 activations (hidden states, q/k/v, the routed pairs' rows and hidden units), the attention mask
-    over the context (scaled_dot_product_attention's memory-efficient kernels do not materialise the scores),
-    the last token's logits, and the prefill stream's double buffer of STREAM_CHUNK experts per half. A linear
-    layer's q/k/v (the conv1d's channels), gate, beta and alpha and output in place of attention's q/k/v where
-    wider."""
+    float32 activations (hidden states, q/k/v, the routed pairs' rows and hidden units), the prompt attention's
+    workspace over the context (attention_workspace_bytes), the last token's logits, and the prefill stream's
+    double buffer of STREAM_CHUNK experts per half. A linear layer's q/k/v (the conv1d's channels), gate, beta
+    and alpha and output in place of attention's q/k/v where wider."""
     t, k = ubatch, max(spec.n_experts_used, 1)
     attn = spec.q_dim * (2 if spec.attn_gate else 1) + 2 * spec.kv_dim
     if spec.hybrid:
         attn = max(attn, spec.ssm_conv_dim + 2 * spec.ssm_value_dim + 2 * spec.ssm_v_heads)
     act = 4 * t * (4 * spec.hidden + attn + k * (spec.hidden + 2 * spec.expert_ffn))
-    return act + t * ctx_size + 4 * spec.vocab + 2 * STREAM_CHUNK * stream_expert_bytes
+    return act + attention_workspace_bytes(spec, t, ctx_size) + 4 * spec.vocab + 2 * STREAM_CHUNK * stream_expert_bytes
+
+
+MASK_BYTES = 9  # per (query, key): the bool mask, its additive form in the compute dtype and that padded (float32)
+
+
+def attention_fused(spec) -> bool:
+    """Whether a device's prompt attention runs in kernels that never hold the scores (layers.attend_fused:
+    flash / memory-efficient SDPA; they take head dims in multiples of 8, else SDPA's math path)."""
+    dv = spec.v_head_dim if spec.attention == "mla" else spec.head_dim
+    return not spec.attn_sinks and spec.head_dim % 8 == 0 and dv % 8 == 0
+
+
+def attention_workspace_bytes(spec, ubatch: int, ctx_size: int) -> int:
+    """Transient bytes of one layer's prompt attention on a device stage (the stand-in budgeted as the GPU it
+    stands in for), for a chunk of `ubatch` queries over `ctx_size` keys (the context's last chunk), float32 at
+    worst; linear in ctx_size. Fused kernels (attention_fused): the mask from the positions only (MASK_BYTES
+    per query and key; none where callers pass q_start and no window cuts in, not counted on). SDPA's math
+    path: float32 scores and probabilities [nh, T, S] too. Sinks (the two-matmul form, QUERY_BLOCK queries at a
+    time): the scores, the sink's column joined to them and their softmax. MLA's expanded form: every head's
+    keys and values made from the latents, [nh, S, nope + rope + v], and the nope part's product."""
+    from moerun.model.layers import QUERY_BLOCK, SMALL_T
+
+    t, s, nh = ubatch, ctx_size, spec.n_heads
+    if t <= SMALL_T:  # a chunk of decode size: the two-matmul form
+        work = 3 * 4 * nh * t * s + MASK_BYTES * t * s
+    elif spec.attn_sinks:
+        rows = min(t, QUERY_BLOCK)
+        work = 3 * 4 * nh * rows * (s + 1) + MASK_BYTES * rows * s
+    elif attention_fused(spec):
+        work = MASK_BYTES * t * s
+    else:
+        work = 2 * 4 * nh * t * s + MASK_BYTES * t * s
+    if spec.attention == "mla" and t > SMALL_T:
+        work += 4 * nh * s * (spec.qk_nope_dim + spec.head_dim + spec.v_head_dim)
+    return work
 
 
 def parse_override(text: str) -> tuple[tuple[str, str], ...]:
@@ -326,7 +360,7 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
         mine = [st for st in stages if st.device == d]
         used = sum(st.used_bytes for st in mine)
         if used > free[d]:
-            raise PlanError(_overflow(d, mine, used, free[d], budgets, kv_layer, state_layer, slot_b))
+            raise PlanError(_overflow(spec, d, mine, used, free[d], budgets, kv_layer, state_layer, slot_b))
 
     host = sum(v[2] for v in info.values() if v[3] == "cpu" or (v[1] and v[3] is None))
     home = "ram" if host <= ram_budget else "disk"
@@ -363,10 +397,11 @@ def _contexts(budgets: Budgets) -> str:
     return f" x {budgets.kv_contexts} slots (-np)" if budgets.kv_contexts > 1 else ""
 
 
-def _overflow(d: str, mine: list[DevicePlan], used: int, free: int, budgets: Budgets, kv_layer: list[int],
+def _overflow(spec, d: str, mine: list[DevicePlan], used: int, free: int, budgets: Budgets, kv_layer: list[int],
               state_layer: list[int], slot_b: list[int]) -> str:
     """The one line for a plan that needs more of device d than is free: what it needs, and what would fit (a
-    shorter context shrinks the attention layers' KV, not the linear layers' state)."""
+    shorter context shrinks the attention layers' KV and the prompt attention's workspace, not the linear
+    layers' state)."""
     dense = sum(st.dense_bytes for st in mine)
     kv = sum(st.kv_bytes for st in mine)
     work = sum(st.workspace_bytes for st in mine)
@@ -380,8 +415,9 @@ def _overflow(d: str, mine: list[DevicePlan], used: int, free: int, budgets: Bud
     else:
         layers = [i for st in mine for i in range(*st.layers)]
         state = budgets.kv_contexts * sum(state_layer[i] for i in layers)
+        attn = len(mine) * attention_workspace_bytes(spec, budgets.ubatch, budgets.ctx_size) / budgets.ctx_size
         tok = budgets.kv_contexts * sum(kv_layer[i] - state_layer[i] for i in layers) / budgets.ctx_size
-        ctx = int((free - dense - work - state) // tok) if tok else 0
+        ctx = int((free - dense - (work - attn * budgets.ctx_size) - state) // (tok + attn)) if tok else 0
         fits = [f"-c {ctx} and no expert slots"] if 16 <= ctx < budgets.ctx_size else []
         fits.append("fewer layers here (--tensor-split, more --gpus) or a smaller -ub")
     return (f"the plan needs {format_size(used)} on {d} (dense {format_size(dense)}, KV {format_size(kv)} for -c "
