@@ -139,10 +139,11 @@ def _attend_blocks(q, k, v, q_pos, k_pos, scale=None, window=0, q_start=None):
 
 
 def attend_fused(q, k, v, q_pos, k_pos, scale=None, window=0, q_start=None):
-    """A prompt's attention in one SDPA call that flash / memory-efficient kernels take (a GPU's form; exact on
-    any device): 4-D, in q's dtype, the g query heads of a KV head as the batch and the KV heads as views
-    expanded over it (stride 0: no copy; the memory-efficient kernels admit no GQA, so enable_gqa with a mask
-    would take the math path and its float32 [nh, T, S] scores). With q_start: is_causal where the queries
+    """A prompt's attention in one SDPA call that flash / memory-efficient kernels take (a GPU's form; the same
+    attention on any device, tested on the CPU): 4-D, in q's dtype, the g query heads of a KV head as the batch
+    and the KV heads as views expanded over it (stride 0: no copy; torch 2.13's memory-efficient kernels admit
+    no GQA, so enable_gqa with a mask would take the math path and its float32 [nh, T, S] scores; flash
+    would take either form). With q_start: is_causal where the queries
     are the keys, lower-right causal after a cached prefix, a mask only for a window's band; without it, the
     mask from the positions (gaps, rings), made on the positions' device. Shapes as attend."""
     T, nh, D = q.shape
