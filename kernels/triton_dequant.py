@@ -1,14 +1,21 @@
 """Triton helpers that dequantize GGUF blocks in registers (imported by triton_q only when kernels run).
 
-`dq_tile(w_ptr, row_off, rmask, k0, K, kv_ptr, QTYPE, BK)` returns elements k0 .. k0 + BK of the rows
-that start at byte offsets `row_off` ([BN] int64) as float32 [BN, BK]. The tile is worked on as
-[BN, sub-blocks, SUB] (SUB = 32, 16 for Q6_K, the scale granularity): scales and block headers are read
-once per sub-block, quant bits once per element, and the result is reshaped to [BN, BK]. k0 and BK are
-multiples of 32; K need only be a whole number of blocks (sub-blocks past K and rows where rmask is
-False are not read, and give 0). The arithmetic follows moerun.quant.dequant step by step (f16 scales
-widened first, the same products in the same order), so without fused multiply-adds (the interpreter)
-the values are bit-exact with the torch reference.
-`kv_ptr` points at the 16-entry float32 code book of IQ4_XS / MXFP4 (unused by the other types).
+`dq_tile(w_ptr, row_off, rmask, k0, K, kv_ptr, QTYPE, BK, SP, ALIGNED)` returns elements k0 .. k0 + BK of
+the rows that start at byte offsets `row_off` ([BN] int64) as float32 [BN, BK]. BK is a whole number of
+blocks and k0 a multiple of BK; K need only be a whole number of blocks (elements past K, and rows where
+rmask is False, give 0).
+
+How the bytes are read. GGUF blocks are 34 (Q8_0), 18 (Q4_0), 17 (MXFP4), 210 (Q6_K) or 136 (IQ4_XS)
+bytes: a block's fields are not 16-byte aligned, and loading them where they lie gives byte loads. So
+each row's tile is read as one span: the bytes of its BK // QK blocks, from the 16-byte boundary at or
+before the first one, SP bytes wide (SP = pow2(15 + bytes of the blocks)), in 16-byte vectors (with
+ALIGNED, the host's promise that w_ptr is 16-byte aligned: the mask then ends at a 16-byte boundary,
+never past a chunk holding a byte of the tile). Fields are taken from the span in registers
+(tl.gather: shuffles or shared memory), each scale once per sub-block, each quant once per element.
+
+The arithmetic follows moerun.quant.dequant step by step (f16 scales widened first, the same products in
+the same order), so without fused multiply-adds (the interpreter) the values are bit-exact with the torch
+reference. `kv_ptr` points at the 16-entry float32 code book of IQ4_XS / MXFP4 (unused otherwise).
 
 Importing this module decorates the kernels, and triton reads TRITON_INTERPRET at that moment.
 """
@@ -30,146 +37,130 @@ INTERPRETED = bool(triton.knobs.runtime.interpret)  # how this module's kernels 
 
 
 @triton.jit
-def _byte(p, mask):
-    return tl.load(p, mask=mask, other=0).to(tl.int32)
+def _g(span, idx):
+    """span [BN, SP] uint8 at idx [BN, X] -> int32 [BN, X]."""
+    return tl.gather(span, idx, 1).to(tl.int32)
 
 
 @triton.jit
-def _f16(p, mask):
-    """The little-endian f16 at p, widened to f32."""
-    lo = tl.load(p, mask=mask, other=0).to(tl.uint16)
-    hi = tl.load(p + 1, mask=mask, other=0).to(tl.uint16)
+def _f16(span, idx):
+    """The little-endian f16 at idx [BN, X], widened to f32."""
+    lo = tl.gather(span, idx, 1).to(tl.uint16)
+    hi = tl.gather(span, idx + 1, 1).to(tl.uint16)
     return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _nibble(p, shift, mask):
-    return (_byte(p, mask) >> shift) & 15
-
-
-@triton.jit
-def _scale_min_k4(blk, s, mask):
-    """Q4_K/Q5_K 6-bit scale and min of sub-block s (0..7) from the 12 bytes at blk + 4."""
-    i = s & 3
-    a = _byte(blk + 4 + i, mask)
-    b = _byte(blk + 8 + i, mask)
-    c = _byte(blk + 12 + i, mask)
-    lo = s < 4
+def _scale_min_k4(span, blk, sub):
+    """Q4_K/Q5_K 6-bit scale and min of sub-block sub (0..7) from the 12 bytes at blk + 4; [BN, NS]."""
+    i = sub & 3
+    a = _g(span, blk + 4 + i)
+    b = _g(span, blk + 8 + i)
+    c = _g(span, blk + 12 + i)
+    lo = sub < 4
     sc = tl.where(lo, a & 63, (c & 15) | ((a >> 2) & 48))
     mn = tl.where(lo, b & 63, (c >> 4) | ((b >> 2) & 48))
     return sc.to(tl.float32), mn.to(tl.float32)
 
 
 @triton.jit
-def _q8_0(row, s, i, mask):
-    blk = row + s * 34  # [BN, NS, 1]
-    q = tl.load(blk + 2 + i, mask=mask, other=0).to(tl.int8, bitcast=True)  # [BN, NS, 32]
-    return q.to(tl.float32) * _f16(blk, mask)
+def _sub3(x, BN: tl.constexpr, NS: tl.constexpr, SUB: tl.constexpr):
+    """[BN, NS * SUB] -> [BN, NS, SUB]."""
+    return tl.reshape(x, (BN, NS, SUB))
 
 
 @triton.jit
-def _q4_0(row, s, i, mask):
-    blk = row + s * 18
-    q = _nibble(blk + 2 + i % 16, (i // 16) * 4, mask) - 8
-    return _f16(blk, mask) * q.to(tl.float32)
-
-
-@triton.jit
-def _q4_k(row, s, i, mask):
-    blk = row + (s // 8) * 144
-    sub = s % 8
-    sc, mn = _scale_min_k4(blk, sub, mask)
-    dl = _f16(blk, mask) * sc
-    ml = _f16(blk + 2, mask) * mn
-    q = _nibble(blk + 16 + (sub // 2) * 32 + i, (sub % 2) * 4, mask)
-    return q.to(tl.float32) * dl - ml
-
-
-@triton.jit
-def _q5_k(row, s, i, mask):
-    blk = row + (s // 8) * 176
-    sub = s % 8
-    sc, mn = _scale_min_k4(blk, sub, mask)
-    dl = _f16(blk, mask) * sc
-    ml = _f16(blk + 2, mask) * mn
-    lo = _nibble(blk + 48 + (sub // 2) * 32 + i, (sub % 2) * 4, mask)
-    hi = (_byte(blk + 16 + i, mask) >> sub) & 1
-    return (lo | (hi << 4)).to(tl.float32) * dl - ml
-
-
-@triton.jit
-def _q6_k(row, s, i, mask):
-    """Sub-blocks of 16 (one int8 scale each); j is the element within the 256-block."""
-    blk = row + (s // 16) * 210
-    j = (s % 16) * 16 + i  # [1, NS, 16]
-    half = j // 128
-    lo = _nibble(blk + half * 64 + j % 64, ((j % 128) // 64) * 4, mask)
-    hi = (_byte(blk + 128 + half * 32 + j % 32, mask) >> (((j % 128) // 32) * 2)) & 3
-    sc = tl.load(blk + 192 + s % 16, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-    dl = _f16(blk + 208, mask) * sc
-    return dl * ((lo | (hi << 4)) - 32).to(tl.float32)
-
-
-@triton.jit
-def _iq4_xs(row, s, i, mask, kv_ptr):
-    blk = row + (s // 8) * 136
-    sub = s % 8
-    sl = _nibble(blk + 4 + sub // 2, (sub % 2) * 4, mask)
-    sh = (_byte(blk + 2 + sub // 4, mask) >> ((sub % 4) * 2)) & 3
-    dl = _f16(blk, mask) * ((sl | (sh << 4)) - 32).to(tl.float32)
-    q = _nibble(blk + 8 + sub * 16 + i % 16, (i // 16) * 4, mask)
-    return dl * tl.load(kv_ptr + q)
-
-
-@triton.jit
-def _mxfp4(row, s, i, mask, kv_ptr):
-    blk = row + s * 17
-    e = _byte(blk, mask)
-    subnormal = tl.full(e.shape, 0x00200000, tl.int32) << e
-    d = tl.where(e < 2, subnormal, (e - 1) << 23).to(tl.float32, bitcast=True)  # 2**(e - 128)
-    q = _nibble(blk + 1 + i % 16, (i // 16) * 4, mask)
-    return d * tl.load(kv_ptr + q)
-
-
-@triton.jit
-def _subblocks(k0, K, rmask, NS: tl.constexpr, SUB: tl.constexpr):
-    """Sub-block index in the row s [1, NS, 1], element index in it i [1, 1, SUB], mask [BN, NS, 1]."""
-    s = k0 // SUB + tl.arange(0, NS)[None, :, None]
-    i = tl.arange(0, SUB)[None, None, :]
-    return s, i, rmask[:, None, None] & (s * SUB < K)
-
-
-@triton.jit
-def dq_tile(w_ptr, row_off, rmask, k0, K, kv_ptr, QTYPE: tl.constexpr, BK: tl.constexpr):
-    """[BN, BK] float32 weights; row_off [BN] int64 bytes, rmask [BN]."""
-    row = w_ptr + row_off[:, None, None]  # [BN, 1, 1]
+def _decode(span, off, kv_ptr, QTYPE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The tile's weights [BN, NS, SUB] from its span; off [BN, 1]: the first block's byte in the span."""
     if QTYPE == Q6_K:
-        s, i, mask = _subblocks(k0, K, rmask, BK // 16, 16)
-        w = _q6_k(row, s, i, mask)
+        NS: tl.constexpr = BK // 16
+        e = tl.arange(0, BK)[None, :]  # [1, BK] element in the tile
+        t = tl.arange(0, NS)[None, :]  # [1, NS] sub-block in the tile
+        blk = off + (e // 256) * 210  # [BN, BK]
+        j = e % 256
+        half = j // 128
+        lo = (_g(span, blk + half * 64 + j % 64) >> (((j % 128) // 64) * 4)) & 15
+        hi = (_g(span, blk + 128 + half * 32 + j % 32) >> (((j % 128) // 32) * 2)) & 3
+        sblk = off + (t // 16) * 210  # [BN, NS]
+        sc = tl.gather(span, sblk + 192 + t % 16, 1).to(tl.int8, bitcast=True).to(tl.float32)
+        dl = _f16(span, sblk + 208) * sc
+        w = dl[:, :, None] * _sub3(((lo | (hi << 4)) - 32).to(tl.float32), BN, NS, 16)
     else:
-        s, i, mask = _subblocks(k0, K, rmask, BK // 32, 32)
+        NS: tl.constexpr = BK // 32
+        e = tl.arange(0, BK)[None, :]
+        t = tl.arange(0, NS)[None, :]
+        i = e % 32
         if QTYPE == Q8_0:
-            w = _q8_0(row, s, i, mask)
+            q = tl.gather(span, off + (e // 32) * 34 + 2 + i, 1).to(tl.int8, bitcast=True)
+            w = _sub3(q.to(tl.float32), BN, NS, 32) * _f16(span, off + t * 34)[:, :, None]
         elif QTYPE == Q4_0:
-            w = _q4_0(row, s, i, mask)
-        elif QTYPE == Q4_K:
-            w = _q4_k(row, s, i, mask)
-        elif QTYPE == Q5_K:
-            w = _q5_k(row, s, i, mask)
+            q = (_g(span, off + (e // 32) * 18 + 2 + i % 16) >> ((i // 16) * 4)) & 15
+            w = _f16(span, off + t * 18)[:, :, None] * _sub3((q - 8).to(tl.float32), BN, NS, 32)
+        elif QTYPE == Q4_K or QTYPE == Q5_K:
+            BB: tl.constexpr = 144 if QTYPE == Q4_K else 176
+            sub = (e // 32) % 8
+            blk = off + (e // 256) * BB
+            if QTYPE == Q4_K:
+                q = (_g(span, blk + 16 + (sub // 2) * 32 + i) >> ((sub % 2) * 4)) & 15
+            else:
+                q = (_g(span, blk + 48 + (sub // 2) * 32 + i) >> ((sub % 2) * 4)) & 15
+                q = q | (((_g(span, blk + 16 + i) >> sub) & 1) << 4)
+            sblk = off + (t // 8) * BB
+            sc, mn = _scale_min_k4(span, sblk, t % 8)
+            dl = _f16(span, sblk) * sc
+            ml = _f16(span, sblk + 2) * mn
+            w = _sub3(q.to(tl.float32), BN, NS, 32) * dl[:, :, None] - ml[:, :, None]
         elif QTYPE == IQ4_XS:
-            w = _iq4_xs(row, s, i, mask, kv_ptr)
+            sub = (e // 32) % 8
+            q = (_g(span, off + (e // 256) * 136 + 8 + sub * 16 + i % 16) >> ((i // 16) * 4)) & 15
+            sblk = off + (t // 8) * 136
+            st = t % 8
+            sl = (_g(span, sblk + 4 + st // 2) >> ((st % 2) * 4)) & 15
+            sh = (_g(span, sblk + 2 + st // 4) >> ((st % 4) * 2)) & 3
+            dl = _f16(span, sblk) * ((sl | (sh << 4)) - 32).to(tl.float32)
+            w = dl[:, :, None] * _sub3(tl.load(kv_ptr + q), BN, NS, 32)
         else:
             tl.static_assert(QTYPE == MXFP4, "unsupported qtype")
-            w = _mxfp4(row, s, i, mask, kv_ptr)
-    return tl.reshape(w, (row_off.shape[0], BK))
+            q = (_g(span, off + (e // 32) * 17 + 1 + i % 16) >> ((i // 16) * 4)) & 15
+            x = _g(span, off + t * 17)  # [BN, NS] the E8M0 exponent
+            subnormal = tl.full(x.shape, 0x00200000, tl.int32) << x
+            d = tl.where(x < 2, subnormal, (x - 1) << 23).to(tl.float32, bitcast=True)  # 2**(x - 128)
+            w = d[:, :, None] * _sub3(tl.load(kv_ptr + q), BN, NS, 32)
+    return w
+
+
+@triton.jit
+def dq_tile(w_ptr, row_off, rmask, k0, K, kv_ptr, QTYPE: tl.constexpr, BK: tl.constexpr, SP: tl.constexpr,
+            ALIGNED: tl.constexpr):
+    """[BN, BK] float32 weights; row_off [BN] int64 bytes, rmask [BN]."""
+    BN: tl.constexpr = row_off.shape[0]
+    QK: tl.constexpr = 256 if (QTYPE == Q4_K or QTYPE == Q5_K or QTYPE == Q6_K or QTYPE == IQ4_XS) else 32
+    BB: tl.constexpr = (144 if QTYPE == Q4_K else 176 if QTYPE == Q5_K else 210 if QTYPE == Q6_K else
+                        136 if QTYPE == IQ4_XS else 34 if QTYPE == Q8_0 else 18 if QTYPE == Q4_0 else 17)
+    blk0 = k0 // QK
+    nbytes = tl.minimum(BK // QK, K // QK - blk0) * BB  # the tile's blocks, fewer in a row's last tile
+    start = row_off + blk0 * BB  # [BN]
+    off = (start & 15).to(tl.int32)
+    base = start - off
+    if ALIGNED:
+        base = tl.multiple_of(base, 16)
+        lim = ((off + nbytes + 15) // 16) * 16
+    else:
+        lim = off + nbytes
+    b = tl.arange(0, SP)[None, :]  # [1, SP]
+    span = tl.load(w_ptr + base[:, None] + b, mask=rmask[:, None] & (b < lim[:, None]), other=0)  # [BN, SP]
+    w = tl.reshape(_decode(span, off[:, None], kv_ptr, QTYPE, BN, BK), (BN, BK))
+    k = k0 + tl.arange(0, BK)[None, :]  # [1, BK]
+    return tl.where(k < K, w, 0.0)
 
 
 @triton.jit
 def dequantize_kernel(w_ptr, out_ptr, kv_ptr, N, K, row_bytes,
-                      QTYPE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                      QTYPE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SP: tl.constexpr,
+                      ALIGNED: tl.constexpr):
     """out [N, K] float32 = the weights of w [N, K]; grid (cdiv(N, BN), cdiv(K, BK))."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)  # [BN]
     k0 = tl.program_id(1) * BK
-    w = dq_tile(w_ptr, rows.to(tl.int64) * row_bytes, rows < N, k0, K, kv_ptr, QTYPE, BK)  # [BN, BK]
+    w = dq_tile(w_ptr, rows.to(tl.int64) * row_bytes, rows < N, k0, K, kv_ptr, QTYPE, BK, SP, ALIGNED)  # [BN, BK]
     k = k0 + tl.arange(0, BK)[None, :]  # [1, BK]
     tl.store(out_ptr + rows[:, None].to(tl.int64) * K + k, w, mask=(rows[:, None] < N) & (k < K))

@@ -3,18 +3,27 @@
     from moerun.kernels import triton_q
     if triton_q.available() and triton_q.supports(w.qtype):
         y = triton_q.matmul(x, w)                        # x [T, K] float @ w QTensor [N, K]^T -> [T, N]
-        y = triton_q.swiglu(x, gate, up, down)           # down(silu(gate x) * up x) -> [T, H]
+        y = triton_q.matmul(x, w, norm=(nw, eps), bias=b) # (rms_norm(x) * nw) @ w^T + b, one launch
+        triton_q.matmul(x, wo, out=resid, accumulate=True)  # resid += x @ wo^T, one launch
+        y = triton_q.matmul_multi(x, [wq, wk, wv])       # [T, Nq + Nk + Nv], one launch per 3 weights
+        y = triton_q.swiglu(x, gate, up, down)           # down(silu(gate x) * up x) -> [T, H], two launches
         y = triton_q.moe_ffn(x, ids, weights, experts)   # {e: Expert}: ReferenceOps.moe -> [T, H]
 
 Weights (QTensor.data, uint8) and activations must be on the same device: CUDA, or the CPU when
 TRITON_INTERPRET=1 (triton's interpreter, how the tests run without a GPU). Activations are not
 quantized: every product and sum is float32, so results match x @ w.dequantize().T to float32
-accumulation error. Results come back in x's dtype.
+accumulation error. Results come back in x's dtype. Every launch goes through moerun.device.launch.
 
-moe_ffn sorts the (token, choice) pairs by expert on the device (no count comes back to the host) and
-runs two grouped launches: gate and up together with SiLU(gate) * up fused, then down scaled by the
-routing weight into one row per pair; a token's rows are summed in choice order (ReferenceOps.moe adds
-experts in id order: the results differ by float32 rounding only).
+moe_ffn, up to 16 tokens: two launches, nothing sorted or counted (triton_moe_decode): gate and up with
+the activation per (token, choice) pair, then down scaled by the routing weight with each token's k
+choices added in choice order (+ into `out`). More tokens: the pairs are sorted by expert on the device
+(argsort, counts by scatter_add; no count comes back to the host), two grouped launches (triton_moe) and
+one that adds each token's rows in choice order. ExpertFn's gpt-oss activation and biases are computed
+in the kernels. ReferenceOps.moe adds experts in id order: the results differ by float32 rounding only.
+
+Tiles: a decode step's GEMV (one row) takes BN rows of the weight per program, BN chosen so a launch has
+at least PROGRAMS_MIN programs (4 per SM of a 132-SM H200): decode_programs() says how many. warmup()
+compiles what a placed model launches; ptx_cases() lists those launches for tests/test_triton_ptx.py.
 
 This module imports without triton (available() is then False); triton is imported, and the kernels
 are built, at the first call, reading TRITON_INTERPRET then (and rebuilding if it has changed).
@@ -25,17 +34,22 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 import torch
 
 from moerun.quant.dequant import KV_IQ4NL, KV_MXFP4
-from moerun.quant.qtypes import QTensor, QType, row_bytes
+from moerun.quant.qtypes import QTensor, QType, block_size, row_bytes
 
-__all__ = ["SUPPORTED", "ExpertTable", "available", "dequantize", "matmul", "moe_ffn", "supports", "swiglu"]
+__all__ = ["SUPPORTED", "ExpertTable", "Launch", "available", "decode_programs", "dequantize", "matmul",
+           "matmul_multi", "moe_ffn", "ptx_cases", "supports", "swiglu", "warmup"]
 
 SUPPORTED = frozenset({QType.Q8_0, QType.Q4_0, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS, QType.MXFP4})
 CODEBOOKS = {QType.IQ4_XS: KV_IQ4NL, QType.MXFP4: KV_MXFP4}
+ACTS = {"swiglu": 0, "swiglu_oai": 1}
+PAIRS_MAX = 16  # tokens up to which moe_ffn runs pair by pair, unsorted
+PROGRAMS_MIN = 4 * 132  # programs a decode launch should have: 4 per SM of an H200
 
 
 def interpreting() -> bool:
@@ -78,19 +92,24 @@ _modules: dict[str, object] = {}
 
 
 def _kernels():
-    """The kernel module, (re)imported when absent or built under another TRITON_INTERPRET."""
+    """(dequant, grouped GEMM, pair MoE) kernel modules, (re)imported when absent or built under another
+    TRITON_INTERPRET (the two others hold dequant's dq_tile: they are rebuilt with it)."""
     if _triton_error() is not None:
         raise RuntimeError(f"triton unavailable: {_triton_error()}")
     mode = interpreting()
-    dq = _modules.get("dq") or importlib.import_module("moerun.kernels.triton_dequant")
-    gm = _modules.get("gm") or importlib.import_module("moerun.kernels.triton_moe")
-    if dq.INTERPRETED != mode:
-        dq = importlib.reload(dq)
-        gm = importlib.reload(gm)  # it holds dq's dq_tile
-    elif gm.INTERPRETED != mode:
-        gm = importlib.reload(gm)
-    _modules.update(dq=dq, gm=gm)
-    return dq, gm
+    mods = [_modules.get(n) or importlib.import_module(f"moerun.kernels.{n}")
+            for n in ("triton_dequant", "triton_moe", "triton_moe_decode")]
+    stale = next((i for i, m in enumerate(mods) if m.INTERPRETED != mode), None)
+    if stale is not None:
+        mods = mods[:stale] + [importlib.reload(m) for m in mods[stale:]]
+    _modules.update(zip(("triton_dequant", "triton_moe", "triton_moe_decode"), mods))
+    return mods
+
+
+def _launch(kernel, grid, *args, **kwargs):
+    from moerun import device
+
+    device.launch(kernel, grid, *args, **kwargs)
 
 
 @functools.cache
@@ -102,20 +121,70 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-# rows per tile -> (BN, BK, num_warps). Chosen offline: compiled for sm_90 (triton.compile with a
-# GPUTarget, no device needed) and read with cuobjdump, every type and layout fits in 255 registers
-# with at most 32 bytes of stack (BM=32 gate+up on IQ4_XS / MXFP4). Not timed on a GPU yet.
-TILES = {1: (16, 64, 4), 2: (16, 64, 4), 4: (32, 32, 4), 8: (16, 32, 4), 16: (32, 32, 8), 32: (32, 32, 8)}
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ------------------------------------------------------------------------------------------ tiles
+
+# rows per tile (a power of two) -> (BM, BN, num_warps); None: a GEMV whose BN gemv_bn chooses. Weights are
+# read in tiles of BK = 256 elements (fewer for short rows). From 16 rows tl.dot (float32, ieee).
+TILES = {1: None, 2: (2, 4, 4), 4: (4, 4, 4), 8: (8, 4, 4), 16: (16, 32, 8), 32: (32, 32, 8)}
 # The interpreter's cost is per program and per operation, not per element: fewer, larger tiles.
-INTERPRETER_TILES = {bm: (64, 256, 4) for bm in TILES}
+INTERPRETER_TILES = {bm: (bm, 64, 4) for bm in TILES}
 
 
-def _tiles(rows: int, k: int) -> dict:
-    """Block sizes for about `rows` activation rows per tile: a broadcast-multiply GEMV below 16 rows,
-    tl.dot (float32, ieee) from 16 up."""
+def gemv_bn(units: int) -> int:
+    """Weight rows per GEMV program: the largest power of two up to 16 that leaves PROGRAMS_MIN programs for
+    `units` rows of output (times the launch's independent tokens or pairs), at least 1."""
+    bn = 16
+    while bn > 1 and units // bn < PROGRAMS_MIN:
+        bn //= 2
+    return bn
+
+
+def _bk(qtypes, k: int) -> int:
+    """Elements per weight tile: 256, a whole number of every type's blocks (fewer where K is short)."""
+    qk = max(block_size(q)[0] for q in qtypes)
+    return max(qk, min(256, _pow2(k)))
+
+
+def _span(qtype: QType, bk: int) -> int:
+    """dq_tile's SP: bytes read per row and tile, a tile's blocks from the 16-byte boundary before them."""
+    qk, nbytes = block_size(qtype)
+    return _pow2(15 + bk // qk * nbytes)
+
+
+def _tiles(rows: int, units: int, k: int, *qtypes: QType) -> dict:
+    """Block sizes for about `rows` activation rows per tile; `units`: output rows a GEMV's grid covers."""
     bm = min(32, _pow2(rows))
-    bn, bk, warps = (INTERPRETER_TILES if interpreting() else TILES)[bm]
-    return {"BM": bm, "BN": bn, "BK": min(bk, _pow2(k)), "USE_DOT": bm >= 16, "num_warps": warps}
+    entry = (INTERPRETER_TILES if interpreting() else TILES)[bm]
+    bm, bn, warps = entry if entry is not None else (1, gemv_bn(units), 4)
+    bk = _bk(qtypes, k)
+    return {"BM": bm, "BN": bn, "BK": bk, "SP": _span(qtypes[0], bk), "SP2": _span(qtypes[-1], bk),
+            "USE_DOT": bm >= 16, "num_warps": warps}
+
+
+def decode_programs(qtype, n: int, k: int, rows: int = 1, experts: int = 1, summed: bool = False) -> int:
+    """Programs of the launch that computes `rows` tokens' products with an [n, k] weight: plain (experts 1),
+    or the routed experts' pair launch (experts = the k choices per token: gate/up, or down with summed, one
+    program per token over its choices), from the tile sizes the launch really takes."""
+    qtype = QType(qtype)
+    if experts > 1:
+        units = rows * n if summed else rows * experts * n
+        return (rows if summed else rows * experts) * _cdiv(n, _pair_tiles(units, k, qtype)["BN"])
+    t = _tiles(rows, n, k, qtype)
+    return _cdiv(rows, t["BM"]) * _cdiv(n, t["BN"])
+
+
+def _pair_tiles(units: int, k: int, *qtypes: QType) -> dict:
+    bk = _bk(qtypes, k)
+    bn = 64 if interpreting() else gemv_bn(units)
+    return {"BN": bn, "BK": bk, "SP": _span(qtypes[0], bk), "SP2": _span(qtypes[-1], bk), "num_warps": 4}
+
+
+def _aligned(*ts: torch.Tensor) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in ts)
 
 
 # ------------------------------------------------------------------------------------------ calls
@@ -126,46 +195,87 @@ def dequantize(w: QTensor) -> torch.Tensor:
     _check_w(w, "w")
     if not runs_on(w.data.device):
         raise RuntimeError(f"Triton kernels cannot run on {w.data.device} now")
-    dq, _ = _kernels()
+    dq, _, _ = _kernels()
     n, k = w.shape
     out = torch.empty((n, k), dtype=torch.float32, device=w.data.device)
-    bn, bk = 32, 64
-    grid = (_cdiv(n, bn), _cdiv(k, bk))
-    dq.dequantize_kernel[grid](w.data, out, _codebook(w.qtype, w.data.device), n, k, row_bytes(w.qtype, k),
-                               QTYPE=int(w.qtype), BN=bn, BK=bk)
+    bn, bk = 32, _bk([w.qtype], k)
+    _launch(dq.dequantize_kernel, (_cdiv(n, bn), _cdiv(k, bk)), w.data, out, _codebook(w.qtype, w.data.device), n, k,
+            row_bytes(w.qtype, k), QTYPE=int(w.qtype), BN=bn, BK=bk, SP=_span(w.qtype, bk), ALIGNED=_aligned(w.data))
     return out
 
 
-def matmul(x: torch.Tensor, w: QTensor) -> torch.Tensor:
-    """x [T, K] @ w[N, K]^T -> [T, N] in x.dtype (float32 inside)."""
-    _check_w(w, "w")
-    _check_x(x, w.shape[1], w.data.device)
+def matmul(x: torch.Tensor, w: QTensor, *, norm: tuple[torch.Tensor, float] | None = None,
+           bias: torch.Tensor | None = None, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """x [T, K] @ w[N, K]^T -> [T, N] in x.dtype (float32 inside), one launch. norm (nw [K], eps): x's rows
+    RMS-normalised and times nw first. bias [N]: added. out: a float32 [T, N] tensor to write (returned);
+    accumulate: out += the product (a residual)."""
+    return matmul_multi(x, [w], norm=norm, biases=None if bias is None else [bias], out=out, accumulate=accumulate)
+
+
+def matmul_multi(x: torch.Tensor, ws: list[QTensor], *, norm: tuple[torch.Tensor, float] | None = None,
+                 biases: list[torch.Tensor | None] | None = None, out: torch.Tensor | None = None,
+                 accumulate: bool = False) -> torch.Tensor:
+    """x [T, K] @ [w1; w2; ...]^T -> [T, N1 + N2 + ...]: weights of one type and K (q|k|v, gate|up) side by
+    side, one launch per three. norm, out, accumulate as matmul; biases: one [Ni] (or None) per weight."""
+    if not ws:
+        raise ValueError("ws is empty")
+    for i, w in enumerate(ws):
+        _check_w(w, f"ws[{i}]")
+        if w.qtype != ws[0].qtype or w.shape[1] != ws[0].shape[1]:
+            raise ValueError(f"ws[{i}] is {w.qtype.name}{w.shape}: the weights must share type and K")
+    dev = ws[0].data.device
+    _check_x(x, ws[0].shape[1], dev)
     x = x.contiguous()
-    t, (n, k) = x.shape[0], w.shape
-    out = torch.empty((t, n), dtype=torch.float32, device=x.device)
+    t, k = x.shape
+    ns = [w.shape[0] for w in ws]
+    total = sum(ns)
+    given = out is not None
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate needs out")
+        out = torch.empty((t, total), dtype=torch.float32, device=dev)
+    elif out.shape != (t, total) or out.dtype != torch.float32 or out.stride(1) != 1 or out.device != dev:
+        raise ValueError(f"out must be float32 [{t}, {total}] with contiguous rows on {dev}")
+    if norm is not None:
+        norm = (norm[0].to(torch.float32).contiguous(), float(norm[1]))
+    bias = None
+    if biases is not None and any(b is not None for b in biases):
+        bias = torch.cat([torch.zeros(n, device=dev) if b is None else b.reshape(n).float() for b, n in zip(biases, ns)])
     if t:
-        _gemm(x, out, (t, n, k), w, tiles=_tiles(t, k))
-    return out.to(x.dtype)
+        col = 0
+        for i in range(0, len(ws), 3):
+            part = ws[i:i + 3]
+            width = sum(w.shape[0] for w in part)
+            _qgemm(x, out[:, col:], t, [w.shape[0] for w in part], k, part[0].qtype, [w.data for w in part],
+                   norm=norm, bias=None if bias is None else bias[col:col + width], accum=accumulate,
+                   tiles=_tiles(t, width, k, part[0].qtype))
+            col += width
+    return out if given else out.to(x.dtype)
 
 
-def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor) -> torch.Tensor:
-    """down(silu(gate x) * up x): x [T, H], gate/up [I, H], down [H, I] -> [T, H] in x.dtype."""
+def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, *,
+           norm: tuple[torch.Tensor, float] | None = None, out: torch.Tensor | None = None,
+           accumulate: bool = False) -> torch.Tensor:
+    """down(silu(gate x) * up x): x [T, H], gate/up [I, H], down [H, I] -> [T, H] in x.dtype, two launches.
+    norm: x RMS-normalised first (as matmul); out / accumulate: as matmul, for the down product."""
     i, h = _check_ffn(gate, up, down)
     _check_x(x, h, gate.data.device)
     x = x.contiguous()
     t = x.shape[0]
     hid = torch.empty((t, i), dtype=torch.float32, device=x.device)  # [T, I]
-    out = torch.empty((t, h), dtype=torch.float32, device=x.device)  # [T, H]
     if t:
-        _gemm(x, hid, (t, i, h), gate, w2=up, tiles=_tiles(t, h))
-        _gemm(hid, out, (t, h, i), down, tiles=_tiles(t, i))
-    return out.to(x.dtype)
+        if norm is not None:
+            norm = (norm[0].to(torch.float32).contiguous(), float(norm[1]))
+        _qgemm(x, hid, t, [i], h, gate.qtype, [gate.data, up.data], qtype2=up.qtype, gated=0, norm=norm,
+               tiles=_tiles(t, i, h, gate.qtype, up.qtype))
+    return matmul(hid, down, out=out, accumulate=accumulate) if out is not None else matmul(hid, down).to(x.dtype)
 
 
 class ExpertTable:
-    """What moe_ffn derives from an experts mapping before it can launch (their shared shapes, the device
-    table of their weight addresses, the id -> slot lookup): build it once for experts that stay put (all of
-    a layer's, resident on the GPU) and pass it to every call."""
+    """What moe_ffn derives from an experts mapping before it can launch, checked once: their shared types
+    and shapes (ValueError otherwise), the device tables of their weight addresses and ids, the id -> slot
+    lookup. Build it once for experts that stay put (a layer's resident ones) and pass it to every call.
+    Nothing is read back from the device (addresses are host metadata; the tables are uploaded)."""
 
     def __init__(self, experts: Mapping[int, object]):
         if not experts:
@@ -173,74 +283,144 @@ class ExpertTable:
         self.keys = sorted(experts)
         self.first = experts[self.keys[0]]
         self.dev = self.first.gate.data.device
-        self.addrs = _weight_tables(experts, self.keys, self.first, self.dev)  # (gate, up, down) address per slot
-        self.lut = _lut(self.keys, self.dev)
+        self.ffn = _check_ffn(self.first.gate, self.first.up, self.first.down)
+        ptrs = _weight_addrs(experts, self.keys, self.first, self.dev)  # [3][slots]
+        self.aligned = all(p % 16 == 0 for row in ptrs for p in row)
+        self.addrs = _to_device(torch.tensor(ptrs, dtype=torch.int64), self.dev)  # [3, slots]
+        self.ids = _to_device(torch.tensor(self.keys, dtype=torch.int32), self.dev)  # [slots] slot -> id
+        lut = torch.full((self.keys[-1] + 2,), len(self.keys), dtype=torch.int32)  # id -> slot, slots = none
+        lut[self.keys] = torch.arange(len(self.keys), dtype=torch.int32)
+        self.lut = _to_device(lut, self.dev)
 
 
 def moe_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Mapping[int, object],
-            pairs: bool = False, table: ExpertTable | None = None) -> torch.Tensor:
+            pairs: bool = False, table: ExpertTable | None = None, fn=None, out: torch.Tensor | None = None,
+            accumulate: bool = False) -> torch.Tensor:
     """sum over each token's k choices of weights * expert(x), as ReferenceOps.moe: x [T, H], ids and
-    weights [T, k], experts {id: Expert} sharing shapes and qtypes (ids without an entry add nothing).
-    Returns [T, H] in x.dtype; with `pairs`, [T * k, H] float32, one weighted row per (token, choice) pair
-    (0 where the id has no entry), unsummed (ReferenceOps.moe_pairs)."""
+    weights [T, k] on the device, experts {id: Expert} sharing shapes and qtypes (ids without an entry add
+    nothing). fn: ExpertFn (act "swiglu" or "swiglu_oai", biases [E, I], [E, I], [E, H] by id); None plain.
+    Returns [T, H] in x.dtype, or with out (float32 [T, H]) out, += the result with accumulate; with
+    `pairs`, [T * k, H] float32, one weighted row per (token, choice) pair (0 where the id has no entry),
+    unsummed (ReferenceOps.moe_pairs)."""
     table = table or ExpertTable(experts)
-    keys, first, dev = table.keys, table.first, table.dev
-    i, h = _check_ffn(first.gate, first.up, first.down)
+    first, dev = table.first, table.dev
+    i, h = table.ffn
     _check_x(x, h, dev)
     if ids.dim() != 2 or ids.shape[0] != x.shape[0] or weights.shape != ids.shape:
         raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T, k]")
+    act, alpha, limit, biases = _fn_args(fn, dev)
     x = x.contiguous()
     t, kk = ids.shape
     m = t * kk
+    given = out is not None
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate needs out")
+        if m == 0:
+            return torch.zeros((0, h), dtype=torch.float32, device=dev) if pairs else torch.zeros_like(x)
     if m == 0:
-        return torch.zeros((0, h), dtype=torch.float32, device=x.device) if pairs else torch.zeros_like(x)
-    tables = table.addrs
-    rows = max(1, m // len(keys))
-    pair, tiles_up, tiles_down = _schedule(ids.to(dev), keys, table.lut, rows, _tiles(rows, h), _tiles(rows, i))
+        return out
+    flat = ids.reshape(-1).contiguous()  # [T*k]
+    scale = weights.reshape(-1).to(device=dev, dtype=torch.float32).contiguous()  # [T*k]
     hid = torch.empty((m, i), dtype=torch.float32, device=dev)  # [T*k, I], row = pair
-    y = torch.zeros((m, h), dtype=torch.float32, device=dev)  # [T*k, H]
-    scale = weights.to(device=dev, dtype=torch.float32).contiguous()
-    _gemm(x, hid, (m, i, h), first.gate, w2=first.up, tiles=tiles_up[1], grouped=(pair, kk, tiles_up[0]),
-          addrs=tables[:2])
-    _gemm(hid, y, (m, h, i), first.down, tiles=tiles_down[1], grouped=(pair, 1, tiles_down[0]),
-          addrs=tables[2:], scale=scale)
+    y = None  # [T*k, H]: pair rows (zeros where sorted: pairs without an expert are in no tile)
+    if pairs or t > PAIRS_MAX:
+        y = (torch.empty if t <= PAIRS_MAX else torch.zeros)((m, h), dtype=torch.float32, device=dev)
+    if out is None and not pairs:
+        out = torch.empty((t, h), dtype=torch.float32, device=dev)
+    qg, qu, qd = first.gate.qtype, first.up.qtype, first.down.qtype
+    if t <= PAIRS_MAX:
+        _, _, md = _kernels()
+        common = (flat, scale, table.lut, table.lut.shape[0], len(table.keys))
+        tu = _pair_tiles(m * i, h, qg, qu)
+        _launch(md.moe_pair_kernel, (m, _cdiv(i, tu["BN"])), x, x.stride(0), hid, hid.stride(0), *common,
+                table.addrs[0], table.addrs[1], row_bytes(qg, h), row_bytes(qu, h), _codebook(qg, dev),
+                _codebook(qu, dev), biases[0], biases[1], alpha, limit, i, h, kk, QTYPE=int(qg), QTYPE2=int(qu),
+                GATED=True, ACT=act, BIAS=_biased(biases), SUM=False, ACCUM=False, ALIGNED=table.aligned, **tu)
+        dst, rows = (y, m) if pairs else (out, t)
+        td = _pair_tiles(rows * h, i, qd)
+        _launch(md.moe_pair_kernel, (rows, _cdiv(h, td["BN"])), hid, hid.stride(0), dst, dst.stride(0), *common,
+                table.addrs[2], table.addrs[2], row_bytes(qd, i), row_bytes(qd, i), _codebook(qd, dev),
+                _codebook(qd, dev), biases[2], biases[2], alpha, limit, h, i, kk, QTYPE=int(qd), QTYPE2=int(qd),
+                GATED=False, ACT=act, BIAS=_biased(biases), SUM=not pairs, ACCUM=accumulate and not pairs,
+                ALIGNED=table.aligned, **td)
+    else:
+        rows = max(1, m // len(table.keys))
+        tu, td = _tiles(rows, i, h, qg, qu), _tiles(rows, h, i, qd)
+        pair, (tab_u, _), (tab_d, _) = _schedule(flat, table.keys, table.lut, tu, td)
+        grouped = dict(keys=table.ids, aligned=table.aligned, bias=biases[0] if _biased(biases) else None)
+        _qgemm(x, hid, m, [i], h, qg, list(table.addrs[:2]), qtype2=qu, gated=act, alpha=alpha, limit=limit,
+               grouped=(pair, kk, tab_u), bias2=biases[1], tiles=tu, **grouped)
+        grouped["bias"] = biases[2] if _biased(biases) else None
+        _qgemm(hid, y, m, [h], i, qd, [table.addrs[2]], grouped=(pair, 1, tab_d), scale=scale, tiles=td, **grouped)
+        if not pairs:
+            _, gm, _ = _kernels()
+            _launch(gm.sum_pairs_kernel, (t, _cdiv(h, 1024)), y, out, out.stride(0), h, kk, ACCUM=accumulate, BH=1024)
     if pairs:
         return y
-    return y.view(t, kk, h).sum(1).to(x.dtype)
+    return out if given else out.to(x.dtype)
+
+
+def _biased(biases) -> bool:
+    """Whether _fn_args found biases (else every entry is the placeholder)."""
+    return biases[0] is not biases[3]
+
+
+def _fn_args(fn, dev: torch.device):
+    """(ACT, alpha, limit, (gate, up, down biases float32 on dev, or a placeholder; the placeholder))."""
+    dummy = _codebook(QType.IQ4_XS, dev)
+    if fn is None:
+        return 0, 1.0, 0.0, (dummy, dummy, dummy, dummy)
+    if fn.act not in ACTS:
+        raise ValueError(f"no Triton kernel for the expert activation {fn.act!r}")
+    b = (dummy,) * 3 if fn.biases is None else tuple(v.to(device=dev, dtype=torch.float32).contiguous()
+                                                     for v in fn.biases)
+    return ACTS[fn.act], float(fn.alpha), float(fn.limit), (*b, dummy)
 
 
 # --------------------------------------------------------------------------------------- launches
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _gemm(a: torch.Tensor, out: torch.Tensor, mnk: tuple[int, int, int], w: QTensor, *, tiles: dict,
-          w2: QTensor | None = None, grouped=None, addrs=None, scale: torch.Tensor | None = None) -> None:
-    """One qgemm_kernel launch. grouped: (pair [T*k] int32, a_div, tile table [U, 3] int32), with
-    addrs the int64 address tables of w (and w2) per slot; else plain on w's (and w2's) bytes."""
-    _, gm = _kernels()
-    m, n, k = mnk
-    w2 = w if w2 is None else w2
+def _qgemm_launch(a, out, m, ns, k, qtype, ws, *, tiles, qtype2=None, gated=None, alpha=1.0, limit=0.0,
+                  grouped=None, keys=None, aligned=None, scale=None, norm=None, bias=None, bias2=None,
+                  accum=False):
+    """(kernel, grid, args, kwargs) of one qgemm_kernel launch. ns: the output widths of ws (up to three side
+    by side; with gated (ACT), ws = [gate, up]). grouped: (pair [T*k] int32, a_div, tile table [U, 3]
+    int32), ws the int64 address tables of gate (and up) per slot, keys the slot -> id table; else plain
+    on ws' bytes (uint8 tensors)."""
+    _, gm, _ = _kernels()
     dev = a.device
+    tiles = dict(tiles)
+    qtype2 = qtype if qtype2 is None else qtype2
+    segs = 1 if gated is not None or grouped is not None else len(ws)
+    wa, wb, wc = ws[0], ws[min(1, len(ws) - 1)], ws[-1]
     if grouped is None:
         pair, a_div, table = out, 1, out  # unused placeholders
-        wa, wb = w.data, w2.data
         grid_m = _cdiv(m, tiles["BM"])
+        aligned = _aligned(*ws) if aligned is None else aligned
     else:
         pair, a_div, table = grouped
-        wa, wb = addrs[0], addrs[-1]
         grid_m = table.shape[0]
-    gm.qgemm_kernel[(grid_m, _cdiv(n, tiles["BN"]))](
-        a, a.stride(0), out, out.stride(0), pair, a_div, out if scale is None else scale, table,
-        wa, wb, row_bytes(w.qtype, k), row_bytes(w2.qtype, k), _codebook(w.qtype, dev), _codebook(w2.qtype, dev),
-        m, n, k, QTYPE=int(w.qtype), QTYPE2=int(w2.qtype), GROUPED=grouped is not None,
-        GATED=w2 is not w, SCALED=scale is not None, **tiles)
+    n_all = list(ns) + [0] * (3 - len(ns))
+    grid_n = sum(_cdiv(n, tiles["BN"]) for n in ns[:segs])
+    nw, eps = norm if norm is not None else (out, 0.0)
+    args = (a, a.stride(0), out, out.stride(0), pair, a_div, out if scale is None else scale, table,
+            out if keys is None else keys, wa, wb, wc, row_bytes(qtype, k), row_bytes(qtype2, k),
+            _codebook(qtype, dev), _codebook(qtype2, dev), out if bias is None else bias,
+            out if bias2 is None else bias2, nw, eps, alpha, limit, m, *n_all, k)
+    kwargs = dict(QTYPE=int(qtype), QTYPE2=int(qtype2), GROUPED=grouped is not None, GATED=gated is not None,
+                  ACT=gated or 0, SCALED=scale is not None, NORM=norm is not None, BIAS=bias is not None,
+                  ACCUM=accum, SEGS=segs, ALIGNED=bool(aligned), **tiles)
+    return gm.qgemm_kernel, (grid_m, grid_n), args, kwargs
 
 
-def _weight_tables(experts: Mapping[int, object], keys: list[int], first, dev: torch.device) -> torch.Tensor:
-    """[3, slots] int64: the gate, up and down data addresses of the experts in ascending id order."""
+def _qgemm(*args, **kwargs) -> None:
+    kernel, grid, a, kw = _qgemm_launch(*args, **kwargs)
+    _launch(kernel, grid, *a, **kw)
+
+
+def _weight_addrs(experts: Mapping[int, object], keys: list[int], first, dev: torch.device) -> list[list[int]]:
+    """[3][slots]: the gate, up and down data addresses of the experts in ascending id order."""
     like = [(q.qtype, q.shape) for q in (first.gate, first.up, first.down)]
     addrs = []
     for name, (qtype, shape) in zip(("gate", "up", "down"), like):
@@ -253,7 +433,7 @@ def _weight_tables(experts: Mapping[int, object], keys: list[int], first, dev: t
                 raise ValueError(f"experts[{e}].{name}.data must be contiguous on {dev}")
             row.append(q.data.data_ptr())
         addrs.append(row)
-    return _to_device(torch.tensor(addrs, dtype=torch.int64), dev)
+    return addrs
 
 
 def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
@@ -265,25 +445,26 @@ def _to_device(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
 
 def _lut(keys: list[int], dev: torch.device) -> torch.Tensor:
     """expert id -> its slot among the sorted keys, len(keys) for none; ids up to keys[-1] + 1, on dev."""
-    lut = torch.full((keys[-1] + 2,), len(keys), dtype=torch.int64)
-    lut[keys] = torch.arange(len(keys))
+    lut = torch.full((keys[-1] + 2,), len(keys), dtype=torch.int32)
+    lut[keys] = torch.arange(len(keys), dtype=torch.int32)
     return _to_device(lut, dev)
 
 
-def _schedule(ids: torch.Tensor, keys: list[int], lut: torch.Tensor, rows: int, *tile_sizes: dict):
+def _schedule(ids: torch.Tensor, keys: list[int], lut: torch.Tensor, *tile_sizes: dict):
     """Sort the T*k pairs by expert slot and cut each slot's run into tiles, on the device.
 
     Returns pair [T*k] int32 (pair indices, sorted by slot; pairs whose id has no expert last, in no
     tile) and, per entry of tile_sizes, (tile table [U, 3] int32, the sizes). U is the bound
-    cdiv(T*k, BM) + slots, so no count comes back to the host; spare tiles have slot -1.
+    cdiv(T*k, BM) + slots, so no count comes back to the host; spare tiles have slot -1. Counts are a
+    scatter_add (torch.bincount reads its range back on CUDA).
     """
     dev = ids.device
     n = len(keys)
     flat = ids.reshape(-1).to(torch.int64)
     flat = torch.where((flat >= 0) & (flat <= keys[-1]), flat, keys[-1] + 1)
-    slot = lut[flat]  # [T*k], n = no expert
+    slot = lut[flat].to(torch.int64)  # [T*k], n = no expert
     pair = torch.argsort(slot, stable=True)
-    counts = torch.bincount(slot, minlength=n + 1)[:n]  # [slots]
+    counts = torch.zeros(n + 1, dtype=torch.int64, device=dev).scatter_add_(0, slot, torch.ones_like(slot))[:n]
     starts = torch.cumsum(counts, 0) - counts
     out = [pair.to(torch.int32)]
     for sizes in tile_sizes:

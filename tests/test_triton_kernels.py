@@ -269,7 +269,7 @@ def test_schedule_covers_each_pair_once(bm):
     given expert lies in exactly one tile of at most BM rows of that expert; the others in none."""
     keys = sorted(torch.randperm(128, generator=torch.Generator().manual_seed(bm))[:37].tolist())
     ids, _ = routing(300, 8, 128, seed=bm)
-    pair, (table, _) = tq._schedule(ids, keys, tq._lut(keys, ids.device), 1, {"BM": bm})
+    pair, (table, _) = tq._schedule(ids, keys, tq._lut(keys, ids.device), {"BM": bm})
     slot_of = {e: s for s, e in enumerate(keys)}
     want = {p: slot_of[e] for p, e in enumerate(ids.reshape(-1).tolist()) if e in slot_of}
     seen = {}
