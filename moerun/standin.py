@@ -54,6 +54,7 @@ NO_KERNEL = {aten.empty.memory_format, aten.empty_strided.default, aten.detach.d
              aten.lift_fresh.default, aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
              aten.is_same_size.default, aten.set_.source_Storage_storage_offset, aten.resize_.default,
              aten._reshape_alias.default}
+SCALAR_READS = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default}  # int(), bool(), .item()
 HOST_READS = {"tolist", "cpu", "numpy"}  # Tensor methods that read device memory on the host
 
 
@@ -145,7 +146,7 @@ class Event:
     def query(self) -> bool:
         if self.stream is None or self.stream.done >= self.at:
             return True
-        if self.sim.rng.random() < 0.5:  # the copy engine got there by now, or not
+        if self.sim.rng.random() < self.sim.jitter:  # the copy engine got there by now, or not
             self.stream.flush(self.at)
         return self.stream.done >= self.at
 
@@ -180,6 +181,7 @@ class Simulator:
     def __init__(self, seed: int = 0):
         self.current = 0
         self.rng = random.Random(seed)
+        self.jitter = 0.5  # the chance that a copy asked about has landed (0: only when waited for)
         self._compute: dict[int, _Stream] = {}
         self._blocks: list[_Block] = []
         self._tags: list[tuple[int, int, int, StorageWeakRef]] = []  # (start, end, device, storage), by start
@@ -381,7 +383,8 @@ class Simulator:
                 if dev is not None and dev != self.current:
                     raise StandinError(f"a kernel launched on standin:{self.current} reads memory of standin:{dev} "
                                        "(an illegal address on a GPU): enter device.use(dev) first")
-        self.count_launch(f"triton:{getattr(kernel, '__name__', None) or getattr(getattr(kernel, 'fn', None), '__name__', 'kernel')}")
+        fn = getattr(kernel, "fn", kernel)
+        self.count_launch(f"triton:{getattr(fn, '__name__', 'kernel')}")
         if self._graph is not None and not self._quiet:
             self._graph.ops.append(("triton", kernel, grid, (args, kwargs), None))
         with self.suspended():
@@ -402,10 +405,33 @@ class Simulator:
             return
         self._modes = (_Functions(self), _Dispatch(self))
         try:
-            with self._modes[0], self._modes[1]:
+            with self._modes[0], self._modes[1], self._interpreted_launches():
                 yield
         finally:
             self._modes = None
+
+    @contextmanager
+    def _interpreted_launches(self):
+        """Triton kernels launched other than through `launch` (triton's interpreter runs them here): counted as one
+        launch each, the interpreter's own copies of their arguments not counted."""
+        try:
+            from triton.runtime.interpreter import GridExecutor
+        except ImportError:
+            yield
+            return
+        call = GridExecutor.__call__
+        sim = self
+
+        def counted(executor, *args, **kwargs):
+            sim.count_launch(f"triton:{getattr(executor.fn, '__name__', 'kernel')}")
+            with sim.suspended():
+                return call(executor, *args, **kwargs)
+
+        GridExecutor.__call__ = counted
+        try:
+            yield
+        finally:
+            GridExecutor.__call__ = call
 
     @contextmanager
     def counting(self, real: bool = False):
@@ -461,14 +487,14 @@ class _Dispatch(TorchDispatchMode):
         tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         if tensors and all(sim.is_host(t) for t in tensors):
             return out
-        if func is aten._local_scalar_dense.default:
+        if func in SCALAR_READS:
             sim.sync("item")
             return out
         if func in DATA_DEPENDENT or (func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None) \
                 or (func is aten.index.Tensor and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
                                                      for i in tree_flatten(args[1:])[0])):
-            sim.sync(func.__name__)
-        sim.count_launch(func.__name__)
+            sim.sync(func.overloadpacket.__name__)
+        sim.count_launch(func.overloadpacket.__name__)
         sim.record(func, args, kwargs, out)
         return out
 

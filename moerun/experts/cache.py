@@ -104,6 +104,7 @@ class ExpertCache:
                 self.buffers[layer] = _device.empty(self.dev, n * nbytes).view(n, nbytes)
         self.transfers = self.streamer = None
         self._used: dict[int, _device.Event] = {}  # per layer: the compute that last read its slots
+        self._unwaited: dict[int, _device.Event] = {}  # per layer: page-ins queued that compute has not waited for
         if self.dev.accelerator:
             self.transfers = Transfers(store, self.dev, set(pinned_layers or ()))
             self.transfers.adopt()  # the slots above came from the compute stream's pool
@@ -254,6 +255,9 @@ class ExpertCache:
         if self.transfers is None:
             raise RuntimeError("place() is for caches whose slots are on a device stage")
         self.transfers.settle(self.stats)
+        unwaited = self._unwaited.pop(layer, None)
+        if unwaited is not None:  # a step failed between its page-ins and their wait (out of memory): its slots
+            self.transfers.wait(unwaited, layer, phase)  # count as resident, so compute waits for them now
         table, out = self.tables.get(layer), Placement()
         fetch = {e for e, n in need.items() if (table is None or table.slot_of(e) is None) and choose(e, n) == "fetch"}
         misses = [e for e in need if table is None or table.slot_of(e) is None]
@@ -276,6 +280,7 @@ class ExpertCache:
                 table.reset()  # a slot may hold a partial copy: forget the layer's residents, then report
                 raise
             out.paged = {ld.expert: self._slot(layer, ld.slot) for ld in loads}
+            self._unwaited[layer] = out.ready
         out.home = self._home(layer, home)
         self.stats.record_step(layer, phase, hits=len(out.on_device), misses=len(misses), evictions=evictions,
                                bytes_paged_in=paged, misses_home=len(home), misses_streamed=len(out.streamed))
@@ -285,6 +290,7 @@ class ExpertCache:
         """Compute queued from now on reads the placement's page-ins only once they have landed."""
         if placement.ready is not None:
             self.transfers.wait(placement.ready, layer, phase)
+            self._unwaited.pop(layer, None)
 
     def stream(self, layer: int, experts: list[int], phase: str) -> Iterator[dict[int, Expert]]:
         """The streamed experts of a placement, chunk by chunk through the stream buffer (views valid until the

@@ -1,0 +1,136 @@
+"""The GPU path's work per decoded token, counted on the stand-in, and the decode speed it predicts for a GPU.
+
+    counts = count_decode("model.gguf", devices=("standin:0",), slots=None, batch=1)   # Counts per step
+    predict(counts, bytes_per_token(spec, "Q4_K_M"), H200)                             # tok/s, and why
+
+The counts come from a real decode step through moerun.device.counting (torch ops through a dispatch mode, Triton
+launches, device-to-host reads, bytes over the link) with the GPU's kernels (the Triton ones, in triton's
+interpreter): they depend on the model's structure (layers, experts, k), not on its widths, so a model of the
+shape's structure with small widths counts as the full one does.
+
+The speed model (its figures are assumptions, to be corrected from the first GPU run, bench/RESULTS.md):
+
+    eager   host = torch launches x eager_us + Triton launches x triton_us       the host issues the step
+            gpu  = bytes / HBM + kernels x graph_kernel_us                       the device runs it
+            step = max(host, gpu) + syncs x sync_us   with one sync (the sampled ids): host and device overlap;
+                   host + gpu + syncs x sync_us       with more: each sync drains the queue, the times add
+    graph   step = gpu + graph_launch_us + syncs x sync_us                     (a captured step: no host issue)
+    link    + h2d bytes / link GB/s                                              (pages in, misses' rows)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from moerun import device
+from moerun.standin import Counts
+
+
+@dataclass(frozen=True)
+class GpuFigures:
+    name: str
+    hbm_gbps: float  # device memory bandwidth a decode step streams its weights at
+    link_gbps: float  # host to device (PCIe)
+    graph_kernel_us: float = 2.0  # a kernel inside a replayed CUDA graph
+    eager_us: float = 8.0  # a torch op launched from Python
+    triton_us: float = 20.0  # a Triton launch from Python
+    sync_us: float = 10.0  # a device-to-host read: the round trip, the queue drained
+    graph_launch_us: float = 8.0
+
+
+H200 = GpuFigures("H200", hbm_gbps=4800, link_gbps=55)
+CONSUMER_24G = GpuFigures("24 GB consumer card (RTX 4090 class)", hbm_gbps=1000, link_gbps=25)
+
+# bits per weight of GGUF's types, and which matrices llama.cpp's Q4_K_M keeps at Q6_K (attn_v and ffn_down in
+# half the layers, the output head); the rest Q4_K. Norms and routers stay F32.
+BPW = {"Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625, "Q8_0": 8.5, "MXFP4": 4.25, "F16": 16.0, "F32": 32.0}
+
+
+def bytes_per_token(spec, ftype: str = "Q4_K_M") -> float:
+    """Bytes a decode step reads for one token of `spec` (a ModelSpec) stored as `ftype`, MoE layers' k experts."""
+    low, high = ("Q4_K", "Q6_K") if ftype == "Q4_K_M" else (ftype, ftype)
+    q_out = spec.n_heads * spec.head_dim * (2 if getattr(spec, "attn_gate", False) else 1)
+    kv = spec.n_kv_heads * spec.head_dim
+    total = 0.0
+    for i in range(spec.n_layers):
+        half = high if i % 2 == 0 else low
+        attn = BPW[low] * spec.hidden * (q_out + kv + spec.n_heads * spec.head_dim) + BPW[half] * spec.hidden * kv
+        if spec.moe_layers[i]:
+            e = spec.n_experts_used * spec.expert_ffn * spec.hidden
+            ffn = BPW[low] * 2 * e + BPW[half] * e + 32 * spec.n_experts * spec.hidden
+            if getattr(spec, "shared_ffn", 0):
+                ffn += BPW[low] * 3 * spec.shared_ffn * spec.hidden
+        else:
+            ffn = BPW[low] * 3 * spec.ffn * spec.hidden
+        total += attn + ffn
+    total += BPW[high] * spec.vocab * spec.hidden + BPW[high] * spec.hidden  # the head; one embedding row
+    return total / 8
+
+
+@dataclass(frozen=True)
+class Prediction:
+    tok_s: float
+    step_us: float
+    gpu_us: float
+    host_us: float
+    link_us: float
+
+    def row(self) -> str:
+        return (f"{self.tok_s:,.0f} tok/s (step {self.step_us:,.0f} us: device {self.gpu_us:,.0f}, host "
+                f"{self.host_us:,.0f}, link {self.link_us:,.0f})")
+
+
+def predict(c: Counts, nbytes: float, fig: GpuFigures, graph: bool = False, batch: int = 1) -> Prediction:
+    """Decode tok/s on `fig` for a step that did what `c` counts and reads `nbytes` (module docstring)."""
+    kernels = c.n_launches
+    gpu = nbytes / (fig.hbm_gbps * 1e3) + kernels * fig.graph_kernel_us
+    link = c.h2d_bytes / (fig.link_gbps * 1e3)
+    if graph:
+        host = fig.graph_launch_us
+        step = gpu + host + c.n_syncs * fig.sync_us
+    else:
+        host = (kernels - c.n_triton) * fig.eager_us + c.n_triton * fig.triton_us
+        overlap = max(host, gpu) if c.n_syncs <= 1 else host + gpu
+        step = overlap + c.n_syncs * fig.sync_us
+    step += link
+    return Prediction(batch * 1e6 / step, step, gpu, host, link)
+
+
+def count_decode(model: str, devices: tuple[str, ...] = ("standin:0",), slots: int | None = None, batch: int = 1,
+                 steps: int = 2, prompt: int = 6, threads: int = 1) -> Counts:
+    """What one decode step of `batch` sequences does on the stand-in (the last of `steps`, after a prompt of
+    `prompt` tokens each), with the GPU's kernels: Triton's, interpreted (TRITON_INTERPRET=1 and
+    MOERUN_STANDIN_KERNELS=triton are set for the call). slots: expert slots per layer (None: every expert on
+    the device)."""
+    from moerun.config import RuntimeConfig
+    from moerun.runtime import build
+
+    saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "MOERUN_STANDIN_KERNELS")}
+    os.environ.update(TRITON_INTERPRET="1", MOERUN_STANDIN_KERNELS="triton")
+    try:
+        rt = build(RuntimeConfig(model=model, devices=devices, expert_cache_slots=slots, threads=threads))
+        model_, eng = rt.engine.model, rt.engine
+        dev = model_.dev
+        seqs = [eng.new_sequence() for _ in range(batch)]
+        gen = torch.Generator().manual_seed(0)
+        for s in seqs:
+            model_.forward(torch.randint(0, model_.spec.vocab, (prompt,), generator=gen), s.kv, last_only=True)
+        tokens = torch.randint(0, model_.spec.vocab, (batch,), generator=gen)
+        counts = Counts()
+        for _ in range(steps):
+            with device.counting(dev) as counts:
+                logits = model_.decode(tokens, [s.kv for s in seqs])
+                (tokens,) = device.to_host([torch.argmax(logits, dim=-1)], dev=dev)  # the sampled ids
+        for s in seqs:
+            s.free()
+        rt.close()
+        return counts
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
