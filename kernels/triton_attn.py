@@ -24,6 +24,8 @@ built under the TRITON_INTERPRET of its import (INTERPRETED).
 
 from __future__ import annotations
 
+import inspect
+
 import triton
 import triton.language as tl
 
@@ -120,7 +122,7 @@ def _finish(m, l, acc, b, g, hq, hmask, dv, dvmask, out_ptr, stride_out, sink_pt
         a = tl.exp(m - mn)
         l = l * a + tl.exp(sk - mn)
         acc = acc * a[:, None]
-    o = tl.where(l[:, None] > 0, acc / l[:, None], 0.0)  # [BG, BDV]
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]  # [BG, BDV]; no key and no sink: zeros
     col = (g * G + hq)[:, None] * DV + dv[None, :]
     mask = hmask[:, None] & dvmask[None, :]
     if GATE:
@@ -340,10 +342,8 @@ def decode_attention(q, k_cache, v_cache, block_table, lengths, out, *, scale: f
 
 def _signature(fn, types: dict, consts: dict) -> dict:
     """Every parameter of fn: its type from `types`, or "constexpr" where `consts` holds it."""
-    sig = {}
-    for p in fn.params:
-        sig[p.name] = "constexpr" if p.name in consts else types[p.name]
-    return sig
+    names = inspect.signature(fn.fn).parameters  # fn.fn: the Python function, compiled or interpreted
+    return {n: "constexpr" if n in consts else types[n] for n in names}
 
 
 def _rope_case(name, nh, nkv, d, r, neox, norm, gate, cache="bf16", act="fp32"):
