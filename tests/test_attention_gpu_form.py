@@ -176,3 +176,19 @@ def test_on_a_gpu_the_fused_kernels_take_the_form(case, dtype):
         with sdpa_kernel([kernel]):
             got = attend_fused(q, k, v, q_pos, k_pos, None, window, P)
         assert torch.allclose(got.double().cpu(), ref, atol=tol, rtol=tol), kernel
+
+
+@pytest.mark.parametrize("T,P", [(1, 40), (40, 0), (200, 30)])
+def test_mla_forms_take_q_start(T, P):
+    """Both MLA forms pass q_start to attend: the same bits as without it."""
+    from moerun.model.layers import mla_absorbed, mla_expanded
+
+    g = torch.Generator().manual_seed(T + P)
+    nh, rank, nope, rope, dv = 4, 32, 16, 8, 16
+    q_nope, q_pe = torch.randn(T, nh, nope, generator=g), torch.randn(T, nh, rope, generator=g)
+    latent = torch.randn(P + T, rank + rope, generator=g)
+    wk_b, wv_b = torch.randn(nh, rank, nope, generator=g), torch.randn(nh, dv, rank, generator=g)
+    q_pos, k_pos = torch.arange(P, P + T), torch.arange(P + T)
+    for form in (mla_absorbed, mla_expanded):
+        want = form(q_nope, q_pe, latent, wk_b, wv_b, q_pos, k_pos, 0.2)
+        assert torch.equal(form(q_nope, q_pe, latent, wk_b, wv_b, q_pos, k_pos, 0.2, q_start=P), want)

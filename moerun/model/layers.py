@@ -199,23 +199,26 @@ def mla_form(T: int):
 
 
 def mla_absorbed(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, wk_b: torch.Tensor,
-                 wv_b: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float) -> torch.Tensor:
+                 wv_b: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float,
+                 q_start: int | None = None) -> torch.Tensor:
     """Multi-head latent attention in the absorbed form: each head's query goes into the latent space through
     its W_UK, attends over the latents as over one shared key and value head, and leaves through its W_UV.
 
     q_nope [T, nh, nope], q_pe [T, nh, rope] (rotated); latent [S, rank + rope] (the normed compression, then
-    the rotated key); wk_b [nh, rank, nope], wv_b [nh, dv, rank] -> [T, nh * dv]."""
+    the rotated key); wk_b [nh, rank, nope], wv_b [nh, dv, rank] -> [T, nh * dv]; q_start as
+    attend's."""
     T, nh, _ = q_nope.shape
     rank = wk_b.shape[1]
     q_lat = torch.bmm(q_nope.transpose(0, 1), wk_b.transpose(1, 2)).transpose(0, 1)  # [T, nh, rank]
     q = torch.cat((q_lat, q_pe), dim=-1)  # [T, nh, rank + rope]
-    o = attend(q, latent[:, None], latent[:, None, :rank], q_pos, k_pos, scale)  # [T, nh * rank]
+    o = attend(q, latent[:, None], latent[:, None, :rank], q_pos, k_pos, scale, q_start=q_start)  # [T, nh * rank]
     o = torch.bmm(o.view(T, nh, rank).transpose(0, 1), wv_b.transpose(1, 2))  # [nh, T, dv]
     return o.transpose(0, 1).flatten(1)
 
 
 def mla_expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, wk_b: torch.Tensor,
-                 wv_b: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float) -> torch.Tensor:
+                 wv_b: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, scale: float,
+                 q_start: int | None = None) -> torch.Tensor:
     """Multi-head latent attention in the expanded form: every head's keys and values are made from the
     latents (as transformers computes), then plain attention. Shapes as mla_absorbed."""
     nh, rank, _ = wk_b.shape
@@ -224,4 +227,4 @@ def mla_expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
     k = torch.cat((torch.matmul(c, wk_b), k_pe.expand(nh, S, -1)), dim=-1)  # [nh, S, nope + rope]
     v = torch.matmul(c, wv_b.transpose(1, 2))  # [nh, S, dv]
     q = torch.cat((q_nope, q_pe), dim=-1)  # [T, nh, nope + rope]
-    return attend(q, k.transpose(0, 1), v.transpose(0, 1), q_pos, k_pos, scale)
+    return attend(q, k.transpose(0, 1), v.transpose(0, 1), q_pos, k_pos, scale, q_start=q_start)
