@@ -198,9 +198,9 @@ def test_greedy_equals_transformers_generate(ds, tokens, source, monkeypatch):
     for name, seen in forms.items():
         real = getattr(layers, f"mla_{name}")
 
-        def spy(q_nope, *a, real=real, seen=seen):
+        def spy(q_nope, *a, real=real, seen=seen, **kw):
             seen.append(q_nope.shape[0])
-            return real(q_nope, *a)
+            return real(q_nope, *a, **kw)
 
         monkeypatch.setattr(layers, f"mla_{name}", spy)
     loaded = load_model(folder if source == "hf" else path)

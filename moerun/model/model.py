@@ -244,8 +244,8 @@ class MoEModel:
         """q [T, nh, D], k / v [T, nkv, D] at positions kv.length.. (pos [T] on the device): written to the cache,
         attended over everything it holds -> [T, nh * Dv]."""
         s, lw, T = self.spec, self.layers[i - self.first], q.shape[0]
-        window, k_pos = s.sliding_window if s.sliding(i) else 0, pos
-        if kv is not None:
+        window, k_pos, start = s.sliding_window if s.sliding(i) else 0, pos, None
+        if kv is not None:  # queries start..end, keys consecutive up to end: attend reads no position back
             start = kv.length
             end = start + T
         if kv is not None and i in kv.pool.windowed:  # a ring of the last window: read what it held, then write
@@ -258,7 +258,7 @@ class MoEModel:
             kv.write(i, start, k, v)
             k, v = kv.read(i, end)  # [end, kv_heads, D]
             k_pos = torch.arange(end, device=q.device)
-        return self.ops.attend(q, k, v, pos, k_pos, scale=s.softmax_scale, sinks=lw.sinks, window=window)
+        return self.ops.attend(q, k, v, pos, k_pos, scale=s.softmax_scale, sinks=lw.sinks, window=window, q_start=start)
 
     def linear_attention(self, i: int, x: torch.Tensor, pos: torch.Tensor, kv: SeqKV | list[SeqKV] | None
                          ) -> torch.Tensor:
@@ -336,12 +336,13 @@ class MoEModel:
         return mm(out, lw.wo)  # [T, H]
 
     def _latent_cached(self, i: int, form, q_nope, q_pe, latent, pos, kv: SeqKV | None) -> torch.Tensor:
-        lw, k_pos = self.layers[i - self.first], pos
+        lw, k_pos, start = self.layers[i - self.first], pos, None
         if kv is not None:
-            kv.write(i, kv.length, latent)
-            latent = kv.read(i, kv.length + latent.shape[0])[0]  # [S, rank + rope]
+            start = kv.length
+            kv.write(i, start, latent)
+            latent = kv.read(i, start + latent.shape[0])[0]  # [S, rank + rope]
             k_pos = torch.arange(latent.shape[0], device=latent.device)
-        return form(q_nope, q_pe, latent, lw.wk_b, lw.wv_b, pos, k_pos, self.spec.softmax_scale)
+        return form(q_nope, q_pe, latent, lw.wk_b, lw.wv_b, pos, k_pos, self.spec.softmax_scale, q_start=start)
 
     def _delta_c(self, qkv: torch.Tensor, state: torch.Tensor) -> bool:
         """Whether decode steps' recurrence runs in C (moerun.kernels.delta): the kernels built, float32 on the CPU."""

@@ -78,9 +78,10 @@ class ReferenceOps:
         """[x @ w.T for w in ws]: several products of one input (the kernels take them in one call)."""
         return [self.linear(x, w) for w in ws]
 
-    def attend(self, q, k, v, q_pos, k_pos, scale=None, sinks=None, window=0) -> torch.Tensor:
-        """moerun.model.layers.attend (causal GQA attention) -> [T, nh * Dv]."""
-        return attend(q, k, v, q_pos, k_pos, scale=scale, sinks=sinks, window=window)
+    def attend(self, q, k, v, q_pos, k_pos, scale=None, sinks=None, window=0, q_start=None) -> torch.Tensor:
+        """moerun.model.layers.attend (causal GQA attention) -> [T, nh * Dv]. q_start: the first query's position as a
+        host integer, where queries and keys are consecutive and end together (no position is read back then)."""
+        return attend(q, k, v, q_pos, k_pos, scale=scale, sinks=sinks, window=window, q_start=q_start)
 
     def swiglu(self, x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor:
         """down(silu(gate x) * up x). x [T, H] -> [T, H]."""
@@ -181,14 +182,14 @@ class KernelOps(ReferenceOps):
     def _ok(self, x: torch.Tensor, qtype) -> bool:
         return x.device.type == "cpu" and x.dtype == torch.float32 and self.cpu.supports(qtype)
 
-    def attend(self, q, k, v, q_pos, k_pos, scale=None, sinks=None, window=0):
+    def attend(self, q, k, v, q_pos, k_pos, scale=None, sinks=None, window=0, q_start=None):
         """A prompt's attention in C where the AVX-512 set runs (float32 on the CPU; measured against torch's
         blocked SDPA in bench/RESULTS.md); decode-sized steps and other machines keep torch's path."""
         if (q.shape[0] > SMALL_T and self.c_attention and q.dtype == k.dtype == v.dtype ==
                 torch.float32 and q.is_cpu and q.shape[-1] <= 256 and v.shape[-1] % 16 == 0):
             return self.cpu.attend_prompt(q, k, v, q_pos, k_pos, q.shape[-1] ** -0.5 if scale is None else scale,
                                           sinks, window)
-        return super().attend(q, k, v, q_pos, k_pos, scale, sinks, window)
+        return super().attend(q, k, v, q_pos, k_pos, scale, sinks, window, q_start)
 
     def linear(self, x, w, b=None):
         if isinstance(w, QTensor) and self._ok(x, w.qtype):
