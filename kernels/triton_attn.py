@@ -31,12 +31,13 @@ import triton.language as tl
 
 from moerun import device
 
-__all__ = ["attention_splits", "attention_workspace", "decode_attention", "ptx_cases", "qk_rope_kv_write"]
+__all__ = ["attention_splits", "attention_workspace", "decode_attention", "ptx_cases", "ptx_options",
+           "qk_rope_kv_write"]
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 TARGET_PROGRAMS = 256  # programs a split attention launch aims for (about two waves on an H100/H200)
 MIN_CHUNK = 256  # positions per split at least
-BLOCK_N = 64  # keys per step
+BLOCK_N = 32  # keys per step (64 spills at head_dim 128 with 4 warps on sm_90: cuobjdump -res-usage)
 
 
 @triton.jit
@@ -137,8 +138,10 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, tbl_ptr, len_ptr, out_ptr, sink_ptr, g
                      NKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
                      RING: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr, NSPLIT: tl.constexpr,
                      SINKS: tl.constexpr, GATE: tl.constexpr, BG: tl.constexpr, BD: tl.constexpr,
-                     BDV: tl.constexpr, BN: tl.constexpr):
-    """Grid (B, NKV, NSPLIT): the G query heads of kv head g of row b over visible keys [lo + s*CHUNK, ..)."""
+                     BDV: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr):
+    """Grid (B, NKV, NSPLIT): the G query heads of kv head g of row b over visible keys [lo + s*CHUNK, ..).
+    MMA: q and the probabilities in the caches' 16-bit type for the tensor cores (float32 accumulation);
+    else every product in float32."""
     b = tl.program_id(0)
     g = tl.program_id(1)
     sp = tl.program_id(2)
@@ -168,16 +171,22 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, tbl_ptr, len_ptr, out_ptr, sink_ptr, g
             j = j % RING
         slot = tl.load(tbl + j, mask=pm, other=0).to(tl.int64) * BS + p % BS
         k = tl.load(k_ptr + slot[:, None] * stride_k + g * D + d[None, :], mask=pm[:, None] & dmask[None, :],
-                    other=0.0).to(tl.float32)  # [BN, BD]
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BG, BN]
+                    other=0.0)  # [BN, BD]
+        if MMA:
+            s = tl.dot(q.to(k.dtype), tl.trans(k))  # [BG, BN]
+        else:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         s = tl.where(pm[None, :], s, float("-inf"))
         m_new = tl.maximum(m, _rowmax(s))
         alpha = tl.exp(m - m_new)
         pr = tl.exp(s - m_new[:, None])
         l = l * alpha + _rowsum(pr)
         v = tl.load(v_ptr + slot[:, None] * stride_v + g * DV + dv[None, :], mask=pm[:, None] & dvmask[None, :],
-                    other=0.0).to(tl.float32)  # [BN, BDV]
-        acc = acc * alpha[:, None] + tl.dot(pr, v, input_precision="ieee")
+                    other=0.0)  # [BN, BDV]
+        if MMA:
+            acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pr, v.to(tl.float32), input_precision="ieee")
         m = m_new
     if NSPLIT == 1:
         _finish(m, l, acc, b, g, hq, hmask, dv, dvmask, out_ptr, stride_out, sink_ptr, gate_ptr, stride_gate,
@@ -292,7 +301,7 @@ def attention_workspace(batch: int, n_heads: int, n_kv_heads: int, v_head_dim: i
 
 def decode_attention(q, k_cache, v_cache, block_table, lengths, out, *, scale: float, block_size: int = 1,
                      ring: int = 0, window: int = 0, sinks=None, gate=None, max_positions: int | None = None,
-                     splits: int | None = None, workspace=None):
+                     splits: int | None = None, workspace=None, precise: bool = False):
     """One launch: out [B, nh*Dv] = softmax(scale * q k^T) v of each row's last query over its cache.
 
     q [B, nh, D] contiguous; k_cache [S, nkv, D], v_cache [S, nkv, Dv] (any float dtype, rows contiguous);
@@ -301,7 +310,8 @@ def decode_attention(q, k_cache, v_cache, block_table, lengths, out, *, scale: f
     logit per head in the denominator (gpt-oss). gate [B, nh*Dv]: out *= sigmoid(gate). GQA: head h reads
     kv head h // (nh / nkv). max_positions (default W * block_size, or the window) and B fix the split
     (attention_splits); with splits > 1 pass workspace=attention_workspace(...) to allocate nothing.
-    Float32 inside; out in its own dtype. Returns out."""
+    Float32 softmax and accumulation; with 16-bit caches q and the probabilities go to the tensor cores in
+    the caches' type unless `precise` (every product in float32). out in its own dtype. Returns out."""
     b, nh, d = q.shape
     _, nkv, _ = k_cache.shape
     dv = v_cache.shape[2]
@@ -328,12 +338,13 @@ def decode_attention(q, k_cache, v_cache, block_table, lengths, out, *, scale: f
     ws, cnt = workspace if n > 1 else (out, block_table)
     g = nh // nkv
     gt = gate if gate is not None else out
+    mma = not precise and k_cache.dtype == v_cache.dtype and k_cache.element_size() == 2
     device.launch(attention_kernel, (b, nkv, n), q, k_cache, v_cache, block_table, lengths, out,
                   sinks if sinks is not None else out, gt, ws, cnt, q.stride(0), k_cache.stride(0),
                   v_cache.stride(0), block_table.stride(0), out.stride(0), gt.stride(0), float(scale),
                   NKV=nkv, G=g, D=d, DV=dv, BS=block_size, RING=ring, WINDOW=window, CHUNK=chunk, NSPLIT=n,
                   SINKS=sinks is not None, GATE=gate is not None, BG=_pow2(g, 16), BD=_pow2(d, 16),
-                  BDV=_pow2(dv, 16), BN=BLOCK_N, num_warps=4)
+                  BDV=_pow2(dv, 16), BN=BLOCK_N, MMA=mma, num_warps=4 if mma else 8)
     return out
 
 
@@ -357,7 +368,7 @@ def _rope_case(name, nh, nkv, d, r, neox, norm, gate, cache="bf16", act="fp32"):
 
 
 def _attn_case(name, nh, nkv, d, splits, chunk, bs=16, ring=0, window=0, sinks=False, gate=False, cache="bf16",
-               act="fp32"):
+               act="fp32", mma=None):
     types = {"q_ptr": f"*{act}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "tbl_ptr": "*i32", "len_ptr": "*i32",
              "out_ptr": f"*{act}", "sink_ptr": "*fp32", "gate_ptr": f"*{act}", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
              "stride_q": "i32", "stride_k": "i32", "stride_v": "i32", "stride_tbl": "i32", "stride_out": "i32",
@@ -365,8 +376,13 @@ def _attn_case(name, nh, nkv, d, splits, chunk, bs=16, ring=0, window=0, sinks=F
     g = nh // nkv
     consts = {"NKV": nkv, "G": g, "D": d, "DV": d, "BS": bs, "RING": ring, "WINDOW": window, "CHUNK": chunk,
               "NSPLIT": splits, "SINKS": sinks, "GATE": gate, "BG": _pow2(g, 16), "BD": _pow2(d, 16),
-              "BDV": _pow2(d, 16), "BN": BLOCK_N}
+              "BDV": _pow2(d, 16), "BN": BLOCK_N, "MMA": cache != "fp32" if mma is None else mma}
     return name, attention_kernel, _signature(attention_kernel, types, consts), consts
+
+
+def ptx_options(case: tuple) -> dict:
+    """triton.compile's options for a ptx_cases() entry as its wrapper launches it (num_warps)."""
+    return {"num_warps": 8 if case[1] is attention_kernel and not case[3]["MMA"] else 4}
 
 
 def ptx_cases() -> list[tuple]:

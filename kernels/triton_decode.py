@@ -30,7 +30,7 @@ from moerun.kernels.triton_attn import attention_splits, attention_workspace, de
 from moerun.quant.qtypes import FLOAT_QTYPES, QType, block_size, row_bytes
 
 __all__ = ["EMBED_QTYPES", "add_rms_norm", "attention_splits", "attention_workspace", "decode_attention",
-           "embed_rows", "ptx_cases", "qk_rope_kv_write", "rms_norm", "route"]
+           "embed_rows", "ptx_cases", "ptx_options", "qk_rope_kv_write", "rms_norm", "route"]
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)
 if _dq.INTERPRETED != INTERPRETED:
@@ -217,7 +217,7 @@ def embed_tile(b: int, qtype) -> dict:
     if qtype in FLOAT_QTYPES:
         return {"BB": min(_pow2(b), 16), "BK": 512, "SP": 0}
     elems, nbytes = block_size(qtype)
-    return {"BB": min(_pow2(b), 16), "BK": 256, "SP": _pow2(15 + 256 // elems * nbytes) if SPANS else 0}
+    return {"BB": min(_pow2(b), 4), "BK": 256, "SP": _pow2(15 + 256 // elems * nbytes) if SPANS else 0}
 
 
 def embed_rows(tokens, table, out, codebook=None):
@@ -294,6 +294,11 @@ def _norm_case(name, h, add, act="fp32"):
              "out_ptr": f"*{act}", "stride_out": "i32", "eps": "fp32"}
     consts = {"H": h, "ADD": add, "BH": _pow2(h)}
     return name, rms_norm_kernel, triton_attn._signature(rms_norm_kernel, types, consts), consts
+
+
+def ptx_options(case: tuple) -> dict:
+    """triton.compile's options for a ptx_cases() entry as its wrapper launches it."""
+    return {"num_warps": 8 if case[1] is rms_norm_kernel and case[3]["H"] > 4096 else 4}
 
 
 def ptx_cases() -> list[tuple]:
