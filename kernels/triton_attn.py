@@ -181,8 +181,8 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, tbl_ptr, len_ptr, out_ptr, sink_ptr, g
         alpha = tl.exp(m - m_new)
         pr = tl.exp(s - m_new[:, None])
         l = l * alpha + _rowsum(pr)
-        v = tl.load(v_ptr + slot[:, None] * stride_v + g * DV + dv[None, :], mask=pm[:, None] & dvmask[None, :],
-                    other=0.0)  # [BN, BDV]
+        vmask = pm[:, None] & dvmask[None, :]
+        v = tl.load(v_ptr + slot[:, None] * stride_v + g * DV + dv[None, :], mask=vmask, other=0.0)
         if MMA:
             acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v)
         else:
@@ -217,8 +217,8 @@ def attention_kernel(q_ptr, k_ptr, v_ptr, tbl_ptr, len_ptr, out_ptr, sink_ptr, g
                 l = l * a1 + ls * a2
                 acc = acc * a1[:, None] + acs * a2[:, None]
                 m = tl.maximum(m, ms)
-            _finish(m, l, acc, b, g, hq, hmask, dv, dvmask, out_ptr, stride_out, sink_ptr, gate_ptr, stride_gate,
-                    G, DV, SINKS, GATE)
+            _finish(m, l, acc, b, g, hq, hmask, dv, dvmask, out_ptr, stride_out, sink_ptr, gate_ptr,
+                    stride_gate, G, DV, SINKS, GATE)
             tl.atomic_xchg(cnt_ptr + pair, 0, sem="relaxed", scope="gpu")
 
 
@@ -254,8 +254,8 @@ def qk_rope_kv_write(qkv, positions, slots, k_cache, v_cache, q_out, *, n_heads:
         raise ValueError(f"qkv {tuple(qkv.shape)} is not [B, {qw} + {n_kv_heads * (head_dim + dv)}] with "
                          "contiguous rows")
     if r % 2 or r > head_dim or rope_style not in ("neox", "interleaved") or inv_freq.numel() != r // 2:
-        raise ValueError(f"rotary_dim {r}, rope_style {rope_style!r}, inv_freq {tuple(inv_freq.shape)} do not fit "
-                         f"head_dim {head_dim}")
+        raise ValueError(f"rotary_dim {r}, rope_style {rope_style!r}, inv_freq {tuple(inv_freq.shape)} "
+                         f"do not fit head_dim {head_dim}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm go together")
     _check_cache(k_cache, n_kv_heads, head_dim, "k_cache")
@@ -361,18 +361,20 @@ def _rope_case(name, nh, nkv, d, r, neox, norm, gate, cache="bf16", act="fp32"):
     types = {"qkv_ptr": f"*{act}", "stride_qkv": "i32", "pos_ptr": "*i32", "slot_ptr": "*i32",
              "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "stride_k": "i32", "stride_v": "i32",
              "q_ptr": f"*{act}", "stride_q": "i32", "gate_ptr": f"*{act}", "stride_gate": "i32",
-             "inv_ptr": "*fp32", "qn_ptr": f"*{act}", "kn_ptr": f"*{act}", "eps": "fp32", "attn_factor": "fp32"}
+             "inv_ptr": "*fp32", "qn_ptr": f"*{act}", "kn_ptr": f"*{act}", "eps": "fp32",
+             "attn_factor": "fp32"}
     consts = {"NH": nh, "NKV": nkv, "D": d, "DV": d, "R": r, "NEOX": neox, "NORM": norm, "GATE": gate,
               "BD": _pow2(d), "BDV": _pow2(d)}
     return name, qk_rope_kernel, _signature(qk_rope_kernel, types, consts), consts
 
 
-def _attn_case(name, nh, nkv, d, splits, chunk, bs=16, ring=0, window=0, sinks=False, gate=False, cache="bf16",
-               act="fp32", mma=None):
-    types = {"q_ptr": f"*{act}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "tbl_ptr": "*i32", "len_ptr": "*i32",
-             "out_ptr": f"*{act}", "sink_ptr": "*fp32", "gate_ptr": f"*{act}", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
-             "stride_q": "i32", "stride_k": "i32", "stride_v": "i32", "stride_tbl": "i32", "stride_out": "i32",
-             "stride_gate": "i32", "scale": "fp32"}
+def _attn_case(name, nh, nkv, d, splits, chunk, bs=16, ring=0, window=0, sinks=False, gate=False,
+               cache="bf16", act="fp32", mma=None):
+    types = {"q_ptr": f"*{act}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "tbl_ptr": "*i32",
+             "len_ptr": "*i32", "out_ptr": f"*{act}", "sink_ptr": "*fp32", "gate_ptr": f"*{act}",
+             "ws_ptr": "*fp32", "cnt_ptr": "*i32", "scale": "fp32",
+             **dict.fromkeys(("stride_q", "stride_k", "stride_v", "stride_tbl", "stride_out", "stride_gate"),
+                             "i32")}
     g = nh // nkv
     consts = {"NKV": nkv, "G": g, "D": d, "DV": d, "BS": bs, "RING": ring, "WINDOW": window, "CHUNK": chunk,
               "NSPLIT": splits, "SINKS": sinks, "GATE": gate, "BG": _pow2(g, 16), "BD": _pow2(d, 16),

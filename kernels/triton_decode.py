@@ -26,7 +26,8 @@ import triton.language as tl
 from moerun import device
 from moerun.kernels import triton_attn
 from moerun.kernels import triton_dequant as _dq
-from moerun.kernels.triton_attn import attention_splits, attention_workspace, decode_attention, qk_rope_kv_write
+from moerun.kernels.triton_attn import (attention_splits, attention_workspace, decode_attention,
+                                        qk_rope_kv_write)
 from moerun.quant.qtypes import FLOAT_QTYPES, QType, block_size, row_bytes
 
 __all__ = ["EMBED_QTYPES", "add_rms_norm", "attention_splits", "attention_workspace", "decode_attention",
@@ -36,7 +37,7 @@ INTERPRETED = bool(triton.knobs.runtime.interpret)
 if _dq.INTERPRETED != INTERPRETED:
     _dq = importlib.reload(_dq)
 dq_tile = _dq.dq_tile
-SPANS = "SP" in inspect.signature(dq_tile.fn).parameters  # dq_tile(..., QTYPE, BK, SP, ALIGNED): it reads each row's tile as one span
+SPANS = "SP" in inspect.signature(dq_tile.fn).parameters  # dq_tile(.., BK, SP, ALIGNED): tiles read as spans
 
 QUANTIZED = (QType.Q8_0, QType.Q4_0, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS, QType.MXFP4)
 EMBED_QTYPES = frozenset(QUANTIZED) | frozenset(FLOAT_QTYPES)
@@ -90,7 +91,8 @@ def route_kernel(logit_ptr, stride_l, bias_ptr, sbias_ptr, ids_ptr, stride_ids, 
         best = tl.reduce(choice, 1, tl.standard._elementwise_max)  # [BGR]
         gs = best
         if TOP2:
-            first = tl.reduce(tl.where(choice == best[:, None], c[None, :], BEG), 1, tl.standard._elementwise_min)
+            at = tl.where(choice == best[:, None], c[None, :], BEG)
+            first = tl.reduce(at, 1, tl.standard._elementwise_min)
             rest = tl.where(c[None, :] == first[:, None], float("-inf"), choice)
             gs = best + tl.reduce(rest, 1, tl.standard._elementwise_max)
         gs = tl.where(r < NG, gs, float("-inf"))
@@ -155,7 +157,8 @@ def rms_norm_kernel(x_ptr, stride_x, d_ptr, stride_d, w_ptr, out_ptr, stride_out
     m = h < H
     x = tl.load(x_ptr + b * stride_x + h, mask=m, other=0.0)
     if ADD:
-        x = (x.to(tl.float32) + tl.load(d_ptr + b * stride_d + h, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
+        delta = tl.load(d_ptr + b * stride_d + h, mask=m, other=0.0).to(tl.float32)
+        x = (x.to(tl.float32) + delta).to(x.dtype)
         tl.store(x_ptr + b * stride_x + h, x, mask=m)
     xf = x.to(tl.float32)
     r = 1.0 / tl.sqrt(tl.reduce(xf * xf, 0, tl.standard._sum_combine) / H + eps)
@@ -175,8 +178,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def route(logits, k: int, ids_out, w_out, *, mode: str = "softmax", norm_topk: bool = False,
-          routed_scale: float = 1.0, score_bias=None, logit_bias=None, n_groups: int = 1, topk_groups: int = 1,
-          group_score: str = "max"):
+          routed_scale: float = 1.0, score_bias=None, logit_bias=None, n_groups: int = 1,
+          topk_groups: int = 1, group_score: str = "max"):
     """One launch: each row's k experts (ids_out [B, k] int32, descending choice, ties to the lower id) and
     weights (w_out [B, k] float32) from router logits [B, E], as moerun.model.moe.route (spec.router = mode,
     spec.norm_topk, spec.routed_scale, spec.n_groups / topk_groups / group_score; score_bias = lw.score_b,
@@ -274,17 +277,18 @@ def add_rms_norm(x, delta, w, eps: float, out):
 
 
 def _route_case(name, e, k, mode, norm, bias=False, sbias=False, ng=1, tg=1, top2=False):
-    types = {"logit_ptr": "*fp32", "stride_l": "i32", "bias_ptr": "*fp32", "sbias_ptr": "*fp32", "ids_ptr": "*i32",
-             "stride_ids": "i32", "w_ptr": "*fp32", "stride_w": "i32", "routed_scale": "fp32"}
-    consts = {"E": e, "K": k, "MODE": MODES[mode], "NORM": norm, "BIAS": bias, "SBIAS": sbias, "NG": ng, "TG": tg,
-              "TOP2": top2, "BGR": _pow2(ng), "BEG": _pow2(e // ng), "BK": _pow2(k)}
+    types = {"logit_ptr": "*fp32", "stride_l": "i32", "bias_ptr": "*fp32", "sbias_ptr": "*fp32",
+             "ids_ptr": "*i32", "stride_ids": "i32", "w_ptr": "*fp32", "stride_w": "i32",
+             "routed_scale": "fp32"}
+    consts = {"E": e, "K": k, "MODE": MODES[mode], "NORM": norm, "BIAS": bias, "SBIAS": sbias, "NG": ng,
+              "TG": tg, "TOP2": top2, "BGR": _pow2(ng), "BEG": _pow2(e // ng), "BK": _pow2(k)}
     return name, route_kernel, triton_attn._signature(route_kernel, types, consts), consts
 
 
 def _embed_case(name, qtype, b, out="fp32"):
     flt = qtype in FLOAT_QTYPES
     types = {"tok_ptr": "*i32", "w_ptr": f"*{_TL[FLOAT_QTYPES[qtype]]}" if flt else "*u8", "kv_ptr": "*fp32",
-             "out_ptr": f"*{out}", "stride_out": "i32", "B": "i32", "V": "i32", "H": "i32", "row_bytes": "i32"}
+             "out_ptr": f"*{out}", **dict.fromkeys(("stride_out", "B", "V", "H", "row_bytes"), "i32")}
     consts = {"QTYPE": int(qtype), "FLOAT": flt, "ALIGNED": True, **embed_tile(b, qtype)}
     return name, embed_kernel, triton_attn._signature(embed_kernel, types, consts), consts
 

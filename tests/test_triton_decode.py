@@ -6,8 +6,8 @@ Without CUDA the kernels run in triton's CPU interpreter: TRITON_INTERPRET=1 is 
 and the kernel modules are (re)built under it; they go back to the environment's mode afterwards. Every
 launch goes through moerun.device.launch: the real one, or a recorder (`launches`: each wrapper makes exactly
 one launch, grids and constexprs from shapes only); on the stand-in a whole step of them is captured as a
-graph with no sync and replayed on new inputs. The sm_90 / sm_86 compilation of every ptx_cases() entry runs in a
-subprocess with TRITON_INTERPRET unset (triton's library must be built compiled).
+graph with no sync and replayed on new inputs. The sm_90 / sm_86 compilation of every ptx_cases() entry runs
+in a subprocess with TRITON_INTERPRET unset (triton's library must be built compiled).
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def rope64(x: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, rot: int, style: str, factor: float):
-    """Independent RoPE: pairs (neox: i, i + rot/2; interleaved: 2i, 2i + 1) turned by the angle pos * inv[i] as
-    complex numbers in float64 (the angle is float32, as moerun defines it). x [B, heads, D]."""
+    """Independent RoPE: pairs (neox: i, i + rot/2; interleaved: 2i, 2i + 1) turned by the angle pos * inv[i]
+    as complex numbers in float64 (the angle is float32, as moerun defines it). x [B, heads, D]."""
     x = x.double().clone()
     i = torch.arange(rot // 2)
     a, b = (i, i + rot // 2) if style == "neox" else (2 * i, 2 * i + 1)
@@ -141,8 +141,8 @@ def test_qk_rope_kv_write(cache_dtype, style, rot, norm, gate, b, launches):
     g_out = dev(torch.empty(b, nh * d)) if gate else None
     K.td.qk_rope_kv_write(qkv, dev(pos), dev(slots), kc, vc, q_out, n_heads=nh, n_kv_heads=nkv, head_dim=d,
                           inv_freq=dev(inv), rotary_dim=rot, rope_style=style, attn_factor=factor,
-                          q_norm=None if qn is None else dev(qn), k_norm=None if kn is None else dev(kn), eps=eps,
-                          gate_out=g_out)
+                          q_norm=None if qn is None else dev(qn), k_norm=None if kn is None else dev(kn),
+                          eps=eps, gate_out=g_out)
     assert len(launches) == 1 and launches[0][1] == (b, nh + nkv)
     qkv = qkv.cpu()
     q, k, v = qkv[:, :qw], qkv[:, qw:qw + nkv * d].view(b, nkv, d), qkv[:, qw + nkv * d:].view(b, nkv, d)
@@ -176,8 +176,9 @@ def test_qk_rope_negative_slot_writes_nothing():
     qkv = dev(torch.randn(2, (nh + 2 * nkv) * d, generator=gen(3)))
     kc, vc = dev(torch.zeros(8, nkv, d)), dev(torch.zeros(8, nkv, d))
     q_out = dev(torch.empty(2, nh, d))
-    K.td.qk_rope_kv_write(qkv, dev(torch.tensor([4, 9], dtype=torch.int32)), dev(torch.tensor([-1, 6], dtype=torch.int32)),
-                          kc, vc, q_out, n_heads=nh, n_kv_heads=nkv, head_dim=d, inv_freq=dev(rope_frequencies(d, 1e4)))
+    pos, slots = dev(torch.tensor([4, 9], dtype=torch.int32)), dev(torch.tensor([-1, 6], dtype=torch.int32))
+    K.td.qk_rope_kv_write(qkv, pos, slots, kc, vc, q_out, n_heads=nh, n_kv_heads=nkv, head_dim=d,
+                          inv_freq=dev(rope_frequencies(d, 1e4)))
     assert kc.cpu()[torch.arange(8) != 6].abs().sum() == 0 and vc.cpu()[torch.arange(8) != 6].abs().sum() == 0
     assert torch.equal(vc.cpu()[6, 0], qkv.cpu()[1, (nh + nkv) * d:])
 
@@ -186,7 +187,7 @@ def test_qk_rope_negative_slot_writes_nothing():
 
 
 def attention64(q, k, v, scale, sinks=None):
-    """q [nh, D], k [S, nkv, D], v [S, nkv, Dv] -> [nh * Dv], float64 softmax (the sink a logit without value)."""
+    """q [nh, D], k [S, nkv, D], v [S, nkv, Dv] -> [nh * Dv] in float64 (a sink: a logit with no value)."""
     nh, nkv = q.shape[0], k.shape[1]
     kk = k.double().repeat_interleave(nh // nkv, dim=1)  # [S, nh, D]
     vv = v.double().repeat_interleave(nh // nkv, dim=1)
@@ -232,7 +233,7 @@ CASES = [  # b, nh, nkv, sinks, window, ring, splits, gate
 @pytest.mark.parametrize("cache_dtype,precise", [
     (torch.float32, True), (torch.float16, True), (torch.float16, False), (torch.bfloat16, True),
     pytest.param(torch.bfloat16, False, marks=pytest.mark.skipif(
-        DEVICE == "cpu", reason="triton's interpreter multiplies bfloat16 dot operands as their integer bits"))],
+        DEVICE == "cpu", reason="triton's interpreter multiplies bfloat16 dot operands' integer bits"))],
     ids=str)
 @pytest.mark.parametrize("b,nh,nkv,sinks,window,ring,splits,gate", CASES)
 def test_decode_attention(cache_dtype, precise, b, nh, nkv, sinks, window, ring, splits, gate, launches):
@@ -248,8 +249,9 @@ def test_decode_attention(cache_dtype, precise, b, nh, nkv, sinks, window, ring,
     scale = d ** -0.5
     out = dev(torch.full((b, nh * d), float("nan")))
     ws = K.ta.attention_workspace(b, nh, nkv, d, splits, DEVICE) if splits else None
-    K.td.decode_attention(dev(q), dev(kc), dev(vc), dev(table), dev(torch.tensor(lengths, dtype=torch.int32)), out,
-                          scale=scale, block_size=bs, ring=ring, window=window, sinks=None if sk is None else dev(sk),
+    K.td.decode_attention(dev(q), dev(kc), dev(vc), dev(table), dev(torch.tensor(lengths, dtype=torch.int32)),
+                          out, scale=scale, block_size=bs, ring=ring, window=window,
+                          sinks=None if sk is None else dev(sk),
                           gate=None if gt is None else dev(gt), max_positions=80, splits=splits, workspace=ws,
                           precise=precise)
     assert len(launches) == 1 and launches[0][2]["MMA"] == (not precise)
@@ -308,7 +310,8 @@ def route64(logits, k, mode, norm, scale, score_b, logit_b, n_groups, topk_group
             w = np.exp(x[r, i] - x[r, i].max())
             ids[r], ws[r] = i, w / w.sum() * scale
             continue
-        s = np.exp(x[r] - x[r].max()) / np.exp(x[r] - x[r].max()).sum() if mode == "softmax" else 1 / (1 + np.exp(-x[r]))
+        ex = np.exp(x[r] - x[r].max())
+        s = ex / ex.sum() if mode == "softmax" else 1 / (1 + np.exp(-x[r]))
         c = s + (0 if score_b is None else score_b.double().numpy())
         if n_groups > 1:
             grp = c.reshape(n_groups, -1)
@@ -344,8 +347,9 @@ def test_route(e, k, mode, norm, scale, sb, lb, ng, tg, gs, b, launches):
     logit_b = torch.randn(e, generator=g) if lb else None
     ids, w = dev(torch.empty(b, k, dtype=torch.int32)), dev(torch.empty(b, k))
     K.td.route(dev(logits), k, ids, w, mode=mode, norm_topk=norm, routed_scale=scale,
-               score_bias=None if score_b is None else dev(score_b), logit_bias=None if logit_b is None else dev(logit_b),
-               n_groups=ng, topk_groups=tg, group_score=gs)
+               score_bias=None if score_b is None else dev(score_b),
+               logit_bias=None if logit_b is None else dev(logit_b), n_groups=ng, topk_groups=tg,
+               group_score=gs)
     assert len(launches) == 1 and launches[0][1] == (b,)
     ids, w = ids.cpu().long(), w.cpu()
     spec = types.SimpleNamespace(n_experts_used=k, router=mode, n_groups=ng, topk_groups=tg, group_score=gs,
@@ -372,8 +376,8 @@ def test_embed_rows(qtype, b, launches):
     v, h = 11, 512 if qtype in (QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS) else 96
     g = gen(int(qtype) + b)
     if qtype in (QType.F32, QType.F16, QType.BF16):
-        table = QTensor.from_float(torch.randn(v, h, generator=g).to({QType.F32: torch.float32,
-                                                                     QType.F16: torch.float16}.get(qtype, torch.bfloat16)))
+        dtype = {QType.F32: torch.float32, QType.F16: torch.float16}.get(qtype, torch.bfloat16)
+        table = QTensor.from_float(torch.randn(v, h, generator=g).to(dtype))
     elif qtype in (QType.Q8_0, QType.Q4_0, QType.Q4_K, QType.Q6_K):
         table = QTensor.from_bytes(quantize(torch.randn(v, h, generator=g) * 0.05, qtype), qtype, (v, h))
     else:
@@ -391,7 +395,8 @@ def test_embed_rows(qtype, b, launches):
 def test_embed_rows_out_of_range_token_gives_zeros():
     table = QTensor.from_float(torch.randn(4, 64, generator=gen(5)))
     out = dev(torch.full((2, 64), float("nan")))
-    K.td.embed_rows(dev(torch.tensor([1, 4], dtype=torch.int64)), QTensor(dev(table.data), QType.F32, (4, 64)), out)
+    tokens = dev(torch.tensor([1, 4], dtype=torch.int64))
+    K.td.embed_rows(tokens, QTensor(dev(table.data), QType.F32, (4, 64)), out)
     assert torch.equal(out.cpu()[0], table.dequantize()[1]) and not out.cpu()[1].any()
 
 
@@ -437,7 +442,8 @@ def test_wrappers_allocate_nothing_with_buffers(monkeypatch, launches):
     q_out, out = dev(torch.empty(b, nh, d)), dev(torch.empty(b, nh * d))
     table, inv = dev(torch.zeros(b, 4, dtype=torch.int32)), dev(rope_frequencies(d, 1e4))
     ws = K.ta.attention_workspace(b, nh, nkv, d, 2, DEVICE)
-    logits, ids, wts = dev(torch.randn(b, 16)), dev(torch.empty(b, 2, dtype=torch.int32)), dev(torch.empty(b, 2))
+    logits, wts = dev(torch.randn(b, 16)), dev(torch.empty(b, 2))
+    ids = dev(torch.empty(b, 2, dtype=torch.int32))
     emb = QTensor.from_bytes(dev(quantize(torch.randn(4, 64), QType.Q8_0)), QType.Q8_0, (4, 64))
     x, w, eo = dev(torch.randn(b, 64)), dev(torch.randn(64)), dev(torch.empty(b, 64))
     monkeypatch.setattr(device, "launch", lambda kernel, grid, *a, **kw: launches.append((kernel, grid, kw)))
@@ -447,7 +453,8 @@ def test_wrappers_allocate_nothing_with_buffers(monkeypatch, launches):
 
     for name in ("empty", "zeros", "full", "tensor", "empty_like", "zeros_like", "ones", "arange"):
         monkeypatch.setattr(torch, name, refuse)
-    K.td.qk_rope_kv_write(qkv, ints, ints, kc, vc, q_out, n_heads=nh, n_kv_heads=nkv, head_dim=d, inv_freq=inv)
+    K.td.qk_rope_kv_write(qkv, ints, ints, kc, vc, q_out, n_heads=nh, n_kv_heads=nkv, head_dim=d,
+                          inv_freq=inv)
     K.td.decode_attention(q_out, kc, vc, table, ints, out, scale=0.1, block_size=4, splits=2, workspace=ws)
     K.td.route(logits, 2, ids, wts)
     K.td.embed_rows(ints, emb, eo)
@@ -457,12 +464,13 @@ def test_wrappers_allocate_nothing_with_buffers(monkeypatch, launches):
 
 
 def test_a_step_captured_on_the_standin_replays_on_new_inputs():
-    """Embedding, norm, q/k/v, attention (split), residual + norm and routing of a batch captured as one graph on
-    the stand-in: no sync, one Triton launch each and no other kernel; replayed after the inputs change (tokens,
-    positions, slots, lengths, q/k/v, logits) it gives what the kernels give when called anew."""
+    """Embedding, norm, q/k/v, attention (split), residual + norm and routing of a batch captured as one graph
+    on the stand-in: no sync, one Triton launch each and no other kernel; replayed after the inputs change
+    (tokens, positions, slots, lengths, q/k/v, logits) it gives what the kernels give when called anew."""
     b, nh, nkv, d, h, e, k, bs = 3, 4, 2, 16, 64, 16, 4, 4
     g = gen(21)
-    emb = QTensor.from_bytes(quantize(torch.randn(40, h, generator=g) * 0.05, QType.Q8_0), QType.Q8_0, (40, h))
+    emb = QTensor.from_bytes(quantize(torch.randn(40, h, generator=g) * 0.05, QType.Q8_0), QType.Q8_0,
+                             (40, h))
     w, inv = torch.randn(h, generator=g), rope_frequencies(d, 1e4)
     kc, vc = torch.randn(64, nkv, d, generator=g), torch.randn(64, nkv, d, generator=g)
     table = torch.randperm(16, generator=g)[:3 * 4].view(3, 4).to(torch.int32)
@@ -515,8 +523,8 @@ def test_no_host_synchronisation_in_the_source():
     """No call that waits for the device, no CUDA call, no launch but through moerun.device.launch."""
     for mod in (K.ta, K.td):
         src = inspect.getsource(mod)
-        for bad in (".item(", ".tolist(", ".cpu(", "nonzero", "bincount", "torch.cuda", "synchronize", "][grid]",
-                    ".numpy(", "masked_select"):
+        for bad in (".item(", ".tolist(", ".cpu(", "nonzero", "bincount", "torch.cuda", "synchronize",
+                    "][grid]", ".numpy(", "masked_select"):
             assert bad not in src, f"{mod.__name__}: {bad}"
 
 
@@ -529,7 +537,8 @@ def test_ptx_cases_compile_for_sm90_and_sm86():
         "import triton\n"
         "from triton.backends.compiler import GPUTarget\n"
         "from moerun.kernels import triton_attn, triton_decode\n"
-        "cuobjdump = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin', 'cuobjdump')\n"
+        "tools = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin')\n"
+        "cuobjdump = os.path.join(tools, 'cuobjdump')\n"
         "n, spills = 0, []\n"
         "for arch in (90, 86):\n"
         "    for mod in (triton_attn, triton_decode):\n"
@@ -543,7 +552,8 @@ def test_ptx_cases_compile_for_sm90_and_sm86():
         "                with tempfile.NamedTemporaryFile(suffix='.cubin') as f:\n"
         "                    f.write(k.asm['cubin'])\n"
         "                    f.flush()\n"
-        "                    use = subprocess.run([cuobjdump, '-res-usage', f.name], capture_output=True, text=True).stdout\n"
+        "                    use = subprocess.run([cuobjdump, '-res-usage', f.name], capture_output=True,\n"
+        "                                         text=True).stdout\n"
         "                stack = re.search(r'STACK:(\\d+)', use)\n"
         "                if stack and int(stack[1]):\n"
         "                    spills.append((name, use.split('Resource usage:')[-1].strip()))\n"
