@@ -48,7 +48,8 @@ def test_standin_streams_events_and_copies():
     s, c = device.Stream(sd), device.compute_stream(sd)
     a = device.Event(sd, timing=True).record(s)
     dst, src = device.empty(sd, 1 << 20), torch.arange(1 << 20, dtype=torch.int32).to(torch.uint8)
-    device.copy_(dst, src, s)  # synchronous on the stand-in
+    s.wait(device.Event(sd).record(c))  # the copy stream after the compute that allocated dst
+    device.copy_(dst, src, s)  # lands when waited for (moerun.standin)
     b = device.Event(sd, timing=True).record(s)
     c.wait(b)
     assert torch.equal(dst, src) and b.query() and b.seconds_to(a) == 0.0 and a.seconds_to(b) >= 0.0

@@ -18,6 +18,7 @@ from moerun.experts.store import ExpertReader, ExpertStore
 from moerun.formats.names import CName
 from moerun.model import deltanet
 from moerun.model.fused import FusedAttention
+from moerun.model.gpu_decode import GpuDecode
 from moerun.model.layers import apply_rope, mla_form, rms_norm, rope_tables
 from moerun.model.moe import Experts, ResidentExperts, route
 from moerun.model.ops import ExpertFn, Weight, make_ops
@@ -142,6 +143,7 @@ class MoEModel:
         # called with (layer, phase, positions [T], ids [T, k], weights [T, k]) after each routing decision
         self.on_route: Callable[[int, str, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
         self.fused = FusedAttention.build(self)  # small steps' attention in one C call per layer, when it applies
+        self._gpu: GpuDecode | None = None  # a GPU's decode layers in a few launches each, built at first use
 
     def slice(self, a: int, b: int) -> MoEModel:
         """A stage of this model: layers [a, b) (within this model's), sharing their weights; the embeddings
@@ -158,7 +160,7 @@ class MoEModel:
         m.experts = ResidentExperts(m.store)
         m._next_moe = {i: j for i, j in self._next_moe.items() if a <= i < b and j < b}
         m.on_route = None
-        m.fused = FusedAttention.build(m)
+        m.fused, m._gpu = FusedAttention.build(m), None
         return m
 
     def place(self, dev: device.Device, ops) -> None:
@@ -186,7 +188,7 @@ class MoEModel:
             for f in fields(lw):
                 setattr(lw, f.name, mv(getattr(lw, f.name)))
         self.embd, self.head, self.out_norm = mv(self.embd), mv(self.head), mv(self.out_norm)
-        self.dev, self.ops, self.fused = dev, ops, None
+        self.dev, self.ops, self.fused, self._gpu = dev, ops, None, None
 
     @property
     def kv_segments(self) -> list[tuple[int, int, torch.device]]:
@@ -379,12 +381,17 @@ class MoEModel:
         w, ids = route(ops, x, lw, s, logits=logits)
         return self.moe(i, x, w, ids, phase, pos, resid, shared)
 
+    def expert_fn(self, i: int) -> ExpertFn:
+        """Layer i's routed experts' activation and biases."""
+        s = self.spec
+        return ExpertFn(s.expert_act, s.swiglu_alpha, s.swiglu_limit, self.layers[i - self.first].exp_b)
+
     def moe(self, i: int, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, phase: str, pos: torch.Tensor,
             resid: torch.Tensor | None = None, shared: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The routed experts (ids, w [T, k]) and the shared expert of MoE layer i on the normed x [T, H]; shared:
         the shared expert's gate and up products (and its gate's logit) when the caller has them."""
-        lw, ops, s = self.layers[i - self.first], self.ops, self.spec
-        fn = ExpertFn(s.expert_act, s.swiglu_alpha, s.swiglu_limit, lw.exp_b)
+        lw, ops = self.layers[i - self.first], self.ops
+        fn = self.expert_fn(i)
         if self.on_route is not None:
             self.on_route(i, phase, pos, ids, w)
         stacks = self.store.stacks(i) if self._direct() else None  # experts read where they are stored
@@ -468,6 +475,10 @@ class MoEModel:
         kvs = kv if isinstance(kv, list) else None if kv is None else [kv] * len(pos)
         if kvs is not None and self._fused_ok(len(pos), kvs):
             return self._layers_fused(x, kvs, pos, phase, span)
+        if isinstance(kv, list) and self.on_route is None and GpuDecode.usable(self, kv):  # a GPU's decode step
+            if self._gpu is None:
+                self._gpu = GpuDecode(self)
+            return self._gpu.layers(x.float().contiguous(), kv, span).to(x.dtype)
         pos = device.upload(pos, self.dev) if pos.device != x.device or self.dev.kind == "standin" else pos
         cos, sin = rope_tables(pos, self.spec.rotary_dim, self.spec.rope_theta, self.spec.yarn)
         for i in span:
