@@ -100,7 +100,7 @@ def predict(c: Counts, nbytes: float, fig: GpuFigures, graph: bool = False, batc
 
 
 def count_decode(model: str, devices: tuple[str, ...] = ("standin:0",), slots: int | None = None, batch: int = 1,
-                 steps: int = 2, prompt: int = 6, threads: int = 1) -> Counts:
+                 steps: int = 2, prompt: int = 2, threads: int = 1) -> Counts:
     """What one decode step of `batch` sequences does on the stand-in (the last of `steps`, after a prompt of
     `prompt` tokens each), with the GPU's kernels: Triton's, interpreted (TRITON_INTERPRET=1 and
     MOERUN_STANDIN_KERNELS=triton are set for the call). slots: expert slots per layer (None: every expert on

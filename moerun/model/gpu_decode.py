@@ -25,8 +25,14 @@ from moerun.model.layers import rope_frequencies
 
 class GpuDecode:
     def __init__(self, model):
+        import importlib
+
         from moerun.kernels import triton_attn, triton_decode, triton_q
 
+        triton_q._kernels()  # its modules built for the TRITON_INTERPRET now in force
+        if triton_attn.INTERPRETED != triton_q.interpreting():  # as were these, at their import
+            triton_attn = importlib.reload(triton_attn)
+            triton_decode = importlib.reload(triton_decode)
         self.m, self.tq, self.ta, self.td = model, triton_q, triton_attn, triton_decode
         s = model.spec
         self.inv_freq = device.upload(rope_frequencies(s.rotary_dim, s.rope_theta, s.yarn), model.dev)
@@ -48,11 +54,11 @@ class GpuDecode:
         """positions, slots, lengths [B] and the block table [B, W] (int32), uploaded together."""
         bs, B = kvs[0].pool.block_size, len(kvs)
         w = max(len(kv.blocks) for kv in kvs)
-        host = torch.zeros(B * (3 + w), dtype=torch.int32)  # positions [B] | slots [B] | lengths [B] | table [B, W]
-        for r, kv in enumerate(kvs):
-            p = kv.length
-            host[r], host[B + r], host[2 * B + r] = p, kv.blocks[p // bs] * bs + p % bs, p + 1
-            host[3 * B + r * w:3 * B + r * w + len(kv.blocks)] = torch.tensor(kv.blocks, dtype=torch.int32)
+        pos = [kv.length for kv in kvs]
+        slots = [kv.blocks[p // bs] * bs + p % bs for kv, p in zip(kvs, pos)]
+        table = [b for kv in kvs for b in kv.blocks + [0] * (w - len(kv.blocks))]
+        # positions [B] | slots [B] | lengths [B] | table [B, W], one host tensor made from Python ints
+        host = torch.tensor(pos + slots + [p + 1 for p in pos] + table, dtype=torch.int32)
         dev = device.upload(host, self.m.dev)
         return dev[:B], dev[B:2 * B], dev[2 * B:3 * B], dev[3 * B:].view(B, w)
 

@@ -1,0 +1,91 @@
+"""Issue 35's budgets, counted on the stand-in with the GPU's kernels (Triton, interpreted): syncs and launches per
+decode step, the GPU decode layers' parity with the torch layer loop, and the speed the counts predict."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: its kernels are built for the interpreter
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moerun import gpu_counts
+from moerun.model.gpu_decode import GpuDecode
+from moerun.tools.make_model import make_model
+from moerun.tools.presets import preset
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="module")
+def a3b_like(tmp_path_factory):
+    """qwen3moe with a3b's structure (128 experts, top 8) at small widths, 2 and 4 layers: counts depend on the
+    structure, not the widths."""
+    root = tmp_path_factory.mktemp("counts")
+    return {n: str(make_model(preset("tiny-qwen3moe", layers=n, experts=128, experts_used=8), root / f"L{n}.gguf",
+                              ftype="Q8_0", progress=False, threads=1)) for n in (2, 4)}
+
+
+def per_layer(a3b_like, **kw):
+    two, four = (gpu_counts.count_decode(a3b_like[n], **kw) for n in (2, 4))
+    layer = (four.n_launches - two.n_launches) / 2
+    return two, four, layer, two.n_launches - 2 * layer
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_all_in_vram_one_sync_per_step_and_few_launches(a3b_like, batch):
+    two, four, layer, outside = per_layer(a3b_like, batch=batch)
+    assert two.n_syncs == four.n_syncs == 1 and dict(four.syncs) == {"to_host": 1}  # the sampled ids only
+    assert layer <= 16, four.launches
+    assert outside <= 12, two.launches
+
+
+def test_hybrid_one_sync_per_moe_layer_at_most(a3b_like):
+    two, four, _, _ = per_layer(a3b_like, slots=32)
+    assert two.n_syncs <= 1 + 2 and four.n_syncs <= 1 + 4, four.syncs
+
+
+def test_predicted_h200_decode_for_a3b_l12(a3b_like):
+    two, four, layer, outside = per_layer(a3b_like)
+    step = gpu_counts.Counts()
+    step.launches["kernel"] = int(12 * layer + outside)
+    step.syncs["to_host"] = 1
+    nbytes = gpu_counts.bytes_per_token(preset("a3b-L12"), "Q4_K_M")
+    assert 350e6 < nbytes < 500e6
+    graph = gpu_counts.predict(step, nbytes, gpu_counts.H200, graph=True)
+    assert graph.tok_s >= 1000, graph.row()
+    eager = gpu_counts.predict(step, nbytes, gpu_counts.H200)
+    assert eager.tok_s < graph.tok_s
+
+
+@pytest.mark.parametrize("batch", [3])
+def test_gpu_decode_layers_equal_the_torch_layer_loop(a3b_like, monkeypatch, batch):
+    from moerun.config import RuntimeConfig
+    from moerun.runtime import build
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("MOERUN_STANDIN_KERNELS", "triton")
+    tokens = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3))
+
+    def run(fused: bool):
+        if not fused:
+            monkeypatch.setattr(GpuDecode, "usable", staticmethod(lambda m, kvs: False))
+        rt = build(RuntimeConfig(model=a3b_like[2], devices=("standin:0",), threads=1))
+        m, eng = rt.engine.model, rt.engine
+        seqs = [eng.new_sequence() for _ in range(batch)]
+        for s in seqs:
+            m.forward(tokens[:3], s.kv)
+        out = torch.cat([m.decode(tokens[3 + t:3 + t + batch], [s.kv for s in seqs]) for t in range(2)])
+        return out, m._gpu is not None
+
+    got, used = run(True)
+    ref, unused = run(False)
+    assert used and not unused
+    assert (got - ref).abs().max().item() < 1e-4
+    assert os.environ["TRITON_INTERPRET"] == "1"
