@@ -64,6 +64,13 @@ def _scale_min_k4(span, blk, sub):
 
 
 @triton.jit
+def _code(kv_ptr, q, BN: tl.constexpr):
+    """The code book's entries q [BN, X] (0..15), looked up in registers: the 16 floats are loaded once."""
+    kv = tl.broadcast_to(tl.load(kv_ptr + tl.arange(0, 16))[None, :], (BN, 16))
+    return tl.gather(kv, q, 1)
+
+
+@triton.jit
 def _sub3(x, BN: tl.constexpr, NS: tl.constexpr, SUB: tl.constexpr):
     """[BN, NS * SUB] -> [BN, NS, SUB]."""
     return tl.reshape(x, (BN, NS, SUB))
@@ -118,14 +125,14 @@ def _decode(span, off, kv_ptr, QTYPE: tl.constexpr, BN: tl.constexpr, BK: tl.con
             sl = (_g(span, sblk + 4 + st // 2) >> ((st % 2) * 4)) & 15
             sh = (_g(span, sblk + 2 + st // 4) >> ((st % 4) * 2)) & 3
             dl = _f16(span, sblk) * ((sl | (sh << 4)) - 32).to(tl.float32)
-            w = dl[:, :, None] * _sub3(tl.load(kv_ptr + q), BN, NS, 32)
+            w = dl[:, :, None] * _sub3(_code(kv_ptr, q, BN), BN, NS, 32)
         else:
             tl.static_assert(QTYPE == MXFP4, "unsupported qtype")
             q = (_g(span, off + (e // 32) * 17 + 1 + i % 16) >> ((i // 16) * 4)) & 15
             x = _g(span, off + t * 17)  # [BN, NS] the E8M0 exponent
             subnormal = tl.full(x.shape, 0x00200000, tl.int32) << x
             d = tl.where(x < 2, subnormal, (x - 1) << 23).to(tl.float32, bitcast=True)  # 2**(x - 128)
-            w = d[:, :, None] * _sub3(tl.load(kv_ptr + q), BN, NS, 32)
+            w = d[:, :, None] * _sub3(_code(kv_ptr, q, BN), BN, NS, 32)
     return w
 
 

@@ -27,10 +27,15 @@ library's own combine function, which the interpreter recognises and runs as one
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
+from moerun.kernels import triton_q as tq
 from moerun.kernels.triton_dequant import dq_tile
+from moerun.quant.qtypes import QType
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)  # how this module's kernels were built
 
@@ -58,12 +63,14 @@ def act(g, u, alpha, limit, ACT: tl.constexpr):
 
 
 @triton.jit
-def weight_at(table_ptr, slot, ALIGNED: tl.constexpr):
-    """The uint8 pointer held at table_ptr[slot] (16-byte aligned with ALIGNED: the host checked)."""
-    addr = tl.load(table_ptr + slot)
+def weight_at(table_ptr, slot, base_ptr, ALIGNED: tl.constexpr):
+    """base_ptr + table_ptr[slot]: a slot's weights, from the byte offsets of an int64 table. With ALIGNED
+    (the host checked base and offsets) the offset is rounded to 16 in a way the compiler can see (a hint on
+    a loaded integer, or an address cast to a pointer, is lost: the weights would be read byte by byte)."""
+    off = tl.load(table_ptr + slot)
     if ALIGNED:
-        addr = tl.multiple_of(addr, 16)
-    return addr.to(tl.pointer_type(tl.uint8))
+        off = (off >> 4) << 4
+    return base_ptr + off
 
 
 @triton.jit
@@ -90,7 +97,7 @@ def qgemm_kernel(a_ptr, stride_a, out_ptr, stride_out, pair_ptr, a_div, scale_pt
     plain: rows pid*BM.. of a [M, K] and out [M, *]; w_ptr, w2_ptr, w3_ptr are the weights' bytes.
     grouped: tiles_ptr [tiles, 3] int32 = (slot or -1, first sorted row, end); sorted row r is pair
     p = pair_ptr[r], reading a row p // a_div and writing out row p; w_ptr / w2_ptr are int64 tables of
-    each slot's weight address. SCALED: out row p *= scale_ptr[p] (p = the row in plain mode).
+    each slot's weight offset from w3_ptr. SCALED: out row p *= scale_ptr[p] (p = the row in plain mode).
     """
     eid = 0
     if GROUPED:
@@ -102,8 +109,8 @@ def qgemm_kernel(a_ptr, stride_a, out_ptr, stride_out, pair_ptr, a_div, scale_pt
         rmask = r < tl.load(tile + 2)
         o_row = tl.load(pair_ptr + r, mask=rmask, other=0)
         a_row = o_row // a_div
-        w = weight_at(w_ptr, slot, ALIGNED)
-        w2 = weight_at(w2_ptr, slot, ALIGNED)
+        w = weight_at(w_ptr, slot, w3_ptr, ALIGNED)
+        w2 = weight_at(w2_ptr, slot, w3_ptr, ALIGNED)
         if BIAS:
             eid = tl.load(keys_ptr + slot).to(tl.int64)
     else:
@@ -117,14 +124,14 @@ def qgemm_kernel(a_ptr, stride_a, out_ptr, stride_out, pair_ptr, a_div, scale_pt
     n_seg = N
     col0 = 0
     if SEGS > 1:
-        nb1 = tl.cdiv(N, BN)
+        nb1 = (N + BN - 1) // BN
         if pid_n >= nb1:
             pid_n -= nb1
             col0 = N
             n_seg = N2
             w = w2_ptr
             if SEGS > 2:
-                nb2 = tl.cdiv(N2, BN)
+                nb2 = (N2 + BN - 1) // BN
                 if pid_n >= nb2:
                     pid_n -= nb2
                     col0 = N + N2
@@ -179,3 +186,106 @@ def sum_pairs_kernel(y_ptr, out_ptr, stride_out, H, KCH, ACCUM: tl.constexpr, BH
     if ACCUM:
         acc = tl.load(out, mask=hmask, other=0.0).to(tl.float32) + acc
     tl.store(out, acc, mask=hmask)
+
+
+# ------------------------------------------------------------------------------- warmup, PTX cases
+
+
+def config_launches(c, dev: torch.device) -> list[tuple]:
+    """The launches (kernel, grid, *args, kwargs) a call like `c` makes, on stand-in tensors of its shapes
+    (weights: 16 bytes never read; int arguments as the real call passes them)."""
+    f32 = functools.partial(torch.zeros, dtype=torch.float32, device=dev)
+    qs, opt, t = tuple(QType(q) for q in c.qtypes), set(c.options), c.rows
+    blob = torch.zeros(16, dtype=torch.uint8, device=dev)
+    norm = (f32(c.k), 1e-6) if "norm" in opt else None
+    if c.op == "matmul":
+        ns = list(c.n) if isinstance(c.n, tuple) else [c.n]
+        out, res = f32((t, sum(ns))), []
+        for i in range(0, len(ns), 3):
+            part = ns[i:i + 3]
+            res.append(tq._qgemm_launch(f32((t, c.k)), out, t, part, c.k, qs[0], [blob] * len(part), norm=norm,
+                                     bias=f32(sum(part)) if "bias" in opt else None, accum="accumulate" in opt,
+                                     tiles=tq._tiles(t, sum(part), c.k, qs[0])))
+        return [(k, g, *a, kw) for k, g, a, kw in res]
+    i, h = c.n, c.k
+    if c.op == "swiglu":
+        hid = f32((t, i))
+        k1, g1, a1, kw1 = tq._qgemm_launch(f32((t, h)), hid, t, [i], h, qs[0], [blob, blob], qtype2=qs[1], gated=0,
+                                        norm=norm, tiles=tq._tiles(t, i, h, qs[0], qs[1]))
+        k2, g2, a2, kw2 = tq._qgemm_launch(hid, f32((t, h)), t, [h], i, qs[2], [blob], accum="accumulate" in opt,
+                                        tiles=tq._tiles(t, h, i, qs[2]))
+        return [(k1, g1, *a1, kw1), (k2, g2, *a2, kw2)]
+    m, e = t * c.choices, c.slots
+    table = type("Table", (), dict(keys=list(range(e)), lut=torch.arange(e + 1, dtype=torch.int32, device=dev),
+                                   addrs=torch.zeros((3, e), dtype=torch.int64, device=dev), aligned=True, base=blob,
+                                   ids=torch.arange(e, dtype=torch.int32, device=dev)))
+    ids = (torch.arange(m, device=dev) % e).to(torch.int64)
+    biases = (f32((e, i)), f32((e, i)), f32((e, h)), blob) if "bias" in opt else (blob,) * 4
+    fn_args = (tq.ACTS["swiglu_oai" if "oai" in opt else "swiglu"], 1.702, 7.0, biases)
+    return tq._moe_launches(f32((t, h)), ids, f32(m), table, qs, (i, h, t, c.choices), fn_args, "pairs" in opt,
+                         "accumulate" in opt, f32((m, i)), f32((m, h)), f32((t, h)))
+
+
+A3B = (2048, 768, 128, 8, 151936)  # Qwen3-30B-A3B: hidden, expert FFN, experts, top-k, vocabulary
+
+
+def a3b_launches(qtype, rows: int = 1) -> list:
+    """The calls of a decode step (rows 1) or prompt step of Qwen3-30B-A3B with every weight in `qtype`: q|k|v
+    with the attention norm, o into the residual, the head with the final norm (decode), a dense FFN (norm,
+    into the residual) and the routed experts into the residual."""
+    h, i, e, k, v = A3B
+    q = (qtype,)
+    calls = [tq.Launch("matmul", q, (4096, 512, 512), h, rows, frozenset({"norm"})),
+             tq.Launch("matmul", q, h, 4096, rows, frozenset({"accumulate"})),
+             tq.Launch("swiglu", q * 3, i, h, rows, frozenset({"norm", "accumulate"})),
+             tq.Launch("moe", q * 3, i, h, rows, frozenset({"accumulate"}), k, e)]
+    return calls + [tq.Launch("matmul", q, v, h, 1, frozenset({"norm"}))] if rows == 1 else calls
+
+
+def gptoss_launches(qtype, rows: int = 1) -> list:
+    """gpt-oss-style calls (biases on q|k|v; routed experts with the clamped SwiGLU and biases, pair rows)
+    on a3b's shapes (gpt-oss's 2880 is no multiple of 256: K-quants could not hold it)."""
+    h, i, e, k, _ = A3B
+    return [tq.Launch("matmul", (qtype,), (4096, 512, 512), h, rows, frozenset({"bias"})),
+            tq.Launch("moe", (qtype,) * 3, i, h, rows, frozenset({"oai", "bias", "pairs"}), k, e)]
+
+
+def _calls():
+    """Every qtype's decode calls and its prompt calls at 2 and 512 rows (the broadcast and tl.dot tiles, the
+    sorted MoE); the tl.dot tiles' 16 rows and the pair MoE's at 16 on Q4_K; gpt-oss's options on Q8_0, MXFP4
+    and Q4_K."""
+    for qtype in sorted(tq.SUPPORTED):
+        yield from a3b_launches(qtype, 1)
+        yield tq.Launch("matmul", (qtype,), A3B[0], 4096, 2, frozenset({"accumulate"}))
+        yield from (c for c in a3b_launches(qtype, 512) if c.op != "swiglu")
+        if qtype in (QType.Q8_0, QType.MXFP4, QType.Q4_K):
+            yield from gptoss_launches(qtype, 1)
+            yield from gptoss_launches(qtype, 512)
+    yield from (c for c in a3b_launches(QType.Q4_K, 16) if c.op in ("matmul", "moe"))
+
+
+def ptx_cases() -> list[tuple]:
+    """(name, jit function, signature, constexprs, attrs, options) of each launch configuration of _calls()
+    (Qwen3-30B-A3B's shapes), with the integer and pointer specialisation (divisibility by 16, the value 1) a
+    real launch gets from triton's own binder for the CUDA backend."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    cases, seen = [], set()
+    for c in _calls():
+        for j, (kernel, _, *args) in enumerate(config_launches(c, torch.device("cpu"))):
+            binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+            bound, spec, opts = binder(*args[:-1], **args[-1])
+            opts, sig, consts, attrs = kernel._pack_args(backend, args[-1], bound, spec, opts)
+            key = (kernel.__name__, str(sig), str(sorted(consts.items())), str(attrs), opts.num_warps)
+            if key not in seen:
+                seen.add(key)
+                n = "x".join(map(str, c.n)) if isinstance(c.n, tuple) else c.n
+                name = (f"{QType(c.qtypes[0]).name}_t{c.rows}_{c.op}{j}_{n}x{c.k}_{'_'.join(sorted(c.options))}_"
+                        f"{kernel.__name__}")
+                cases.append((name, kernel, sig, consts, attrs, {"num_warps": opts.num_warps,
+                                                              "num_stages": opts.num_stages}))
+    return cases
+

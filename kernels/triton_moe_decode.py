@@ -2,8 +2,8 @@
 
 `moe_pair_kernel`: each program takes one (token, choice) pair, or one token and all its choices, and a
 range of BN output rows of the expert's matrix. It reads the expert id from the device ids tensor
-[T * k], its slot from the lookup lut [ids up to lut_n - 1] (slots = no expert) and the weight addresses
-from the int64 tables by slot: nothing is sorted or counted, nothing comes back to the host.
+[T * k], its slot from the lookup lut [ids up to lut_n - 1] (slots = no expert) and the weights' offsets
+from base_ptr in the int64 tables by slot: nothing is sorted or counted, nothing comes back to the host.
 
 - GATED (gate and up): out [T * k, I] = act(x_t @ gate^T + bg, x_t @ up^T + bu) for pair p = t * k + j,
   a row t = p // k; pairs without an expert write nothing (the down launch skips them).
@@ -48,13 +48,13 @@ def _gemv(a_ptr, w, w_off, nmask, K, kv_ptr, QTYPE: tl.constexpr, BN: tl.constex
 
 @triton.jit
 def moe_pair_kernel(a_ptr, stride_a, out_ptr, stride_out, ids_ptr, scale_ptr, lut_ptr, lut_n, slots,
-                    w_ptr, w2_ptr, row_bytes, row_bytes2, kv_ptr, kv2_ptr, bias_ptr, bias2_ptr, alpha, limit,
+                    base_ptr, w_ptr, w2_ptr, row_bytes, row_bytes2, kv_ptr, kv2_ptr, bias_ptr, bias2_ptr, alpha, limit,
                     N, K, KCH,
                     QTYPE: tl.constexpr, QTYPE2: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
                     BIAS: tl.constexpr, SUM: tl.constexpr, ACCUM: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, SP: tl.constexpr, SP2: tl.constexpr, ALIGNED: tl.constexpr):
     """Grid (pairs T * k, or tokens T with SUM; cdiv(N, BN)). GATED: a = x [T, K] (row p // KCH); else a =
-    the hidden rows [T * k, K] (row p). w_ptr / w2_ptr: int64 address tables by slot."""
+    the hidden rows [T * k, K] (row p). w_ptr / w2_ptr: int64 tables by slot of byte offsets from base_ptr."""
     i = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
     nmask = n < N
@@ -63,8 +63,8 @@ def moe_pair_kernel(a_ptr, stride_a, out_ptr, stride_out, ids_ptr, scale_ptr, lu
         e, slot = _slot(ids_ptr, i, lut_ptr, lut_n)
         if slot < slots:
             a = a_ptr + (i // KCH) * stride_a
-            g = _gemv(a, weight_at(w_ptr, slot, ALIGNED), w_off, nmask, K, kv_ptr, QTYPE, BN, BK, SP, ALIGNED)
-            u = _gemv(a, weight_at(w2_ptr, slot, ALIGNED), n.to(tl.int64) * row_bytes2, nmask, K, kv2_ptr, QTYPE2,
+            g = _gemv(a, weight_at(w_ptr, slot, base_ptr, ALIGNED), w_off, nmask, K, kv_ptr, QTYPE, BN, BK, SP, ALIGNED)
+            u = _gemv(a, weight_at(w2_ptr, slot, base_ptr, ALIGNED), n.to(tl.int64) * row_bytes2, nmask, K, kv2_ptr, QTYPE2,
                       BN, BK, SP2, ALIGNED)
             if BIAS:
                 g += tl.load(bias_ptr + e * N + n, mask=nmask, other=0.0)
@@ -82,7 +82,7 @@ def moe_pair_kernel(a_ptr, stride_a, out_ptr, stride_out, ids_ptr, scale_ptr, lu
             p = p0 + j
             e, slot = _slot(ids_ptr, p, lut_ptr, lut_n)
             if slot < slots:
-                y = _gemv(a_ptr + p * stride_a, weight_at(w_ptr, slot, ALIGNED), w_off, nmask, K, kv_ptr, QTYPE, BN,
+                y = _gemv(a_ptr + p * stride_a, weight_at(w_ptr, slot, base_ptr, ALIGNED), w_off, nmask, K, kv_ptr, QTYPE, BN,
                           BK, SP, ALIGNED)
                 if BIAS:
                     y += tl.load(bias_ptr + e * N + n, mask=nmask, other=0.0)

@@ -106,10 +106,11 @@ def _kernels():
     return mods
 
 
-def _launch(kernel, grid, *args, **kwargs):
+def _launch(kernel, grid, *args) -> None:
+    """device.launch(kernel, grid, *args[:-1], **args[-1]): the kernels' constexprs come last, as a dict."""
     from moerun import device
 
-    device.launch(kernel, grid, *args, **kwargs)
+    device.launch(kernel, grid, *args[:-1], **args[-1])
 
 
 @functools.cache
@@ -127,20 +128,28 @@ def _cdiv(a: int, b: int) -> int:
 
 # ------------------------------------------------------------------------------------------ tiles
 
-# rows per tile (a power of two) -> (BM, BN, num_warps); None: a GEMV whose BN gemv_bn chooses. Weights are
+# rows per tile (a power of two) -> (BM, BN, num_warps in the interpreter; _warps on a GPU); None: a GEMV
+# whose BN gemv_bn chooses. Weights are
 # read in tiles of BK = 256 elements (fewer for short rows). From 16 rows tl.dot (float32, ieee).
-TILES = {1: None, 2: (2, 4, 4), 4: (4, 4, 4), 8: (8, 4, 4), 16: (16, 32, 8), 32: (32, 32, 8)}
+TILES = {1: None, 2: (2, 4, 2), 4: (16, 32, 8), 8: (16, 32, 8), 16: (16, 32, 8), 32: (32, 32, 8)}
+DOT_STAGES = 2  # tl.dot tiles' software pipeline: 3 stages of spans take up to 250 KB of shared memory
 # The interpreter's cost is per program and per operation, not per element: fewer, larger tiles.
 INTERPRETER_TILES = {bm: (bm, 64, 4) for bm in TILES}
 
 
 def gemv_bn(units: int) -> int:
     """Weight rows per GEMV program: the largest power of two up to 16 that leaves PROGRAMS_MIN programs for
-    `units` rows of output (times the launch's independent tokens or pairs), at least 1."""
+    `units` rows of output (times the launch's independent tokens or pairs), at least 2 (2 rows' spans are
+    512 bytes: a warp's 16-byte loads)."""
     bn = 16
-    while bn > 1 and units // bn < PROGRAMS_MIN:
+    while bn > 2 and units // bn < PROGRAMS_MIN:
         bn //= 2
     return bn
+
+
+def _warps(bn: int, bm: int, sp: int) -> int:
+    """Warps for a tile without tl.dot: each thread loads its rows' spans 16 bytes at a time."""
+    return 8 if bm >= 16 else max(1, min(4, bn * sp // 512))
 
 
 def _bk(qtypes, k: int) -> int:
@@ -155,14 +164,20 @@ def _span(qtype: QType, bk: int) -> int:
     return _pow2(15 + bk // qk * nbytes)
 
 
-def _tiles(rows: int, units: int, k: int, *qtypes: QType) -> dict:
-    """Block sizes for about `rows` activation rows per tile; `units`: output rows a GEMV's grid covers."""
+def _tiles(rows: int, units: int, k: int, *qtypes: QType, gpu: bool | None = None) -> dict:
+    """Block sizes for about `rows` activation rows per tile; `units`: output rows a GEMV's grid covers.
+    gpu: a GPU's sizes (default: unless interpreting)."""
+    gpu = not interpreting() if gpu is None else gpu
     bm = min(32, _pow2(rows))
-    entry = (INTERPRETER_TILES if interpreting() else TILES)[bm]
+    entry = (TILES if gpu else INTERPRETER_TILES)[bm]
     bm, bn, warps = entry if entry is not None else (1, gemv_bn(units), 4)
     bk = _bk(qtypes, k)
-    return {"BM": bm, "BN": bn, "BK": bk, "SP": _span(qtypes[0], bk), "SP2": _span(qtypes[-1], bk),
-            "USE_DOT": bm >= 16, "num_warps": warps}
+    sp = _span(qtypes[0], bk)
+    tiles = {"BM": bm, "BN": bn, "BK": bk, "SP": sp, "SP2": _span(qtypes[-1], bk), "USE_DOT": bm >= 16,
+             "num_warps": _warps(bn, bm, sp) if gpu else warps}
+    if bm >= 16 and gpu:
+        tiles["num_stages"] = DOT_STAGES
+    return tiles
 
 
 def decode_programs(qtype, n: int, k: int, rows: int = 1, experts: int = 1, summed: bool = False) -> int:
@@ -172,15 +187,16 @@ def decode_programs(qtype, n: int, k: int, rows: int = 1, experts: int = 1, summ
     qtype = QType(qtype)
     if experts > 1:
         units = rows * n if summed else rows * experts * n
-        return (rows if summed else rows * experts) * _cdiv(n, _pair_tiles(units, k, qtype)["BN"])
-    t = _tiles(rows, n, k, qtype)
+        return (rows if summed else rows * experts) * _cdiv(n, _pair_tiles(units, k, qtype, gpu=True)["BN"])
+    t = _tiles(rows, n, k, qtype, gpu=True)
     return _cdiv(rows, t["BM"]) * _cdiv(n, t["BN"])
 
 
-def _pair_tiles(units: int, k: int, *qtypes: QType) -> dict:
+def _pair_tiles(units: int, k: int, *qtypes: QType, gpu: bool | None = None) -> dict:
     bk = _bk(qtypes, k)
-    bn = 64 if interpreting() else gemv_bn(units)
-    return {"BN": bn, "BK": bk, "SP": _span(qtypes[0], bk), "SP2": _span(qtypes[-1], bk), "num_warps": 4}
+    gpu = not interpreting() if gpu is None else gpu
+    bn, sp = gemv_bn(units) if gpu else 64, _span(qtypes[0], bk)
+    return {"BN": bn, "BK": bk, "SP": sp, "SP2": _span(qtypes[-1], bk), "num_warps": _warps(bn, 1, sp)}
 
 
 def _aligned(*ts: torch.Tensor) -> bool:
@@ -200,7 +216,8 @@ def dequantize(w: QTensor) -> torch.Tensor:
     out = torch.empty((n, k), dtype=torch.float32, device=w.data.device)
     bn, bk = 32, _bk([w.qtype], k)
     _launch(dq.dequantize_kernel, (_cdiv(n, bn), _cdiv(k, bk)), w.data, out, _codebook(w.qtype, w.data.device), n, k,
-            row_bytes(w.qtype, k), QTYPE=int(w.qtype), BN=bn, BK=bk, SP=_span(w.qtype, bk), ALIGNED=_aligned(w.data))
+            row_bytes(w.qtype, k), dict(QTYPE=int(w.qtype), BN=bn, BK=bk, SP=_span(w.qtype, bk),
+                                        ALIGNED=_aligned(w.data)))
     return out
 
 
@@ -273,7 +290,8 @@ def swiglu(x: torch.Tensor, gate: QTensor, up: QTensor, down: QTensor, *,
 
 class ExpertTable:
     """What moe_ffn derives from an experts mapping before it can launch, checked once: their shared types
-    and shapes (ValueError otherwise), the device tables of their weight addresses and ids, the id -> slot
+    and shapes (ValueError otherwise), the device tables of their weights (byte offsets from the first
+    expert's gate) and ids, the id -> slot
     lookup. Build it once for experts that stay put (a layer's resident ones) and pass it to every call.
     Nothing is read back from the device (addresses are host metadata; the tables are uploaded)."""
 
@@ -285,8 +303,10 @@ class ExpertTable:
         self.dev = self.first.gate.data.device
         self.ffn = _check_ffn(self.first.gate, self.first.up, self.first.down)
         ptrs = _weight_addrs(experts, self.keys, self.first, self.dev)  # [3][slots]
+        self.base = self.first.gate.data  # the kernels' weights: base + offset
         self.aligned = all(p % 16 == 0 for row in ptrs for p in row)
-        self.addrs = _to_device(torch.tensor(ptrs, dtype=torch.int64), self.dev)  # [3, slots]
+        offs = [[p - self.base.data_ptr() for p in row] for row in ptrs]
+        self.addrs = _to_device(torch.tensor(offs, dtype=torch.int64), self.dev)  # [3, slots] byte offsets
         self.ids = _to_device(torch.tensor(self.keys, dtype=torch.int32), self.dev)  # [slots] slot -> id
         lut = torch.full((self.keys[-1] + 2,), len(self.keys), dtype=torch.int32)  # id -> slot, slots = none
         lut[self.keys] = torch.arange(len(self.keys), dtype=torch.int32)
@@ -328,37 +348,52 @@ def moe_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: 
         y = (torch.empty if t <= PAIRS_MAX else torch.zeros)((m, h), dtype=torch.float32, device=dev)
     if out is None and not pairs:
         out = torch.empty((t, h), dtype=torch.float32, device=dev)
-    qg, qu, qd = first.gate.qtype, first.up.qtype, first.down.qtype
-    if t <= PAIRS_MAX:
-        _, _, md = _kernels()
-        common = (flat, scale, table.lut, table.lut.shape[0], len(table.keys))
-        tu = _pair_tiles(m * i, h, qg, qu)
-        _launch(md.moe_pair_kernel, (m, _cdiv(i, tu["BN"])), x, x.stride(0), hid, hid.stride(0), *common,
-                table.addrs[0], table.addrs[1], row_bytes(qg, h), row_bytes(qu, h), _codebook(qg, dev),
-                _codebook(qu, dev), biases[0], biases[1], alpha, limit, i, h, kk, QTYPE=int(qg), QTYPE2=int(qu),
-                GATED=True, ACT=act, BIAS=_biased(biases), SUM=False, ACCUM=False, ALIGNED=table.aligned, **tu)
-        dst, rows = (y, m) if pairs else (out, t)
-        td = _pair_tiles(rows * h, i, qd)
-        _launch(md.moe_pair_kernel, (rows, _cdiv(h, td["BN"])), hid, hid.stride(0), dst, dst.stride(0), *common,
-                table.addrs[2], table.addrs[2], row_bytes(qd, i), row_bytes(qd, i), _codebook(qd, dev),
-                _codebook(qd, dev), biases[2], biases[2], alpha, limit, h, i, kk, QTYPE=int(qd), QTYPE2=int(qd),
-                GATED=False, ACT=act, BIAS=_biased(biases), SUM=not pairs, ACCUM=accumulate and not pairs,
-                ALIGNED=table.aligned, **td)
-    else:
-        rows = max(1, m // len(table.keys))
-        tu, td = _tiles(rows, i, h, qg, qu), _tiles(rows, h, i, qd)
-        pair, (tab_u, _), (tab_d, _) = _schedule(flat, table.keys, table.lut, tu, td)
-        grouped = dict(keys=table.ids, aligned=table.aligned, bias=biases[0] if _biased(biases) else None)
-        _qgemm(x, hid, m, [i], h, qg, list(table.addrs[:2]), qtype2=qu, gated=act, alpha=alpha, limit=limit,
-               grouped=(pair, kk, tab_u), bias2=biases[1], tiles=tu, **grouped)
-        grouped["bias"] = biases[2] if _biased(biases) else None
-        _qgemm(hid, y, m, [h], i, qd, [table.addrs[2]], grouped=(pair, 1, tab_d), scale=scale, tiles=td, **grouped)
-        if not pairs:
-            _, gm, _ = _kernels()
-            _launch(gm.sum_pairs_kernel, (t, _cdiv(h, 1024)), y, out, out.stride(0), h, kk, ACCUM=accumulate, BH=1024)
+    qtypes = (first.gate.qtype, first.up.qtype, first.down.qtype)
+    for launch in _moe_launches(x, flat, scale, table, qtypes, (i, h, t, kk), (act, alpha, limit, biases),
+                                pairs, accumulate, hid, y, out):
+        _launch(*launch)
     if pairs:
         return y
     return out if given else out.to(x.dtype)
+
+
+def _moe_launches(x, flat, scale, table, qtypes, dims, fn_args, pairs, accumulate, hid, y, out) -> list[tuple]:
+    """moe_ffn's launches, (kernel, grid, *args) with kwargs last: x [T, H], flat ids and scale [T*k], hid
+    [T*k, I], y [T*k, H] (pairs, or sorted), out [T, H]; dims (I, H, T, k)."""
+    (qg, qu, qd), (i, h, t, kk), (act, alpha, limit, biases) = qtypes, dims, fn_args
+    dev, m, biased = x.device, t * kk, _biased(biases)
+    if t > PAIRS_MAX:
+        rows = max(1, m // len(table.keys))
+        tu, td = _tiles(rows, i, h, qg, qu), _tiles(rows, h, i, qd)
+        pair, (tab_u, _), (tab_d, _) = _schedule(flat, table.keys, table.lut, tu, td)
+        grouped = dict(keys=table.ids, aligned=table.aligned, bias=biases[0] if biased else None)
+        res = [_qgemm_launch(x, hid, m, [i], h, qg, [*table.addrs[:2], table.base], qtype2=qu, gated=act, alpha=alpha,
+                             limit=limit, grouped=(pair, kk, tab_u), bias2=biases[1], tiles=tu, **grouped)]
+        grouped["bias"] = biases[2] if biased else None
+        res.append(_qgemm_launch(hid, y, m, [h], i, qd, [table.addrs[2], table.base], grouped=(pair, 1, tab_d), scale=scale,
+                                 tiles=td, **grouped))
+        if not pairs:
+            _, gm, _ = _kernels()
+            res.append((gm.sum_pairs_kernel, (t, _cdiv(h, 1024)), (y, out, out.stride(0), h, kk),
+                        dict(ACCUM=accumulate, BH=1024)))
+        return [(k, g, *a, kw) for k, g, a, kw in res]
+    _, _, md = _kernels()
+    common = (flat, scale, table.lut, table.lut.shape[0], len(table.keys), table.base)
+    tu = _pair_tiles(m * i, h, qg, qu)
+    dst, rows = (y, m) if pairs else (out, t)
+    td = _pair_tiles(rows * h, i, qd)
+    opts = dict(ACT=act, BIAS=biased, ALIGNED=table.aligned)
+    return [
+        (md.moe_pair_kernel, (m, _cdiv(i, tu["BN"])), x, x.stride(0), hid, hid.stride(0), *common, table.addrs[0],
+         table.addrs[1], row_bytes(qg, h), row_bytes(qu, h), _codebook(qg, dev), _codebook(qu, dev), biases[0],
+         biases[1], alpha, limit, i, h, kk,
+         dict(QTYPE=int(qg), QTYPE2=int(qu), GATED=True, SUM=False, ACCUM=False, **opts, **tu)),
+        (md.moe_pair_kernel, (rows, _cdiv(h, td["BN"])), hid, hid.stride(0), dst, dst.stride(0), *common,
+         table.addrs[2], table.addrs[2], row_bytes(qd, i), row_bytes(qd, i), _codebook(qd, dev), _codebook(qd, dev),
+         biases[2], biases[2], alpha, limit, h, i, kk,
+         dict(QTYPE=int(qd), QTYPE2=int(qd), GATED=False, SUM=not pairs, ACCUM=accumulate and not pairs, **opts,
+              **td)),
+    ]
 
 
 def _biased(biases) -> bool:
@@ -394,6 +429,8 @@ def _qgemm_launch(a, out, m, ns, k, qtype, ws, *, tiles, qtype2=None, gated=None
     qtype2 = qtype if qtype2 is None else qtype2
     segs = 1 if gated is not None or grouped is not None else len(ws)
     wa, wb, wc = ws[0], ws[min(1, len(ws) - 1)], ws[-1]
+    if grouped is not None:  # ws: gate (and up) offset tables, then the base
+        wa, wb = ws[0], ws[-2]
     if grouped is None:
         pair, a_div, table = out, 1, out  # unused placeholders
         grid_m = _cdiv(m, tiles["BM"])
@@ -416,7 +453,7 @@ def _qgemm_launch(a, out, m, ns, k, qtype, ws, *, tiles, qtype2=None, gated=None
 
 def _qgemm(*args, **kwargs) -> None:
     kernel, grid, a, kw = _qgemm_launch(*args, **kwargs)
-    _launch(kernel, grid, *a, **kw)
+    _launch(kernel, grid, *a, kw)
 
 
 def _weight_addrs(experts: Mapping[int, object], keys: list[int], first, dev: torch.device) -> list[list[int]]:
@@ -479,6 +516,42 @@ def _schedule(ids: torch.Tensor, keys: list[int], lut: torch.Tensor, *tile_sizes
         table = torch.stack([torch.where(s < n, s, -1), r0, r1], 1).to(torch.int32).contiguous()
         out.append((table, sizes))
     return out
+
+
+# ------------------------------------------------------------------------------- warmup, PTX cases
+
+
+class Launch(NamedTuple):
+    """A call a placed model makes, for warmup() and ptx_cases(). op "matmul": qtypes (w,), n the output
+    width or the widths side by side (matmul_multi), k; options "norm", "bias", "accumulate". op "swiglu":
+    qtypes (gate, up, down), n = I, k = H; options "norm", "accumulate". op "moe": qtypes (gate, up, down),
+    n = I, k = H, choices per token, slots (experts in the table); options "oai" (gpt-oss's activation),
+    "bias", "pairs", "accumulate". rows: tokens per call (the row bucket)."""
+
+    op: str
+    qtypes: tuple
+    n: int | tuple
+    k: int
+    rows: int = 1
+    options: frozenset = frozenset()
+    choices: int = 8
+    slots: int = 128
+
+
+def warmup(configs: Iterable[Launch], device: torch.device | str = "cuda") -> int:
+    """Compiles, without running, the kernels the calls `configs` make on `device` (a placed model's shapes,
+    each row bucket it will see), so that a first request does not wait for triton. Returns the number of
+    launch configurations compiled; 0 (nothing to do) in the interpreter or without triton."""
+    dev = torch.device(device)
+    if interpreting() or not runs_on(dev):
+        return 0
+    _, gm, _ = _kernels()
+    n = 0
+    for c in configs:
+        for kernel, grid, *args in gm.config_launches(c, dev):
+            kernel.warmup(*args[:-1], grid=grid, **args[-1])
+            n += 1
+    return n
 
 
 # ------------------------------------------------------------------------------------------ checks

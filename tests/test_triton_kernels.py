@@ -34,7 +34,8 @@ from gguf.quants import dequantize as gguf_dequantize
 from moerun.experts.store import Expert
 from moerun.kernels import triton_q as tq
 from moerun.model.gpu_ops import TritonOps
-from moerun.model.ops import ReferenceOps
+from moerun.model.layers import rms_norm
+from moerun.model.ops import ExpertFn, ReferenceOps, sum_pairs
 from moerun.quant.qtypes import QTensor, QType, block_size
 from moerun.quant.quantize import quantize
 
@@ -283,6 +284,141 @@ def test_schedule_covers_each_pair_once(bm):
     assert seen == want
 
 
+# ------------------------------------------------------------------------------------------ options
+
+
+def launches(monkeypatch) -> list:
+    """The names of the Triton kernels launched (every launch goes through moerun.device.launch)."""
+    from moerun import device
+
+    seen, real = [], device.launch
+    monkeypatch.setattr(device, "launch", lambda k, g, *a, **kw: seen.append(k.__name__) or real(k, g, *a, **kw))
+    return seen
+
+
+def ref_linear(x, w, b=None) -> torch.Tensor:
+    return ReferenceOps().linear(x.cpu().double(), on_cpu(w), None if b is None else b.cpu().double())
+
+
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q4_K, QType.MXFP4], ids=lambda q: q.name)
+@pytest.mark.parametrize("t", [1, 3, 20])
+def test_matmul_norm_bias_accumulate(qtype, t, monkeypatch):
+    """(rms_norm(x) * nw) @ w^T + b added into a residual, one launch, against the reference's separate steps."""
+    seen = launches(monkeypatch)
+    w = weight(qtype, 37, cols_for(qtype))
+    k = w.shape[1]
+    x, nw = activations(t, k, seed=2), activations(1, k, seed=3).reshape(k)
+    b, resid = activations(1, 37, seed=4).reshape(37), activations(t, 37, seed=5)
+    out = resid.clone()
+    got = tq.matmul(x, w, norm=(nw, 1e-6), bias=b, out=out, accumulate=True)
+    assert got is out and seen == ["qgemm_kernel"]
+    xn = rms_norm(x.cpu().double(), nw.cpu().double(), 1e-6)
+    assert rel_max(out - resid, ref_linear(xn, w, b)) <= TOL
+    check_matmul(tq.matmul(x, w, norm=(torch.ones(k, device=DEVICE), 1e-6)) , rms_norm(x, torch.ones(k, device=DEVICE), 1e-6), w)
+
+
+@pytest.mark.parametrize("t", [1, 5, 17])
+def test_matmul_multi_side_by_side(t, monkeypatch):
+    seen = launches(monkeypatch)
+    ws = [weight(QType.Q4_K, n, 512, seed=n) for n in (40, 8, 8, 3)]
+    x = activations(t, 512, seed=t)
+    bias = activations(1, 8, seed=9).reshape(8)
+    y = tq.matmul_multi(x, ws, biases=[None, bias, None, None])
+    assert y.shape == (t, 59) and seen == ["qgemm_kernel"] * 2  # three weights per launch
+    parts = y.split([40, 8, 8, 3], 1)
+    for part, w, b in zip(parts, ws, [None, bias, None, None]):
+        assert rel_max(part, ref_linear(x, w, b)) <= TOL
+    seen.clear()
+    qkv = ws[:3]
+    y = tq.matmul_multi(x, qkv, norm=(torch.ones(512, device=DEVICE), 1e-5))
+    assert seen == ["qgemm_kernel"]
+    xn = rms_norm(x.cpu().double(), torch.ones(512, dtype=torch.float64), 1e-5)
+    for part, w in zip(y.split([40, 8, 8], 1), qkv):
+        assert rel_max(part, ref_linear(xn, w)) <= TOL
+    with pytest.raises(ValueError, match="share type and K"):
+        tq.matmul_multi(x, [ws[0], weight(QType.Q8_0, 8, 512)])
+
+
+def test_swiglu_norm_into_residual(monkeypatch):
+    seen = launches(monkeypatch)
+    ex = make_experts([0], (QType.Q4_K, QType.Q4_K, QType.Q6_K), 256, 256)[0]
+    x, nw = activations(3, 256), activations(1, 256, seed=7).reshape(256)
+    resid = activations(3, 256, seed=8)
+    out = resid.clone()
+    tq.swiglu(x, ex.gate, ex.up, ex.down, norm=(nw, 1e-6), out=out, accumulate=True)
+    assert seen == ["qgemm_kernel"] * 2
+    cpu = cpu_experts({0: ex})[0]
+    xn = rms_norm(x.cpu().double(), nw.cpu().double(), 1e-6)
+    assert rel_max(out - resid, ReferenceOps().swiglu(xn, cpu.gate, cpu.up, cpu.down)) <= TOL
+
+
+def oai_fn(n_experts: int, i: int, h: int, seed: int = 0) -> ExpertFn:
+    gen = torch.Generator().manual_seed(seed)
+    biases = tuple((torch.randn(n_experts, d, generator=gen) * 0.5).to(DEVICE) for d in (i, i, h))
+    return ExpertFn("swiglu_oai", alpha=1.702, limit=1.5, biases=biases)
+
+
+def cpu_fn(fn: ExpertFn, dtype=torch.float64) -> ExpertFn:
+    return ExpertFn(fn.act, fn.alpha, fn.limit, tuple(b.cpu().to(dtype) for b in fn.biases))
+
+
+@pytest.mark.parametrize("t", [1, 4, 17])
+@pytest.mark.parametrize("qtypes", [(QType.Q8_0,) * 3, (QType.MXFP4,) * 3], ids=["Q8_0", "MXFP4"])
+def test_moe_gptoss_activation_and_biases(qtypes, t, monkeypatch):
+    """gpt-oss's clamped SwiGLU (a limit the values cross) and biases by expert id, in the kernels: the whole
+    MoE in two launches up to 16 tokens (the pair rows in two as well), sorted above."""
+    seen = launches(monkeypatch)
+    experts = make_experts([0, 2, 3, 5, 6], qtypes, 64, 96)
+    fn = oai_fn(8, 96, 64, seed=t)
+    x = activations(t, 64, seed=t) * 3
+    ids, w = routing(t, 3, 8, seed=t)
+    y = tq.moe_ffn(x, ids, w, experts, fn=fn)
+    ref = ReferenceOps().moe(x.cpu().double(), ids.cpu(), w.cpu().double(), cpu_experts(experts), fn=cpu_fn(fn))
+    assert rel_max(y, ref) <= TOL
+    pairs = tq.moe_ffn(x, ids, w, experts, fn=fn, pairs=True)
+    ref_pairs = ReferenceOps().moe_pairs(x.cpu().double(), ids.cpu(), w.cpu().double(), cpu_experts(experts),
+                                         fn=cpu_fn(fn))
+    assert pairs.shape == (t * 3, 64) and rel_max(pairs, ref_pairs) <= TOL
+    assert bool((pairs.cpu()[(~torch.isin(ids.cpu(), torch.tensor([0, 2, 3, 5, 6]))).reshape(-1)] == 0).all())
+    if t <= tq.PAIRS_MAX:
+        assert seen == ["moe_pair_kernel"] * 4
+    else:
+        assert seen.count("qgemm_kernel") == 4 and seen.count("sum_pairs_kernel") == 1
+
+
+@pytest.mark.parametrize("t", [1, 3, 17])
+def test_moe_into_residual_in_choice_order(t, monkeypatch):
+    """out += the k choices' rows added in choice order (sum_pairs' order), into a residual."""
+    seen = launches(monkeypatch)
+    experts = make_experts([0, 1, 2, 3], (QType.Q8_0,) * 3, 64, 64)
+    x = activations(t, 64, seed=t)
+    ids, w = routing(t, 4, 4, seed=t)
+    resid = activations(t, 64, seed=11)
+    out = resid.clone()
+    assert tq.moe_ffn(x, ids, w, experts, out=out, accumulate=True) is out
+    pairs = tq.moe_ffn(x, ids, w, experts, pairs=True)
+    assert torch.allclose(out, resid + sum_pairs(pairs, 4), rtol=0, atol=1e-6)
+    assert rel_max(out - resid, reference_moe(x, ids, w, experts)) <= TOL
+    assert len([n for n in seen if n == "moe_pair_kernel"]) == (4 if t <= tq.PAIRS_MAX else 0)
+
+
+def test_moe_pair_tiles_of_a_gpu(monkeypatch):
+    """The pair kernel with a GPU's small tiles (BN 2..16), run here by the interpreter."""
+    real = tq._pair_tiles
+    monkeypatch.setattr(tq, "_pair_tiles", lambda *a, **kw: real(*a, **{**kw, "gpu": True}))
+    check_moe((QType.Q4_K, QType.Q4_K, QType.Q6_K), 256, 256, 2, 3)
+
+
+def test_decode_programs_and_warmup():
+    assert tq.decode_programs(QType.Q4_K, 5120, 2048) == 640  # 8 rows a program
+    assert tq.decode_programs(QType.Q4_K, 2048, 4096) == 1024  # 2 rows
+    assert tq.decode_programs(QType.Q6_K, 151936, 2048) == 9496  # 16 rows
+    assert tq.decode_programs(QType.Q4_K, 768, 2048, experts=8) == 768
+    assert tq.decode_programs(QType.Q6_K, 2048, 768, experts=8, summed=True) == 1024
+    launch = tq.Launch("moe", (QType.Q4_K,) * 3, 768, 2048, 1, frozenset({"accumulate"}), 8, 128)
+    assert tq.warmup([launch], DEVICE) == (0 if tq.interpreting() else 2)
+
+
 # ------------------------------------------------------------------------------------------ TritonOps
 
 
@@ -319,6 +455,29 @@ def test_triton_ops_moe_and_swiglu(monkeypatch):
     ref = ReferenceOps().swiglu(x.cpu().double(), cpu.gate, cpu.up, cpu.down)
     assert rel_max(ops.swiglu(x, ex.gate, ex.up, ex.down), ref) <= TOL
     assert moe_calls == ["moe_ffn"] and swiglu_calls == ["swiglu"]
+
+
+def test_triton_ops_linears_and_gptoss_moe(monkeypatch):
+    """q|k|v in one launch; gpt-oss's experts in the kernels, checked once per ExpertTable (moe_table)."""
+    ops, seen = TritonOps(), launches(monkeypatch)
+    ws = [weight(QType.Q8_0, n, 64, seed=n) for n in (16, 8, 8)]
+    x = activations(2, 64)
+    for y, w in zip(ops.linears(x, ws), ws):
+        assert rel_max(y, ref_linear(x, w)) <= TOL
+    assert seen == ["qgemm_kernel"]
+    experts = make_experts([1, 4], (QType.MXFP4,) * 3, 64, 64)
+    fn = oai_fn(5, 64, 64)
+    table = ops.moe_table(experts)
+    built = spy(monkeypatch, "ExpertTable")
+    ids, w = routing(2, 2, 5, seed=1)
+    ref = ReferenceOps().moe(x.cpu().double(), ids.cpu(), w.cpu().double(), cpu_experts(experts), fn=cpu_fn(fn))
+    seen.clear()
+    assert rel_max(ops.moe(x, ids, w, experts, table, fn=fn), ref) <= TOL
+    assert built == [] and seen == ["moe_pair_kernel"] * 2
+    pairs = ops.moe_pairs(x, ids, w, experts, fn=fn)
+    assert rel_max(sum_pairs(pairs, 2), ref) <= TOL and built == ["ExpertTable"]
+    mixed = experts | make_experts([2], (QType.Q8_0,) * 3, 64, 64)
+    assert ops.moe_table(mixed) is None  # reference loop
 
 
 def test_triton_ops_falls_back_without_a_device(monkeypatch):

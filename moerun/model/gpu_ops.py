@@ -68,7 +68,7 @@ class TritonOps(ReferenceOps):
             return None
         if table is None:
             table = self.moe_table(experts)
-        return table if isinstance(table, self.tq.ExpertTable) and table.dev == x.device else None
+        return table if table is not None and getattr(table, "dev", None) == x.device else None
 
     def moe(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, experts: dict[int, Expert],
             table=None, *, fn: ExpertFn = PLAIN) -> torch.Tensor:
