@@ -251,17 +251,18 @@ def gptoss_launches(qtype, rows: int = 1) -> list:
 
 
 def _calls():
-    """Every qtype's decode calls and its prompt calls at 2 and 512 rows (the broadcast and tl.dot tiles, the
-    sorted MoE); the tl.dot tiles' 16 rows and the pair MoE's at 16 on Q4_K; gpt-oss's options on Q8_0, MXFP4
-    and Q4_K."""
+    """Every qtype's decode calls, its o-projection and routed experts of a 512-row prompt (the tl.dot tiles,
+    the sorted MoE); on Q4_K also 2 and 16 rows (the broadcast and the 16-row tl.dot tiles, the pair MoE's
+    wider tiles); gpt-oss's options on Q8_0, MXFP4 and Q4_K (biases, clamped SwiGLU, pair rows)."""
     for qtype in sorted(tq.SUPPORTED):
         yield from a3b_launches(qtype, 1)
-        yield tq.Launch("matmul", (qtype,), A3B[0], 4096, 2, frozenset({"accumulate"}))
-        yield from (c for c in a3b_launches(qtype, 512) if c.op != "swiglu")
+        yield from (c for c in a3b_launches(qtype, 512) if c.op == "moe" or "accumulate" in c.options and
+                    c.op == "matmul")
         if qtype in (QType.Q8_0, QType.MXFP4, QType.Q4_K):
-            yield from gptoss_launches(qtype, 1)
-            yield from gptoss_launches(qtype, 512)
-    yield from (c for c in a3b_launches(QType.Q4_K, 16) if c.op in ("matmul", "moe"))
+            yield from (c for c in gptoss_launches(qtype, 1) if c.op == "moe" or qtype == QType.Q8_0)
+    yield from gptoss_launches(QType.MXFP4, 512)
+    yield tq.Launch("matmul", (QType.Q4_K,), A3B[0], 4096, 2, frozenset({"accumulate"}))
+    yield from (c for c in a3b_launches(QType.Q4_K, 16) if c.op == "moe" or "norm" in c.options)
 
 
 def ptx_cases() -> list[tuple]:

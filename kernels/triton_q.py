@@ -257,7 +257,8 @@ def matmul_multi(x: torch.Tensor, ws: list[QTensor], *, norm: tuple[torch.Tensor
         norm = (norm[0].to(torch.float32).contiguous(), float(norm[1]))
     bias = None
     if biases is not None and any(b is not None for b in biases):
-        bias = torch.cat([torch.zeros(n, device=dev) if b is None else b.reshape(n).float() for b, n in zip(biases, ns)])
+        bias = [torch.zeros(n, device=dev) if b is None else b.reshape(n).float() for b, n in zip(biases, ns)]
+        bias = bias[0].contiguous() if len(bias) == 1 else torch.cat(bias)  # [sum N]
     if t:
         col = 0
         for i in range(0, len(ws), 3):
@@ -308,9 +309,7 @@ class ExpertTable:
         offs = [[p - self.base.data_ptr() for p in row] for row in ptrs]
         self.addrs = _to_device(torch.tensor(offs, dtype=torch.int64), self.dev)  # [3, slots] byte offsets
         self.ids = _to_device(torch.tensor(self.keys, dtype=torch.int32), self.dev)  # [slots] slot -> id
-        lut = torch.full((self.keys[-1] + 2,), len(self.keys), dtype=torch.int32)  # id -> slot, slots = none
-        lut[self.keys] = torch.arange(len(self.keys), dtype=torch.int32)
-        self.lut = _to_device(lut, self.dev)
+        self.lut = _lut(self.keys, self.dev)
 
 
 def moe_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Mapping[int, object],
@@ -493,7 +492,7 @@ def _schedule(ids: torch.Tensor, keys: list[int], lut: torch.Tensor, *tile_sizes
     Returns pair [T*k] int32 (pair indices, sorted by slot; pairs whose id has no expert last, in no
     tile) and, per entry of tile_sizes, (tile table [U, 3] int32, the sizes). U is the bound
     cdiv(T*k, BM) + slots, so no count comes back to the host; spare tiles have slot -1. Counts are a
-    scatter_add (torch.bincount reads its range back on CUDA).
+    scatter_add (a bin count reads its range back to the host on CUDA).
     """
     dev = ids.device
     n = len(keys)

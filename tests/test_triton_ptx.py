@@ -153,7 +153,7 @@ def test_cases_cover_every_type_and_option():
         pytest.skip("triton was imported with TRITON_INTERPRET=1")
     for qtype in tq.SUPPORTED:
         mine = [n for n in names if n.startswith(f"triton_moe.{qtype.name}_")]
-        for part in ("_t1_matmul", "_t1_swiglu", "_t1_moe", "_t2_matmul", "_t512_matmul", "_t512_moe"):
+        for part in ("_t1_matmul", "_t1_swiglu", "_t1_moe", "_t512_matmul", "_t512_moe"):
             assert any(part in n for n in mine), (qtype.name, part)
     for option in ("norm", "bias", "accumulate", "oai", "pairs", "sum_pairs_kernel", "moe_pair_kernel"):
         assert any(option in n for n in names), option
