@@ -129,19 +129,22 @@ def _cdiv(a: int, b: int) -> int:
 # ------------------------------------------------------------------------------------------ tiles
 
 # rows per tile (a power of two) -> (BM, BN, num_warps in the interpreter; _warps on a GPU); None: a GEMV
-# whose BN gemv_bn chooses. Weights are
-# read in tiles of BK = 256 elements (fewer for short rows). From 16 rows tl.dot (float32, ieee).
-TILES = {1: None, 2: (2, 4, 2), 4: (16, 32, 8), 8: (16, 32, 8), 16: (16, 32, 8), 32: (32, 32, 8)}
+# whose BN gemv_bn chooses. Weights are read in tiles of BK = 256 elements (fewer for short rows); from 4
+# rows tl.dot (float32, ieee) on 16 x 16 tiles. Checked with ptxas (cuobjdump -res-usage, sm_90): decode
+# GEMVs take up to 255 registers with at most 224 bytes of stack; the tl.dot tiles spill 0.2-1 KB (32 x 32
+# tiles spilled 3-12 KB).
+TILES = {1: None, 2: (2, 4, 2), 4: (16, 16, 8), 8: (16, 16, 8), 16: (16, 16, 8), 32: (16, 16, 8)}
+GEMV_BN_MAX = 8  # 16 rows of spans and their gathers spill registers (Q8_0: 1.8 KB of stack)
 DOT_STAGES = 2  # tl.dot tiles' software pipeline: 3 stages of spans take up to 250 KB of shared memory
 # The interpreter's cost is per program and per operation, not per element: fewer, larger tiles.
 INTERPRETER_TILES = {bm: (bm, 64, 4) for bm in TILES}
 
 
 def gemv_bn(units: int) -> int:
-    """Weight rows per GEMV program: the largest power of two up to 16 that leaves PROGRAMS_MIN programs for
-    `units` rows of output (times the launch's independent tokens or pairs), at least 2 (2 rows' spans are
+    """Weight rows per GEMV program: the largest power of two up to GEMV_BN_MAX that leaves PROGRAMS_MIN
+    programs for `units` rows of output (times the launch's independent tokens or pairs), at least 2 (2 rows' spans are
     512 bytes: a warp's 16-byte loads)."""
-    bn = 16
+    bn = GEMV_BN_MAX
     while bn > 2 and units // bn < PROGRAMS_MIN:
         bn //= 2
     return bn

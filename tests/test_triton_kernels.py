@@ -412,7 +412,7 @@ def test_moe_pair_tiles_of_a_gpu(monkeypatch):
 def test_decode_programs_and_warmup():
     assert tq.decode_programs(QType.Q4_K, 5120, 2048) == 640  # 8 rows a program
     assert tq.decode_programs(QType.Q4_K, 2048, 4096) == 1024  # 2 rows
-    assert tq.decode_programs(QType.Q6_K, 151936, 2048) == 9496  # 16 rows
+    assert tq.decode_programs(QType.Q6_K, 151936, 2048) == 18992  # 8 rows
     assert tq.decode_programs(QType.Q4_K, 768, 2048, experts=8) == 768
     assert tq.decode_programs(QType.Q6_K, 2048, 768, experts=8, summed=True) == 1024
     launch = tq.Launch("moe", (QType.Q4_K,) * 3, 768, 2048, 1, frozenset({"accumulate"}), 8, 128)
