@@ -220,7 +220,13 @@ def embed_tile(b: int, qtype) -> dict:
     if qtype in FLOAT_QTYPES:
         return {"BB": min(_pow2(b), 16), "BK": 512, "SP": 0}
     elems, nbytes = block_size(qtype)
-    return {"BB": min(_pow2(b), 4), "BK": 256, "SP": _pow2(15 + 256 // elems * nbytes) if SPANS else 0}
+    bk = 512 if elems == 256 else 256  # a span of at least 16 bytes a thread in one warp
+    return {"BB": min(_pow2(b), 4), "BK": bk, "SP": _pow2(15 + bk // elems * nbytes) if SPANS else 0}
+
+
+def embed_warps(tile: dict) -> int:
+    """Warps of an embedding launch: 16 bytes of each row's span per thread where the tile allows."""
+    return max(1, min(8, tile["BB"] * tile["SP"] // 512)) if tile["SP"] else 4
 
 
 def embed_rows(tokens, table, out, codebook=None):
@@ -244,7 +250,7 @@ def embed_rows(tokens, table, out, codebook=None):
         codebook = _codebook(qtype, table.data.device) if qtype in (QType.IQ4_XS, QType.MXFP4) else out
     device.launch(embed_kernel, (_cdiv(b, tile["BB"]), _cdiv(h, tile["BK"])), tokens, w, codebook, out,
                   out.stride(0), b, v, h, row_bytes(qtype, h), QTYPE=int(qtype), FLOAT=flt,
-                  ALIGNED=w.data_ptr() % 16 == 0, num_warps=4, **tile)
+                  ALIGNED=w.data_ptr() % 16 == 0, num_warps=embed_warps(tile), **tile)
     return out
 
 
@@ -302,6 +308,8 @@ def _norm_case(name, h, add, act="fp32"):
 
 def ptx_options(case: tuple) -> dict:
     """triton.compile's options for a ptx_cases() entry as its wrapper launches it."""
+    if case[1] is embed_kernel:
+        return {"num_warps": embed_warps(case[3])}
     return {"num_warps": 8 if case[1] is rms_norm_kernel and case[3]["H"] > 4096 else 4}
 
 

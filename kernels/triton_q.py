@@ -236,7 +236,8 @@ def matmul_multi(x: torch.Tensor, ws: list[QTensor], *, norm: tuple[torch.Tensor
                  biases: list[torch.Tensor | None] | None = None, out: torch.Tensor | None = None,
                  accumulate: bool = False) -> torch.Tensor:
     """x [T, K] @ [w1; w2; ...]^T -> [T, N1 + N2 + ...]: weights of one type and K (q|k|v, gate|up) side by
-    side, one launch per three. norm, out, accumulate as matmul; biases: one [Ni] (or None) per weight."""
+    side, one launch per three. norm, out, accumulate as matmul; biases: one [Ni] (or None) per weight, or one
+    float32 [sum N] tensor (joined once by the caller: no launch here)."""
     if not ws:
         raise ValueError("ws is empty")
     for i, w in enumerate(ws):
@@ -259,7 +260,9 @@ def matmul_multi(x: torch.Tensor, ws: list[QTensor], *, norm: tuple[torch.Tensor
     if norm is not None:
         norm = (norm[0].to(torch.float32).contiguous(), float(norm[1]))
     bias = None
-    if biases is not None and any(b is not None for b in biases):
+    if isinstance(biases, torch.Tensor):
+        bias = biases
+    elif biases is not None and any(b is not None for b in biases):
         bias = [torch.zeros(n, device=dev) if b is None else b.reshape(n).float() for b, n in zip(biases, ns)]
         bias = bias[0].contiguous() if len(bias) == 1 else torch.cat(bias)  # [sum N]
     if t:

@@ -50,7 +50,7 @@ aten = torch.ops.aten
 # ops whose output size depends on the data: the host waits for the device to learn it
 DATA_DEPENDENT = {aten.nonzero.default, aten.bincount.default, aten._unique2.default, aten.unique_dim.default,
                   aten.unique_consecutive.default, aten.masked_select.default}
-NO_KERNEL = {aten.empty.memory_format, aten.empty_strided.default, aten.detach.default, aten.alias.default,
+NO_KERNEL = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.detach_.default, aten.detach.default, aten.alias.default,
              aten.lift_fresh.default, aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
              aten.is_same_size.default, aten.set_.source_Storage_storage_offset, aten.resize_.default,
              aten._reshape_alias.default}

@@ -23,13 +23,29 @@ def _interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
+STRUCTURES = {  # the real shapes' structure at small widths: counts depend on the structure, not the widths
+    "a3b": ("tiny-qwen3moe", {"experts": 128, "experts_used": 8}),  # Qwen3-30B-A3B: 128 experts, top 8
+    "gptoss": ("tiny-gptoss", {"experts": 32, "experts_used": 4}),  # gpt-oss-20b: 32 experts, top 4, windows, sinks
+}
+
+
 @pytest.fixture(scope="module")
-def a3b_like(tmp_path_factory):
-    """qwen3moe with a3b's structure (128 experts, top 8) at small widths, 2 and 4 layers: counts depend on the
-    structure, not the widths."""
-    root = tmp_path_factory.mktemp("counts")
-    return {n: str(make_model(preset("tiny-qwen3moe", layers=n, experts=128, experts_used=8), root / f"L{n}.gguf",
-                              ftype="Q8_0", progress=False, threads=1)) for n in (2, 4)}
+def models(tmp_path_factory):
+    root, made = tmp_path_factory.mktemp("counts"), {}
+
+    def get(name: str) -> dict[int, str]:
+        if name not in made:
+            base, kw = STRUCTURES[name]
+            made[name] = {n: str(make_model(preset(base, layers=n, **kw), root / f"{name}-L{n}.gguf", ftype="Q8_0",
+                                            progress=False, threads=1)) for n in (2, 4)}
+        return made[name]
+
+    return get
+
+
+@pytest.fixture
+def a3b_like(models):
+    return models("a3b")
 
 
 def per_layer(a3b_like, **kw):
@@ -44,6 +60,11 @@ def test_all_in_vram_one_sync_per_step_and_few_launches(a3b_like, batch):
     assert two.n_syncs == four.n_syncs == 1 and dict(four.syncs) == {"to_host": 1}  # the sampled ids only
     assert layer <= 16, four.launches
     assert outside <= 12, two.launches
+
+
+def test_gptoss_structure_the_same_bounds(models):
+    two, four, layer, outside = per_layer(models("gptoss"))
+    assert two.n_syncs == four.n_syncs == 1 and layer <= 16 and outside <= 12, four.launches
 
 
 def test_hybrid_one_sync_per_moe_layer_at_most(a3b_like):
@@ -64,24 +85,26 @@ def test_predicted_h200_decode_for_a3b_l12(a3b_like):
     assert eager.tok_s < graph.tok_s
 
 
-@pytest.mark.parametrize("batch", [3])
-def test_gpu_decode_layers_equal_the_torch_layer_loop(a3b_like, monkeypatch, batch):
+@pytest.mark.parametrize(("name", "batch"), [("a3b", 3), ("gptoss", 2)])
+def test_gpu_decode_layers_equal_the_torch_layer_loop(models, monkeypatch, name, batch):
+    """Sliding windows wrap their rings within the steps (gpt-oss's window is 8 at the tiny size)."""
     from moerun.config import RuntimeConfig
     from moerun.runtime import build
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("MOERUN_STANDIN_KERNELS", "triton")
-    tokens = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(3))
+    tokens = torch.randint(0, 256, (16,), generator=torch.Generator().manual_seed(3))
 
     def run(fused: bool):
         if not fused:
             monkeypatch.setattr(GpuDecode, "usable", staticmethod(lambda m, kvs: False))
-        rt = build(RuntimeConfig(model=a3b_like[2], devices=("standin:0",), threads=1))
+        rt = build(RuntimeConfig(model=models(name)[2], devices=("standin:0",), threads=1, kv_contexts=batch))
         m, eng = rt.engine.model, rt.engine
+        eng.resize_pool(batch * eng.ctx_size, seqs=batch)
         seqs = [eng.new_sequence() for _ in range(batch)]
         for s in seqs:
-            m.forward(tokens[:3], s.kv)
-        out = torch.cat([m.decode(tokens[3 + t:3 + t + batch], [s.kv for s in seqs]) for t in range(2)])
+            m.forward(tokens[:7], s.kv)
+        out = torch.cat([m.decode(tokens[7 + t:7 + t + batch], [s.kv for s in seqs]) for t in range(2)])
         return out, m._gpu is not None
 
     got, used = run(True)

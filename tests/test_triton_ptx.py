@@ -64,7 +64,7 @@ def _collect() -> list[tuple]:
                 name, fn, sig, consts, *rest = case
                 attrs = rest[0] if rest else {(i,): [["tt.divisibility", 16]] for i, p in enumerate(fn.params)
                                               if str(sig.get(p.name, "")).startswith("*")}
-                options = rest[1] if len(rest) > 1 else {}
+                options = rest[1] if len(rest) > 1 else getattr(mod, "ptx_options", lambda c: {})(case)
                 cases.append((f"{mod.__name__.rsplit('.', 1)[1]}.{name}", fn, sig, consts, attrs, options))
         return cases
     finally:

@@ -10,8 +10,10 @@ Per layer, B rows (one new token of each of B sequences), x the float32 residual
     ids, w = route(logits)                                                              triton_decode.route
     x   += sum_j w_j expert_j(xn)                                                       triton_q.moe_ffn, accumulate
 
-Where it applies (`usable`): GQA attention without windows or output gates, a plain pool without rings, every
-MoE layer's experts resident on the device, the Triton kernels in use. Elsewhere the torch layer loop runs.
+Where it applies (`usable`): GQA attention without output gates (sliding windows, rings and sinks included), a
+pool of the compute dtype, every MoE layer's experts resident on the device, the Triton kernels in use. Elsewhere
+the torch layer loop runs. A sliding-window layer whose pool keeps a ring per sequence reads it through the ring's
+blocks (decode_attention's `ring`); the rows' slots there are their ring slots.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class GpuDecode:
         s = model.spec
         self.inv_freq = device.upload(rope_frequencies(s.rotary_dim, s.rope_theta, s.yarn), model.dev)
         self.attn_factor = s.yarn.attention_factor if s.yarn is not None else 1.0
+        self._bias: dict[int, torch.Tensor | None] = {}
 
     @staticmethod
     def usable(model, kvs) -> bool:
@@ -45,37 +48,65 @@ class GpuDecode:
             return False
         pool = kvs[0].pool
         return (s.attention == "gqa" and not s.hybrid and not s.attn_gate and s.clip_qkv is None
-                and s.qk_norm in ("none", "head") and not s.sliding_window and not s.shared_ffn
-                and pool.plain and not pool.ring and all(kv.pool is pool for kv in kvs)
+                and s.qk_norm in ("none", "head") and not s.shared_ffn
+                and pool.plain and all(kv.pool is pool for kv in kvs)
                 and all(not s.moe_layers[i] or i in getattr(experts, "resident", {})
                         for i in range(model.first, model.stop)))
 
-    def meta(self, kvs) -> tuple[torch.Tensor, ...]:
-        """positions, slots, lengths [B] and the block table [B, W] (int32), uploaded together."""
-        bs, B = kvs[0].pool.block_size, len(kvs)
-        w = max(len(kv.blocks) for kv in kvs)
+    @staticmethod
+    def host_meta(kvs, width: int | None = None) -> torch.Tensor:
+        """The step's positions, slots, lengths, ring slots [B] and block tables [B, W], ring tables [B, R] as one
+        int32 host tensor made from Python ints (no device read): `views` cuts it. width: W (default: the longest
+        sequence's blocks; a captured step fixes it)."""
+        pool, B = kvs[0].pool, len(kvs)
+        bs, n = pool.block_size, pool.ring
+        w = width or max(len(kv.blocks) for kv in kvs)
         pos = [kv.length for kv in kvs]
         slots = [kv.blocks[p // bs] * bs + p % bs for kv, p in zip(kvs, pos)]
+        rings = [kv._ring or 0 for kv in kvs] if n else [0] * B
+        ring_slots = [(r * n + (p // bs) % n) * bs + p % bs if n else 0 for r, p in zip(rings, pos)]
         table = [b for kv in kvs for b in kv.blocks + [0] * (w - len(kv.blocks))]
-        # positions [B] | slots [B] | lengths [B] | table [B, W], one host tensor made from Python ints
-        host = torch.tensor(pos + slots + [p + 1 for p in pos] + table, dtype=torch.int32)
-        dev = device.upload(host, self.m.dev)
-        return dev[:B], dev[B:2 * B], dev[2 * B:3 * B], dev[3 * B:].view(B, w)
+        ring_table = [r * n + j for r in rings for j in range(n)]
+        return torch.tensor(pos + slots + [p + 1 for p in pos] + ring_slots + table + ring_table, dtype=torch.int32)
 
-    def layers(self, x: torch.Tensor, kvs, span: range) -> torch.Tensor:
-        """x [B, H] float32 through layers `span` (their KV written, lengths left to the caller)."""
-        pos, slots, lengths, table = self.meta(kvs)
+    @staticmethod
+    def views(meta: torch.Tensor, B: int, n: int) -> tuple[torch.Tensor, ...]:
+        """host_meta's parts: positions, slots, lengths, ring slots [B], block table [B, W], ring table [B, n]."""
+        w = (meta.numel() - 4 * B - B * n) // B
+        parts = meta[:4 * B].view(4, B)
+        return (*parts.unbind(0), meta[4 * B:4 * B + B * w].view(B, w), meta[4 * B + B * w:].view(B, n))
+
+    def layers(self, x: torch.Tensor, kvs, span: range, meta: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, H] float32 through layers `span` (their KV written, lengths left to the caller). meta: host_meta's
+        tensor on the device (default: made and uploaded here)."""
         pool = kvs[0].pool
+        if meta is None:
+            meta = device.upload(self.host_meta(kvs), self.m.dev)
+        pos, slots, lengths, ring_slots, table, ring_table = self.views(meta, len(kvs), pool.ring)
+        s = self.m.spec
         for i in span:
-            self.layer(i, x, pos, slots, lengths, table, *pool.layer(i), pool.block_size)
+            if i in pool.windowed:
+                at = (ring_slots, ring_table, pool.ring)
+            else:
+                at = (slots, table, 0)
+            self.layer(i, x, pos, lengths, *at, *pool.layer(i), pool.block_size,
+                       s.sliding_window if s.sliding(i) else 0)
         return x
 
-    def layer(self, i, x, pos, slots, lengths, table, kc, vc, bs) -> None:
+    def qkv_bias(self, i: int) -> torch.Tensor | None:
+        """Layer i's q | k | v biases joined (once) as matmul_multi takes them, or None."""
+        if i not in self._bias:
+            lw = self.m.layers[i - self.m.first]
+            parts = [(b, w.shape[0]) for b, w in ((lw.bq, lw.wq), (lw.bk, lw.wk), (lw.bv, lw.wv))]
+            self._bias[i] = None if all(b is None for b, _ in parts) else torch.cat(
+                [torch.zeros(n, device=lw.wq.data.device) if b is None else b.reshape(n).float() for b, n in parts])
+        return self._bias[i]
+
+    def layer(self, i, x, pos, lengths, slots, table, ring, kc, vc, bs, window) -> None:
         m, s, tq = self.m, self.m.spec, self.tq
         lw = m.layers[i - m.first]
         B = x.shape[0]
-        biases = [lw.bq, lw.bk, lw.bv] if lw.bq is not None or lw.bk is not None or lw.bv is not None else None
-        qkv = tq.matmul_multi(x, [lw.wq, lw.wk, lw.wv], norm=(lw.attn_norm, s.rms_eps), biases=biases)
+        qkv = tq.matmul_multi(x, [lw.wq, lw.wk, lw.wv], norm=(lw.attn_norm, s.rms_eps), biases=self.qkv_bias(i))
         q = torch.empty(B, s.n_heads, s.head_dim, dtype=torch.float32, device=x.device)
         self.ta.qk_rope_kv_write(qkv, pos, slots, kc, vc, q, n_heads=s.n_heads, n_kv_heads=s.n_kv_heads,
                                  head_dim=s.head_dim, inv_freq=self.inv_freq, rotary_dim=s.rotary_dim,
@@ -83,8 +114,8 @@ class GpuDecode:
                                  attn_factor=self.attn_factor, q_norm=lw.q_norm if s.qk_norm == "head" else None,
                                  k_norm=lw.k_norm if s.qk_norm == "head" else None, eps=s.rms_eps)
         att = torch.empty(B, s.n_heads * s.head_dim, dtype=torch.float32, device=x.device)
-        self.ta.decode_attention(q, kc, vc, table, lengths, att, scale=s.softmax_scale, block_size=bs,
-                                 sinks=lw.sinks, max_positions=table.shape[1] * bs)
+        self.ta.decode_attention(q, kc, vc, table, lengths, att, scale=s.softmax_scale, block_size=bs, ring=ring,
+                                 window=window, sinks=lw.sinks, max_positions=table.shape[1] * bs)
         tq.matmul(att, lw.wo, bias=lw.bo, out=x, accumulate=True)
         xn = torch.empty_like(x)
         self.td.rms_norm(x, lw.ffn_norm, s.rms_eps, xn)
