@@ -14,7 +14,8 @@ The speed model (its figures are assumptions, to be corrected from the first GPU
             gpu  = bytes / HBM + kernels x graph_kernel_us                       the device runs it
             step = max(host, gpu) + syncs x sync_us   with one sync (the sampled ids): host and device overlap;
                    host + gpu + syncs x sync_us       with more: each sync drains the queue, the times add
-    graph   step = gpu + graph_launch_us + syncs x sync_us                     (a captured step: no host issue)
+    graph   step = gpu + graph_launch_us + syncs x sync_us        (graph=True: as if the whole step were captured)
+    kernels inside replayed graphs count on the device's side only; a replay is one launch on the host's
     link    + h2d bytes / link GB/s                                              (pages in, misses' rows)
 """
 
@@ -85,14 +86,15 @@ class Prediction:
 
 def predict(c: Counts, nbytes: float, fig: GpuFigures, graph: bool = False, batch: int = 1) -> Prediction:
     """Decode tok/s on `fig` for a step that did what `c` counts and reads `nbytes` (module docstring)."""
-    kernels = c.n_launches
-    gpu = nbytes / (fig.hbm_gbps * 1e3) + kernels * fig.graph_kernel_us
+    gpu = nbytes / (fig.hbm_gbps * 1e3) + c.kernels * fig.graph_kernel_us
     link = c.h2d_bytes / (fig.link_gbps * 1e3)
+    graphs = c.launches["graph"]
     if graph:
         host = fig.graph_launch_us
         step = gpu + host + c.n_syncs * fig.sync_us
     else:
-        host = (kernels - c.n_triton) * fig.eager_us + c.n_triton * fig.triton_us
+        host = ((c.n_launches - c.n_triton - graphs) * fig.eager_us + c.n_triton * fig.triton_us
+                + graphs * fig.graph_launch_us)
         overlap = max(host, gpu) if c.n_syncs <= 1 else host + gpu
         step = overlap + c.n_syncs * fig.sync_us
     step += link

@@ -70,6 +70,12 @@ class Counts:
     launches: Counter = field(default_factory=Counter)
     h2d_bytes: int = 0
     d2h_bytes: int = 0
+    graph_kernels: int = 0  # kernels run by replayed graphs (launches counts each replay once, as "graph")
+
+    @property
+    def kernels(self) -> int:
+        """Kernels the device runs: those launched one by one and those inside replayed graphs."""
+        return self.n_launches - self.launches["graph"] + self.graph_kernels
 
     @property
     def n_syncs(self) -> int:
@@ -163,6 +169,9 @@ class Graph:
 
     def replay(self, sim: Simulator) -> None:
         sim.count_launch("graph")
+        if not sim._quiet:
+            for c in sim._counts:
+                c.graph_kernels += len(self.ops)
         with sim.suspended():
             for kind, fn, args, kwargs, out in self.ops:
                 if kind == "triton":

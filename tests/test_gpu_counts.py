@@ -50,8 +50,8 @@ def a3b_like(models):
 
 def per_layer(a3b_like, **kw):
     two, four = (gpu_counts.count_decode(a3b_like[n], **kw) for n in (2, 4))
-    layer = (four.n_launches - two.n_launches) / 2
-    return two, four, layer, two.n_launches - 2 * layer
+    layer = (four.kernels - two.kernels) / 2
+    return two, four, layer, two.kernels - 2 * layer
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -60,11 +60,13 @@ def test_all_in_vram_one_sync_per_step_and_few_launches(a3b_like, batch):
     assert two.n_syncs == four.n_syncs == 1 and dict(four.syncs) == {"to_host": 1}  # the sampled ids only
     assert layer <= 16, four.launches
     assert outside <= 12, two.launches
+    assert four.launches["graph"] == 1 and four.n_launches <= 6, four.launches  # the step replayed: few host launches
 
 
 def test_gptoss_structure_the_same_bounds(models):
     two, four, layer, outside = per_layer(models("gptoss"))
     assert two.n_syncs == four.n_syncs == 1 and layer <= 16 and outside <= 12, four.launches
+    assert four.launches["graph"] == 1, four.launches
 
 
 def test_hybrid_one_sync_per_moe_layer_at_most(a3b_like):
@@ -78,11 +80,12 @@ def test_predicted_h200_decode_for_a3b_l12(a3b_like):
     step.launches["kernel"] = int(12 * layer + outside)
     step.syncs["to_host"] = 1
     nbytes = gpu_counts.bytes_per_token(preset("a3b-L12"), "Q4_K_M")
+    captured = gpu_counts.predict(four, nbytes, gpu_counts.H200)  # as counted: the replayed graph
     assert 350e6 < nbytes < 500e6
     graph = gpu_counts.predict(step, nbytes, gpu_counts.H200, graph=True)
     assert graph.tok_s >= 1000, graph.row()
     eager = gpu_counts.predict(step, nbytes, gpu_counts.H200)
-    assert eager.tok_s < graph.tok_s
+    assert eager.tok_s < graph.tok_s and captured.host_us < eager.host_us
 
 
 @pytest.mark.parametrize(("name", "batch"), [("a3b", 3), ("gptoss", 2)])

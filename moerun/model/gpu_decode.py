@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from moerun import device
-from moerun.model.layers import rope_frequencies
+from moerun.model.layers import rms_norm, rope_frequencies
+
+BUCKETS = (1, 2, 4, 8, 16)  # batch sizes a decode step is captured for (a batch is padded up to the next)
 
 
 class GpuDecode:
@@ -40,6 +42,7 @@ class GpuDecode:
         self.inv_freq = device.upload(rope_frequencies(s.rotary_dim, s.rope_theta, s.yarn), model.dev)
         self.attn_factor = s.yarn.attention_factor if s.yarn is not None else 1.0
         self._bias: dict[int, torch.Tensor | None] = {}
+        self._graphs: dict[int, tuple] = {}  # bucket -> (graph, its inputs [bucket tokens | meta], its logits)
 
     @staticmethod
     def usable(model, kvs) -> bool:
@@ -53,21 +56,68 @@ class GpuDecode:
                 and all(not s.moe_layers[i] or i in getattr(experts, "resident", {})
                         for i in range(model.first, model.stop)))
 
+    # -------------------------------------------------------------------------------------- a captured step
+
+    def capturable(self, kvs) -> bool:
+        """Whether a whole decode step (embedding to logits) of len(kvs) rows can be a graph: this model holds
+        every layer, the embeddings and the head, and the batch fits a bucket."""
+        m = self.m
+        return (m.first == 0 and m.stop == m.spec.n_layers and m.embd is not None and m.head is not None
+                and len(kvs) <= BUCKETS[-1] and m.embd.qtype in self.td.EMBED_QTYPES)
+
+    def step(self, tokens: torch.Tensor, kvs) -> torch.Tensor:
+        """Logits [B, V] of one new token for each of the B sequences (token r at kvs[r].length, room reserved),
+        through the graph of B's bucket: its inputs written, the graph replayed. The first step of a bucket runs
+        once eagerly (kernels compiled, tables built), is captured, then replayed. Rows past B are padding: no
+        KV written (slot -1), nothing attended (length 0)."""
+        B, pool = len(kvs), kvs[0].pool
+        bucket = next(b for b in BUCKETS if b >= B)
+        with device.on_host(self.m.dev):  # the step's token ids: host memory by decode's contract
+            ids = (device.to_host([tokens])[0] if tokens.is_cuda else tokens).tolist()
+        host = torch.tensor(ids + [0] * (bucket - B) + self.host_meta(kvs, pool.allocator.n_blocks, bucket),
+                            dtype=torch.int32)
+        cap = self._graphs.get(bucket)
+        if cap is None:
+            inputs = device.upload(host, self.m.dev)  # [bucket tokens | meta], static from here on
+            self._body(inputs, bucket, pool)  # eager: compiles, builds the experts' tables
+            graph = device.Graph(self.m.dev)
+            with graph.capture():
+                logits = self._body(inputs, bucket, pool)
+            cap = self._graphs[bucket] = (graph, inputs, logits)
+        else:
+            device.copy_(cap[1], host.pin_memory() if self.m.dev.is_cuda else host)
+        cap[0].replay()
+        return cap[2][:B].clone()  # the graph's buffer is the next step's too
+
+    def _body(self, inputs: torch.Tensor, bucket: int, pool) -> torch.Tensor:
+        m, s = self.m, self.m.spec
+        x = torch.empty(bucket, s.hidden, dtype=torch.float32, device=inputs.device)  # [Bb, H]
+        self.td.embed_rows(inputs[:bucket], m.embd, x)
+        self.layers(x, pool, bucket, range(m.first, m.stop), meta=inputs[bucket:])
+        if isinstance(m.head, torch.Tensor) or not self.tq.supports(m.head.qtype):
+            return m.ops.linear(rms_norm(x, m.out_norm, s.rms_eps), m.head).float()
+        return self.tq.matmul(x, m.head, norm=(m.out_norm, s.rms_eps))  # [Bb, V]
+
+    # ------------------------------------------------------------------------------------------ the layers
+
     @staticmethod
-    def host_meta(kvs, width: int | None = None) -> torch.Tensor:
+    def host_meta(kvs, width: int | None = None, rows: int | None = None) -> list[int]:
         """The step's positions, slots, lengths, ring slots [B] and block tables [B, W], ring tables [B, R] as one
-        int32 host tensor made from Python ints (no device read): `views` cuts it. width: W (default: the longest
-        sequence's blocks; a captured step fixes it)."""
+        list of Python ints (no device read), uploaded as one int32 tensor that `views` cuts. width: W (default:
+        the longest sequence's blocks; a captured step fixes it). rows: padded to this many rows (slot -1,
+        length 0)."""
         pool, B = kvs[0].pool, len(kvs)
-        bs, n = pool.block_size, pool.ring
+        bs, n, pad = pool.block_size, pool.ring, (rows or B) - B
         w = width or max(len(kv.blocks) for kv in kvs)
         pos = [kv.length for kv in kvs]
         slots = [kv.blocks[p // bs] * bs + p % bs for kv, p in zip(kvs, pos)]
         rings = [kv._ring or 0 for kv in kvs] if n else [0] * B
         ring_slots = [(r * n + (p // bs) % n) * bs + p % bs if n else 0 for r, p in zip(rings, pos)]
-        table = [b for kv in kvs for b in kv.blocks + [0] * (w - len(kv.blocks))]
-        ring_table = [r * n + j for r in rings for j in range(n)]
-        return torch.tensor(pos + slots + [p + 1 for p in pos] + ring_slots + table + ring_table, dtype=torch.int32)
+        table = [b for kv in kvs for b in kv.blocks + [0] * (w - len(kv.blocks))] + [0] * (pad * w)
+        ring_table = [r * n + j for r in rings for j in range(n)] + [0] * (pad * n)
+        none = [-1] * pad
+        return (pos + [0] * pad + slots + none + [p + 1 for p in pos] + [0] * pad + ring_slots + none + table
+                + ring_table)
 
     @staticmethod
     def views(meta: torch.Tensor, B: int, n: int) -> tuple[torch.Tensor, ...]:
@@ -76,13 +126,15 @@ class GpuDecode:
         parts = meta[:4 * B].view(4, B)
         return (*parts.unbind(0), meta[4 * B:4 * B + B * w].view(B, w), meta[4 * B + B * w:].view(B, n))
 
-    def layers(self, x: torch.Tensor, kvs, span: range, meta: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, H] float32 through layers `span` (their KV written, lengths left to the caller). meta: host_meta's
-        tensor on the device (default: made and uploaded here)."""
-        pool = kvs[0].pool
-        if meta is None:
-            meta = device.upload(self.host_meta(kvs), self.m.dev)
-        pos, slots, lengths, ring_slots, table, ring_table = self.views(meta, len(kvs), pool.ring)
+    def decode_layers(self, x: torch.Tensor, kvs, span: range) -> torch.Tensor:
+        """x [B, H] float32 through layers `span` for one new token of each of kvs (room reserved; their KV
+        written, lengths left to the caller)."""
+        meta = device.upload(torch.tensor(self.host_meta(kvs), dtype=torch.int32), self.m.dev)
+        return self.layers(x, kvs[0].pool, len(kvs), span, meta)
+
+    def layers(self, x: torch.Tensor, pool, B: int, span: range, meta: torch.Tensor) -> torch.Tensor:
+        """x [B, H] through layers `span`, meta: host_meta's tensor on the device."""
+        pos, slots, lengths, ring_slots, table, ring_table = self.views(meta, B, pool.ring)
         s = self.m.spec
         for i in span:
             if i in pool.windowed:

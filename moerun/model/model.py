@@ -478,7 +478,7 @@ class MoEModel:
         if isinstance(kv, list) and self.on_route is None and GpuDecode.usable(self, kv):  # a GPU's decode step
             if self._gpu is None:
                 self._gpu = GpuDecode(self)
-            return self._gpu.layers(x.float().contiguous(), kv, span).to(x.dtype)
+            return self._gpu.decode_layers(x.float().contiguous(), kv, span).to(x.dtype)
         pos = device.upload(pos, self.dev) if pos.device != x.device or self.dev.kind == "standin" else pos
         cos, sin = rope_tables(pos, self.spec.rotary_dim, self.spec.rope_theta, self.spec.yarn)
         for i in span:
@@ -547,6 +547,15 @@ class MoEModel:
 
     @torch.inference_mode()
     def _decode(self, tokens: torch.Tensor, kvs: list[SeqKV], phase: str) -> torch.Tensor:
+        if self.on_route is None and GpuDecode.usable(self, kvs):  # a GPU's whole step, captured and replayed
+            if self._gpu is None:
+                self._gpu = GpuDecode(self)
+            if self._gpu.capturable(kvs):
+                with device.use(self.dev):
+                    logits = self._gpu.step(tokens, kvs)
+                for kv in kvs:
+                    kv.length += 1
+                return logits
         pos = torch.tensor([kv.length for kv in kvs], dtype=torch.int64)
         whole = self._whole(kvs)
         with self.ops.step(len(kvs), c_only=whole), device.use(self.dev):
