@@ -4,7 +4,9 @@
 
 1. the GPU tests (tests/test_gpu.py and the Triton kernels' GPU tests); on a machine without CUDA the
    stand-in's equivalents (tests/test_device_stages.py, tests/test_device.py) instead;
-2. `moerun bench` on one model for the placements
+2. the work per decoded token counted on the stand-in (syncs, kernels per layer, host launches) and the decode
+   tok/s it predicts on an H200 and a 24 GB card (moerun/gpu_counts.py), for the measured rows to sit beside;
+3. `moerun bench` on one model for the placements
    (a) everything in VRAM (the expert slots hold every expert),
    (b) dense weights in VRAM, experts in pinned RAM behind caches of 0 %, 25 % and 50 % of the expert bytes,
    (c) --n-cpu-moe over every layer (llama.cpp's offload: experts computed by the CPU),
@@ -33,13 +35,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def sh(cmd: list[str], log: Path, timeout: float, stdout: Path | None = None) -> tuple[int, float]:
-    """Run cmd in the repository; stderr (and stdout, unless given a file of its own) to `log`."""
+def sh(cmd: list[str], log: Path, timeout: float, stdout: Path | None = None,
+       env: dict | None = None) -> tuple[int, float]:
+    """Run cmd in the repository; stderr (and stdout, unless given a file of its own) to `log`; env: added."""
     t0 = time.perf_counter()
     with open(log, "w") as f, open(stdout or os.devnull, "w") as o:
         try:
             rc = subprocess.run(cmd, check=False, cwd=ROOT, stdout=o if stdout else f, stderr=f,
-                                timeout=timeout).returncode
+                                timeout=timeout, env={**os.environ, **(env or {})}).returncode
         except subprocess.TimeoutExpired:
             rc = 124
     return rc, time.perf_counter() - t0
@@ -106,7 +109,19 @@ def main() -> int:
     if rc:
         report["failed"].append("tests")
 
-    # 2. the bench model
+    # 2. the work per token counted on the stand-in, and the decode speed it predicts (moerun/gpu_counts.py)
+    Path(args.cache).mkdir(parents=True, exist_ok=True)
+    rc, secs = sh([sys.executable, "-m", "moerun.gpu_counts", args.cache], out / "counts.log", 600,
+                  stdout=out / "counts.jsonl", env={"TRITON_INTERPRET": "1"})
+    report["steps"]["counts"] = {"rc": rc, "seconds": round(secs, 1)}
+    try:
+        report["counts"] = [json.loads(line) for line in (out / "counts.jsonl").read_text().splitlines() if line]
+    except (OSError, ValueError):
+        report["counts"] = []
+    if rc or not report["counts"]:
+        report["failed"].append("counts")
+
+    # 3. the bench model
     model = args.model
     if model is None:
         Path(args.cache).mkdir(parents=True, exist_ok=True)
@@ -172,6 +187,15 @@ def finish(report: dict, out: Path) -> int:
                      f"{r['t_s']:.1f} ± {r['stddev']:.1f} | {_cell(r['hit_rate'], '.1%')} | "
                      f"{_cell(r['home_share'], '.1%')} | {_cell(r['h2d_gbps'], '.1f')} | "
                      f"{_cell(r['estimate_ts'], '.1f')} | {_cell(r['estimate_ratio'], '.2f')} |")
+    if report.get("counts"):
+        lines += ["", "Counted on the stand-in (structure at small widths), predicted for the real shape "
+                  "(moerun/gpu_counts.py's figures):", "",
+                  "| model | placement | syncs / step | kernels / layer | outside | host launches / step | graph | "
+                  "predicted H200 tok/s | predicted 24 GB card tok/s |", "|---|---|---:|---:|---:|---:|---|---:|---:|"]
+        for c in report["counts"]:
+            lines.append(f"| {c['model']} | {c['placement']} | {c['syncs_step']} | {c['kernels_layer']:g} | "
+                         f"{c['kernels_outside']:g} | {c['host_launches_step']} | {'yes' if c['graph'] else 'no'} | "
+                         f"{c['h200_ts']:,.0f} | {c['consumer_ts']:,.0f} |")
     t = report["steps"].get("tests", {})
     lines += ["", (f"tests: {t.get('tests', '?')} run, {t.get('failures', '?')} failed, {t.get('errors', '?')} errors, "
               f"{t.get('skipped', '?')} skipped ({t.get('seconds', '?')} s)")]

@@ -22,6 +22,7 @@ The speed model (its figures are assumptions, to be corrected from the first GPU
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -136,3 +137,70 @@ def count_decode(model: str, devices: tuple[str, ...] = ("standin:0",), slots: i
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+STRUCTURES = {  # name: (preset at small widths with the real structure, overrides, the real shape, its ftype)
+    "a3b-L12 Q4_K_M": ("tiny-qwen3moe", {"experts": 128, "experts_used": 8}, "a3b-L12", "Q4_K_M"),
+    "gpt-oss-20b MXFP4": ("tiny-gptoss", {"experts": 32, "experts_used": 4}, "gptoss-20b", "MXFP4"),
+}
+
+
+def table(folder: str, batch: int = 1) -> list[dict]:
+    """For each structure and placement (all in VRAM; experts behind a 25 % cache): syncs a step, kernels a layer
+    and outside the layers, host launches, bytes a token, and the decode tok/s predicted on an H200 and a 24 GB
+    card for the real shape's depth (models of the structure at 2 and 4 layers written into `folder`)."""
+    from pathlib import Path
+
+    from moerun.tools.make_model import make_model
+    from moerun.tools.presets import preset
+
+    rows = []
+    for name, (base, kw, real, ftype) in STRUCTURES.items():
+        paths = {}
+        for n in (2, 4):
+            paths[n] = Path(folder) / f"{base}-{kw['experts']}-L{n}.gguf"
+            if not paths[n].exists():
+                make_model(preset(base, layers=n, **kw), paths[n], ftype="Q8_0", progress=False, threads=1)
+        spec = preset(real)
+        for placement, slots in (("all in VRAM", None), ("experts in RAM, 25 % cache", kw["experts"] // 4)):
+            two, four = (count_decode(str(paths[n]), slots=slots, batch=batch) for n in (2, 4))
+            layer = (four.kernels - two.kernels) / 2
+            sync_layer = (four.n_syncs - two.n_syncs) / 2
+            # the link's bytes are the small widths' here: left out (misses' traffic is `moerun estimate`'s)
+            step = Counts(syncs=Counter(step=round(two.n_syncs + sync_layer * (spec.n_layers - 2))),
+                          launches=Counter(four.launches))
+            host_layer = (four.n_launches - two.n_launches) / 2
+            step.launches["layers"] = round(host_layer * (spec.n_layers - 4))
+            step.graph_kernels = round(two.kernels - 2 * layer + layer * spec.n_layers) - \
+                (step.n_launches - step.launches["graph"])
+            nbytes = bytes_per_token(spec, ftype)
+            rows.append({"model": name, "placement": placement, "batch": batch, "syncs_step": step.n_syncs,
+                         "kernels_layer": layer, "kernels_outside": two.kernels - 2 * layer,
+                         "host_launches_step": step.n_launches, "graph": bool(four.launches["graph"]),
+                         "bytes_token": nbytes,
+                         "h200_ts": predict(step, nbytes, H200, batch=batch).tok_s,
+                         "consumer_ts": predict(step, nbytes, CONSUMER_24G, batch=batch).tok_s})
+    return rows
+
+
+def main() -> int:
+    """python -m moerun.gpu_counts [FOLDER]: `table` as JSON lines, then as Markdown (stderr)."""
+    import json
+    import sys
+    import tempfile
+
+    folder = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="moerun-counts-")
+    rows = table(folder)
+    for r in rows:
+        print(json.dumps(r))
+    print("| model | placement | syncs / step | kernels / layer | outside | host launches / step | H200 tok/s | "
+          "24 GB card tok/s |\n|---|---|---:|---:|---:|---:|---:|---:|", file=sys.stderr)
+    for r in rows:
+        print(f"| {r['model']} | {r['placement']} | {r['syncs_step']} | {r['kernels_layer']:g} | "
+              f"{r['kernels_outside']:g} | {r['host_launches_step']} | {r['h200_ts']:,.0f} | "
+              f"{r['consumer_ts']:,.0f} |", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

