@@ -115,3 +115,32 @@ def test_gpu_decode_layers_equal_the_torch_layer_loop(models, monkeypatch, name,
     assert used and not unused
     assert (got - ref).abs().max().item() < 1e-4
     assert os.environ["TRITON_INTERPRET"] == "1"
+
+
+def test_steps_prepared_at_load_replay_without_capturing_and_follow_a_new_pool(models, monkeypatch):
+    """prepare(): each bucket's graph made on rows that are all padding (no KV written); a step then only replays
+    it; a resized pool (serve's -np) gets graphs of its own (a graph reads and writes its pool's caches)."""
+    from moerun import device
+    from moerun.config import RuntimeConfig
+    from moerun.runtime import build
+
+    monkeypatch.setenv("MOERUN_STANDIN_KERNELS", "triton")
+    rt = build(RuntimeConfig(model=models("a3b")[2], devices=("standin:0",), threads=1))
+    m, eng = rt.engine.model, rt.engine
+    seq = eng.new_sequence()
+    m.forward(torch.arange(5), seq.kv)
+    before = [t.clone() for t in eng.pool.layer(0)]
+    gpu = GpuDecode(m)
+    m._gpu = gpu
+    assert gpu.prepare(eng.pool, buckets=(1,)) == 1 and gpu.prepare(eng.pool, buckets=(1,)) == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, eng.pool.layer(0)))  # padding wrote nothing
+    graph = gpu._graphs[1][0]
+    with device.counting(m.dev) as c:
+        m.decode(torch.tensor([7]), [seq.kv])
+    assert gpu._graphs[1][0] is graph and c.launches["graph"] == 1
+    seq.free()
+    eng.resize_pool(2 * eng.ctx_size, seqs=2)
+    seq = eng.new_sequence()
+    m.forward(torch.arange(5), seq.kv)
+    m.decode(torch.tensor([7]), [seq.kv])
+    assert gpu._graphs[1][3] is eng.pool and gpu._graphs[1][0] is not graph

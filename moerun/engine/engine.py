@@ -79,6 +79,7 @@ class Engine:
         self.drafter, self.draft, self.draft_cost = drafter, draft, draft_cost
         self.kv_types = kv_types
         self.pool = KVPool(model.spec, ctx_size, dtype=model.dtype, segments=model.kv_segments, kv_types=kv_types)
+        self._prepare()
 
     @property
     def grammars(self):
@@ -107,6 +108,13 @@ class Engine:
         self.pool = KVPool(self.model.spec, n_tokens, dtype=self.model.dtype, segments=self.model.kv_segments,
                            kv_types=self.kv_types,
                            seqs=seqs)
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """The model's decode steps over this pool made ready before the first request (a GPU's graphs)."""
+        prepare = getattr(self.model, "prepare_decode", None)
+        if prepare is not None:
+            prepare(self.pool)
 
     def reuse_prefix(self, seq: Sequence, prompt: list[int], shared: bool = True) -> list[int]:
         """Cut `seq` back to its longest common prefix with `prompt`, or take other sequences' blocks of a

@@ -46,13 +46,17 @@ class GpuDecode:
 
     @staticmethod
     def usable(model, kvs) -> bool:
+        return all(kv.pool is kvs[0].pool for kv in kvs) and GpuDecode.serves(model, kvs[0].pool)
+
+    @staticmethod
+    def serves(model, pool) -> bool:
+        """Whether this path computes `model`'s decode steps over `pool` (module docstring)."""
         s, experts = model.spec, model.experts
         if not (model.dev.accelerator and type(model.ops).__name__ == "TritonOps" and model.dtype == torch.float32):
             return False
-        pool = kvs[0].pool
         return (s.attention == "gqa" and not s.hybrid and not s.attn_gate and s.clip_qkv is None
                 and s.qk_norm in ("none", "head") and not s.shared_ffn
-                and pool.plain and all(kv.pool is pool for kv in kvs)
+                and pool.plain
                 and all(not s.moe_layers[i] or i in getattr(experts, "resident", {})
                         for i in range(model.first, model.stop)))
 
@@ -61,9 +65,12 @@ class GpuDecode:
     def capturable(self, kvs) -> bool:
         """Whether a whole decode step (embedding to logits) of len(kvs) rows can be a graph: this model holds
         every layer, the embeddings and the head, and the batch fits a bucket."""
+        return len(kvs) <= BUCKETS[-1] and self.whole()
+
+    def whole(self) -> bool:
         m = self.m
         return (m.first == 0 and m.stop == m.spec.n_layers and m.embd is not None and m.head is not None
-                and len(kvs) <= BUCKETS[-1] and m.embd.qtype in self.td.EMBED_QTYPES)
+                and m.embd.qtype in self.td.EMBED_QTYPES)
 
     def step(self, tokens: torch.Tensor, kvs) -> torch.Tensor:
         """Logits [B, V] of one new token for each of the B sequences (token r at kvs[r].length, room reserved),
@@ -77,17 +84,35 @@ class GpuDecode:
         host = torch.tensor(ids + [0] * (bucket - B) + self.host_meta(kvs, pool.allocator.n_blocks, bucket),
                             dtype=torch.int32)
         cap = self._graphs.get(bucket)
-        if cap is None:
-            inputs = device.upload(host, self.m.dev)  # [bucket tokens | meta], static from here on
-            self._body(inputs, bucket, pool)  # eager: compiles, builds the experts' tables
-            graph = device.Graph(self.m.dev)
-            with graph.capture():
-                logits = self._body(inputs, bucket, pool)
-            cap = self._graphs[bucket] = (graph, inputs, logits)
+        if cap is None or cap[3] is not pool:  # a graph reads and writes its pool's caches: one per pool
+            cap = self._capture(host, bucket, pool)
         else:
             device.copy_(cap[1], host.pin_memory() if self.m.dev.is_cuda else host)
         cap[0].replay()
         return cap[2][:B].clone()  # the graph's buffer is the next step's too
+
+    def _capture(self, host: torch.Tensor, bucket: int, pool) -> tuple:
+        inputs = device.upload(host, self.m.dev)  # [bucket tokens | meta], static from here on
+        self._body(inputs, bucket, pool)  # eager: compiles, builds the experts' tables
+        graph = device.Graph(self.m.dev)
+        with graph.capture():
+            logits = self._body(inputs, bucket, pool)
+        self._graphs[bucket] = (graph, inputs, logits, pool)
+        return self._graphs[bucket]
+
+    def prepare(self, pool, buckets: tuple[int, ...] = BUCKETS) -> int:
+        """Capture each bucket's step for `pool` now (at load: kernels compiled, graphs made before the first
+        request), on rows that are all padding (no KV written). Returns the graphs made."""
+        made = 0
+        for bucket in buckets:
+            if bucket in self._graphs and self._graphs[bucket][3] is pool:
+                continue
+            w, n = pool.allocator.n_blocks, pool.ring
+            meta = [0] * bucket + [-1] * bucket + [0] * bucket + [-1] * bucket + [0] * (bucket * (w + n))
+            with device.use(self.m.dev), torch.inference_mode():
+                self._capture(torch.tensor([0] * bucket + meta, dtype=torch.int32), bucket, pool)
+            made += 1
+        return made
 
     def _body(self, inputs: torch.Tensor, bucket: int, pool) -> torch.Tensor:
         m, s = self.m, self.m.spec

@@ -545,6 +545,16 @@ class MoEModel:
             return logits
         return self._decode(tokens, kvs, phase)
 
+    def prepare_decode(self, pool) -> int:
+        """Before the first request: a GPU's decode steps over `pool` captured for every batch bucket (their kernels
+        compiled). Where this model's decode steps are not the GPU path's, or off CUDA (the stand-in compiles
+        nothing, and captures at a bucket's first step): 0."""
+        if not (self.dev.is_cuda and self.on_route is None and GpuDecode.serves(self, pool)):
+            return 0
+        if self._gpu is None:
+            self._gpu = GpuDecode(self)
+        return self._gpu.prepare(pool) if self._gpu.whole() else 0
+
     @torch.inference_mode()
     def _decode(self, tokens: torch.Tensor, kvs: list[SeqKV], phase: str) -> torch.Tensor:
         if self.on_route is None and GpuDecode.usable(self, kvs):  # a GPU's whole step, captured and replayed
