@@ -104,35 +104,35 @@ def test_home_experts_are_pinned_and_pageable_copies_are_refused(gguf):
 
 
 def test_copy_stream_overlaps_compute():
-    """A host-to-device copy on the copy stream while a matmul runs on the compute stream: together they take
-    clearly less than one after the other (events on each stream)."""
+    """A host-to-device copy on the copy stream while matmuls run on the compute stream: together they take clearly
+    less than one after the other (events on each stream). The matmuls are sized to the measured copy, so that
+    overlapping could save up to half and the margin is far outside the noise on any GPU."""
     dev = device.parse("cuda:0")
     src = device.pinned_empty(512 << 20, dev)
     dst = device.empty(dev, 512 << 20)
     a = torch.randn(4096, 4096, device="cuda")
     copy, comp = device.Stream(dev), device.compute_stream(dev)
+    copy.wait(device.Event(dev).record(comp))  # dst came from the compute stream's pool
 
-    def matmuls():
-        for _ in range(20):
-            a @ a
-
-    def timed(fn_copy: bool, fn_comp: bool) -> float:
+    def timed(fn_copy: bool, n_mm: int) -> float:
         device.synchronize(dev)
         t0 = device.Event(dev, timing=True).record(comp)
         copy.wait(t0)
         if fn_copy:
             device.copy_(dst, src, copy)
-        if fn_comp:
-            matmuls()
+        for _ in range(n_mm):
+            a @ a
         done = device.Event(dev, timing=True).record(copy)
         comp.wait(done)
         t1 = device.Event(dev, timing=True).record(comp)
         t1.synchronize()
         return t0.seconds_to(t1)
 
-    timed(True, True)  # warm-up
-    c, m, both = timed(True, False), timed(False, True), timed(True, True)
-    assert both < 0.85 * (c + m), (c, m, both)
+    timed(True, 2)  # warm-up
+    c, one = timed(True, 0), timed(False, 10) / 10
+    n = max(1, round(c / one))  # as long on the compute stream as the copy takes on its own
+    m, both = timed(False, n), timed(True, n)
+    assert both < 0.75 * (c + m), (c, m, both, n)
 
 
 def test_out_of_memory_fails_the_request_and_serving_goes_on(gguf):
