@@ -144,3 +144,22 @@ def test_steps_prepared_at_load_replay_without_capturing_and_follow_a_new_pool(m
     m.forward(torch.arange(5), seq.kv)
     m.decode(torch.tensor([7]), [seq.kv])
     assert gpu._graphs[1][3] is eng.pool and gpu._graphs[1][0] is not graph
+
+
+def test_two_stages_launch_each_on_its_own_device(models, monkeypatch):
+    """Finding: every Triton kernel launched on cuda:0, stage 1's with pointers into cuda:1 (an illegal address).
+    Each stage now runs inside its device's context; the stand-in fails a launch off the current device."""
+    from moerun.config import RuntimeConfig
+    from moerun.runtime import build
+
+    monkeypatch.setenv("MOERUN_STANDIN_KERNELS", "triton")
+    tokens = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(5))
+
+    def run(devices):
+        rt = build(RuntimeConfig(model=models("a3b")[2], devices=devices, threads=1))
+        seq = rt.engine.new_sequence()
+        m = rt.engine.model
+        return torch.cat([m.forward(tokens[:6], seq.kv), *(m.forward(t.view(1), seq.kv) for t in tokens[6:])])
+
+    one, two = run(("standin:0",)), run(("standin:0", "standin:1"))
+    assert (one - two).abs().max().item() < 1e-4
