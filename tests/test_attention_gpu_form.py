@@ -6,24 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attention_reference import reference
 
 from moerun import device
 from moerun.model import layers
 from moerun.model.layers import _attend_blocks, _attend_small, _key_bounds, attend, attend_fused
-
-
-def reference(q, k, v, q_pos, k_pos, scale, sinks=None, window=0):
-    """softmax(q k^T * scale, masked; a sink's logit joins the sum) v, per query head, float64 -> [T, nh*Dv]."""
-    T, nh, _ = q.shape
-    S, nkv, Dv = v.shape
-    g = nh // nkv
-    kk, vv = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)  # [S, nh, D]
-    s = torch.einsum("thd,shd->hts", q.double(), kk) * scale  # [nh, T, S]
-    s = s.masked_fill(~layers.visible(q_pos, k_pos, window)[None], float("-inf"))
-    if sinks is not None:
-        s = torch.cat((s, sinks.double()[:, None, None].expand(nh, T, 1)), dim=-1)
-    p = torch.softmax(s, dim=-1)[..., :S]
-    return torch.einsum("hts,shd->thd", p, vv).reshape(T, nh * Dv)
 
 
 def inputs(T, P, nh, nkv, D, Dv, dtype=torch.float32, seed=0):

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import qblocks
 import torch
+from triton_env import interpreter
 
 pytest.importorskip("triton")
 
@@ -53,19 +54,11 @@ def _build():
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter():
-    old = os.environ.get("TRITON_INTERPRET")
-    if DEVICE == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
     try:
-        if not tq.available():
-            pytest.skip("triton cannot run kernels here")
-        K.ta, K.td = _build()
-        yield
+        with interpreter():
+            K.ta, K.td = _build()
+            yield
     finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
         _build()
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 import qblocks
 import torch
+from triton_env import interpreter
 
 pytest.importorskip("triton")
 
@@ -47,18 +48,8 @@ QUANTIZABLE = {QType.Q8_0, QType.Q4_0, QType.Q4_K, QType.Q6_K}
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpreter():
-    old = os.environ.get("TRITON_INTERPRET")
-    if DEVICE == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        if not tq.available():
-            pytest.skip("triton cannot run kernels here")
+    with interpreter():
         yield
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
 
 
 # ------------------------------------------------------------------------------------------ weights
