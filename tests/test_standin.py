@@ -217,3 +217,79 @@ def test_out_of_memory_after_page_ins_leaves_no_slot_read_before_its_copy(tmp_pa
     ref = run(build(cfg), fail=False)
     got = run(build(cfg), fail=True)
     assert torch.isfinite(got).all() and (got - ref).abs().max() < 1e-4
+
+
+def test_the_h2d_probe_times_the_device_it_measures(monkeypatch):
+    """Finding: measure_h2d_gbps recorded its events on the current device's stream (cuda:0) while copying to another
+    GPU. A fake CUDA records which device was current and which stream each event was recorded on."""
+    current, records = [0], []
+
+    class Ctx:
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            self.prev, current[0] = current[0], self.index
+
+        def __exit__(self, *exc):
+            current[0] = self.prev
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self, stream=None):
+            records.append((current[0], current[0] if stream is None else stream))
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    real_empty = torch.empty
+    monkeypatch.setattr(torch.cuda, "device", Ctx)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: index)
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, device=None, **kw: real_empty(*a, **kw))
+    assert device.measure_h2d_gbps(device.parse("cuda:1"), nbytes=1 << 10, reps=2) > 0
+    assert records and all(r == (1, 1) for r in records), records
+
+
+def test_resident_experts_are_checked_once_not_every_step(monkeypatch):
+    """Finding: TritonOps checked every resident expert's kind on every step. Built with its table once, a step only
+    launches."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from moerun.experts.store import Expert
+    from moerun.model.gpu_ops import TritonOps
+    from moerun.quant.qtypes import QTensor, QType
+    from moerun.quant.quantize import quantize
+
+    walks = []
+
+    class Experts(dict):
+        def values(self):
+            walks.append("values")
+            return super().values()
+
+        def items(self):
+            walks.append("items")
+            return super().items()
+
+        def __iter__(self):
+            walks.append("iter")
+            return super().__iter__()
+
+    g = torch.Generator().manual_seed(0)
+
+    def q(n, k):
+        return QTensor(quantize(torch.randn(n, k, generator=g), QType.Q8_0), QType.Q8_0, (n, k))
+
+    experts = Experts({e: Expert(q(32, 64), q(32, 64), q(64, 32)) for e in range(8)})
+    ops = TritonOps()
+    table = ops.moe_table(experts)
+    walks.clear()
+    x, ids, w = torch.randn(2, 64, generator=g), torch.tensor([[1, 5], [5, 2]]), torch.rand(2, 2, generator=g)
+    for _ in range(2):
+        ops.moe(x, ids, w, experts, table=table)
+    assert walks == []
