@@ -163,3 +163,21 @@ def test_two_stages_launch_each_on_its_own_device(models, monkeypatch):
 
     one, two = run(("standin:0",)), run(("standin:0", "standin:1"))
     assert (one - two).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("slots", [None, 32])
+def test_a_prefill_chunk_meets_the_same_budget(models, monkeypatch, slots):
+    """All in VRAM: no sync inside a prompt chunk (its logits are read with the sampled id); experts behind a
+    cache: one per MoE layer (the routing ids)."""
+    from moerun import device
+    from moerun.config import RuntimeConfig
+    from moerun.runtime import build
+
+    monkeypatch.setenv("MOERUN_STANDIN_KERNELS", "triton")
+    rt = build(RuntimeConfig(model=models("a3b")[2], devices=("standin:0",), expert_cache_slots=slots, threads=1))
+    m = rt.engine.model
+    seq = rt.engine.new_sequence()
+    m.forward(torch.arange(20), seq.kv, last_only=True)
+    with device.counting(m.dev) as c:
+        m.forward(torch.arange(20, 44), seq.kv, last_only=True)
+    assert c.n_syncs == (0 if slots is None else 2), c.syncs
