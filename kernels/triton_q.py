@@ -42,8 +42,8 @@ import torch
 from moerun.quant.dequant import KV_IQ4NL, KV_MXFP4
 from moerun.quant.qtypes import QTensor, QType, block_size, row_bytes
 
-__all__ = ["SUPPORTED", "ExpertTable", "Launch", "available", "decode_programs", "dequantize", "matmul",
-           "matmul_multi", "moe_ffn", "ptx_cases", "supports", "swiglu", "warmup"]
+__all__ = ["SUPPORTED", "ExpertTable", "Launch", "available", "decode_programs", "dequantize", "join_biases",
+           "matmul", "matmul_multi", "moe_ffn", "supports", "swiglu", "warmup"]
 
 SUPPORTED = frozenset({QType.Q8_0, QType.Q4_0, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_XS, QType.MXFP4})
 CODEBOOKS = {QType.IQ4_XS: KV_IQ4NL, QType.MXFP4: KV_MXFP4}
@@ -232,6 +232,12 @@ def matmul(x: torch.Tensor, w: QTensor, *, norm: tuple[torch.Tensor, float] | No
     return matmul_multi(x, [w], norm=norm, biases=None if bias is None else [bias], out=out, accumulate=accumulate)
 
 
+def join_biases(biases: list[torch.Tensor | None] | None, ns: list[int], dev) -> torch.Tensor | None:
+    """[b1; b2; ...] float32 [sum N] as matmul_multi takes them (zeros for a None), or None for no bias at all."""
+    if biases is not None and any(b is not None for b in biases):
+        return torch.cat([torch.zeros(n, device=dev) if b is None else b.reshape(n).float() for b, n in zip(biases, ns)])
+
+
 def matmul_multi(x: torch.Tensor, ws: list[QTensor], *, norm: tuple[torch.Tensor, float] | None = None,
                  biases: list[torch.Tensor | None] | None = None, out: torch.Tensor | None = None,
                  accumulate: bool = False) -> torch.Tensor:
@@ -260,11 +266,7 @@ def matmul_multi(x: torch.Tensor, ws: list[QTensor], *, norm: tuple[torch.Tensor
     if norm is not None:
         norm = (norm[0].to(torch.float32).contiguous(), float(norm[1]))
     bias = None
-    if isinstance(biases, torch.Tensor):
-        bias = biases
-    elif biases is not None and any(b is not None for b in biases):
-        bias = [torch.zeros(n, device=dev) if b is None else b.reshape(n).float() for b, n in zip(biases, ns)]
-        bias = bias[0].contiguous() if len(bias) == 1 else torch.cat(bias)  # [sum N]
+    bias = biases if isinstance(biases, torch.Tensor) else join_biases(biases, ns, dev)
     if t:
         col = 0
         for i in range(0, len(ws), 3):

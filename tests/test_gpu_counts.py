@@ -23,10 +23,8 @@ def _interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-STRUCTURES = {  # the real shapes' structure at small widths: counts depend on the structure, not the widths
-    "a3b": ("tiny-qwen3moe", {"experts": 128, "experts_used": 8}),  # Qwen3-30B-A3B: 128 experts, top 8
-    "gptoss": ("tiny-gptoss", {"experts": 32, "experts_used": 4}),  # gpt-oss-20b: 32 experts, top 4, windows, sinks
-}
+STRUCTURES = {short: gpu_counts.STRUCTURES[name][:2]  # the real shapes' structure at small widths
+              for short, name in (("a3b", "a3b-L12 Q4_K_M"), ("gptoss", "gpt-oss-20b MXFP4"))}
 
 
 @pytest.fixture(scope="module")

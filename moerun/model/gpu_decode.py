@@ -42,7 +42,9 @@ class GpuDecode:
         self.inv_freq = device.upload(rope_frequencies(s.rotary_dim, s.rope_theta, s.yarn), model.dev)
         self.attn_factor = s.yarn.attention_factor if s.yarn is not None else 1.0
         self._bias: dict[int, torch.Tensor | None] = {}
-        self._graphs: dict[int, tuple] = {}  # bucket -> (graph, its inputs [bucket tokens | meta], its logits)
+        self._graphs: dict[int, tuple] = {}  # bucket -> (graph, its inputs [bucket tokens | meta], logits, pool)
+        self._hosts: dict[int, tuple] = {}  # bucket -> the page-locked host buffer its inputs come from, as numpy
+        self._copied: dict[int, device.Event] = {}  # bucket -> after the last copy out of that buffer
 
     @staticmethod
     def usable(model, kvs) -> bool:
@@ -81,15 +83,42 @@ class GpuDecode:
         bucket = next(b for b in BUCKETS if b >= B)
         with device.on_host(self.m.dev):  # the step's token ids: host memory by decode's contract
             ids = (device.to_host([tokens])[0] if tokens.is_cuda else tokens).tolist()
-        host = torch.tensor(ids + [0] * (bucket - B) + self.host_meta(kvs, pool.allocator.n_blocks, bucket),
-                            dtype=torch.int32)
+        host = self._fill(bucket, pool, ids, kvs)
         cap = self._graphs.get(bucket)
         if cap is None or cap[3] is not pool:  # a graph reads and writes its pool's caches: one per pool
             cap = self._capture(host, bucket, pool)
         else:
-            device.copy_(cap[1], host.pin_memory() if self.m.dev.is_cuda else host)
+            device.copy_(cap[1], host)
+        self._copied[bucket] = device.Event(self.m.dev).record()  # the host buffer is free again after this
         cap[0].replay()
         return cap[2][:B].clone()  # the graph's buffer is the next step's too
+
+    def _fill(self, bucket: int, pool, ids: list[int], kvs) -> torch.Tensor:
+        """The bucket's inputs [tokens | host_meta's layout, W = the pool's blocks] written in place into its own
+        page-locked host buffer (through numpy: no allocation, no torch op a step); rows past len(kvs) padding."""
+        w, n, bs = pool.allocator.n_blocks, pool.ring, pool.block_size
+        copied = self._copied.pop(bucket, None)
+        if copied is not None and not copied.query():  # the last step's copy out of the buffer is still queued
+            copied.synchronize()
+        host, v = self._hosts.get(bucket, (None, None))
+        if host is None or host.numel() != bucket * (5 + w + n):
+            host = device.pinned_empty(bucket * (5 + w + n) * 4, self.m.dev).view(torch.int32)
+            with device.on_host(self.m.dev):  # page-locked host memory: a view of it reads nothing back
+                v = host.numpy()
+            self._hosts[bucket] = (host, v)
+        head = v[:5 * bucket].reshape(5, bucket)  # tokens, positions, slots, lengths, ring slots
+        head[:] = ((0,), (0,), (-1,), (0,), (-1,))
+        table, rings = v[5 * bucket:5 * bucket + bucket * w].reshape(bucket, w), v[5 * bucket + bucket * w:]
+        for r, kv in enumerate(kvs):
+            p, blocks = kv.length, kv.blocks
+            ring = (kv._ring or 0) * n
+            head[:, r] = (ids[r], p, blocks[p // bs] * bs + p % bs, p + 1,
+                          ((ring + (p // bs) % n) * bs + p % bs) if n else -1)
+            table[r, :len(blocks)] = blocks
+            table[r, len(blocks):] = 0
+            if n:
+                rings[r * n:(r + 1) * n] = range(ring, ring + n)
+        return host
 
     def _capture(self, host: torch.Tensor, bucket: int, pool) -> tuple:
         inputs = device.upload(host, self.m.dev)  # [bucket tokens | meta], static from here on
@@ -107,10 +136,8 @@ class GpuDecode:
         for bucket in buckets:
             if bucket in self._graphs and self._graphs[bucket][3] is pool:
                 continue
-            w, n = pool.allocator.n_blocks, pool.ring
-            meta = [0] * bucket + [-1] * bucket + [0] * bucket + [-1] * bucket + [0] * (bucket * (w + n))
             with device.use(self.m.dev), torch.inference_mode():
-                self._capture(torch.tensor([0] * bucket + meta, dtype=torch.int32), bucket, pool)
+                self._capture(self._fill(bucket, pool, [], []), bucket, pool)
             made += 1
         return made
 
@@ -174,9 +201,8 @@ class GpuDecode:
         """Layer i's q | k | v biases joined (once) as matmul_multi takes them, or None."""
         if i not in self._bias:
             lw = self.m.layers[i - self.m.first]
-            parts = [(b, w.shape[0]) for b, w in ((lw.bq, lw.wq), (lw.bk, lw.wk), (lw.bv, lw.wv))]
-            self._bias[i] = None if all(b is None for b, _ in parts) else torch.cat(
-                [torch.zeros(n, device=lw.wq.data.device) if b is None else b.reshape(n).float() for b, n in parts])
+            self._bias[i] = self.tq.join_biases([lw.bq, lw.bk, lw.bv], [w.shape[0] for w in (lw.wq, lw.wk, lw.wv)],
+                                                lw.wq.data.device)
         return self._bias[i]
 
     def layer(self, i, x, pos, lengths, slots, table, ring, kc, vc, bs, window) -> None:
