@@ -20,7 +20,6 @@ the physical cores this process may run on); idle workers sleep after a short sp
 from __future__ import annotations
 
 import os
-import weakref
 from array import array
 from collections.abc import Mapping
 
@@ -28,9 +27,8 @@ import torch
 
 from moerun.quant.qtypes import INTERLEAVABLE, QTensor, QType
 
-__all__ = ["AttnLayer", "AttnRows", "Embedding", "Head", "LayerStack", "attend_prompt", "attn_block", "available", "can_interleave", "decode_layers",
-           "decode_tokens", "deinterleave", "dequant_rows", "features", "get_threads", "head_logits", "interleave", "matmul", "moe_ffn",
-           "moe_ffn_experts", "set_prefetch", "set_threads", "supports"]
+__all__ = ["attend_prompt", "available", "can_interleave", "deinterleave", "dequant_rows", "features", "get_threads",
+           "glu_down", "interleave", "matmul", "moe_ffn", "moe_ffn_experts", "set_prefetch", "set_threads", "supports"]
 
 MODE = os.environ.get("MOERUN_KERNELS", "").strip().lower()  # "" / "auto", "scalar", "off"
 
@@ -251,6 +249,26 @@ def matmul(x: torch.Tensor, w: QTensor, *, isa: str | None = None) -> torch.Tens
     return out
 
 
+def glu_down(g: torch.Tensor, u: torch.Tensor, down: QTensor, gate: torch.Tensor | None = None, *,
+             isa: str | None = None) -> torch.Tensor:
+    """down(silu(g) * u) [T, H] for g, u [T, F] float32 (g is used up), scaled row by row by sigmoid(gate [T, 1])
+    when given: a shared expert's or a dense FFN's second half, computed as the fused layers compute it."""
+    isa_id = _isa(isa)
+    _check_x(g, "g")
+    _check_x(u, "u")
+    _check_q(down, "down", 2)
+    T, F = g.shape
+    H = down.shape[0]
+    if u.shape != g.shape or down.shape[1] != F or (gate is not None and gate.numel() != T):
+        raise ValueError(f"g {tuple(g.shape)}, u {tuple(u.shape)} and down {tuple(down.shape)} do not agree")
+    gl = None if gate is None else gate.to(torch.float32).contiguous()
+    out = torch.empty((T, H), dtype=torch.float32)
+    if T:
+        _cpu.glu_down(isa_id, g.data_ptr(), u.data_ptr(), T, F, H, down.data.data_ptr(), _type(down),
+                      0 if gl is None else gl.data_ptr(), out.data_ptr())
+    return out
+
+
 MATMULS_MAX = 4  # matmul.h QK_MM_MAX
 
 
@@ -420,358 +438,6 @@ def _moe(isa_id: int, x, ids, weights, mats, E: int, I: int, H: int, pairs: bool
 FLOAT_TYPES = {torch.float32: 0}  # ggml F32; float weights enter the fused path as float32 tensors
 
 
-class AttnLayer:
-    """One layer's constant part for attn_block: its weights' addresses, types and shapes, checked once.
-
-    Weights are QTensors of a supported type or contiguous float32 tensors; norms and biases float32
-    vectors. The object keeps references to everything it points to. router=None: a dense layer.
-    experts: the routed experts' stacked (gate [E, I, H], up [E, I, H], down [E, H, I]) QTensors, for calls
-    that finish the whole layer (attn_block(..., moe=True), decode_layers).
-    gpt-oss's additions: bo the output projection's bias; sinks [n_heads] logits in the softmax's denominator;
-    window > 0: attend to the last `window` positions (the rows' ring tables, AttnRows); router_b the router's
-    bias; gating "softmax" (then top-k, renormalised with norm_topk) or "topk_softmax"; fn the experts'
-    activation and biases (as moe_ffn's).
-    """
-
-    def __init__(self, *, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: str | None,
-                 rope_style: str, attn_norm, ffn_norm, wq, wk, wv, wo, q_norm=None, k_norm=None, bq=None,
-                 bk=None, bv=None, router=None, n_used: int = 0, norm_topk: bool = False, experts=None, bo=None,
-                 sinks=None, window: int = 0, router_b=None, gating: str = "softmax", fn=None):
-        _need()
-        q_dim, kv_dim = n_heads * head_dim, n_kv_heads * head_dim
-        if n_heads % n_kv_heads or head_dim % 2:
-            raise ValueError(f"{n_heads} heads over {n_kv_heads} KV heads of dim {head_dim}: not supported")
-        if gating not in GATINGS or window < 0:
-            raise ValueError(f"gating {gating!r} not in {list(GATINGS)}, or a negative window {window}")
-        f = {"hidden": hidden, "n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim,
-             "qk_norm": {None: 0, "full": 1, "head": 2}[qk_norm], "neox": int(rope_style == "neox"),
-             "window": window, "gating": GATINGS[gating]}
-        self._keep = []
-        norm_len = {"full": (q_dim, kv_dim), "head": (head_dim, head_dim)}.get(qk_norm, (None, None))
-        n_experts = 0 if router is None else router.shape[0]
-        for name, t, n in (("attn_norm", attn_norm, hidden), ("ffn_norm", ffn_norm, hidden),
-                           ("q_norm", q_norm, norm_len[0]), ("k_norm", k_norm, norm_len[1]),
-                           ("bq", bq, q_dim), ("bk", bk, kv_dim), ("bv", bv, kv_dim), ("bo", bo, hidden),
-                           ("sinks", sinks, n_heads), ("router_b", router_b, n_experts or None)):
-            f[name] = self._vector(name, t, n)
-        for name, w, shape in (("wq", wq, (q_dim, hidden)), ("wk", wk, (kv_dim, hidden)),
-                               ("wv", wv, (kv_dim, hidden)), ("wo", wo, (hidden, q_dim)),
-                               ("router", router, (n_experts, hidden))):
-            f[name], f[name + "_type"] = (0, 0) if w is None else self._matrix(name, w, shape)
-        if router is not None and not 1 <= n_used <= n_experts:
-            raise ValueError(f"n_used {n_used} out of 1..{n_experts}")
-        f.update(n_experts=n_experts, n_used=n_used, norm_topk=int(norm_topk))
-        f.update(self._experts(experts, n_experts, hidden))
-        f.update(self._fn(fn, n_experts, f["n_ff"], hidden))
-        self.desc = torch.tensor([f[name] for name in _cpu.attn_fields()], dtype=torch.int64)
-        self.hidden, self.kv_dim, self.n_used, self.routed = hidden, kv_dim, n_used, router is not None
-        self.whole = experts is not None  # the call can run the routed experts too
-        self.window = window
-
-    def _fn(self, fn, E: int, I: int, H: int) -> dict[str, int]:
-        if fn is None:
-            return {"act": 0, "act_params": 0, "gate_b": 0, "up_b": 0, "down_b": 0}
-        act, alpha, limit, gb, ub, db = _fn_args(fn, E, I, H)
-        params = torch.tensor([alpha, limit], dtype=torch.float32)
-        self._keep += [params, *(fn.biases or ())]
-        return {"act": act, "act_params": params.data_ptr(), "gate_b": gb, "up_b": ub, "down_b": db}
-
-    def _experts(self, experts, E: int, H: int) -> dict[str, int]:
-        if experts is None:
-            return dict.fromkeys(("gate", "gate_stride", "gate_type", "up", "up_stride", "up_type", "down",
-                                  "down_stride", "down_type", "n_ff"), 0)
-        if E == 0:
-            raise ValueError("experts given to a dense layer")
-        gate, up, down = experts
-        for name, q in (("gate", gate), ("up", up), ("down", down)):
-            _check_q(q, name, 3)
-        I = gate.shape[1]
-        if gate.shape != (E, I, H) or up.shape != (E, I, H) or down.shape != (E, H, I):
-            raise ValueError(f"expert shapes gate {gate.shape}, up {up.shape}, down {down.shape}: want gate = up = "
-                             f"({E}, I, {H}) and down = ({E}, {H}, I)")
-        f = {"n_ff": I}
-        for name, q in (("gate", gate), ("up", up), ("down", down)):
-            self._keep.append(q.data)
-            f.update({name: q.data.data_ptr(), name + "_stride": q.nbytes // E, name + "_type": _type(q)})
-        return f
-
-    def _vector(self, name: str, t, n: int | None) -> int:
-        if t is None:
-            return 0
-        if n is None or not (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.is_cpu
-                             and t.is_contiguous() and t.numel() == n):
-            raise ValueError(f"{name} must be a contiguous float32 CPU vector of {n} values")
-        self._keep.append(t)
-        return t.data_ptr()
-
-    def _matrix(self, name: str, w, shape) -> tuple[int, int]:
-        data, ggml = _matrix_data(name, w, shape)
-        self._keep.append(data)
-        return data.data_ptr(), ggml
-
-
-def _matrix_data(name: str, w, shape) -> tuple[torch.Tensor, int]:
-    """(the bytes the kernels read, their type id) of a matrix: a supported QTensor or float32 CPU tensor."""
-    if isinstance(w, QTensor):
-        _check_q(w, name, 2)
-        ok, data, ggml = tuple(w.shape) == shape, w.data, _type(w)
-    else:
-        ok = (isinstance(w, torch.Tensor) and w.dtype in FLOAT_TYPES and w.is_cpu and w.is_contiguous()
-              and tuple(w.shape) == shape)
-        data, ggml = w, FLOAT_TYPES.get(getattr(w, "dtype", None), -1)
-    if not ok:
-        raise ValueError(f"{name} must be a supported QTensor or a contiguous float32 CPU tensor of shape {shape}")
-    return data, ggml
-
-
-class Head:
-    """The output norm and projection for decode_layers: logits = rms_norm(x, norm) @ weight^T, checked once."""
-
-    def __init__(self, norm: torch.Tensor, weight, hidden: int):
-        if not (isinstance(norm, torch.Tensor) and norm.dtype == torch.float32 and norm.is_cpu
-                and norm.is_contiguous() and norm.numel() == hidden):
-            raise ValueError(f"the output norm must be a contiguous float32 CPU vector of {hidden} values")
-        rows = getattr(weight, "shape", (0,))[0]
-        self.data, self.type = _matrix_data("head", weight, (rows, hidden))
-        self.norm, self.rows, self.hidden = norm, rows, hidden
-
-
-class Embedding:
-    """An embedding table decode_tokens looks tokens up in (in C, as dequant_rows does): a QTensor [V, hidden] in
-    GGUF's layout, of a type the kernels dequantize (else ValueError)."""
-
-    def __init__(self, table: QTensor, hidden: int):
-        _need()
-        if not isinstance(table, QTensor) or table.interleave != 1 or len(table.shape) != 2 or \
-                table.shape[1] != hidden or not table.data.is_cpu:
-            raise ValueError(f"the embedding must be a CPU QTensor [vocab, {hidden}] in GGUF's layout")
-        _check_q(table, "embedding", 2)
-        self.data, self.type, self.rows, self.hidden = table.data, _type(table), table.shape[0], hidden
-        try:  # no rows: only the type and width are checked
-            _cpu.dequant_rows(self.type, self.data.data_ptr(), self.rows, hidden, 0, 0, 0)
-        except ValueError:
-            raise ValueError(f"no CPU lookup for {table.qtype.name} embeddings") from None
-
-
-GATINGS = {"softmax": 0, "topk_softmax": 1}  # attn.h's gating
-
-
-def _check_rows(slot_tables: list[torch.Tensor], ring_tables: list[torch.Tensor], pos: list[int],
-                rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> None:
-    """A step's slot tables cover their rows' positions, and the RoPE tables reach past the last (AttnRows's and
-    decode_tokens' checks)."""
-    for t, p in zip(slot_tables + ring_tables, pos + pos):
-        if t.dtype != torch.int64 or not t.is_cpu or not t.is_contiguous() or t.dim() != 1 or not 0 <= p < len(t):
-            raise ValueError("slot tables must be contiguous int64 CPU vectors covering their row's position")
-    for name, t in (("rope_cos", rope_cos), ("rope_sin", rope_sin)):
-        if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() or t.shape[0] <= max(pos):
-            raise ValueError(f"{name} must be a contiguous float32 CPU table past position {max(pos)}")
-
-
-class AttnRows:
-    """The rows of one step for attn_block, checked once and shared by every layer.
-
-    Row r is the token at position pos[r] of a sequence whose position p lives in cache slot
-    slot_tables[r][p] (int64; positions 0..pos[r] reserved, earlier ones filled), and in windowed layers in
-    slot ring_tables[r][p] (default: the same tables); rope_cos / rope_sin [positions > max(pos), head_dim / 2]
-    float32.
-    """
-
-    def __init__(self, slot_tables: list[torch.Tensor], pos: torch.Tensor, rope_cos: torch.Tensor,
-                 rope_sin: torch.Tensor, ring_tables: list[torch.Tensor] | None = None):
-        B = len(slot_tables)
-        if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or pos.shape != (B,) or B == 0:
-            raise ValueError(f"pos must be int64 [{B}] (one position per slot table)")
-        plist = pos.tolist()
-        ring_tables = slot_tables if ring_tables is None else ring_tables
-        if len(ring_tables) != B:
-            raise ValueError(f"{len(ring_tables)} ring tables for {B} rows")
-        _check_rows(slot_tables, ring_tables, plist, rope_cos, rope_sin)
-        self.B, self.pos, self.cos, self.sin = B, pos.contiguous(), rope_cos, rope_sin
-        self.tables, self._plist, self._max = (slot_tables, ring_tables), plist, None
-        self.slots = torch.tensor([t.data_ptr() for t in slot_tables], dtype=torch.int64)
-        self.wslots = torch.tensor([t.data_ptr() for t in ring_tables], dtype=torch.int64)
-
-    @property
-    def max_slot(self) -> int:
-        """The highest slot the slot tables name (positions 0..pos[r]), for attn_block's check of a cache's size
-        (decode_layers checks in C)."""
-        return self._maxes()[0]
-
-    @property
-    def max_wslot(self) -> int:
-        return self._maxes()[1]
-
-    def _maxes(self) -> tuple[int, int]:
-        if self._max is None:
-            self._max = tuple(_max_slot(tables, self._plist) for tables in self.tables)
-        return self._max
-
-
-def _max_slot(tables: list[torch.Tensor], plist: list[int]) -> int:
-    used = [t[: p + 1] for t, p in zip(tables, plist)]
-    if min(int(u.min()) for u in used) < 0:
-        raise ValueError("negative cache slot")
-    return max(int(u.max()) for u in used)
-
-
-def attn_block(layer: AttnLayer, x: torch.Tensor, rows: AttnRows, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               eps: float, clip: float | None = None, *, moe: bool = False, isa: str | None = None):
-    """The attention half of a layer for rows.B rows (see kernels/csrc/attn.h), x [B, hidden] updated in
-    place. k_cache / v_cache: this layer's [slots, ...] cache holding every slot the rows' tables name, float32
-    or float16 of kv_heads x head_dim values a slot, or uint8 of the same values in Q8_0 blocks (KV_Q8_0_BYTES
-    per 32; head_dim a multiple of 32). Returns (xn [B, hidden]: ffn_norm of the new x, ids [B, k] int64,
-    weights [B, k] float32), the last two None for a dense layer. moe=True (a layer built with its experts): x
-    also gets the routed experts' output, so the whole layer is done."""
-    isa_id = _isa(isa)
-    _check_step(layer.hidden, x, rows, k_cache, v_cache)
-    kt, vt = _check_cache(layer.kv_dim, rows, k_cache, v_cache, layer.window)
-    if moe and not layer.whole:
-        raise ValueError("moe=True needs a layer built with its experts")
-    B = rows.B
-    xn = torch.empty_like(x)
-    k = layer.n_used if layer.routed else 1
-    ids, w = torch.empty((B, k), dtype=torch.int64), torch.empty((B, k), dtype=torch.float32)
-    slots = rows.wslots if layer.window else rows.slots
-    _cpu.attn_block(isa_id, layer.desc.data_ptr(), x.data_ptr(), B, slots.data_ptr(), rows.pos.data_ptr(),
-                    k_cache.data_ptr(), v_cache.data_ptr(), rows.cos.data_ptr(), rows.sin.data_ptr(), eps,
-                    clip or 0.0, xn.data_ptr(), ids.data_ptr(), w.data_ptr(), int(moe), kt, vt)
-    return (xn, ids, w) if layer.routed else (xn, None, None)
-
-
-class LayerStack:
-    """Consecutive whole layers (AttnLayers built with their experts) for decode_layers, checked once."""
-
-    def __init__(self, layers: list[AttnLayer]):
-        if not layers or not all(isinstance(la, AttnLayer) and la.whole for la in layers):
-            raise ValueError("a LayerStack takes AttnLayers built with their experts")
-        first = layers[0]
-        if any((la.hidden, la.kv_dim, la.n_used) != (first.hidden, first.kv_dim, first.n_used) for la in layers):
-            raise ValueError("the layers of a stack must share hidden size, KV width and experts per token")
-        self.layers, self.hidden, self.kv_dim, self.n_used = layers, first.hidden, first.kv_dim, first.n_used
-        self.addrs = torch.tensor([la.desc.data_ptr() for la in layers], dtype=torch.int64)
-        self.bound: _Bound | None = None  # decode_layers' last caches and head, checked
-
-
-class _Bound:
-    """A LayerStack's binding to its layers' KV caches and head, checked once and kept on the stack, so that a
-    decode step is one call with little Python around it: after a step has streamed the weights through the
-    caches, every Python and torch operation runs from cold caches (~5x its warm time; ~0.9 ms of a 13 ms a3b-L12
-    token went to the checks and tensors made around the call before). It holds the caches by weak reference:
-    the same tensor objects, still alive, mean the same memory; anything else binds anew."""
-
-    def __init__(self, stack: LayerStack, caches: list[tuple[torch.Tensor, torch.Tensor]], head: Head | None):
-        n = len(stack.layers)
-        if len(caches) != n:
-            raise ValueError(f"{len(caches)} caches for the stack's {n} layers")
-        if head is not None and head.hidden != stack.hidden:
-            raise ValueError(f"the head takes {head.hidden} features, the layers give {stack.hidden}")
-        types, held = set(), {False: [], True: []}
-        for la, (kc, vc) in zip(stack.layers, caches):
-            for name, t in (("k_cache", kc), ("v_cache", vc)):
-                if not isinstance(t, torch.Tensor) or t.dtype not in KV_GGML_TYPES or not t.is_cpu or \
-                        not t.is_contiguous():
-                    raise ValueError(f"{name} must be a contiguous float32, float16 or uint8 (Q8_0) CPU tensor")
-            types.add(_check_cache(stack.kv_dim, None, kc, vc))
-            held[bool(la.window)].append(min(kc.shape[0], vc.shape[0]))
-        if len(types) != 1:
-            raise ValueError(f"the stack's caches must be of one type, got {sorted(types)}")
-        self.kt, self.vt = types.pop()
-        self.nslots, self.nwslots = (min(held[w], default=0) for w in (False, True))
-        self.refs = [weakref.ref(t) for pair in caches for t in pair]
-        self.head = head
-        self.kcs = torch.tensor([kc.data_ptr() for kc, _ in caches], dtype=torch.int64)
-        self.vcs = torch.tensor([vc.data_ptr() for _, vc in caches], dtype=torch.int64)
-        self.tail = (0, 0, 0, 0) if head is None else (head.norm.data_ptr(), head.data.data_ptr(), head.type, head.rows)
-        self.scratch: dict[int, tuple[torch.Tensor, ...]] = {}  # B -> xn, ids, w: written and read within a call
-
-    def fits(self, caches, head) -> bool:
-        return (head is self.head and len(caches) * 2 == len(self.refs)
-                and all(r() is t for r, t in zip(self.refs, (t for pair in caches for t in pair))))
-
-
-def decode_layers(stack: LayerStack, x: torch.Tensor, rows: AttnRows, caches: list[tuple[torch.Tensor, torch.Tensor]],
-                  eps: float, clip: float | None = None, head: Head | None = None, *,
-                  isa: str | None = None) -> torch.Tensor:
-    """Every layer of the stack, whole (attention and routed experts), on rows.B rows: x [B, hidden] updated in
-    place and returned, or with `head` the logits [B, head.rows] float32 of the result.
-    caches: layer l's (k, v) [slots, kv_heads, head_dim] float32, float16 or Q8_0 (a windowed layer's indexed by
-    the rows' ring tables). The stack keeps what it checked of the caches and head for the next call with the same
-    ones (a pool hands out the same cache views each step); the slots the rows name are checked in C."""
-    isa_id = _isa(isa)
-    bound = stack.bound
-    if bound is None or not bound.fits(caches, head):
-        bound = stack.bound = _Bound(stack, caches, head)
-    B = rows.B
-    if not (isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.is_cpu and x.is_contiguous()
-            and x.shape == (B, stack.hidden)):
-        _check_x(x, "x")
-        raise ValueError(f"x {tuple(x.shape)} must be [{B}, {stack.hidden}]")
-    scratch = bound.scratch.get(B)
-    if scratch is None:
-        scratch = bound.scratch[B] = (torch.empty((B, stack.hidden)), torch.empty((B, stack.n_used), dtype=torch.int64),
-                                      torch.empty((B, stack.n_used)))
-    xn, ids, w = scratch[:3]
-    logits = None if head is None else torch.empty((B, head.rows))
-    _cpu.decode_layers(isa_id, len(stack.layers), stack.addrs.data_ptr(), x.data_ptr(), B, rows.slots.data_ptr(),
-                       rows.wslots.data_ptr(), rows.pos.data_ptr(), bound.kcs.data_ptr(), bound.vcs.data_ptr(),
-                       rows.cos.data_ptr(), rows.sin.data_ptr(), eps, clip or 0.0, xn.data_ptr(), ids.data_ptr(),
-                       w.data_ptr(), *bound.tail, 0 if logits is None else logits.data_ptr(), bound.kt, bound.vt,
-                       bound.nslots, bound.nwslots, 0, 0, 0, 0, 0)
-    return x if logits is None else logits
-
-
-def decode_tokens(stack: LayerStack, embd: Embedding, tokens: list[int], pos: list[int],
-                  slot_tables: list[torch.Tensor], ring_tables: list[torch.Tensor], rope_cos: torch.Tensor,
-                  rope_sin: torch.Tensor, caches: list[tuple[torch.Tensor, torch.Tensor]], eps: float,
-                  clip: float | None, head: Head, threads: int = 0, *, isa: str | None = None) -> torch.Tensor:
-    """A whole small step from token ids to logits in one call: embd's rows for tokens (B ints), every layer of
-    the stack (row r at position pos[r] of the sequence whose slots slot_tables[r] / ring_tables[r] hold, as
-    AttnRows says), then the head -> logits [B, head.rows] float32. What decode_layers(..., head) gives on the
-    looked-up embeddings, with nothing built in torch but the logits (each torch operation after a step runs
-    from cold caches). threads > 0: the kernel pool runs the call on that many threads."""
-    isa_id = _isa(isa)
-    bound = stack.bound
-    if bound is None or not bound.fits(caches, head):
-        bound = stack.bound = _Bound(stack, caches, head)
-    B = len(tokens)
-    if head is None or not isinstance(embd, Embedding) or embd.hidden != stack.hidden:
-        raise ValueError("decode_tokens needs the model's head and an Embedding of the stack's width")
-    if B == 0 or len(pos) != B or len(slot_tables) != B or len(ring_tables) != B:
-        raise ValueError(f"{B} tokens need as many positions and slot tables (at least one)")
-    _check_rows(slot_tables, ring_tables, pos, rope_cos, rope_sin)
-    scratch = bound.scratch.get(B)
-    if scratch is None or len(scratch) < 4:
-        scratch = bound.scratch[B] = (torch.empty((B, stack.hidden)), torch.empty((B, stack.n_used), dtype=torch.int64),
-                                      torch.empty((B, stack.n_used)), torch.empty((B, stack.hidden)))
-    xn, ids, w, x = scratch
-    toks, where = array("q", tokens), array("q", pos)
-    slots = array("Q", [t.data_ptr() for t in slot_tables])
-    wslots = array("Q", [t.data_ptr() for t in ring_tables])
-    logits = torch.empty((B, head.rows))
-    _cpu.decode_layers(isa_id, len(stack.layers), stack.addrs.data_ptr(), x.data_ptr(), B, slots.buffer_info()[0],
-                       wslots.buffer_info()[0], where.buffer_info()[0], bound.kcs.data_ptr(), bound.vcs.data_ptr(),
-                       rope_cos.data_ptr(), rope_sin.data_ptr(), eps, clip or 0.0, xn.data_ptr(), ids.data_ptr(),
-                       w.data_ptr(), *bound.tail, logits.data_ptr(), bound.kt, bound.vt, bound.nslots, bound.nwslots,
-                       embd.data.data_ptr(), embd.type, embd.rows, toks.buffer_info()[0], max(0, threads))
-    return logits
-
-
-def head_logits(head: Head, x: torch.Tensor, eps: float, *, isa: str | None = None) -> torch.Tensor:
-    """rms_norm(x [T, hidden], head.norm) @ head.weight^T -> logits [T, head.rows] float32 (the computation
-    decode_layers ends with, for steps that do not run whole)."""
-    isa_id = _isa(isa)
-    _check_x(x, "x")
-    if x.shape[1] != head.hidden:
-        raise ValueError(f"x has {x.shape[1]} features, the head takes {head.hidden}")
-    T = x.shape[0]
-    xn, logits = torch.empty_like(x), torch.empty((T, head.rows), dtype=torch.float32)
-    if T:
-        _cpu.head(isa_id, x.data_ptr(), T, head.hidden, head.norm.data_ptr(), eps, head.data.data_ptr(), head.type,
-                  head.rows, xn.data_ptr(), logits.data_ptr())
-    return logits
-
-
 def attend_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
                   scale: float, sinks: torch.Tensor | None = None, window: int = 0, *, isa: str | None = None
                   ) -> torch.Tensor:
@@ -794,33 +460,6 @@ def attend_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
         _cpu.attn_prompt(isa_id, q.data_ptr(), T, nh, D, k.data_ptr(), v.data_ptr(), S, nkv, Dv, qp.data_ptr(),
                          kp.data_ptr(), float(scale), int(window), 0 if sk is None else sk.data_ptr(), out.data_ptr())
     return out
-
-
-def _check_step(hidden: int, x, rows: AttnRows, k_cache, v_cache) -> None:
-    _check_x(x, "x")
-    if x.shape != (rows.B, hidden):
-        raise ValueError(f"x {tuple(x.shape)} must be [{rows.B}, {hidden}]")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype not in KV_GGML_TYPES or not t.is_cpu or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous float32, float16 or uint8 (Q8_0) CPU tensor")
-
-
-KV_GGML_TYPES = {torch.float32: 0, torch.float16: 1, torch.uint8: 8}  # a cache's storage -> its ggml type id
-KV_Q8_0_BYTES = 34  # a Q8_0 block: an f16 scale and 32 int8
-
-
-def _check_cache(kv_dim: int, rows: AttnRows | None, k_cache, v_cache, window: int = 0) -> tuple[int, int]:
-    """One layer's caches: kv_dim values for each slot its tables (a windowed layer's: the rings) name (rows None:
-    at least one slot) -> their ggml type ids."""
-    top = 0 if rows is None else rows.max_wslot if window else rows.max_slot
-    out = []
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        want = kv_dim // 32 * KV_Q8_0_BYTES if t.dtype == torch.uint8 else kv_dim
-        if t.dim() < 1 or t[0].numel() != want or t.shape[0] <= top or (t.dtype == torch.uint8 and kv_dim % 32):
-            raise ValueError(f"{name} must be a contiguous CPU tensor of {kv_dim} values (float32, float16 or Q8_0 "
-                             f"blocks) for each of > {top} slots")
-        out.append(KV_GGML_TYPES[t.dtype])
-    return tuple(out)
 
 
 # ------------------------------------------------------------------------------------------ checks

@@ -23,6 +23,7 @@ from moerun.cli import main
 from moerun.config import RuntimeConfig, SamplingParams
 from moerun.engine.kv_cache import KVPool, SeqKV
 from moerun.loading import load_model
+from moerun.model.fused import FusedAttention
 from moerun.runtime import build as build_runtime
 
 TEXT = "the quick brown fox jumps over the lazy dog, and then the quick brown fox"
@@ -73,11 +74,20 @@ def names_outside_llama_cpp(path, model_arch) -> list[str]:
     return [n for n in names if not any(rx.match(n) for rx in allowed)]
 
 
-def count_kernel_calls(ops, names: tuple[str, ...] = ("matmul", "moe_ffn_experts", "moe_ffn")) -> dict[str, int]:
+def count_kernel_calls(ops, names: tuple[str, ...] = ("matmul", "moe_ffn_experts", "moe_ffn"),
+                       fused=None) -> dict[str, int]:
     """Count the C kernels' calls of `names` (moerun.kernels.cpu functions) made through `ops` (KernelOps) from
-    now on; "experts" counts routed-expert calls of either form (experts one by one, or their stacks)."""
-    real, calls = ops.cpu, dict.fromkeys(names, 0)
+    now on, and with `fused` (a model's FusedAttention) its calls of moerun.kernels.layer functions; "experts"
+    counts routed-expert calls of either form (experts one by one, or their stacks)."""
+    calls = dict.fromkeys(names, 0)
     calls["experts"] = 0
+    ops.cpu = _spy(ops.cpu, calls)
+    if fused is not None:
+        fused.kl = _spy(fused.kl, calls)
+    return calls
+
+
+def _spy(real, calls: dict[str, int]):
 
     class Spy:
         def __getattr__(self, name):
@@ -92,8 +102,7 @@ def count_kernel_calls(ops, names: tuple[str, ...] = ("matmul", "moe_ffn_experts
 
             return counted
 
-    ops.cpu = Spy()
-    return calls
+    return Spy()
 
 
 def rel_err(got, ref) -> float:
@@ -367,15 +376,16 @@ def dequantized_reference(path, config, names: dict[str, str], join: Callable | 
 
 def kernel_path_errors(path: str, oracle, model, tokens) -> tuple[dict[str, int], float, float]:
     """A quantized GGUF through the torch reference (within 1e-4 of `oracle`, transformers on gguf.quants'
-    weights) and through the C kernels (the fused whole-layer path off: no family past the first four has it)
+    weights) and through the C kernels (a whole prompt at once: the layer loop, not the fused small-step path)
     -> the kernels' call counts and the relative logit error against the oracle and against `model` (fp32)."""
     pytest.importorskip("moerun.kernels._cpu")
     want = reference_logits(oracle, tokens)
     assert (load_model(path, kernels=False).model.forward(tokens) - want).abs().max().item() < 1e-4
     fast = load_model(path)
-    assert fast.model.fused is None and fast.model.ops.name == "cpu-kernels"
-    calls = count_kernel_calls(fast.model.ops)
+    assert fast.model.ops.name == "cpu-kernels" and len(tokens) > FusedAttention.MAX_ROWS
+    calls = count_kernel_calls(fast.model.ops, ("matmul", "moe_ffn_experts", "moe_ffn", "glu_down"))
     got = fast.model.forward(tokens)
+    calls["matmul"] += calls.pop("glu_down")  # an FFN's down projection, behind its activation
     return calls, rel_err(got, want), rel_err(got, reference_logits(model, tokens))
 
 

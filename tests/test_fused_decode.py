@@ -19,7 +19,17 @@ from moerun.quant.qtypes import QTensor, QType, row_bytes
 from moerun.tools.convert import convert_hf_to_gguf
 
 cpu = pytest.importorskip("moerun.kernels.cpu")
+kl = pytest.importorskip("moerun.kernels.layer")
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU kernels not built")
+
+ATTENTION_FIELDS = {"n_heads", "n_kv_heads", "head_dim", "qk_norm", "rope_style", "wq", "wk", "wv", "wo", "q_norm",
+                    "k_norm", "bq", "bk", "bv", "bo", "sinks", "window", "rope_dim", "gate", "scale"}
+
+
+def attn_layer(**fields) -> kl.Layer:
+    """A Layer with attention from one flat set of fields (the attention's and the layer's)."""
+    att = {k: fields.pop(k) for k in list(fields) if k in ATTENTION_FIELDS}
+    return kl.Layer(attention=kl.Attention(**att), **fields)
 
 DEQUANT_TYPES = ("Q4_0", "Q8_0", "MXFP4", "IQ4_XS", "Q4_K", "Q5_K", "Q6_K")
 
@@ -80,7 +90,7 @@ def torch_block(p, x, tables, pos, kc, vc, cos, sin, eps, clip, stored=lambda t:
 
 
 def random_block(g, head_dim: int, H: int, nh: int, nkv: int, E: int, n_used: int):
-    """A random F32 attention block: its weights as torch_block takes them, the kernel's AttnLayer, and the
+    """A random F32 attention block: its weights as torch_block takes them, the kernel's Layer, and the
     drawing function (rnd(*shape, scale))."""
     def rnd(*shape, scale=0.3):
         return (torch.randn(*shape, generator=g) * scale).contiguous()
@@ -90,7 +100,7 @@ def random_block(g, head_dim: int, H: int, nh: int, nkv: int, E: int, n_used: in
          "wq": rnd(nh * head_dim, H), "wk": rnd(nkv * head_dim, H), "wv": rnd(nkv * head_dim, H),
          "bq": rnd(nh * head_dim), "bk": rnd(nkv * head_dim), "bv": rnd(nkv * head_dim),
          "wo": rnd(H, nh * head_dim, scale=0.1), "router": rnd(E, H)}
-    layer = cpu.AttnLayer(hidden=H, n_heads=nh, n_kv_heads=nkv, head_dim=head_dim, qk_norm="head", rope_style="neox",
+    layer = attn_layer(hidden=H, n_heads=nh, n_kv_heads=nkv, head_dim=head_dim, qk_norm="head", rope_style="neox",
                           attn_norm=p["attn_norm"], ffn_norm=p["ffn_norm"], wq=p["wq"], wk=p["wk"], wv=p["wv"],
                           wo=p["wo"], q_norm=p["q_norm"], k_norm=p["k_norm"], bq=p["bq"], bk=p["bk"], bv=p["bv"],
                           router=p["router"], n_used=n_used, norm_topk=True)
@@ -115,7 +125,7 @@ def test_attn_block_matches_plain_torch(head_dim):
     want = torch_block(p, x, tables, pos, kc.clone(), vc.clone(), cos, sin, 1e-6, 1.5)
     for isa in cpu.features()["isas"]:
         xk, kk, vk = x.clone(), kc.clone(), vc.clone()
-        xn, ids, w = cpu.attn_block(layer, xk, cpu.AttnRows(tables, pos, cos, sin), kk, vk, 1e-6, 1.5, isa=isa)
+        xn, ids, w = kl.attn_block(layer, xk, kl.AttnRows(tables, pos, cos, sin), kk, vk, 1e-6, 1.5, isa=isa)
         assert (xk - want[0]).abs().max() < 2e-5, isa
         assert (xn - want[1]).abs().max() < 2e-5, isa
         assert torch.equal(ids, want[2]), isa
@@ -154,7 +164,7 @@ def test_attn_block_reads_and_writes_f16_and_q8_0_caches(head_dim, kv):
     for isa in cpu.features()["isas"]:
         xk = x.clone()
         kc, vc = (t.encode(c, dt).view(120, *shape).contiguous() for c in (kf, vf))
-        xn, ids, _ = cpu.attn_block(layer, xk, cpu.AttnRows(tables, pos, cos, sin), kc, vc, 1e-6, 1.5, isa=isa)
+        xn, ids, _ = kl.attn_block(layer, xk, kl.AttnRows(tables, pos, cos, sin), kc, vc, 1e-6, 1.5, isa=isa)
         assert (xn - want[1]).abs().max() < 1e-4, isa
         assert (xk - want[0]).abs().max() < 1e-4, (isa, (xk - want[0]).abs().max())
         assert torch.equal(ids, want[2]), isa
@@ -169,21 +179,21 @@ def test_attn_rows_and_caches_are_checked():
     t = torch.arange(8)
     cos = sin = torch.zeros(16, 4)
     with pytest.raises(ValueError, match="slot tables"):
-        cpu.AttnRows([t], torch.tensor([8]), cos, sin)  # position beyond its table
+        kl.AttnRows([t], torch.tensor([8]), cos, sin)  # position beyond its table
     with pytest.raises(ValueError, match="rope_cos"):
-        cpu.AttnRows([t], torch.tensor([3]), torch.zeros(3, 4), sin)
+        kl.AttnRows([t], torch.tensor([3]), torch.zeros(3, 4), sin)
     H = 32
-    layer = cpu.AttnLayer(hidden=H, n_heads=1, n_kv_heads=1, head_dim=8, qk_norm=None, rope_style="neox",
+    layer = attn_layer(hidden=H, n_heads=1, n_kv_heads=1, head_dim=8, qk_norm=None, rope_style="neox",
                           attn_norm=torch.ones(H), ffn_norm=torch.ones(H), wq=torch.zeros(8, H), wk=torch.zeros(8, H),
                           wv=torch.zeros(8, H), wo=torch.zeros(H, 8))
-    rows = cpu.AttnRows([t], torch.tensor([5]), cos, sin)
+    rows = kl.AttnRows([t], torch.tensor([5]), cos, sin)
     with pytest.raises(ValueError, match="k_cache"):
-        cpu.attn_block(layer, torch.zeros(1, H), rows, torch.zeros(5, 1, 8), torch.zeros(5, 1, 8), 1e-6)  # no slot 5
-    xn, ids, w = cpu.attn_block(layer, torch.zeros(1, H), rows, torch.zeros(8, 1, 8), torch.zeros(8, 1, 8), 1e-6)
+        kl.attn_block(layer, torch.zeros(1, H), rows, torch.zeros(5, 1, 8), torch.zeros(5, 1, 8), 1e-6)  # no slot 5
+    xn, ids, w = kl.attn_block(layer, torch.zeros(1, H), rows, torch.zeros(8, 1, 8), torch.zeros(8, 1, 8), 1e-6)
     assert xn.shape == (1, H) and ids is None and w is None
-    negative = cpu.AttnRows([torch.tensor([0, -1])], torch.tensor([1]), cos, sin)  # checked where a cache is read
+    negative = kl.AttnRows([torch.tensor([0, -1])], torch.tensor([1]), cos, sin)  # checked where a cache is read
     with pytest.raises(ValueError, match="negative"):
-        cpu.attn_block(layer, torch.zeros(1, H), negative, torch.zeros(8, 1, 8), torch.zeros(8, 1, 8), 1e-6)
+        kl.attn_block(layer, torch.zeros(1, H), negative, torch.zeros(8, 1, 8), torch.zeros(8, 1, 8), 1e-6)
 
 
 def test_attn_layer_rejects_mismatched_weights():
@@ -191,13 +201,13 @@ def test_attn_layer_rejects_mismatched_weights():
     good = {"hidden": H, "n_heads": 2, "n_kv_heads": 2, "head_dim": 32, "qk_norm": None, "rope_style": "neox",
             "attn_norm": torch.ones(H), "ffn_norm": torch.ones(H), "wq": torch.zeros(64, H), "wk": torch.zeros(64, H),
             "wv": torch.zeros(64, H), "wo": torch.zeros(H, 64)}
-    cpu.AttnLayer(**good)
+    attn_layer(**good)
     with pytest.raises(ValueError, match="wk"):
-        cpu.AttnLayer(**(good | {"wk": torch.zeros(32, H)}))
+        attn_layer(**(good | {"wk": torch.zeros(32, H)}))
     with pytest.raises(ValueError, match="attn_norm"):
-        cpu.AttnLayer(**(good | {"attn_norm": torch.ones(H, dtype=torch.float64)}))
+        attn_layer(**(good | {"attn_norm": torch.ones(H, dtype=torch.float64)}))
     with pytest.raises(ValueError, match="heads"):
-        cpu.AttnLayer(**(good | {"n_kv_heads": 3}))
+        attn_layer(**(good | {"n_kv_heads": 3}))
 
 
 # -------------------------------------------------------------------------------- whole models

@@ -328,8 +328,8 @@ def test_quantized_conversion_runs_through_the_c_kernels(wide, tokens, tmp_path,
     assert (ref_path - oracle).abs().max().item() < 1e-4
     fast = load_model(path)
     assert fast.model.fused is not None and fast.model.store.get(0, 0).gate.qtype == experts
-    calls = count_kernel_calls(fast.model.ops, ("matmul", "moe_ffn", "head_logits", "decode_tokens"))
-    fast.model.fused.cpu = fast.model.ops.cpu  # the fused path's calls counted too
+    calls = count_kernel_calls(fast.model.ops, ("matmul", "moe_ffn", "head_logits", "decode_tokens"),
+                               fused=fast.model.fused)  # the fused path's calls counted too
     got = fast.model.forward(tokens)
     assert calls == {"matmul": 3 * 4, "moe_ffn": 3, "experts": 3, "head_logits": 1, "decode_tokens": 0}, calls
     e_oracle, e_fp32 = rel_err(got, oracle), rel_err(got, reference_logits(model, tokens))

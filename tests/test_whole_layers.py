@@ -14,6 +14,7 @@ from moerun.model.moe import CachedExperts, ResidentExperts
 from moerun.tools.convert import convert_hf_to_gguf
 
 cpu = pytest.importorskip("moerun.kernels.cpu")
+kl = pytest.importorskip("moerun.kernels.layer")
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU kernels not built")
 
 
@@ -54,7 +55,7 @@ class Forbidden:
         raise AssertionError(f"{self.what} ran in Python: the whole-layer path was not taken")
 
 
-@pytest.mark.parametrize("family", ["qwen3moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen3moe", "qwen2moe", "mixtral", "olmoe"])
 def test_whole_layers_equal_the_per_layer_path(q8_model, tokens32, family, monkeypatch):
     model = q8_model(family)
     assert all(model.fused.whole(j) for j in range(len(model.layers)))
@@ -70,12 +71,6 @@ def test_whole_layers_equal_the_per_layer_path(q8_model, tokens32, family, monke
         whole = steps(model, kv, tokens32)
     err = (whole - per_layer).abs().max().item()
     assert err < 1e-5, f"{family}: whole vs per-layer max abs {err:.2e}"
-
-
-def test_shared_experts_keep_the_per_layer_path(q8_model):
-    model = q8_model("qwen2moe")  # a shared expert per MoE layer: Python adds it
-    assert model.layers[0].shexp is not None
-    assert not any(model.fused.whole(j) for j in range(len(model.layers)))
 
 
 def test_an_expert_cache_sees_every_decode_step(q8_model, tokens32):
@@ -95,10 +90,16 @@ def test_layer_stacks_and_caches_are_checked(q8_model, tokens32):
     model = q8_model("qwen3moe")
     f = model.fused
     with pytest.raises(ValueError, match="experts"):
-        cpu.LayerStack([])
-    plain = q8_model("qwen2moe").fused.layers[0]
+        kl.LayerStack([])
+    part = model.fused.layers[0]  # the same layer without its experts: attention and routing only
+    lw = model.layers[0]
+    mixer = kl.Attention(n_heads=model.spec.n_heads, n_kv_heads=model.spec.n_kv_heads, head_dim=model.spec.head_dim,
+                         wq=lw.wq, wk=lw.wk, wv=lw.wv, wo=lw.wo)
+    part = kl.Layer(hidden=model.spec.hidden, attn_norm=lw.attn_norm, ffn_norm=lw.ffn_norm, attention=mixer,
+                    router=lw.router, n_used=model.spec.n_experts_used)
+    assert not part.whole
     with pytest.raises(ValueError, match="experts"):
-        cpu.LayerStack([plain])
+        kl.LayerStack([part])
     kv = SeqKV(KVPool(model.spec, 64), 64)
     kv.reserve(1)
     rows = f.rows([kv], torch.tensor([0]))
@@ -115,13 +116,13 @@ def test_layer_stacks_and_caches_are_checked(q8_model, tokens32):
         table[0] = bad
         before = [c.clone() for pair in pool.caches(0, n) for c in pair]
         with pytest.raises(ValueError, match="slot"):
-            f.decode_layers(0, n, x.clone(), cpu.AttnRows([table], torch.tensor([0]), rows.cos, rows.sin),
+            f.decode_layers(0, n, x.clone(), kl.AttnRows([table], torch.tensor([0]), rows.cos, rows.sin),
                             pool.caches(0, n))
         assert all(torch.equal(a, b) for a, b in zip(before, (c for pair in pool.caches(0, n) for c in pair)))
     small = KVPool(model.spec, 16)  # other caches: bound anew, and its 16 slots checked
     table = torch.arange(32)
     with pytest.raises(ValueError, match="slot"):
-        f.decode_layers(0, n, x.clone(), cpu.AttnRows([table], torch.tensor([20]), rows.cos, rows.sin),
+        f.decode_layers(0, n, x.clone(), kl.AttnRows([table], torch.tensor([20]), rows.cos, rows.sin),
                         small.caches(0, n))
 
 
@@ -182,4 +183,4 @@ def test_a_token_outside_the_vocabulary_is_refused(q8_model, tokens32):
     assert all(torch.equal(a, b) for a, b in zip(before, (c for pair in pool.caches(0, n) for c in pair)))
     assert model.forward(tokens32[10:11], kv).shape == (1, model.spec.vocab)  # the sequence goes on
     with pytest.raises(ValueError, match="embedding"):
-        cpu.Embedding(model.embd, model.spec.hidden + 32)
+        kl.Embedding(model.embd, model.spec.hidden + 32)

@@ -407,16 +407,17 @@ static void attn_task(void *p, int tid, int nth) {
 static const float *fptr(int64_t a) { return (const float *)(uintptr_t)a; }
 
 /* out = w * (x / rms(x)), the mean of squares accumulated in double. */
-static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
+void qk_rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
     double ss = 0.0;
     for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
     const float scale = 1.0f / sqrtf((float)(ss / (double)n) + eps);
     for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * scale);
 }
 
-/* One head's RoPE at one position: neox rotates (x[i], x[i + D/2]), interleaved (x[2i], x[2i + 1]). */
-static void rope(float *x, const float *cos, const float *sin, int64_t D, int neox) {
-    const int64_t half = D / 2;
+/* One head's RoPE at one position over its first R dimensions: neox rotates (x[i], x[i + R/2]), interleaved
+ * (x[2i], x[2i + 1]). */
+static void rope(float *x, const float *cos, const float *sin, int64_t R, int neox) {
+    const int64_t half = R / 2;
     for (int64_t i = 0; i < half; i++) {
         float *a = neox ? x + i : x + 2 * i, *b = neox ? x + i + half : x + 2 * i + 1;
         const float x1 = *a, x2 = *b;
@@ -425,9 +426,10 @@ static void rope(float *x, const float *cos, const float *sin, int64_t D, int ne
     }
 }
 
-/* Biases, clamp, q/k norms and RoPE for one row's q [nh * D] and k [nkv * D] (v: bias and clamp). */
+/* Biases, clamp, q/k norms and RoPE (over R dims a head) for one row's q [nh * D] and k [nkv * D] (v: bias and
+ * clamp). */
 static void finish_qkv(const qk_attn_desc *d, float *q, float *k, float *v, const float *cos, const float *sin,
-                       float eps, float clip) {
+                       int64_t R, float eps, float clip) {
     const int64_t D = d->head_dim, qd = d->n_heads * D, kd = d->n_kv_heads * D;
     float *vecs[3] = {q, k, v};
     const int64_t len[3] = {qd, kd, kd}, bias[3] = {d->bq, d->bk, d->bv};
@@ -438,63 +440,25 @@ static void finish_qkv(const qk_attn_desc *d, float *q, float *k, float *v, cons
             vecs[m][i] = t;
         }
     if (d->qk_norm == 1) {
-        rms_norm(q, fptr(d->q_norm), qd, eps, q);
-        rms_norm(k, fptr(d->k_norm), kd, eps, k);
+        qk_rms_norm(q, fptr(d->q_norm), qd, eps, q);
+        qk_rms_norm(k, fptr(d->k_norm), kd, eps, k);
     } else if (d->qk_norm == 2) {
-        for (int64_t h = 0; h < d->n_heads; h++) rms_norm(q + h * D, fptr(d->q_norm), D, eps, q + h * D);
-        for (int64_t h = 0; h < d->n_kv_heads; h++) rms_norm(k + h * D, fptr(d->k_norm), D, eps, k + h * D);
+        for (int64_t h = 0; h < d->n_heads; h++) qk_rms_norm(q + h * D, fptr(d->q_norm), D, eps, q + h * D);
+        for (int64_t h = 0; h < d->n_kv_heads; h++) qk_rms_norm(k + h * D, fptr(d->k_norm), D, eps, k + h * D);
     }
-    for (int64_t h = 0; h < d->n_heads; h++) rope(q + h * D, cos, sin, D, (int)d->neox);
-    for (int64_t h = 0; h < d->n_kv_heads; h++) rope(k + h * D, cos, sin, D, (int)d->neox);
-}
-
-/* The top k of p (ties: the lower id first), best first: ids, and p's values in w; p is used up. */
-static void top_k(float *p, int64_t E, int64_t k, int64_t *ids, float *w) {
-    for (int64_t j = 0; j < k; j++) {
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; e++)
-            if (p[e] != -INFINITY && (best < 0 || p[e] > p[best])) best = e;
-        ids[j] = best;
-        w[j] = p[best];
-        p[best] = -INFINITY; /* taken */
-    }
-}
-
-/* gating 0: softmax(logits) -> the top n_used, renormalised if asked; 1 (gpt-oss): the top n_used logits ->
- * a softmax over them. */
-static void route(const float *logits, int64_t E, int64_t k, int norm, int gating, float *p, int64_t *ids,
-                  float *w) {
-    float max = -INFINITY, sum = 0.0f;
-    if (gating == 1) {
-        for (int64_t e = 0; e < E; e++) p[e] = logits[e];
-        top_k(p, E, k, ids, w);
-        max = w[0];
-        for (int64_t j = 0; j < k; j++) sum += w[j] = expf(w[j] - max);
-        for (int64_t j = 0; j < k; j++) w[j] /= sum;
-        return;
-    }
-    for (int64_t e = 0; e < E; e++) max = logits[e] > max ? logits[e] : max;
-    for (int64_t e = 0; e < E; e++) sum += p[e] = expf(logits[e] - max);
-    for (int64_t e = 0; e < E; e++) p[e] /= sum;
-    top_k(p, E, k, ids, w);
-    float chosen = 0.0f;
-    for (int64_t j = 0; j < k; j++) chosen += w[j];
-    if (norm)
-        for (int64_t j = 0; j < k; j++) w[j] /= chosen;
+    for (int64_t h = 0; h < d->n_heads; h++) rope(q + h * D, cos, sin, R, (int)d->neox);
+    for (int64_t h = 0; h < d->n_kv_heads; h++) rope(k + h * D, cos, sin, R, (int)d->neox);
 }
 
 /* ------------------------------------------------------------------------------------ the call */
 
-int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_t *const *slots,
-                  const int64_t *pos, void *kc, void *vc, const float *rope_cos, const float *rope_sin,
-                  float eps, float clip, float *xn_out, int64_t *ids_out, float *w_out, int moe, int ktype,
-                  int vtype) {
+int qk_attn_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_t *const *slots,
+                const int64_t *pos, void *kc, void *vc, const float *rope_cos, const float *rope_sin, float eps,
+                float clip, int ktype, int vtype) {
     const int64_t H = d->hidden, nh = d->n_heads, nkv = d->n_kv_heads, D = d->head_dim;
-    const int64_t qd = nh * D, kd = nkv * D, E = d->router ? d->n_experts : 0;
+    const int64_t qd = nh * D, kd = nkv * D, R = d->rope_dim ? d->rope_dim : D, gated = d->attn_gate != 0;
     const int kkind = kv_kind(ktype), vkind = kv_kind(vtype);
-    if (!qk_kernels(isa)) return QK_EISA;
-    if (B < 1 || H < 1 || nh < 1 || nkv < 1 || nh % nkv || D < 2 || D % 2 || (E && (d->n_used < 1 ||
-        d->n_used > E)))
+    if (B < 1 || H < 1 || nh < 1 || nkv < 1 || nh % nkv || D < 2 || D % 2 || R < 2 || R % 2 || R > D)
         return QK_ESHAPE;
     if (kkind < 0 || vkind < 0) return QK_ETYPE;
     if ((kkind == KV_Q8_0 || vkind == KV_Q8_0) && D % 32) return QK_ESHAPE; /* a head is whole blocks */
@@ -504,111 +468,51 @@ int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int
         if (pos[r] < 0) return QK_ESHAPE;
         maxkeys = pos[r] + 1 > maxkeys ? pos[r] + 1 : maxkeys;
     }
-    moe = moe && E && d->gate && d->up && d->down;
-    const int64_t nfloat = B * (2 * H + 2 * qd + 2 * kd + 2 * E + nh * maxkeys + (moe ? H + d->n_used : 0));
+    const int64_t nfloat = B * (H + (2 + 2 * gated) * qd + 2 * kd + H + nh * maxkeys);
     float *mem = malloc((size_t)nfloat * sizeof(float));
     if (!mem) return QK_ENOMEM;
-    float *xn = mem, *q = xn + B * H, *k = q + B * qd, *v = k + B * kd, *att = v + B * kd, *o = att + B * qd;
-    float *probs = o + B * H, *logits = probs + B * E, *scores = logits + B * E;
-    float *moe_out = scores + B * nh * maxkeys; /* with moe: B * H floats, then B * n_used int32 ids */
-    int32_t *ids32 = (int32_t *)(moe_out + B * H);
+    /* q: [B, nh * D], or with the gate [B, nh * 2D] as wq gives it, then split into q and gate */
+    float *xn = mem, *q = xn + B * H, *gate = q + (1 + gated) * B * qd, *k = gate + gated * B * qd, *v = k + B * kd;
+    float *att = v + B * kd, *o = att + B * qd, *scores = o + B * H;
 
-    for (int64_t r = 0; r < B; r++) rms_norm(x + r * H, fptr(d->attn_norm), H, eps, xn + r * H);
-    const qk_wmat wqkv[3] = {{(const uint8_t *)(uintptr_t)d->wq, (int)d->wq_type, qd},
+    for (int64_t r = 0; r < B; r++) qk_rms_norm(x + r * H, fptr(d->attn_norm), H, eps, xn + r * H);
+    const qk_wmat wqkv[3] = {{(const uint8_t *)(uintptr_t)d->wq, (int)d->wq_type, (1 + gated) * qd},
                              {(const uint8_t *)(uintptr_t)d->wk, (int)d->wk_type, kd},
                              {(const uint8_t *)(uintptr_t)d->wv, (int)d->wv_type, kd}};
     float *const qkv[3] = {q, k, v};
     int rc = qk_matmuls(isa, 3, wqkv, H, xn, B, qkv);
+    if (!rc && gated) /* each head's [q, gate] rows -> q [B, nh * D], gate [B, nh * D]; in place, front to back */
+        for (int64_t r = 0; r < B; r++)
+            for (int64_t h = 0; h < nh; h++) {
+                const float *src = q + (r * nh + h) * 2 * D;
+                memcpy(gate + (r * nh + h) * D, src + D, (size_t)D * sizeof(float));
+                memmove(q + (r * nh + h) * D, src, (size_t)D * sizeof(float));
+            }
     for (int64_t r = 0; !rc && r < B; r++) {
-        const float *cs = rope_cos + pos[r] * (D / 2), *sn = rope_sin + pos[r] * (D / 2);
-        finish_qkv(d, q + r * qd, k + r * kd, v + r * kd, cs, sn, eps, clip);
+        const float *cs = rope_cos + pos[r] * (R / 2), *sn = rope_sin + pos[r] * (R / 2);
+        finish_qkv(d, q + r * qd, k + r * kd, v + r * kd, cs, sn, R, eps, clip);
         const int64_t slot = slots[r][pos[r]];
         store_row(kkind, (uint8_t *)kc + slot * krow, k + r * kd, kd);
         store_row(vkind, (uint8_t *)vc + slot * vrow, v + r * kd, kd);
     }
     if (!rc) {
+        const float scale = fptr(d->fparams) && fptr(d->fparams)[1] > 0.0f ? fptr(d->fparams)[1]
+                                                                            : (float)(1.0 / sqrt((double)D));
         attn_ctx c = {.k = attn_kernels_for(isa), .nh = nh, .nkv = nkv, .D = D, .maxkeys = maxkeys,
                       .items = B * nkv, .window = d->window, .kkind = kkind, .vkind = vkind, .krow = krow,
                       .vrow = vrow, .khead = kind_bytes(kkind, D), .vhead = kind_bytes(vkind, D), .q = q,
                       .kc = kc, .vc = vc, .sinks = fptr(d->sinks),
-                      .att = att, .scores = scores, .scale = (float)(1.0 / sqrt((double)D)), .slots = slots,
-                      .pos = pos};
+                      .att = att, .scores = scores, .scale = scale, .slots = slots, .pos = pos};
         atomic_init(&c.next, 0);
         qk_pool_run(attn_task, &c);
+        if (gated)
+            for (int64_t i = 0; i < B * qd; i++) att[i] *= 1.0f / (1.0f + expf(-gate[i]));
         const qk_wmat wo = {(const uint8_t *)(uintptr_t)d->wo, (int)d->wo_type, H};
         rc = qk_matmuls(isa, 1, &wo, qd, att, B, &o);
     }
-    const float *bo = fptr(d->bo), *br = fptr(d->router_b);
-    for (int64_t r = 0; !rc && r < B; r++) {
+    const float *bo = fptr(d->bo);
+    for (int64_t r = 0; !rc && r < B; r++)
         for (int64_t i = 0; i < H; i++) x[r * H + i] += bo ? o[r * H + i] + bo[i] : o[r * H + i];
-        rms_norm(x + r * H, fptr(d->ffn_norm), H, eps, xn_out + r * H);
-    }
-    if (!rc && E) {
-        const qk_wmat wr = {(const uint8_t *)(uintptr_t)d->router, (int)d->router_type, E};
-        rc = qk_matmuls(isa, 1, &wr, H, xn_out, B, &logits);
-        for (int64_t r = 0; !rc && r < B; r++) {
-            if (br)
-                for (int64_t e = 0; e < E; e++) logits[r * E + e] += br[e];
-            route(logits + r * E, E, d->n_used, (int)d->norm_topk, (int)d->gating, probs + r * E,
-                  ids_out + r * d->n_used, w_out + r * d->n_used);
-        }
-    }
-    if (!rc && moe) {
-        for (int64_t p = 0; p < B * d->n_used; p++) ids32[p] = (int32_t)ids_out[p];
-        const qk_expert_mats g = {(const uint8_t *)(uintptr_t)d->gate, d->gate_stride, (int)d->gate_type};
-        const qk_expert_mats u = {(const uint8_t *)(uintptr_t)d->up, d->up_stride, (int)d->up_type};
-        const qk_expert_mats dn = {(const uint8_t *)(uintptr_t)d->down, d->down_stride, (int)d->down_type};
-        const float *ap = fptr(d->act_params);
-        const qk_expert_fn fn = {(int)d->act, ap ? ap[0] : 0.0f, ap ? ap[1] : 0.0f, fptr(d->gate_b), fptr(d->up_b),
-                                 fptr(d->down_b)};
-        rc = qk_moe_ffn(isa, xn_out, B, H, ids32, w_out, (int)d->n_used, g, u, dn, E, d->n_ff, moe_out, 0, &fn);
-        for (int64_t i = 0; !rc && i < B * H; i++) x[i] += moe_out[i];
-    }
     free(mem);
     return rc;
-}
-
-/* Whether every slot tables[r] names for positions 0..pos[r] lies in [0, nslots). */
-static int slots_within(int64_t B, const int64_t *const *tables, const int64_t *pos, int64_t nslots) {
-    for (int64_t r = 0; r < B; r++) {
-        if (pos[r] < 0) return 0;
-        for (int64_t p = 0; p <= pos[r]; p++)
-            if (tables[r][p] < 0 || tables[r][p] >= nslots) return 0;
-    }
-    return 1;
-}
-
-int qk_decode_layers(int isa, int64_t n, const qk_attn_desc *const *descs, float *x, int64_t B,
-                     const int64_t *const *slots, const int64_t *const *wslots, const int64_t *pos,
-                     void *const *kcs, void *const *vcs, const float *rope_cos, const float *rope_sin, float eps,
-                     float clip, float *xn_out, int64_t *ids_out, float *w_out, const float *out_norm,
-                     const qk_wmat *head, float *logits, int ktype, int vtype, int64_t nslots, int64_t nwslots,
-                     const qk_wmat *embd, const int64_t *tokens) {
-    int windowed = 0, plain = 0;
-    for (int64_t l = 0; l < n; l++) {
-        if (descs[l]->window) windowed = 1;
-        else plain = 1;
-    }
-    if ((plain && !slots_within(B, slots, pos, nslots)) || (windowed && !slots_within(B, wslots, pos, nwslots)))
-        return QK_ESLOT;
-    if (embd) {
-        for (int64_t r = 0; r < B; r++)
-            if (tokens[r] < 0 || tokens[r] >= embd->N) return QK_ETOKEN;
-        const int rc = qk_dequant_rows(embd->ggml, embd->w, embd->N, n ? descs[0]->hidden : 0, tokens, B, x);
-        if (rc) return rc;
-    }
-    for (int64_t l = 0; l < n; l++) {
-        const qk_attn_desc *d = descs[l];
-        if (!d->router || !d->gate || !d->up || !d->down) return QK_EMISSING;
-        const int rc = qk_attn_block(isa, d, x, B, d->window ? wslots : slots, pos, kcs[l], vcs[l], rope_cos,
-                                     rope_sin, eps, clip, xn_out, ids_out, w_out, 1, ktype, vtype);
-        if (rc) return rc;
-    }
-    return head ? qk_head(isa, x, B, descs[n - 1]->hidden, out_norm, eps, head, xn_out, logits) : QK_OK;
-}
-
-int qk_head(int isa, const float *x, int64_t B, int64_t H, const float *out_norm, float eps, const qk_wmat *head,
-            float *xn, float *logits) {
-    for (int64_t r = 0; r < B; r++) rms_norm(x + r * H, out_norm, H, eps, xn + r * H);
-    return qk_matmuls(isa, 1, head, H, xn, B, &logits);
 }

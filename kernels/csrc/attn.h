@@ -9,15 +9,29 @@
 /* A layer's constant part, built once per layer by the Python side from the field names below (an
  * X-macro, so the binding can hand the names over and the two sides cannot drift apart). Addresses are
  * of float32 vectors (0: absent) or of weight matrices of ggml type *_type (quantized, F32 or F16).
- * qk_norm: 0 none, 1 over the whole q / k vector, 2 per head. rope: 0 interleaved pairs, 1 neox halves.
- * router == 0: a dense layer (no routing outputs). gate/up/down (0: not given): the routed experts as
- * qk_expert_mats (base, stride, type), n_ff their intermediate size; with them the call can finish the
- * whole layer (see `moe` below).
- * gpt-oss's additions (0: absent): bo the output projection's bias [hidden]; sinks [n_heads], a logit per head
- * in the softmax's denominator; window > 0: each row attends to its last `window` positions only; router_b the
- * router's bias; gating 0: softmax over the experts then the top n_used (renormalised when norm_topk), 1: the
- * top n_used logits then a softmax over them; act a QK_ACT_* with act_params -> float [alpha, limit]; gate_b,
- * up_b [n_experts, n_ff], down_b [n_experts, hidden] the experts' biases (qk_expert_fn). */
+ * A layer is a mixer then an FFN, each on its normed input with a residual.
+ * The mixer (kind): 0 attention, 1 gated DeltaNet (linear attention, the ssm_* fields).
+ * Attention: qk_norm 0 none, 1 over the whole q / k vector, 2 per head. rope: 0 interleaved pairs, 1 neox
+ * halves, over the first rope_dim dimensions of each head (the rest pass through; the tables are
+ * [positions, rope_dim / 2]). attn_gate: wq gives each head's q then its output gate (2 * head_dim rows a head),
+ * and the head's output is scaled by sigmoid(gate). bo the output projection's bias [hidden]; sinks [n_heads], a
+ * logit per head in the softmax's denominator; window > 0: each row attends to its last `window` positions only.
+ * fparams -> float [routed_scale, softmax scale (0: head_dim ** -0.5)].
+ * The FFN: router == 0, a dense layer: the sh_* matrices are its FFN. Else routed experts: router_b the router's
+ * bias; gating 0: softmax over the experts, 1 (gpt-oss): the top n_used logits then a softmax over them, 2: sigmoid
+ * scores; with 0 and 2 the top n_used are chosen by score + score_b (a correction bias, or 0) within the best
+ * topk_groups of n_groups groups (a group scored by its best expert, group_score 0, or its best two summed, 1),
+ * weighted by their scores, renormalised when norm_topk; every weight times routed_scale. gate/up/down (0: not
+ * given): the routed experts as qk_expert_mats (base, stride, type), n_ff their intermediate size, act a
+ * QK_ACT_* with act_params -> float [alpha, limit]; gate_b, up_b [n_experts, n_ff], down_b [n_experts, hidden] the
+ * experts' biases (qk_expert_fn). sh_gate/sh_up [sh_ff, hidden], sh_down [hidden, sh_ff]: a shared expert
+ * beside the routed ones (down(silu(gate x) * up x)), scaled by sigmoid(x . sh_gate_inp) when that is given.
+ * Gated DeltaNet: ssm_qkv [C, hidden] (q, k: ssm_nk heads of ssm_dk; v: ssm_nv heads of ssm_dv; through a causal
+ * conv1d of width ssm_k, weights ssm_conv [C, ssm_k]); ssm_z [nv * dv, hidden] the output gate; beta and alpha
+ * from ssm_ba ([b (r), a (r)] per key head, r = nv / nk) or ssm_beta and ssm_alpha [nv, hidden]; ssm_a, ssm_dt
+ * [nv]; ssm_norm [dv] the gated norm; ssm_out [hidden, nv * dv]; ssm_tiled: value head h reads key head h % nk
+ * (else h / r). Its state (deltanet.h) lives in the pool's conv [slots, C, ssm_k - 1] and ssm [slots, nv, dk, dv],
+ * passed where an attention layer's kc and vc go. */
 #define QK_ATTN_FIELDS(X)                                                                          \
     X(hidden) X(n_heads) X(n_kv_heads) X(head_dim) X(qk_norm) X(neox)                               \
     X(attn_norm) X(ffn_norm) X(q_norm) X(k_norm) X(bq) X(bk) X(bv)                                  \
@@ -25,7 +39,15 @@
     X(router) X(router_type) X(n_experts) X(n_used) X(norm_topk)                                    \
     X(gate) X(gate_stride) X(gate_type) X(up) X(up_stride) X(up_type) X(down) X(down_stride)         \
     X(down_type) X(n_ff)                                                                            \
-    X(bo) X(sinks) X(window) X(router_b) X(gating) X(act) X(act_params) X(gate_b) X(up_b) X(down_b)
+    X(bo) X(sinks) X(window) X(router_b) X(gating) X(act) X(act_params) X(gate_b) X(up_b) X(down_b) \
+    X(kind) X(rope_dim) X(attn_gate) X(fparams) X(score_b) X(n_groups) X(topk_groups) X(group_score)  \
+    X(sh_gate) X(sh_gate_type) X(sh_up) X(sh_up_type) X(sh_down) X(sh_down_type) X(sh_ff)            \
+    X(sh_gate_inp)                                                                                  \
+    X(ssm_qkv) X(ssm_qkv_type) X(ssm_z) X(ssm_z_type) X(ssm_ba) X(ssm_ba_type) X(ssm_beta)           \
+    X(ssm_beta_type) X(ssm_alpha) X(ssm_alpha_type) X(ssm_out) X(ssm_out_type) X(ssm_conv) X(ssm_k)  \
+    X(ssm_nk) X(ssm_nv) X(ssm_dk) X(ssm_dv) X(ssm_tiled) X(ssm_a) X(ssm_dt) X(ssm_norm)
+
+enum { QK_MIX_ATTN = 0, QK_MIX_DELTA = 1 };
 
 #define QK_ATTN_MEMBER(name) int64_t name;
 typedef struct {
@@ -33,32 +55,53 @@ typedef struct {
 } qk_attn_desc;
 #undef QK_ATTN_MEMBER
 
-/* For rows r < B (token at position pos[r] of a sequence whose cache slot of position p is slots[r][p]):
- *   xn = attn_norm(x); q, k, v = xn Wq, xn Wk, xn Wv (+ biases, clamped to +-clip when clip > 0, q/k norms,
- *   RoPE from the tables cos/sin [positions, head_dim / 2]); k, v stored at the row's slot of kc, vc
- *   ([slots, n_kv_heads * head_dim] of this layer); o = softmax(q k^T / sqrt(head_dim)) v over positions
- *   0..pos[r] (the last `window` of them; with sinks in the denominator); x += o Wo + bo (in place);
- *   xn_out = ffn_norm(x); for MoE layers ids_out / w_out [B, n_used] = the chosen experts of xn_out Wr + br
- *   as `gating` says, best first.
+/* For rows r < B (token at position pos[r] of a sequence whose cache slot of position p is slots[r][p], and
+ * whose recurrent state, for a DeltaNet layer, is slot sslots[r] of the pool's states; nstates of them):
+ * the mixer, x += mix(attn_norm(x)) in place: attention (q, k, v = xn Wq, xn Wk, xn Wv, + biases, clamped to
+ * +-clip when clip > 0, q/k norms, RoPE from the tables cos/sin; k, v stored at the row's slot of kc, vc
+ * ([slots, n_kv_heads * head_dim] of this layer); o = softmax(scale q k^T) v over positions 0..pos[r] (the last
+ * `window` of them; with sinks in the denominator); gated; x += o Wo + bo), or gated DeltaNet (kc, vc: the
+ * layer's conv and ssm states, rows of one sequence stepped in their order; a row at position 0 starts from
+ * zeros); then xn_out = ffn_norm(x); for MoE layers ids_out / w_out [B, n_used] = the chosen experts of
+ * xn_out Wr + br as `gating` says, best first.
  * ktype / vtype: the caches' storage as ggml type ids: 0 F32, 1 F16 (kc, vc then hold halves), 8 Q8_0 (each
  * slot's row in blocks of 32 values, an f16 scale and 32 int8; head_dim must be whole blocks); written here as
  * moerun.quant.quantize writes them and read directly by the attention loops.
- * Rows of one sequence see each other's keys (the causal mask within the step). With moe != 0 and the
- * experts given, the routed experts' output (qk_moe_ffn of xn_out) is added to x too: the whole layer.
+ * Rows of one sequence see each other's keys (the causal mask within the step). With moe != 0 the FFN is
+ * finished too (the routed experts given, and the shared expert; a dense layer's FFN): the whole layer.
  * Returns 0 or QK_E*. */
 int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_t *const *slots,
                   const int64_t *pos, void *kc, void *vc, const float *rope_cos, const float *rope_sin,
                   float eps, float clip, float *xn_out, int64_t *ids_out, float *w_out, int moe, int ktype,
-                  int vtype);
+                  int vtype, const int64_t *sslots, int64_t nstates);
 
-/* n whole layers (descs[l], each with its experts) one after the other on the same rows: layer l's caches
- * kcs[l], vcs[l], its slot tables wslots for a windowed layer (its ring), else slots. xn_out, ids_out, w_out:
- * the last layer's.
+/* The attention mixer alone (attn.c): x += attention(attn_norm(x)) as qk_attn_block's kind 0. */
+int qk_attn_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_t *const *slots,
+                const int64_t *pos, void *kc, void *vc, const float *rope_cos, const float *rope_sin, float eps,
+                float clip, int ktype, int vtype);
+
+/* out = w * (x / rms(x)) over n values, the mean of squares accumulated in double (out may be x). */
+void qk_rms_norm(const float *x, const float *w, int64_t n, float eps, float *out);
+
+/* out [B, H] = down(silu(g) * u) for g, u [B, F] (g is overwritten), scaled row by row by sigmoid(gl[r]) when gl
+ * is given: a shared expert's or a dense FFN's second half, the same arithmetic in the fused layers and the layer
+ * loop (moerun.kernels.cpu.glu_down), so where it runs never changes a bit. */
+int qk_glu_down(int isa, float *g, const float *u, int64_t B, int64_t F, int64_t H, const qk_wmat *down,
+                const float *gl, float *out);
+
+/* Whether layer d finishes its FFN in qk_attn_block(..., moe = 1): its routed experts given, or a dense FFN. */
+int qk_layer_whole(const qk_attn_desc *d);
+
+/* n whole layers (descs[l], each qk_layer_whole) one after the other on the same rows: layer l's caches (or
+ * states) kcs[l], vcs[l], its slot tables wslots for a windowed layer (its ring), else slots; sslots [B] the
+ * rows' state slots (NULL without DeltaNet layers). xn_out, ids_out, w_out: the last layer's (scratch of
+ * B * max n_used).
  * head (or NULL): then logits [B, head->N] = rms_norm(x, out_norm) head^T as well, so a decode step is one
  * call from the embeddings to the logits (no torch operation between kernel calls: after a step has
  * streamed the weights through the caches, the first torch operation alone took ~0.1 ms, cold code).
- * nslots / nwslots: the slots the caches of the layers without / with a window hold; every slot the rows' tables
- * name for positions 0..pos[r] must lie below them (else QK_ESLOT, before anything is written).
+ * nslots / nwslots / nstates: the slots the caches of the layers without / with a window, and the states, hold;
+ * every slot the rows' tables name for positions 0..pos[r] must lie below them (else QK_ESLOT, before anything
+ * is written).
  * embd (or NULL): x [B, hidden] is first set to the rows tokens[0..B) of this embedding table (GGUF layout,
  * embd->N rows; a token outside it: QK_ETOKEN, nothing written), so the step starts from token ids. */
 int qk_decode_layers(int isa, int64_t n, const qk_attn_desc *const *descs, float *x, int64_t B,
@@ -66,7 +109,7 @@ int qk_decode_layers(int isa, int64_t n, const qk_attn_desc *const *descs, float
                      void *const *kcs, void *const *vcs, const float *rope_cos, const float *rope_sin, float eps,
                      float clip, float *xn_out, int64_t *ids_out, float *w_out, const float *out_norm,
                      const qk_wmat *head, float *logits, int ktype, int vtype, int64_t nslots, int64_t nwslots,
-                     const qk_wmat *embd, const int64_t *tokens);
+                     const qk_wmat *embd, const int64_t *tokens, const int64_t *sslots, int64_t nstates);
 
 /* logits [B, head->N] = rms_norm(x [B, H], out_norm) head^T (xn: B * H floats of scratch). */
 int qk_head(int isa, const float *x, int64_t B, int64_t H, const float *out_norm, float eps, const qk_wmat *head,

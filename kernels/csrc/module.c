@@ -288,29 +288,44 @@ static PyObject *py_attn_fields(PyObject *self, PyObject *args) {
 }
 
 /* attn_block(isa, desc, x, B, slots, pos, kc, vc, cos, sin, eps, clip, xn_out, ids_out, w_out, moe=0, ktype=0,
- * vtype=0): see qk_attn_block; desc is the address of a qk_attn_desc, slots of B addresses of int64 slot tables;
- * ktype / vtype the caches' ggml types. */
+ * vtype=0, sslots=0, nstates=0): see qk_attn_block; desc is the address of a qk_attn_desc, slots of B addresses of
+ * int64 slot tables, sslots of B int64 state slots; ktype / vtype the caches' ggml types. */
 static PyObject *py_attn_block(PyObject *self, PyObject *args) {
     (void)self;
     int isa, moe = 0, ktype = 0, vtype = 0;
-    unsigned long long desc, x, slots, pos, kc, vc, cs, sn, xn, ids, w;
-    long long B;
+    unsigned long long desc, x, slots, pos, kc, vc, cs, sn, xn, ids, w, sslots = 0;
+    long long B, nstates = 0;
     float eps, clip;
-    if (!PyArg_ParseTuple(args, "iKKLKKKKKKffKKK|iii", &isa, &desc, &x, &B, &slots, &pos, &kc, &vc, &cs, &sn, &eps,
-                          &clip, &xn, &ids, &w, &moe, &ktype, &vtype))
+    if (!PyArg_ParseTuple(args, "iKKLKKKKKKffKKK|iiiKL", &isa, &desc, &x, &B, &slots, &pos, &kc, &vc, &cs, &sn, &eps,
+                          &clip, &xn, &ids, &w, &moe, &ktype, &vtype, &sslots, &nstates))
         return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = qk_attn_block(
         isa, (const qk_attn_desc *)(uintptr_t)desc, (float *)(uintptr_t)x, B,
         (const int64_t *const *)(uintptr_t)slots, (const int64_t *)(uintptr_t)pos, (void *)(uintptr_t)kc,
         (void *)(uintptr_t)vc, (const float *)(uintptr_t)cs, (const float *)(uintptr_t)sn, eps, clip,
-        (float *)(uintptr_t)xn, (int64_t *)(uintptr_t)ids, (float *)(uintptr_t)w, moe, ktype, vtype);
+        (float *)(uintptr_t)xn, (int64_t *)(uintptr_t)ids, (float *)(uintptr_t)w, moe, ktype, vtype,
+        (const int64_t *)(uintptr_t)sslots, nstates);
+    Py_END_ALLOW_THREADS return raise_code(rc);
+}
+
+/* glu_down(isa, g, u, B, F, H, down, down_type, gl, out): see qk_glu_down; gl 0: no gate. */
+static PyObject *py_glu_down(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa, down_type;
+    unsigned long long g, u, down, gl, out;
+    long long B, F, H;
+    if (!PyArg_ParseTuple(args, "iKKLLLKiKK", &isa, &g, &u, &B, &F, &H, &down, &down_type, &gl, &out)) return NULL;
+    const qk_wmat wd = {(const uint8_t *)(uintptr_t)down, down_type, H};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = qk_glu_down(isa, (float *)(uintptr_t)g, (const float *)(uintptr_t)u, B, F, H, &wd,
+                                            (const float *)(uintptr_t)gl, (float *)(uintptr_t)out);
     Py_END_ALLOW_THREADS return raise_code(rc);
 }
 
 /* decode_layers(isa, n, descs, x, B, slots, wslots, pos, kcs, vcs, cos, sin, eps, clip, xn_out, ids_out, w_out,
  *               out_norm, head, head_type, head_rows, logits, ktype, vtype, nslots, nwslots, embd, embd_type,
- *               embd_rows, tokens, active):
+ *               embd_rows, tokens, active, sslots=0, nstates=0):
  * see qk_decode_layers; descs, kcs and vcs are addresses of n addresses each, slots and wslots of B; head 0: no
  * logits; embd 0: x holds the embeddings already. active > 0: the pool runs this call on that many threads
  * (set_active for the call, then the setting before). */
@@ -318,13 +333,14 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args) {
     (void)self;
     int isa, head_type, ktype, vtype;
     unsigned long long descs, x, slots, wslots, pos, kcs, vcs, cs, sn, xn, ids, w, norm, head, logits;
-    unsigned long long embd, tokens;
-    long long n, B, head_rows, nslots, nwslots, embd_rows;
+    unsigned long long embd, tokens, sslots = 0;
+    long long n, B, head_rows, nslots, nwslots, embd_rows, nstates = 0;
     int embd_type, active;
     float eps, clip;
-    if (!PyArg_ParseTuple(args, "iLKKLKKKKKKKffKKKKKiLKiiLLKiLKi", &isa, &n, &descs, &x, &B, &slots, &wslots, &pos,
+    if (!PyArg_ParseTuple(args, "iLKKLKKKKKKKffKKKKKiLKiiLLKiLKi|KL", &isa, &n, &descs, &x, &B, &slots, &wslots, &pos,
                           &kcs, &vcs, &cs, &sn, &eps, &clip, &xn, &ids, &w, &norm, &head, &head_type, &head_rows,
-                          &logits, &ktype, &vtype, &nslots, &nwslots, &embd, &embd_type, &embd_rows, &tokens, &active))
+                          &logits, &ktype, &vtype, &nslots, &nwslots, &embd, &embd_type, &embd_rows, &tokens, &active,
+                          &sslots, &nstates))
         return NULL;
     const qk_wmat hw = {(const uint8_t *)(uintptr_t)head, head_type, head_rows};
     const qk_wmat ew = {(const uint8_t *)(uintptr_t)embd, embd_type, embd_rows};
@@ -338,7 +354,8 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args) {
         (const int64_t *)(uintptr_t)pos, (void *const *)(uintptr_t)kcs, (void *const *)(uintptr_t)vcs,
         (const float *)(uintptr_t)cs, (const float *)(uintptr_t)sn, eps, clip, (float *)(uintptr_t)xn,
         (int64_t *)(uintptr_t)ids, (float *)(uintptr_t)w, (const float *)(uintptr_t)norm, head ? &hw : NULL,
-        (float *)(uintptr_t)logits, ktype, vtype, nslots, nwslots, embd ? &ew : NULL, (const int64_t *)(uintptr_t)tokens);
+        (float *)(uintptr_t)logits, ktype, vtype, nslots, nwslots, embd ? &ew : NULL, (const int64_t *)(uintptr_t)tokens,
+        (const int64_t *)(uintptr_t)sslots, nstates);
     if (active > 0) qk_pool_set_active(before);
     Py_END_ALLOW_THREADS;
     return raise_code(rc);
@@ -410,15 +427,16 @@ static PyMethodDef methods[] = {
     {"attn_fields", py_attn_fields, METH_NOARGS, "Field names of the attention block's layer descriptor."},
     {"attn_block", py_attn_block, METH_VARARGS,
      "attn_block(isa, desc, x, B, slots, pos, kc, vc, cos, sin, eps, clip, xn_out, ids_out, w_out, moe=0, ktype=0, "
-     "vtype=0)"},
+     "vtype=0, sslots=0, nstates=0)"},
     {"attn_prompt", py_attn_prompt, METH_VARARGS,
      "attn_prompt(isa, q, T, nh, D, k, v, S, nkv, Dv, q_pos, k_pos, scale, window, sinks, out)"},
     {"others_runnable", py_others_runnable, METH_NOARGS, "others_runnable(): see moerun.model.ops.FreeCpus"},
     {"head", py_head, METH_VARARGS, "head(isa, x, B, H, norm, eps, head, head_type, head_rows, xn, logits)"},
+    {"glu_down", py_glu_down, METH_VARARGS, "glu_down(isa, g, u, B, F, H, down, down_type, gl, out)"},
     {"decode_layers", py_decode_layers, METH_VARARGS,
      "decode_layers(isa, n, descs, x, B, slots, wslots, pos, kcs, vcs, cos, sin, eps, clip, xn_out, ids_out, w_out, "
      "out_norm, head, head_type, head_rows, logits, ktype, vtype, nslots, nwslots, embd, embd_type, embd_rows, tokens, "
-     "active)"},
+     "active, sslots=0, nstates=0)"},
     {NULL, NULL, 0, NULL},
 };
 

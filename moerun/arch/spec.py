@@ -271,11 +271,8 @@ class ModelSpec:
 
     @property
     def fused_decode(self) -> bool:
-        """Whether the fused C decode path (moerun.model.fused) computes this model: GQA with RoPE on whole heads
-        (YaRN too: the tables are made here), the default softmax scale, sinks, windows, an output bias; softmax or
-        top-k-softmax routing, with a router bias but without groups, correction bias or scale; either expert
-        activation, with or without biases."""
-        return (self.attention == "gqa" and self.rotary_dim == self.head_dim and not self.attn_scale
-                and not self.attn_gate and not self.hybrid
-                and self.router in ("softmax", "topk_softmax") and not self.score_bias and self.n_groups == 1
-                and self.routed_scale == 1.0)
+        """Whether the fused C decode path (moerun.model.fused) computes this model: every family with grouped-query
+        attention (gated, partial rotary, sinks, windows, biases), gated DeltaNet layers, any routing (softmax,
+        top-k-softmax, sigmoid with correction bias, groups and scale), shared experts and dense layers. MLA takes
+        the torch layer loop (ARCHITECTURE.md says what that costs)."""
+        return self.attention == "gqa"

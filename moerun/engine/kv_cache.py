@@ -169,14 +169,16 @@ class KVPool:
         return k[0], v[0]
 
     def caches(self, a: int, b: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each of layers [a, b)'s k, v (views): the same list every call, so a decode step's fused kernels bind it
-        once (moerun.model.fused)."""
+        """Each of layers [a, b)'s k, v (views), or a linear layer's conv and ssm states: the same list every call, so
+        a decode step's fused kernels bind it once (moerun.model.fused)."""
         got = self._caches.get((a, b))
         if got is None:
-            got = self._caches[a, b] = [self.layer(i) for i in range(a, b)]
+            got = self._caches[a, b] = [self.states[i] if i in self.states else self.layer(i) for i in range(a, b)]
         return got
 
     def device(self, i: int) -> torch.device:
+        if i in self.states:
+            return self.states[i][0].device
         for first, stop, k, _ in self.segments:
             if first <= i < stop:
                 return k.device

@@ -405,10 +405,7 @@ class MoEModel:
         if lw.shexp is not None:
             g, u, *gate = shared or ops.linears(x, [lw.shexp[0], lw.shexp[1]] + ([lw.shexp_gate] if lw.shexp_gate
                                                                                    is not None else []))
-            sh = ops.linear(F.silu(g) * u, lw.shexp[2])
-            if gate:
-                sh = torch.sigmoid(gate[0]) * sh
-            out = out + sh
+            out = out + ops.glu_down(g, u, lw.shexp[2], gate[0] if gate else None)
         return out
 
     def _layers_fused(self, x: torch.Tensor, kvs: list[SeqKV], pos: torch.Tensor, phase: str,
@@ -417,13 +414,14 @@ class MoEModel:
         rows, pool = self.fused.rows(kvs, pos), kvs[0].pool
         direct = self._direct()
         a, b = layers.start - self.first, layers.stop - self.first
+        caches = pool.caches(layers.start, layers.stop)
         if direct and all(self.fused.whole(j) for j in range(a, b)):
-            return self.fused.decode_layers(a, b, x, rows, pool.caches(layers.start, layers.stop))  # x in place
-        for i in layers:
+            return self.fused.decode_layers(a, b, x, rows, caches)  # x in place
+        for i, cache in zip(layers, caches):
             j = i - self.first
             lw = self.layers[j]
             whole = direct and self.fused.whole(j)
-            xn, ids, w = self.fused(j, x, rows, *pool.layer(i), moe=whole)  # x += attention (+ experts)
+            xn, ids, w = self.fused(j, x, rows, *cache, moe=whole)  # x += the mixer (+ the FFN)
             if not whole:
                 x += self.ops.swiglu(xn, *lw.ffn) if lw.ffn is not None else self.moe(i, xn, w, ids, phase, pos, x)
         return x

@@ -86,7 +86,13 @@ class ReferenceOps:
     def swiglu(self, x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor:
         """down(silu(gate x) * up x). x [T, H] -> [T, H]."""
         g, u = self.linears(x, [gate, up])
-        return self.linear(F.silu(g) * u, down)
+        return self.glu_down(g, u, down)
+
+    def glu_down(self, g: torch.Tensor, u: torch.Tensor, down: Weight, gate: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """down(silu(g) * u), scaled by sigmoid(gate) [T, 1] when given (a shared expert's gate). g may be used up."""
+        out = self.linear(F.silu(g) * u, down)
+        return out if gate is None else torch.sigmoid(gate) * out
 
     def expert(self, x: torch.Tensor, ex: Expert, fn: ExpertFn = PLAIN, e: int = 0) -> torch.Tensor:
         """Expert e (weights ex) on x [T, H] -> [T, H]: down(glu(gate x + b, up x + b)) + b, as fn says."""
@@ -176,7 +182,7 @@ class KernelOps(ReferenceOps):
 
     def c_threads(self) -> int:
         """The kernel pool's threads for a step that is one C call, as step(c_only=True) sets them (for a call that
-        sets them itself: cpu.decode_tokens)."""
+        sets them itself: layer.decode_tokens)."""
         return self.free_cpus(max(torch.get_num_threads(), self.cpu.get_threads()))
 
     def _ok(self, x: torch.Tensor, qtype) -> bool:
@@ -196,6 +202,13 @@ class KernelOps(ReferenceOps):
             y = self.cpu.matmul(x.contiguous(), w)
             return y if b is None else y + b
         return super().linear(x, w, b)
+
+    def glu_down(self, g, u, down, gate=None):
+        """In C where the down projection's type has a kernel: the fused layers' arithmetic, so a layer run in the
+        loop (an expert cache, a routing hook) equals the same layer run whole, bit for bit."""
+        if isinstance(down, QTensor) and self._ok(g, down.qtype) and g.is_contiguous() and u.is_contiguous():
+            return self.cpu.glu_down(g, u, down, gate)
+        return super().glu_down(g, u, down, gate)
 
     def moe(self, x, ids, w, experts, table=None, *, fn=PLAIN):
         ex = next(iter(experts.values()), None)
