@@ -3,10 +3,28 @@
     preset("tiny-qwen3moe")                      # hidden 64, 2 layers, 8 experts, top-2
     preset("a3b-L4", n_layers=6)                 # Qwen3-30B-A3B's layer shape, 6 layers
     preset("tiny-mixtral", layers=3, vocab=1024) # short aliases: see ALIASES
+    preset("qwen3moe-30b", experts=128)          # Qwen3-30B-A3B whole: every layer, vocabulary and expert
 
 The tiny shapes are what the tests write on the fly; `a3b-*` is the benchmark shape (DESIGN.md), `v2lite-*`
 DeepSeek-V2-Lite's, `next-*` Qwen3-Next-80B-A3B's and `q35-*` Qwen3.5-35B-A3B's (hybrids: three linear-attention
-layers to one attention layer).
+layers to one attention layer); those keep a few layers and a small vocabulary.
+
+Full depth (FULL_DEPTH: name -> the real model's routed expert count): every layer and the real vocabulary, for
+benchmarks against llama.cpp on the same files:
+
+    qwen3moe-30b   Qwen3-30B-A3B        48 layers, vocab 151,936, 32 of 128 experts (top-8 of 768)
+    qwen35moe-35b  Qwen3.5-35B-A3B      40 layers, vocab 248,320, 32 of 256 experts (top-8 of 512)
+    gptoss-20b     gpt-oss-20b          24 layers, vocab 201,088, all 32 experts (top-4 of 2880)
+    glm45-air      GLM-4.5-Air          46 layers (the first dense), vocab 151,552, 10 of 128 experts (top-8 of 1408)
+    v2lite         DeepSeek-V2-Lite     27 layers (the first dense), vocab 102,400, 16 of 64 experts (top-6 of 1408)
+
+Routed experts are fewer than the real model's (so a quantized file and a second engine's copy of it fit in 24 GiB
+of RAM), never fewer than top-k: everything a decode step reads (attention, top-k experts of the real width, shared
+experts, dense layers, the head) is the real model's, so the weight bytes read per token match it but for the
+routers: each MoE layer's [experts, hidden] F32 matrix, read whole, is smaller (a token reads 1-4% fewer bytes:
+Qwen3.5-35B-A3B at Q4_K_M 1.90 GB where the real one reads 1.98 GB). The files are much smaller (Q4_K_M: 5.4 GB,
+4.0 GB, 10.1 GB and 3.5 GB; gpt-oss-20b, the real model, 12.1 GB in MXFP4). `experts=N` (make-model `--experts
+N`) gives more, FULL_DEPTH[name] the real count. bench/full_depth.py writes them through llama.cpp's quantizer.
 """
 
 from __future__ import annotations
@@ -21,7 +39,7 @@ from moerun.arch.deepseek2 import yarn_softmax_scale
 from moerun.arch.family import with_family_defaults
 from moerun.arch.spec import Yarn
 
-__all__ = ["ALIASES", "PRESETS", "apply_overrides", "preset", "preset_names"]
+__all__ = ["ALIASES", "FULL_DEPTH", "PRESETS", "apply_overrides", "preset", "preset_names"]
 
 # Short override names (command-line flags) -> ModelSpec fields.
 ALIASES = {
@@ -161,6 +179,29 @@ def _a3b(n_layers: int) -> ModelSpec:
                         rope_theta=1e6, context_length=32768)
 
 
+def _glm45_air(n_layers: int = 46) -> ModelSpec:
+    """GLM-4.5-Air's shape (zai-org/GLM-4.5-Air's config.json; transformers' Glm4MoeConfig defaults but head_dim,
+    which they leave to hidden / heads): 96 query heads and 8 KV heads of 128 with biases and no q/k norm, half of
+    each head rotated, one leading dense layer of 10944, 128 experts top-8 of width 1408 and one shared expert,
+    sigmoid routing with a correction bias in one group, renormalised, unscaled. The next-token-prediction layer
+    is left out (never run)."""
+    return _family_spec("glm4moe", n_layers=n_layers, moe_layers=(False,) + (True,) * (n_layers - 1), hidden=4096,
+                        n_heads=96, n_kv_heads=8, head_dim=128, vocab=151552, n_experts=128, n_experts_used=8,
+                        expert_ffn=1408, shared_ffn=1408, dense_ffn=10944, rms_eps=1e-5, rope_theta=1e6,
+                        context_length=131072, qkv_bias=True, rope_dim=64, router="sigmoid", score_bias=True,
+                        n_groups=1, topk_groups=1, group_score="top2", routed_scale=1.0)
+
+
+# Full-depth presets (module docstring) -> the real model's routed experts; the presets hold fewer by default.
+FULL_DEPTH = {"qwen3moe-30b": 128, "qwen35moe-35b": 256, "gptoss-20b": 32, "glm45-air": 128, "v2lite": 64}
+
+
+def _fewer(spec: ModelSpec, n_experts: int) -> ModelSpec:
+    if not spec.n_experts_used <= n_experts <= spec.n_experts:
+        raise ValueError(f"{n_experts} experts: want top-k {spec.n_experts_used} to {spec.n_experts}")
+    return dataclasses.replace(spec, n_experts=n_experts)
+
+
 PRESETS: dict[str, Callable[[], ModelSpec]] = {
     "tiny-qwen3moe": lambda: _tiny("qwen3moe"),
     "tiny-qwen2moe": lambda: _tiny("qwen2moe"),
@@ -180,6 +221,11 @@ PRESETS: dict[str, Callable[[], ModelSpec]] = {
     "next-L4": lambda: _next_80b(4),
     "next-L8": lambda: _next_80b(8),
     "q35-L4": lambda: _q35_35b(4),
+    # full depth, real vocabularies, fewer routed experts (FULL_DEPTH has the real counts)
+    "qwen3moe-30b": lambda: _fewer(dataclasses.replace(_a3b(48), vocab=151936), 32),
+    "qwen35moe-35b": lambda: _fewer(dataclasses.replace(_q35_35b(40), vocab=248320), 32),
+    "glm45-air": lambda: _fewer(_glm45_air(), 10),
+    "v2lite": lambda: _fewer(_v2_lite(27), 16),
 }
 
 
