@@ -1,0 +1,140 @@
+"""Where a decode step's time goes on the fused C path: by layer kind and by part, with the bytes each reads.
+
+    python bench/step_profile.py MODEL.gguf [-t 2] [--steps 32] [--prompt 64]
+
+Prefills `--prompt` tokens, then times `--steps` one-token steps layer by layer (each layer whole in C, as
+`decode_tokens` runs it, with a timer around each call) and the head, and the whole step in one call for
+comparison. Per layer kind (attention or DeltaNet mixer, with a routed or a dense FFN) it prints the median time
+per token, the weight (and recurrent-state) bytes read, and the GB/s that makes, beside the read-bandwidth probe's
+GB/s for the same threads. The head's row is the output projection over the vocabulary. The argmax (greedy) and
+the sampler chain (temperature 0.8, top-k 40, top-p 0.95; and top-k off) over the step's logits are timed too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def layer_bytes(model, i: int) -> tuple[str, int]:
+    """(kind, bytes one token reads) of layer i: its dense weights, n_used routed experts, a DeltaNet state read and
+    written."""
+    s, lw = model.spec, model.layers[i]
+    mats = [lw.wq, lw.wk, lw.wv, lw.wo, lw.router, lw.wqkv, lw.wz, lw.wba, lw.wbeta, lw.walpha, lw.ssm_out,
+            lw.shexp_gate, *(lw.shexp or ()), *(lw.ffn or ())]
+    n = sum(getattr(m, "nbytes", 0) for m in mats if m is not None)
+    if lw.router is not None:
+        n += sum(t.nbytes for t in model.store.stacks(i)) * s.n_experts_used // s.n_experts
+    if s.linear(i):
+        n += 2 * 4 * s.ssm_v_heads * s.ssm_k_dim * s.ssm_v_dim
+    kind = ("deltanet" if s.linear(i) else "attention") + (" + moe" if lw.router is not None else " + dense")
+    return kind, n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=64)
+    args = ap.parse_args()
+
+    from moerun.engine.kv_cache import KVPool, SeqKV
+    from moerun.engine.sampler import Sampler
+    from moerun.config import SamplingParams
+    from moerun.loading import load_model
+    from moerun.model.ops import thread_budget
+    from moerun.placement.bandwidth import measure_host_read_bandwidth
+
+    model = load_model(args.model).model
+    f = model.fused
+    if f is None or not f.whole_model:
+        raise SystemExit(f"{args.model}: not on the fused whole-model path (fused={f is not None})")
+    s = model.spec
+    kinds = [layer_bytes(model, i) for i in range(s.n_layers)]
+    head_bytes = model.head.nbytes if hasattr(model.head, "nbytes") else model.head.numel() * 4
+    times: dict[str, list[float]] = defaultdict(list)
+    g = torch.Generator().manual_seed(0)
+    with thread_budget(args.threads), torch.inference_mode():
+        pool = KVPool(s, args.prompt + 2 * args.steps + 16)
+        kv = SeqKV(pool, args.prompt + 2 * args.steps + 8)
+        prompt = torch.randint(0, s.vocab, (args.prompt,), generator=g)
+        for chunk in prompt.split(16):
+            model.forward(chunk, kv)
+        caches = pool.caches(0, s.n_layers)
+        tok = int(prompt[-1])
+        for _ in range(args.steps):  # layer by layer, each whole in C
+            kv.reserve(1)
+            pos = torch.tensor([kv.length])
+            rows = f.rows([kv], pos)
+            x = model.embed(torch.tensor([tok]))
+            per: dict[str, float] = defaultdict(float)
+            for i in range(s.n_layers):
+                t0 = time.perf_counter()
+                f(i, x, rows, *caches[i], moe=True)
+                per[kinds[i][0]] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            logits = f.head_logits(x)
+            per["head"] += time.perf_counter() - t0
+            kv.length += 1
+            for k, v in per.items():
+                times[k].append(v)
+            t0 = time.perf_counter()
+            tok = int(logits[-1].argmax())
+            times["argmax"].append(time.perf_counter() - t0)
+        for _ in range(args.steps):  # the whole step in one call
+            t0 = time.perf_counter()
+            logits = model.decode(torch.tensor([tok]), [kv])
+            times["whole step"].append(time.perf_counter() - t0)
+            tok = int(logits[-1].argmax())
+        for name, params in (("sampler k40 p0.95 t0.8", SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=0)),
+                             ("sampler p0.95 t0.8 (top-k off)", SamplingParams(temperature=0.8, top_k=0, top_p=0.95, seed=0))):
+            sampler = Sampler(params, s.vocab)
+            history = prompt[-64:]
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                sampler.sample(logits[-1], history)
+                times[name].append(time.perf_counter() - t0)
+    bw = measure_host_read_bandwidth(args.threads)["gbps"]
+    step = statistics.median(times["whole step"])
+    print(f"{args.model}: {s.family}, {s.n_layers} layers, vocab {s.vocab}; {cpu_name()}, {args.threads} threads; "
+          f"read-bandwidth probe {bw:.1f} GB/s")
+    print("| part | layers | ms / token | % of step | MB read | GB/s | % of probe |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, (k, _) in enumerate(kinds):
+        groups[k].append(i)
+    total_bytes = 0
+    for k, idx in sorted(groups.items()):
+        ms, nb = statistics.median(times[k]) * 1e3, sum(kinds[i][1] for i in idx)
+        total_bytes += nb
+        print(f"| {k} | {len(idx)} | {ms:.2f} | {ms / step / 10:.1f} | {nb / 1e6:.0f} | {nb / ms / 1e6:.1f} | "
+              f"{100 * nb / ms / 1e6 / bw:.0f} |")
+    ms = statistics.median(times["head"]) * 1e3
+    total_bytes += head_bytes
+    print(f"| head | | {ms:.2f} | {ms / step / 10:.1f} | {head_bytes / 1e6:.0f} | {head_bytes / ms / 1e6:.1f} | "
+          f"{100 * head_bytes / ms / 1e6 / bw:.0f} |")
+    for k in ("argmax", "sampler k40 p0.95 t0.8", "sampler p0.95 t0.8 (top-k off)"):
+        ms = statistics.median(times[k]) * 1e3
+        print(f"| {k} | | {ms:.3f} | {ms / step / 10:.2f} | | | |")
+    print(f"| whole step (one call) | {s.n_layers} | {step * 1e3:.2f} | 100 | {total_bytes / 1e6:.0f} | "
+          f"{total_bytes / step / 1e9:.1f} | {100 * total_bytes / step / 1e9 / bw:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
