@@ -237,9 +237,9 @@ class Sampler:
         starts = np.arange(0, vocab, _BLOCK)
         vmax = np.maximum.reduceat(vals.contiguous().numpy(), starts).astype(np.float64)
 
-        def members(blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        def members(blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
             ranks = torch.cat([torch.arange(int(starts[b]), min(int(starts[b]) + _BLOCK, vocab)) for b in blocks])
-            return vals[ranks], ranks, ranks
+            return vals[ranks], ranks, ranks, None
 
         got = self._bounded_race(vocab, vocab, starts, vmax, members)
         return None if got is None else torch.tensor(got[1])
@@ -268,23 +268,23 @@ class Sampler:
         starts = first[nonempty].numpy()
         vmax = mx.item() - np.maximum(nonempty.numpy().astype(np.float64) - 1.0, 0.0) / scale  # + a bucket's slack
 
-        def members(which: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        def members(which: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
             want = torch.zeros(_BUCKETS + 1, dtype=torch.bool)
             want[nonempty[which].long()] = True
             tok = torch.nonzero(want.index_select(0, bucket)).squeeze(1)
             v, order = torch.sort(vals[tok], descending=True, stable=True)
             tok, b = tok[order], bucket[tok[order]].long()
             rank = first[b] + torch.arange(tok.numel()) - torch.searchsorted(b, b)
+            # equal logits share a bucket: which of them takes which rank is topk's choice
+            same = v[1:] == v[:-1]
+            tied = torch.zeros_like(v, dtype=torch.bool)
+            tied[1:] |= same
+            tied[:-1] |= same
             keep = rank < kept
-            return v[keep], tok[keep], rank[keep]
+            return v[keep], tok[keep], rank[keep], tied[keep]
 
         got = self._bounded_race(size, kept, starts, vmax, members)
-        if got is None:
-            return None
-        if int((vals == vals[got[1]]).sum()) != 1:  # its rank among equal logits is topk's choice
-            self.generator.set_state(self._state)
-            return None
-        return torch.tensor(got[1])
+        return None if got is None else torch.tensor(got[1])
 
     def _top_p_count(self, vals: torch.Tensor, lse: torch.Tensor, bucket: torch.Tensor, counts: torch.Tensor,
                      first: torch.Tensor) -> int | None:
@@ -320,13 +320,14 @@ class Sampler:
         return n
 
     def _bounded_race(self, size: int, kept: int, starts: np.ndarray, vmax: np.ndarray,
-                      members: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) \
-            -> tuple[float, int] | None:
+                      members: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                           torch.Tensor | None]]) -> tuple[float, int] | None:
         """The exponential race over `size` candidates of which ranks below `kept` can win, the generator drawn
         as the chain draws `size` exponentials. Ranks come in segments starting at `starts` (increasing, from 0,
         partitioning [0, kept)), each with an upper bound `vmax` on its logits; members(segments) -> (logits,
-        token ids, ranks) of the kept ranks in those segments. Segments whose best possible score cannot reach
-        the best found are never looked at. Returns (score, token), or None (generator restored) on a near-tie."""
+        token ids, ranks, tied or None) of the kept ranks in those segments, tied: the rank might be another
+        token's. Segments whose best possible score cannot reach the best found are never looked at. Returns
+        (score, token), or None (generator restored) on a near-tie or a tied winner."""
         self._state = self.generator.get_state()
         u = torch.empty(size, dtype=torch.float64).uniform_(generator=self.generator)  # exponential_'s draws
         umin = np.minimum.reduceat(u[:kept].numpy(), starts)
@@ -334,20 +335,20 @@ class Sampler:
         with np.errstate(divide="ignore"):
             bound = vmax / temp - np.log(np.maximum(-np.log1p(-umin), _TINY))
         order = np.argsort(-bound, kind="stable")
-        best, token, second = -math.inf, -1, -math.inf
+        best, token, second, tied = -math.inf, -1, -math.inf, False
         i = 0
         while i < len(order) and bound[order[i]] >= best - _TOL * max(1.0, abs(best)):
             batch = order[i:i + 8].tolist()
             i += len(batch)
-            v, tok, rank = members(batch)
+            v, tok, rank, ties = members(batch)
             scores = v / temp - _noise(u[rank])  # as the chain: float32 logit / T - noise
             top = torch.topk(scores, min(2, scores.numel()))
             for s, j in zip(top.values.tolist(), top.indices.tolist()):
                 if s > best:
-                    best, second, token = s, best, int(tok[j])
+                    best, second, token, tied = s, best, int(tok[j]), ties is not None and bool(ties[j])
                 elif s > second:
                     second = s
-        if not best - second > _TOL * max(1.0, abs(best)):
+        if tied or not best - second > _TOL * max(1.0, abs(best)):
             self.generator.set_state(self._state)
             return None
         return best, token
