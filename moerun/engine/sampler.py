@@ -15,11 +15,12 @@ and top-p's cut without sorting), the same random numbers drawn (torch's CPU exp
 buckets (or blocks of tokens) whose best possible score, from their largest logit and smallest U, can still
 win. A step whose outcome the shortcut cannot certify (a near-tie, the winner's logit shared by another
 token, top-p's cut within rounding of the threshold) goes the plain way with the generator as it was (about
-1 step in 100 on random logits, mostly shared float32 values). On a 2-core Zen 4 (one torch thread, machine
-shared) at vocabulary 248,320, per token: top-p 0.95 without top-k 7-12 ms where the plain chain takes 50-70 ms
-on flat logits (4-5 ms for 17-23 ms with a few favourites over a long tail); every truncation off 1.5-2 ms for
-5-9 ms; top-k 40 (the default) 0.47 ms and greedy 0.21 ms, as before. Two torch threads on a busy machine
-multiply all of these (a parallel region waits for its slowest thread).
+1 step in 100 on random logits, mostly shared float32 values). On a 2-core Zen 4 (one torch thread) at vocabulary
+248,320, per token: top-p 0.95 without top-k 6.0 ms where the plain chain takes 43 ms on flat logits (3.5 ms for
+14.5 ms with a few favourites over a long tail), a third of it drawing the chain's 248,320 random numbers; every
+truncation off 1.6 ms for 5.3 ms; top-k 40 (the default) 0.46 ms and greedy 0.21 ms, as before. With two torch
+threads on a machine where another process is running, either way takes 150-230 ms: each parallel region waits
+for the thread the other process holds up.
 """
 
 from __future__ import annotations
