@@ -6,8 +6,14 @@ The oracle is the layer loop (MoEModel.run_layers with `fused` off), which the f
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from fused_vs_loop import layer_by_layer  # noqa: E402
 
 from moerun.engine.kv_cache import KVPool, SeqKV
 from moerun.loading import load_model
@@ -49,42 +55,9 @@ def close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     """Logits per step within float noise of each other, allowing the rare step where a 1e-7 difference moves one
     activation across an 8-bit rounding boundary before a quantized product, or flips a near tie between two
     experts (then that step and the cache after it differ by up to ~1e-2, as tests/test_fused_decode.py allows);
-    layer_by_layer below checks the arithmetic itself to 1e-5."""
+    bench/fused_vs_loop.layer_by_layer checks the arithmetic itself to 1e-5."""
     per_step = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
     assert per_step.max().item() < 0.05, f"{what}: {per_step.tolist()}"
-
-
-def layer_by_layer(model, T: int) -> int:
-    """Each layer on the same random input [T, H] (one sequence at positions 0..T-1, fresh caches): the whole layer in
-    C against the torch loop's mixer and FFN over the same kernels, to 1e-5 wherever both chose the same experts.
-    -> how many layers chose differently (a near tie under 1e-7 noise)."""
-    from moerun.model.layers import rms_norm, rope_tables
-    from moerun.model.moe import route
-
-    s, f = model.spec, model.fused
-    g = torch.Generator().manual_seed(T)
-    pos = torch.arange(T)
-    rope = rope_tables(pos, s.rotary_dim, s.rope_theta, s.yarn)
-    flips = 0
-    with torch.inference_mode():
-        for i, lw in enumerate(model.layers):
-            x = torch.randn(T, s.hidden, generator=g)
-            kv_t, kv_c = (SeqKV(KVPool(s, 64), 64) for _ in range(2))
-            for kv in (kv_t, kv_c):
-                kv.reserve(T)
-            xn = rms_norm(x, lw.attn_norm, s.rms_eps)
-            mixed = x + (model.linear_attention(i, xn, pos, kv_t) if s.linear(i) else
-                         model.attention(i, xn, pos, rope, kv_t))
-            ffn_in = rms_norm(mixed, lw.ffn_norm, s.rms_eps)
-            ref = mixed + model.ffn(i, ffn_in, "decode", pos)
-            got = x.clone()
-            _, ids, _ = f(i, got, f.rows([kv_c] * T, pos), *kv_c.pool.caches(i, i + 1)[0], moe=True)
-            if lw.router is not None and not torch.equal(ids, route(model.ops, ffn_in, lw, s)[1]):
-                flips += 1
-                continue
-            err = ((got - ref).norm() / ref.norm()).item()
-            assert err < 1e-5, f"layer {i} ({'linear' if s.linear(i) else 'attention'}), {T} rows: {err:.2e}"
-    return flips
 
 
 def steps(model, tokens, fused: bool):
@@ -110,7 +83,8 @@ def test_every_layer_is_whole_and_equals_the_layer_loop(models, tokens32, name):
     model = models(name)
     f = model.fused
     assert f is not None and f.whole_model and f.embd is not None, f"{name}: {FAMILIES[name]} not on the fused path"
-    assert sum(layer_by_layer(model, T) for T in (1, 5)) <= 1
+    flips = [layer_by_layer(model, T)[1:] for T in (1, 5)]  # each layer within 1e-5 of the loop's
+    assert sum(a + b for a, b in flips) <= 1, flips
     fused_logits, fused_greedy = steps(model, tokens32, True)
     loop_logits, loop_greedy = steps(model, tokens32, False)
     assert fused_greedy == loop_greedy
@@ -149,7 +123,7 @@ def test_mla_keeps_the_layer_loop(models):
 def test_q4_k_m_hybrid_equals_the_layer_loop(models, tokens32):
     """Qwen3.5's shape in Q4_K_M (the interleaved expert layouts, Q6_K and Q4_K matrices in the DeltaNet layers)."""
     model = models("tiny-qwen35moe", "Q4_K_M")
-    assert model.fused.whole_model and layer_by_layer(model, 3) <= 1
+    assert model.fused.whole_model and sum(layer_by_layer(model, 3)[1:]) <= 1
     fused_logits, fused_greedy = steps(model, tokens32, True)
     loop_logits, loop_greedy = steps(model, tokens32, False)
     assert fused_greedy == loop_greedy

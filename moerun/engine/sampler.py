@@ -19,8 +19,8 @@ token, top-p's cut within rounding of the threshold) goes the plain way with the
 248,320, per token: top-p 0.95 without top-k 6.0 ms where the plain chain takes 43 ms on flat logits (3.5 ms for
 14.5 ms with a few favourites over a long tail), a third of it drawing the chain's 248,320 random numbers; every
 truncation off 1.6 ms for 5.3 ms; top-k 40 (the default) 0.46 ms and greedy 0.21 ms, as before. With two torch
-threads on a machine where another process is running, either way takes 150-230 ms: each parallel region waits
-for the thread the other process holds up.
+threads on a machine where another process is running, either way took 150-230 ms (each parallel region waits
+for the thread the other process holds up), so `sample` runs the chain on one torch thread.
 """
 
 from __future__ import annotations
@@ -185,7 +185,19 @@ class Sampler:
     # -- results -----------------------------------------------------------------------------------
 
     def sample(self, logits: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
-        """logits [V], history [n] (prompt + generated ids) -> next token id, 0-d long on logits' device."""
+        """logits [V], history [n] (prompt + generated ids) -> next token id, 0-d long on logits' device. On the CPU
+        the chain runs on one torch thread: a vector of 250k is no work to split, and with more threads each parallel
+        region waits for any thread another process holds up (150-230 ms a token seen on 2 busy cores)."""
+        n = torch.get_num_threads() if logits.device.type == "cpu" else 1
+        if n == 1:
+            return self._sample(logits, history)
+        torch.set_num_threads(1)
+        try:
+            return self._sample(logits, history)
+        finally:
+            torch.set_num_threads(n)
+
+    def _sample(self, logits: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
         if self.params.is_greedy:
             return torch.argmax(self.penalize(logits, history))
         if self._fast:
