@@ -156,11 +156,15 @@ static void iq4xs_unpack_block(const uint8_t *b, uint8_t *const dst[8]) {
 /* Row r's 6-bit values q[256] of a Q6_K block (qk.h), and back. */
 static void q6k_values(const uint8_t *blk, uint8_t q[256]) {
     for (int h = 0; h < 2; h++)
-        for (int j = 0; j < 64; j++) {
-            const uint8_t l = blk[64 * h + j], hb = blk[128 + 32 * h + j % 32];
+        for (int j = 0; j < 64; j += 4) { /* 4 elements a word, each byte's bits shifted within it */
             const int k = j / 32; /* el 128h + j takes qh bits 2k, el 128h + 64 + j bits 2(k + 2) */
-            q[128 * h + j] = (uint8_t)((l & 15) | ((hb >> (2 * k)) & 3) << 4);
-            q[128 * h + 64 + j] = (uint8_t)((l >> 4) | ((hb >> (2 * k + 4)) & 3) << 4);
+            uint32_t l, hb, a, b;
+            memcpy(&l, blk + 64 * h + j, 4);
+            memcpy(&hb, blk + 128 + 32 * h + j % 32, 4);
+            a = (l & 0x0f0f0f0fu) | (hb >> (2 * k) & 0x03030303u) << 4;
+            b = (l >> 4 & 0x0f0f0f0fu) | (hb >> (2 * k + 4) & 0x03030303u) << 4;
+            memcpy(q + 128 * h + j, &a, 4);
+            memcpy(q + 128 * h + 64 + j, &b, 4);
         }
 }
 
@@ -191,11 +195,17 @@ static void q6r8_pack_block(const uint8_t *const src[8], uint8_t *b) {
         q6k_values(src[r], q);
         memcpy(b + 2 * r, src[r] + 208, 2);
         for (int s = 0; s < 16; s++) b[16 + 16 * (s / 2) + 2 * r + s % 2] = src[r][192 + s];
-        for (int e = 0; e < 256; e++) {
+        for (int c = 0; c < 64; c++) { /* elements 4c..4c+3 go to 4 consecutive bytes of each vector */
             int lo, nib, hi, pair;
-            q6r8_place(e, &lo, &nib, &hi, &pair);
-            b[lo + 4 * r + e % 4] |= (uint8_t)((q[e] & 15) << (4 * nib));
-            b[hi + 4 * r + e % 4] |= (uint8_t)((q[e] >> 4) << (2 * pair));
+            q6r8_place(4 * c, &lo, &nib, &hi, &pair);
+            uint32_t v, l, h; /* 4 values a word: their low nibbles and high bit pairs shifted within each byte */
+            memcpy(&v, q + 4 * c, 4);
+            memcpy(&l, b + lo + 4 * r, 4);
+            memcpy(&h, b + hi + 4 * r, 4);
+            l |= (v & 0x0f0f0f0fu) << (4 * nib);
+            h |= (v >> 4 & 0x03030303u) << (2 * pair);
+            memcpy(b + lo + 4 * r, &l, 4);
+            memcpy(b + hi + 4 * r, &h, 4);
         }
     }
 }

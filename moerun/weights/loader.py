@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -101,13 +103,17 @@ def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False) -> dict[
     home tier: the kernel may drop those pages and fault them back in from disk) unless copy_experts.
     """
     out = {}
+    reads = {}
     for cn, src in arch.sources.items():
         if src.direct and (copy_experts or tensor_class(cn.kind) != "routed_experts"):
-            rec = src.records[0]
-            out[cn] = QTensor.from_bytes(mf.read(rec), rec.qtype, rec.shape)  # read, not copied via the map
+            reads[cn] = src.records[0]
         else:
             out[cn] = materialize(mf, src)
-    return out
+    # positioned reads release the GIL: a few at once keep the copies (and the new pages' faults) on every core
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        got = pool.map(lambda rec: QTensor.from_bytes(mf.read(rec), rec.qtype, rec.shape), reads.values())
+        out.update(zip(reads, got))
+    return {cn: out[cn] for cn in arch.sources}
 
 
 def interleave_for_kernels(weights: dict[CName, QTensor], experts: bool,
