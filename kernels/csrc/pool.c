@@ -227,7 +227,8 @@ int qk_pool_run(qk_task fn, void *ctx) {
 
 /* The CPU's default prefetch distance and hint, by CPUID vendor (others: the last row); bench/prefetch_sweep.py
  * measures every hint x distance on a model. Intel: bench/RESULTS.md "issue 21 on an Intel machine" (T1 2 KB, a3b
- * decode +6-36%); AMD: on Zen 4 a T0 2 KB prefetch cost 8%. */
+ * decode +6-36%). AMD: none, RESULTS.md "issue 36": on Zen 4 no hint gained at any distance (64-8192 B; 0.96-0.99x
+ * at 64-256 B, T1 2 KB 0.57-0.60x on an a3b-L12 decode). */
 static const struct {
     const char *vendor; /* CPUID leaf 0's 12 characters */
     int bytes, hint;
