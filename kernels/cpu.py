@@ -28,7 +28,8 @@ import torch
 from moerun.quant.qtypes import INTERLEAVABLE, QTensor, QType
 
 __all__ = ["attend_prompt", "available", "can_interleave", "deinterleave", "dequant_rows", "features", "get_threads",
-           "glu_down", "interleave", "matmul", "moe_ffn", "moe_ffn_experts", "set_prefetch", "set_threads", "supports"]
+           "glu_down", "interleave", "matmul", "moe_ffn", "moe_ffn_experts", "set_prefetch", "set_prefetch_hint",
+           "set_threads", "supports"]
 
 MODE = os.environ.get("MOERUN_KERNELS", "").strip().lower()  # "" / "auto", "scalar", "off"
 
@@ -80,9 +81,28 @@ def _env_prefetch() -> int:
     return int(v)
 
 
+PREFETCH_HINTS = ("t0", "t1", "t2", "nta")  # pool.h's QK_PF_* in order
+
+
+def _env_prefetch_hint() -> int:
+    """MOERUN_PREFETCH_HINT: the interleaved kernels' prefetch hint, t0 / t1 / t2 / nta (unset or "auto": the CPU's
+    default, see set_prefetch_hint)."""
+    v = os.environ.get("MOERUN_PREFETCH_HINT", "auto").strip().lower()
+    if v in ("", "auto"):
+        return -1
+    if v not in PREFETCH_HINTS:
+        import warnings
+
+        warnings.warn(f"MOERUN_PREFETCH_HINT={v!r} is not auto or one of {', '.join(PREFETCH_HINTS)}: using the CPU's "
+                      "default", stacklevel=2)
+        return -1
+    return PREFETCH_HINTS.index(v)
+
+
 if _cpu is not None:
     _cpu.set_threads(_physical_cores())
     _cpu.set_prefetch(_env_prefetch())
+    _cpu.set_prefetch_hint(_env_prefetch_hint())
     _SUPPORTED = frozenset(QType(t) for t in _cpu.qtypes())
     _ISAS = tuple(_cpu.features()["isas"])
     _DEFAULT_ISA = "scalar" if MODE == "scalar" else _cpu.features()["best"]
@@ -99,14 +119,15 @@ def available() -> bool:
 
 def features() -> dict:
     """{"available", "isa" (the kernel set calls use), "isas" (all this CPU runs), "threads", "spin_us",
-    "prefetch" (set_prefetch's bytes), "qtypes", "reason" (why not available, else None)}."""
+    "prefetch" (set_prefetch's bytes), "prefetch_hint" (set_prefetch_hint's: "t0", "t1", "t2" or "nta"), "qtypes",
+    "reason" (why not available, else None)}."""
     if _cpu is None:
-        return {"available": False, "isa": None, "isas": [], "threads": 0, "spin_us": 0, "prefetch": 0, "qtypes": [],
-                "reason": _import_error}
+        return {"available": False, "isa": None, "isas": [], "threads": 0, "spin_us": 0, "prefetch": 0,
+                "prefetch_hint": None, "qtypes": [], "reason": _import_error}
     f = _cpu.features()
     return {"available": True, "isa": _DEFAULT_ISA, "isas": f["isas"], "threads": f["threads"],
-            "spin_us": f["spin_us"], "prefetch": f["prefetch"], "qtypes": sorted(q.name for q in _SUPPORTED),
-            "reason": None}
+            "spin_us": f["spin_us"], "prefetch": f["prefetch"], "prefetch_hint": PREFETCH_HINTS[f["prefetch_hint"]],
+            "qtypes": sorted(q.name for q in _SUPPORTED), "reason": None}
 
 
 def supports(qtype) -> bool:
@@ -130,14 +151,27 @@ def set_threads(n: int, spin_us: int | None = None) -> None:
 
 def set_prefetch(nbytes: int | None = None) -> None:
     """How far ahead (bytes, a multiple of 64 up to 65536; 0: not at all) the interleaved-layout kernels prefetch
-    weight rows into L2 when they multiply one token (or up to 8 with AVX-512 VNNI). None: the CPU's default (2048
-    on Intel, 0 elsewhere; the environment's MOERUN_PREFETCH overrides it at import); while it is not 0 the
-    GGUF-layout kernels' own one-token prefetch goes to L2 as well. Results do not depend on it, only speed."""
+    weight rows (into L2 by default: set_prefetch_hint) when they multiply one token (or up to 8 with AVX-512
+    VNNI). None: the CPU's default (2048 on Intel, 0 elsewhere; the environment's MOERUN_PREFETCH overrides it at
+    import); while it is not 0 the GGUF-layout kernels' own one-token prefetch goes to L2 as well. Results do not
+    depend on it, only speed."""
     _need()
     if nbytes is not None and (not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0 or nbytes % 64
                                or nbytes > 65536):
         raise ValueError(f"prefetch must be a multiple of 64 bytes in 0..65536, got {nbytes!r}")
     _cpu.set_prefetch(-1 if nbytes is None else nbytes)
+
+
+def set_prefetch_hint(hint: str | None = None) -> None:
+    """Where the interleaved-layout kernels' prefetches (set_prefetch) put the lines: "t0" (every cache level, L1
+    too), "t1" (L2), "t2" (L3) or "nta" (non-temporal: near the core, first to go), _mm_prefetch's hints as Intel
+    describes them (what a CPU does with each is its own); case does not matter. None: the CPU's default ("t1";
+    the environment's MOERUN_PREFETCH_HINT overrides it at import). It matters only while the distance is not 0.
+    Results do not depend on it, only speed."""
+    _need()
+    if hint is not None and (not isinstance(hint, str) or hint.strip().lower() not in PREFETCH_HINTS):
+        raise ValueError(f"prefetch hint must be one of {', '.join(PREFETCH_HINTS)}, got {hint!r}")
+    _cpu.set_prefetch_hint(-1 if hint is None else PREFETCH_HINTS.index(hint.strip().lower()))
 
 
 def read_bw(buf: torch.Tensor, streams: int = 1, prefetch: int = 0) -> int:

@@ -18,7 +18,8 @@ token, from `moerun.arch.summary`), and for tg tests `achieved_gbps` (bytes_per_
 measured peak) and `bound_fraction` (t/s ÷ bound_ts). For pp tests these three are null: a prompt chunk
 reads each weight once for many tokens, so bytes per token times t/s is not a memory traffic figure.
 `host_read_gbps`/`host_read_source` say which bandwidth figure was used (measured, cached or default);
-`cpu_prefetch` the CPU kernels' one-token weight prefetch distance in bytes (0: none; `MOERUN_PREFETCH`).
+`cpu_prefetch` the CPU kernels' one-token weight prefetch distance in bytes (0: none; `MOERUN_PREFETCH`) and
+`cpu_prefetch_hint` its hint (t0, t1, t2, nta; `MOERUN_PREFETCH_HINT`).
 Expert cache sweeps (`--expert-cache-mib 256,512`, moerun's own): each size is a test of its own with an
 ExpertCache of that many MiB over the MoE layers in front of the experts' home tier (the file's map when a
 cache is asked for, as `moerun run` does); `expert_cache_mib`, `expert_cache_hits`, `expert_cache_queries`
@@ -57,8 +58,8 @@ FIELDS = [
     "moerun_version", "cpu_info", "gpu_info", "backends", "model_filename", "model_type", "model_size",
     "model_n_params", "n_ubatch", "n_threads", "dtype", "n_prompt", "n_gen", "test_time",
     "avg_ns", "stddev_ns", "avg_ts", "stddev_ts", "samples_ns", "samples_ts",
-    "bytes_per_token", "achieved_gbps", "host_read_gbps", "host_read_source", "cpu_prefetch", "bound_ts",
-    "bound_fraction",
+    "bytes_per_token", "achieved_gbps", "host_read_gbps", "host_read_source", "cpu_prefetch",
+    "cpu_prefetch_hint", "bound_ts", "bound_fraction",
     "expert_cache_mib", "expert_cache_hits", "expert_cache_queries", "expert_cache_hit_rate",
     "expert_cache_prefetch_precision",
     "devices", "expert_cache_home_share", "expert_cache_h2d_gbps", "expert_cache_stall_s", "expert_cache_stages",
@@ -260,10 +261,10 @@ def cpu_info() -> str:
     return platform.processor()
 
 
-def _cpu_prefetch() -> int | None:
+def _cpu_prefetch(key: str = "prefetch") -> int | str | None:
     from moerun.kernels import cpu
 
-    return cpu.features()["prefetch"] if cpu.available() else None
+    return cpu.features()[key] if cpu.available() else None
 
 
 def bench_record(info: ModelInfo, case: BenchCase, samples_ns: Sequence[int], dtype: str, test_time: str,
@@ -291,6 +292,7 @@ def bench_record(info: ModelInfo, case: BenchCase, samples_ns: Sequence[int], dt
         "bytes_per_token": info.bytes_per_token,
         "achieved_gbps": info.bytes_per_token * avg_ts / 1e9 if decode else None,
         "host_read_gbps": host_gbps, "host_read_source": host_source, "cpu_prefetch": _cpu_prefetch(),
+        "cpu_prefetch_hint": _cpu_prefetch("prefetch_hint"),
         "bound_ts": bound_ts, "bound_fraction": avg_ts / bound_ts if bound_ts else None,
         "expert_cache_mib": case.cache_mib, "expert_cache_hits": None if cache is None else cache.hits,
         "expert_cache_queries": None if cache is None else cache.queries,

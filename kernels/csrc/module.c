@@ -44,9 +44,9 @@ static PyObject *py_features(PyObject *self, PyObject *args) {
         }
         Py_DECREF(s);
     }
-    return Py_BuildValue("{s:s,s:i,s:N,s:i,s:i,s:i}", "best", qk_isa_name(qk_best_isa()), "best_id", qk_best_isa(),
+    return Py_BuildValue("{s:s,s:i,s:N,s:i,s:i,s:i,s:i}", "best", qk_isa_name(qk_best_isa()), "best_id", qk_best_isa(),
                          "isas", isas, "threads", qk_pool_threads(), "spin_us", qk_pool_spin_us(), "prefetch",
-                         qk_prefetch());
+                         qk_prefetch(), "prefetch_hint", qk_prefetch_hint());
 }
 
 static PyObject *py_qtypes(PyObject *self, PyObject *args) {
@@ -80,6 +80,17 @@ static PyObject *py_set_prefetch(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "i", &n)) return NULL;
     if (qk_set_prefetch(n)) {
         PyErr_SetString(PyExc_ValueError, "prefetch must be -1 or a multiple of 64 in 0..65536");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_set_prefetch_hint(PyObject *self, PyObject *args) {
+    (void)self;
+    int h;
+    if (!PyArg_ParseTuple(args, "i", &h)) return NULL;
+    if (qk_set_prefetch_hint(h)) {
+        PyErr_SetString(PyExc_ValueError, "prefetch hint must be -1 or 0..3 (T0, T1, T2, NTA)");
         return NULL;
     }
     Py_RETURN_NONE;
@@ -410,6 +421,8 @@ static PyMethodDef methods[] = {
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n, spin_us=-1): size the thread pool."},
     {"set_prefetch", py_set_prefetch, METH_VARARGS,
      "set_prefetch(bytes): the interleaved kernels' one-token prefetch distance (-1: the CPU's default, 0: none)."},
+    {"set_prefetch_hint", py_set_prefetch_hint, METH_VARARGS,
+     "set_prefetch_hint(hint): the interleaved kernels' prefetch hint, 0..3 = T0, T1, T2, NTA (-1: the CPU's default)."},
     {"get_threads", py_get_threads, METH_NOARGS, "Threads of the pool (caller included)."},
     {"set_active", py_set_active, METH_VARARGS, "set_active(n): jobs run on min(n, threads) threads (0: all)."},
     {"act_row_bytes", py_act_row_bytes, METH_VARARGS, "act_row_bytes(ggml, K)"},

@@ -7,9 +7,11 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define CPU_RELAX() _mm_pause()
 #elif defined(__aarch64__)
@@ -43,7 +45,8 @@ static struct {
     atomic_int active;        /* threads a job runs on, caller included (0: all nthreads) */
     int job_n;                /* threads of the current job: workers with tid >= job_n sit it out */
     atomic_int prefetch;      /* qk_prefetch's bytes, or -1 until decided */
-} P = {.prefetch = -1, .run_lock = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER,
+    atomic_int prefetch_hint; /* qk_prefetch_hint's QK_PF_*, or -1 until decided */
+} P = {.prefetch = -1, .prefetch_hint = -1, .run_lock = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER,
        .wake = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER, .spin_us = DEFAULT_SPIN_US};
 
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
@@ -222,25 +225,62 @@ int qk_pool_run(qk_task fn, void *ctx) {
     return rc;
 }
 
-static int default_prefetch(void) {
+/* The CPU's default prefetch distance and hint, by CPUID vendor (others: the last row); bench/prefetch_sweep.py
+ * measures every hint x distance on a model. Intel: bench/RESULTS.md "issue 21 on an Intel machine" (T1 2 KB, a3b
+ * decode +6-36%). AMD: none, RESULTS.md "issue 36": on Zen 4 no hint gained at any distance (64-8192 B; 0.96-0.99x
+ * at 64-256 B, T1 2 KB 0.57-0.60x on an a3b-L12 decode). */
+static const struct {
+    const char *vendor; /* CPUID leaf 0's 12 characters */
+    int bytes, hint;
+} PF_DEFAULTS[] = {
+    {"GenuineIntel", 2048, QK_PF_T1},
+    {"AuthenticAMD", 0, QK_PF_T1},
+    {"", 0, QK_PF_T1},
+};
+
+static int default_prefetch(int *hint) {
+    char vendor[13] = "";
 #if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    if (__builtin_cpu_is("intel")) return 2048;
+    unsigned a, b, c, d;
+    if (__get_cpuid(0, &a, &b, &c, &d)) {
+        memcpy(vendor, &b, 4);
+        memcpy(vendor + 4, &d, 4);
+        memcpy(vendor + 8, &c, 4);
+    }
 #endif
-    return 0;
+    int i = 0;
+    while (PF_DEFAULTS[i].vendor[0] && strcmp(PF_DEFAULTS[i].vendor, vendor)) i++;
+    if (hint) *hint = PF_DEFAULTS[i].hint;
+    return PF_DEFAULTS[i].bytes;
 }
 
 int qk_set_prefetch(int bytes) {
     if (bytes < -1 || bytes > 65536 || (bytes > 0 && bytes % 64)) return -1;
-    atomic_store(&P.prefetch, bytes < 0 ? default_prefetch() : bytes);
+    atomic_store(&P.prefetch, bytes < 0 ? default_prefetch(NULL) : bytes);
     return 0;
 }
 
 int qk_prefetch(void) {
     int n = atomic_load_explicit(&P.prefetch, memory_order_relaxed);
     if (n < 0) {
-        n = default_prefetch();
+        n = default_prefetch(NULL);
         atomic_store(&P.prefetch, n);
     }
     return n;
+}
+
+int qk_set_prefetch_hint(int hint) {
+    if (hint < -1 || hint >= QK_PF_HINTS) return -1;
+    if (hint < 0) default_prefetch(&hint);
+    atomic_store(&P.prefetch_hint, hint);
+    return 0;
+}
+
+int qk_prefetch_hint(void) {
+    int h = atomic_load_explicit(&P.prefetch_hint, memory_order_relaxed);
+    if (h < 0) {
+        default_prefetch(&h);
+        atomic_store(&P.prefetch_hint, h);
+    }
+    return h;
 }

@@ -41,13 +41,39 @@ QK_AVX2_INLINE __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
  * which is usually the next one read. Prefetches never fault. */
 #define QK_PREFETCH_AHEAD 2048
 
-/* The interleaved kernels' prefetch into L2 of the lines that start within the `bytes` from `pf` bytes past b (pf:
- * qk_prefetch() on one-token passes, else 0): over a run of contiguous blocks, each line once. */
-QK_AVX2_INLINE void r8_prefetch(const uint8_t *b, int bytes, int64_t pf) {
+/* The interleaved kernels' prefetch, with hint (QK_PF_*, pool.h), of the lines that start within the `bytes` from `pf`
+ * bytes past b (pf: qk_prefetch() on one-token passes, else 0): over a run of contiguous blocks, each line once.
+ * _mm_prefetch takes its hint as a compile-time constant: where the kernel is instantiated per hint (R8_KERNEL) the
+ * switch folds away; elsewhere it is one predictable branch per block, outside the loop over lines. */
+QK_AVX2_INLINE void r8_prefetch(const uint8_t *b, int bytes, int64_t pf, const int hint) {
     if (!pf) return;
     const uintptr_t s = (uintptr_t)b + (uintptr_t)pf, e = s + (uintptr_t)bytes;
-    for (uintptr_t p = (s + 63) & ~(uintptr_t)63; p < e; p += 64) _mm_prefetch((const char *)p, _MM_HINT_T1);
+    uintptr_t p = (s + 63) & ~(uintptr_t)63;
+    switch (hint) {
+    case QK_PF_T0:
+        for (; p < e; p += 64) _mm_prefetch((const char *)p, _MM_HINT_T0);
+        break;
+    case QK_PF_T2:
+        for (; p < e; p += 64) _mm_prefetch((const char *)p, _MM_HINT_T2);
+        break;
+    case QK_PF_NTA:
+        for (; p < e; p += 64) _mm_prefetch((const char *)p, _MM_HINT_NTA);
+        break;
+    default:
+        for (; p < e; p += 64) _mm_prefetch((const char *)p, _MM_HINT_T1);
+        break;
+    }
 }
+
+/* An interleaved kernel's passes of one token, with the prefetch hint a compile-time constant: one loop per hint,
+ * chosen once per call. IMPL(nb, w, x, nt, out, hint). */
+#define QK_PF_ONE(IMPL, nb, w, x, out)                         \
+    switch (qk_prefetch_hint()) {                              \
+    case QK_PF_T0: IMPL(nb, w, x, 1, out, QK_PF_T0); break;    \
+    case QK_PF_T2: IMPL(nb, w, x, 1, out, QK_PF_T2); break;    \
+    case QK_PF_NTA: IMPL(nb, w, x, 1, out, QK_PF_NTA); break;  \
+    default: IMPL(nb, w, x, 1, out, QK_PF_T1); break;          \
+    }
 
 /* l2 (one token, and qk_prefetch() > 0: a CPU where the interleaved kernels prefetch too) prefetches into L2, not L1:
  * on the Intel VM +8-11% for one GGUF-layout matrix from DRAM (RESULTS.md); Zen 4's best stays T0. */

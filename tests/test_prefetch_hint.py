@@ -1,0 +1,127 @@
+"""The interleaved kernels' prefetch hint beside its distance (issue 36): no output bit depends on either, bad values
+are refused, the environment sets both, and bench/prefetch_sweep.py's path runs (on any vendor: it only reads the
+settings back).
+
+No timing assertions: the machine is shared and the sweep's numbers are noise at this size.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_interleave import ISAS, QTYPES, q4k
+
+cpu = pytest.importorskip("moerun.kernels.cpu")
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="moerun.kernels._cpu not built or disabled")
+
+HINTS = ("t0", "t1", "t2", "nta")
+DISTANCES = (64, 1024, 65536)  # a line, a typical distance, past the matrix's end (prefetches never fault)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def default_prefetch():
+    yield
+    cpu.set_prefetch()
+    cpu.set_prefetch_hint()
+
+
+@QTYPES
+@pytest.mark.parametrize("T", [1, 2, 5, 8])  # 8-row kernels' one-token loops (one per hint), 16-row ones, AVX2 chunks
+def test_every_hint_and_distance_leaves_matmul_bits(qt, T, default_prefetch):
+    w = q4k(72, 1024, seed=3, qt=qt)
+    il = cpu.interleave(w)
+    x = torch.randn(T, 1024, generator=torch.Generator().manual_seed(T))
+    for isa in ISAS:
+        cpu.set_prefetch(0)
+        base, gguf_base = cpu.matmul(x, il, isa=isa), cpu.matmul(x, w, isa=isa)
+        for hint in HINTS:
+            cpu.set_prefetch_hint(hint)
+            for nbytes in DISTANCES:
+                cpu.set_prefetch(nbytes)
+                assert (cpu.features()["prefetch"], cpu.features()["prefetch_hint"]) == (nbytes, hint)
+                assert torch.equal(cpu.matmul(x, il, isa=isa), base), (isa, hint, nbytes)
+                assert torch.equal(cpu.matmul(x, w, isa=isa), gguf_base), (isa, hint, nbytes)
+
+
+@QTYPES
+@pytest.mark.parametrize("T", [1, 3])
+def test_every_hint_and_distance_leaves_moe_bits(qt, T, default_prefetch):
+    E, H, I, k = 4, 512, 256, 2
+    gate, up = cpu.interleave(q4k(I, H, seed=1, lead=(E,), qt=qt)), cpu.interleave(q4k(I, H, seed=2, lead=(E,), qt=qt))
+    down = cpu.interleave(q4k(H, I, seed=3, lead=(E,), qt=qt))
+    gen = torch.Generator().manual_seed(T)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    wts = torch.softmax(torch.randn(T, k, generator=gen), -1)
+    x = torch.randn(T, H, generator=gen)
+    for isa in ISAS:
+        cpu.set_prefetch(0)
+        base = cpu.moe_ffn(x, ids, wts, gate, up, down, isa=isa)
+        for hint in HINTS:
+            cpu.set_prefetch_hint(hint)
+            for nbytes in DISTANCES:
+                cpu.set_prefetch(nbytes)
+                assert torch.equal(cpu.moe_ffn(x, ids, wts, gate, up, down, isa=isa), base), (isa, hint, nbytes)
+
+
+def test_bad_values_raise_and_none_is_the_default(default_prefetch):
+    for bad in ("t3", "", "l2", 1, True, b"t0"):
+        with pytest.raises(ValueError, match="prefetch hint"):
+            cpu.set_prefetch_hint(bad)
+    for bad in (-64, 100, 65600, 1.5, True):
+        with pytest.raises(ValueError, match="multiple of 64"):
+            cpu.set_prefetch(bad)
+    from moerun.kernels import _cpu
+
+    for bad in (-2, 4):  # the C layer checks too
+        with pytest.raises(ValueError, match="prefetch hint"):
+            _cpu.set_prefetch_hint(bad)
+    cpu.set_prefetch_hint(" NTA ")
+    assert cpu.features()["prefetch_hint"] == "nta"
+    cpu.set_prefetch_hint()  # the CPU's default: T1 on every vendor in pool.c's table so far
+    assert cpu.features()["prefetch_hint"] == "t1"
+
+
+def _settings_in_a_fresh_process(tmp_path, **env) -> tuple[str, str]:
+    code = "from moerun.kernels import cpu; f = cpu.features(); print(f['prefetch'], f['prefetch_hint'])"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True,
+                       env={**os.environ, **env})
+    return r.stdout.strip(), r.stderr
+
+
+def test_environment_sets_distance_and_hint(tmp_path):
+    out, _ = _settings_in_a_fresh_process(tmp_path, MOERUN_PREFETCH="512", MOERUN_PREFETCH_HINT="NTA")
+    assert out == "512 nta"
+    out, err = _settings_in_a_fresh_process(tmp_path, MOERUN_PREFETCH="0", MOERUN_PREFETCH_HINT="t9")
+    assert out == "0 t1" and "MOERUN_PREFETCH_HINT='t9'" in err  # a warning, then the CPU's default
+
+
+def test_sweep_script_runs_on_a_tiny_model(tmp_path, monkeypatch, capsys):
+    """One round of two settings, two tokens each: every run a fresh `moerun bench` process under the environment's
+    setting (the script checks that the record echoes it), then the table."""
+    from moerun.bench import cpu_info
+    from moerun.tools.make_model import make_model
+
+    model = make_model("tiny-qwen3moe", tmp_path / "tiny.gguf", ftype="Q4_K", progress=False)
+    monkeypatch.setenv("MOERUN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    spec = importlib.util.spec_from_file_location("prefetch_sweep", ROOT / "bench" / "prefetch_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    raw = tmp_path / "runs.jsonl"
+    assert sweep.main([str(model), "-n", "2", "-t", "1", "--rounds", "1", "--hints", "nta", "--distances", "2048",
+                       "--raw", str(raw)]) == 0
+    out = capsys.readouterr().out
+    assert "tg2, 1 threads, 1 rounds" in out and cpu_info() in out
+    assert "| hint | 0 | 2048 |" in out
+    row = next(line for line in out.splitlines() if line.startswith("| nta |"))
+    assert "(1.000)" in row.split("|")[2]  # the baseline against itself
+    assert len(raw.read_text().splitlines()) == 2
+    with pytest.raises(SystemExit):
+        sweep.main([str(model), "--hints", "l2"])
