@@ -9,7 +9,7 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 
-SOURCES = sorted(str(p) for p in Path("kernels/csrc").glob("*.c"))
+SOURCES = sorted(str(p) for p in Path("moerun/kernels/csrc").glob("*.c"))
 
 # POSIX toolchains (gcc, clang). -ffp-contract=off: no implicit fused multiply-adds, so float results do not
 # depend on how the compiler schedules a kernel (the explicit FMA intrinsics stay).
@@ -21,7 +21,7 @@ setup(
         Extension(
             "moerun.kernels._cpu",
             sources=SOURCES,
-            depends=sorted(str(p) for p in Path("kernels/csrc").glob("*.[hi]*")),  # headers, *.inc
+            depends=sorted(str(p) for p in Path("moerun/kernels/csrc").glob("*.[hi]*")),  # headers, *.inc
             extra_compile_args=COMPILE_ARGS,
             extra_link_args=["-pthread"],
             libraries=["m"],

@@ -5,7 +5,7 @@
 On a shared, noisy machine two separate runs differ by more than a kernel change does; here each repetition runs
 one forward (T > 1: a prompt of T tokens; T = 1: 64 greedy decode steps) with build A's kernels, then one with
 B's, on the same loaded model, and the medians and the median of the per-pair ratios are printed. Build a copy
-with `python setup.py build_ext --inplace` at each commit and copy kernels/_cpu*.so aside.
+with `python setup.py build_ext --inplace` at each commit and copy moerun/kernels/_cpu*.so aside.
 """
 
 from __future__ import annotations

@@ -1,11 +1,3 @@
-import sys
-from pathlib import Path
-
-# `python -m pytest` puts the working directory first on sys.path, where the repository's kernels/ folder (installed
-# as moerun.kernels) would stand in for PyPI's `kernels`, which transformers imports: take the root off again.
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
-
 import pytest
 import torch
 from hf_models import build, save

@@ -1,5 +1,5 @@
-"""The fused decode path (kernels/csrc/attn.c through moerun/model/fused.py), batched decode
-(MoEModel.decode) and the embedding row lookup (kernels/csrc/dequant.c).
+"""The fused decode path (moerun/kernels/csrc/attn.c through moerun/model/fused.py), batched decode
+(MoEModel.decode) and the embedding row lookup (moerun/kernels/csrc/dequant.c).
 
 Oracles: a plain-torch attention layer written here, the model's own torch path (the reference the
 parity tests tie to transformers), and gguf.quants for dequantized rows."""

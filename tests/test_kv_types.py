@@ -89,7 +89,7 @@ def test_bad_types_are_one_clear_error(hf_model):
 
 @pytest.mark.parametrize("kv", ["f16", "q8_0"])
 def test_the_fused_decode_path_reads_the_types_as_torch_does(tmp_path, kv):
-    """Decode steps through the C block (kernels/csrc/attn.c reading halves or Q8_0 blocks) against the torch path
+    """Decode steps through the C block (moerun/kernels/csrc/attn.c reading halves or Q8_0 blocks) against the torch path
     over the same cache type: F32 weights (no activation rounding), head_dim 32 (whole Q8_0 blocks per head)."""
     from hf_models import build, hf_config, save
 

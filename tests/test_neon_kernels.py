@@ -1,4 +1,4 @@
-"""The AArch64 NEON kernel set (kernels/csrc/dot_neon.c) against the portable one, on machines without an Arm
+"""The AArch64 NEON kernel set (moerun/kernels/csrc/dot_neon.c) against the portable one, on machines without an Arm
 CPU: tests/neon_harness.c is cross-compiled with every kernel source and run under qemu-aarch64, once on a CPU
 with the dot-product extension (every NEON dot and a threaded matmul per type must match the portable set)
 and once on a Cortex-A72 (no dot product: the set must say it is unavailable, never crash).
@@ -35,9 +35,9 @@ def harness(request, tmp_path_factory) -> Path:
     if request.param >= len(compilers()):
         pytest.skip("clang is not installed")
     out = tmp_path_factory.mktemp("neon") / "neon_harness"
-    sources = sorted(str(p) for p in (ROOT / "kernels" / "csrc").glob("*.c") if p.name != "module.c")
+    sources = sorted(str(p) for p in (ROOT / "moerun" / "kernels" / "csrc").glob("*.c") if p.name != "module.c")
     r = subprocess.run([*compilers()[request.param], "-O2", "-Wall", "-Werror", "-static", "-I",
-                        str(ROOT / "kernels" / "csrc"), str(ROOT / "tests" / "neon_harness.c"), *sources, "-lm",
+                        str(ROOT / "moerun" / "kernels" / "csrc"), str(ROOT / "tests" / "neon_harness.c"), *sources, "-lm",
                         "-lpthread", "-o", str(out)], check=False, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     return out

@@ -118,7 +118,7 @@ def test_kernel_pool_results_do_not_depend_on_its_active_threads():
 
 
 def test_the_kernels_reading_agrees_with_the_python_one():
-    """The C reading (kernels/csrc/sysload.c) against the Python one of the same files: the count moves with the
+    """The C reading (moerun/kernels/csrc/sysload.c) against the Python one of the same files: the count moves with the
     machine's load, so some of a few back-to-back pairs agree."""
     from moerun.kernels import cpu
 

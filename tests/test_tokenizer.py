@@ -52,7 +52,7 @@ def write_gguf(path, meta, arch="qwen2moe"):
 
 @pytest.fixture(scope="module")
 def bpe_hf(tmp_path_factory):
-    """tools/tokenizer.py's byte-level BPE (1024 tokens: many characters are split into byte tokens)."""
+    """moerun/tools/tokenizer.py's byte-level BPE (1024 tokens: many characters are split into byte tokens)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MOERUN_CACHE", str(tmp_path_factory.mktemp("cache")))
         return build_tokenizer(1024)

@@ -1,5 +1,5 @@
 """Whole decode layers in C (attention, routing and the routed experts in one call per layer, a run of them in
-one call: kernels/csrc/attn.c qk_decode_layers, moerun/model/fused.py) against the per-layer path, where
+one call: moerun/kernels/csrc/attn.c qk_decode_layers, moerun/model/fused.py) against the per-layer path, where
 Python runs the experts between kernel calls (itself tied to the torch reference in test_fused_decode.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Whole decoder layers in C for small steps (decode, speculative verification): kernels/csrc/attn.h's layer
+"""Whole decoder layers in C for small steps (decode, speculative verification): moerun/kernels/csrc/attn.h's layer
 descriptor built and checked once per layer, a step's rows, and the calls that run one layer (attn_block) or a
 run of layers from token ids to logits (decode_layers, decode_tokens).
 
@@ -346,7 +346,7 @@ def head_logits(head: Head, x: torch.Tensor, eps: float, *, isa: str | None = No
 
 def attn_block(layer: Layer, x: torch.Tensor, rows: AttnRows, k_cache: torch.Tensor, v_cache: torch.Tensor,
                eps: float, clip: float | None = None, *, moe: bool = False, isa: str | None = None):
-    """One layer's mixer for rows.B rows (see kernels/csrc/attn.h), x [B, hidden] updated in place. k_cache /
+    """One layer's mixer for rows.B rows (see moerun/kernels/csrc/attn.h), x [B, hidden] updated in place. k_cache /
     v_cache: an attention layer's [slots, ...] cache holding every slot the rows' tables name, float32 or float16 of
     kv_heads x head_dim values a slot, or uint8 of the same values in Q8_0 blocks (KV_Q8_0_BYTES per 32; head_dim a
     multiple of 32); a DeltaNet layer's conv and ssm states (float32 [states, C, K - 1] and [states, nv, dk, dv],

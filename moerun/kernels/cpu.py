@@ -219,7 +219,7 @@ def can_interleave(w: QTensor) -> bool:
 
 
 def interleave(w: QTensor) -> QTensor:
-    """w's rows in groups of 8 in the kernels' interleaved layout (kernels/csrc/qk.h: one 32-byte load holds
+    """w's rows in groups of 8 in the kernels' interleaved layout (moerun/kernels/csrc/qk.h: one 32-byte load holds
     4 weights of each of 8 rows): a new tensor of the same size, 1.4-2x as fast to multiply where compute
     bounds it (bench/RESULTS.md). Only these kernels read it; `deinterleave` (and QTensor.dequantize) undo it."""
     _need()
