@@ -25,6 +25,7 @@ from collections.abc import Mapping
 
 import torch
 
+from moerun.quant import qtypes
 from moerun.quant.qtypes import INTERLEAVABLE, QTensor, QType
 
 __all__ = ["attend_prompt", "available", "can_interleave", "deinterleave", "dequant_rows", "features", "get_threads",
@@ -248,6 +249,9 @@ def deinterleave(w: QTensor) -> QTensor:
     if not isinstance(w, QTensor) or w.interleave == 1:
         raise ValueError("not an interleaved QTensor")
     return _relayout(_cpu.unpack, w, 1)
+
+
+qtypes.set_deinterleave(deinterleave)  # QTensor.dequantize reads interleaved tensors back through it
 
 
 def _relayout(fn, w: QTensor, interleave: int) -> QTensor:

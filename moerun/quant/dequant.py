@@ -13,80 +13,18 @@ import functools
 
 import torch
 
-from moerun.quant.qtypes import QType, block_size
+from moerun.quant import dequant_kquants as k
+from moerun.quant.bitfields import (  # noqa: F401 (KV_*, SH_*, scale_min_k4: re-exported)
+    KV_IQ4NL, KV_MXFP4, SH_2BIT, SH_BIT, SH_NIB, as_dtype, f16_field, inner, lookup, outer, scale_min_k4,
+)
+from moerun.quant.ggml_types import QType, block_size
 
 __all__ = ["block_dequantizers", "dequantize"]
 
 _U8 = torch.uint8
 _F32 = torch.float32
 
-# Bit offsets of the fields packed in one byte (first field in the low bits).
-SH_NIB = torch.tensor([0, 4], dtype=_U8)  # two nibbles
-SH_2BIT = torch.tensor([0, 2, 4, 6], dtype=_U8)  # four 2-bit fields
-SH_BIT = torch.tensor(range(8), dtype=_U8)  # eight bits
-
-# 4-bit code books (gguf.quants IQ4_NL.kvalues and MXFP4.kvalues: E2M1 values doubled).
-KV_IQ4NL = torch.tensor(
-    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=_F32
-)
-KV_MXFP4 = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=_F32)
-
 CHUNK_ELEMS = 1 << 18  # weights per chunk: 1 MB of float32 output; intermediates stay in cache
-
-
-# ----------------------------------------------------------------------------------------- helpers
-
-
-@functools.cache
-def _on(const: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """One of this module's constant tables, copied to `device` once (blocks on a GPU dequantize there)."""
-    return const.to(device)
-
-
-def _like(const: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return const if const.device == x.device else _on(const, x.device)
-
-
-def outer(x: torch.Tensor, shifts: torch.Tensor, mask: int) -> torch.Tensor:
-    """Bit fields of bytes, field-major: x [..., L] -> [..., F, L] = (x[..., j] >> shifts[f]) & mask."""
-    return torch.bitwise_right_shift(x.unsqueeze(-2), _like(shifts, x).view(-1, 1)).bitwise_and_(mask)
-
-
-def inner(x: torch.Tensor, shifts: torch.Tensor, mask: int) -> torch.Tensor:
-    """Bit fields of bytes, byte-major: x [..., L] -> [..., L, F] = (x[..., j] >> shifts[f]) & mask."""
-    return torch.bitwise_right_shift(x.unsqueeze(-1), _like(shifts, x)).bitwise_and_(mask)
-
-
-def f16_field(blk: torch.Tensor, offset: int) -> torch.Tensor:
-    """The little-endian f16 at byte `offset` of each block, widened to f32: [n, 1]."""
-    return blk[:, offset:offset + 2].contiguous().view(torch.float16).to(_F32)
-
-
-def as_dtype(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Flat bytes reinterpreted as `dtype` without writing to them (copies when misaligned)."""
-    flat = data.reshape(-1)
-    try:
-        return flat.view(dtype)
-    except RuntimeError:
-        return flat.clone().view(dtype)
-
-
-def scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 12 packed bytes of Q4_K/Q5_K -> 6-bit scales and mins, each [n, 8] uint8.
-
-    Bytes 0-3 hold sc[0:4] (low 6 bits) and the top 2 bits of sc[4:8]; bytes 4-7 likewise for the
-    mins; bytes 8-11 hold the low nibbles of sc[4:8] (low half) and of min[4:8] (high half).
-    """
-    s = s.reshape(-1, 3, 4)
-    a, b, c = s[:, 0], s[:, 1], s[:, 2]  # [n, 4] each
-    sc = torch.cat([a & 63, (c & 15) | ((a >> 2) & 48)], dim=-1)
-    mn = torch.cat([b & 63, (c >> 4) | ((b >> 2) & 48)], dim=-1)
-    return sc, mn
-
-
-def _lookup(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """table[idx] for a uint8 index tensor (uint8 would index as a mask, so widen it)."""
-    return _like(table, idx)[idx.to(torch.int32)]
 
 
 # ----------------------------------------------------------------------------------------- floats
@@ -155,7 +93,7 @@ def _q8_0(blk: torch.Tensor, out: torch.Tensor) -> None:
 def _iq4_nl(blk: torch.Tensor, out: torch.Tensor) -> None:
     d = f16_field(blk, 0)  # [n, 1]
     q = outer(blk[:, 2:18], SH_NIB, 15).view(-1, 32)  # [n, 32]
-    torch.mul(d, _lookup(KV_IQ4NL, q), out=out)
+    torch.mul(d, lookup(KV_IQ4NL, q), out=out)
 
 
 def e8m0_to_fp32_half(e: torch.Tensor) -> torch.Tensor:
@@ -168,7 +106,7 @@ def e8m0_to_fp32_half(e: torch.Tensor) -> torch.Tensor:
 def _mxfp4(blk: torch.Tensor, out: torch.Tensor) -> None:
     d = e8m0_to_fp32_half(blk[:, 0:1])  # [n, 1]
     q = outer(blk[:, 1:17], SH_NIB, 15).view(-1, 32)  # [n, 32]
-    torch.mul(d, _lookup(KV_MXFP4, q), out=out)
+    torch.mul(d, lookup(KV_MXFP4, q), out=out)
 
 
 def _iq4_xs(blk: torch.Tensor, out: torch.Tensor) -> None:
@@ -179,7 +117,7 @@ def _iq4_xs(blk: torch.Tensor, out: torch.Tensor) -> None:
     sc = sl.bitwise_or_(sh.bitwise_left_shift_(4)).sub_(32).view(torch.int8)  # [n, 8]
     dl = (d * sc.to(_F32)).unsqueeze(-1)  # [n, 8, 1]
     q = outer(blk[:, 8:136].reshape(n, 8, 16), SH_NIB, 15).view(n, 8, 32)  # [n, 8, 32]
-    torch.mul(dl, _lookup(KV_IQ4NL, q), out=out.view(n, 8, 32))
+    torch.mul(dl, lookup(KV_IQ4NL, q), out=out.view(n, 8, 32))
 
 
 # --------------------------------------------------------------------------------------- dispatch
@@ -190,9 +128,7 @@ FLOAT_DEQUANTIZERS = {QType.F32: _f32, QType.F16: _f16, QType.BF16: _bf16}
 
 @functools.cache
 def block_dequantizers() -> dict:
-    """qtype -> block function. Built on first use: dequant_kquants imports this module's helpers."""
-    from moerun.quant import dequant_kquants as k
-
+    """qtype -> block function, built on first use."""
     return {
         QType.Q4_0: _q4_0, QType.Q4_1: _q4_1, QType.Q5_0: _q5_0, QType.Q5_1: _q5_1, QType.Q8_0: _q8_0,
         QType.Q2_K: k.q2_k, QType.Q3_K: k.q3_k, QType.Q4_K: k.q4_k, QType.Q5_K: k.q5_k, QType.Q6_K: k.q6_k,

@@ -1,6 +1,7 @@
 """K-quant block dequantizers (super-blocks of 256 weights), bit-exact against gguf.quants.
 
-Same contract as the functions in dequant.py: `fn(blk [n, block_bytes] uint8, out [n, 256] float32)`.
+Same contract as the functions in dequant.py (which imports this module; both take their bit helpers
+from bitfields.py): `fn(blk [n, block_bytes] uint8, out [n, 256] float32)`.
 Byte layouts (offsets within a block) are given in each docstring.
 """
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from moerun.quant.dequant import SH_2BIT, SH_BIT, SH_NIB, f16_field, outer, scale_min_k4
+from moerun.quant.bitfields import SH_2BIT, SH_BIT, SH_NIB, f16_field, outer, scale_min_k4
 
 __all__ = ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k"]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,16 @@ FLOAT_QTYPES = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: 
 # qtype -> row groups of the CPU kernels' interleaved layouts
 INTERLEAVABLE = {QType.Q4_K: (8,), QType.Q5_K: (8,), QType.Q6_K: (8,), QType.Q8_0: (8,), QType.MXFP4: (8,),
                  QType.IQ4_XS: (8,)}
+
+# An interleaved QTensor -> its GGUF-layout copy. Set by moerun.kernels.cpu when it is imported: only it makes
+# interleaved tensors (quant sits below the kernels, so it cannot import them).
+_deinterleave: Callable[[QTensor], QTensor] | None = None
+
+
+def set_deinterleave(fn: Callable[[QTensor], QTensor]) -> None:
+    """How QTensor.dequantize undoes the CPU kernels' interleaved layouts (moerun.kernels.cpu.deinterleave)."""
+    global _deinterleave
+    _deinterleave = fn
 
 
 @dataclass(frozen=True)
@@ -77,8 +88,8 @@ class QTensor:
         from moerun.quant.dequant import dequantize
 
         data = self.data
-        if self.interleave != 1:  # only made where the CPU kernels exist
-            from moerun.kernels import cpu
-
-            data = cpu.deinterleave(self).data
+        if self.interleave != 1:  # only made by the CPU kernels, which set _deinterleave when imported
+            if _deinterleave is None:
+                raise RuntimeError("interleaved QTensors are read back by moerun.kernels.cpu: not imported")
+            data = _deinterleave(self).data
         return dequantize(data, self.qtype, self.shape).to(dtype)
