@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from moerun.errors import MoerunError
+from moerun.sizes import parse_size
 
 if TYPE_CHECKING:
     import torch
@@ -173,8 +174,6 @@ def standin_vram() -> int:
     raw = os.environ.get(STANDIN_VRAM_ENV)
     if not raw:
         return STANDIN_VRAM_DEFAULT
-    from moerun.placement.devices import parse_size
-
     try:
         return parse_size(raw)
     except ValueError as e:
