@@ -18,7 +18,8 @@ from moerun.engine.pipeline import Stage
 from moerun.experts.cache import ExpertCache
 from moerun.experts.store import Expert, ExpertStore
 from moerun.model.offload import DeviceExperts
-from moerun.model.ops import device_ops, make_ops
+from moerun.model.gpu_ops import device_ops
+from moerun.model.ops import make_ops
 from moerun.placement import costmodel as cm
 from moerun.placement.planner import DevicePlan, Plan
 from moerun.quant.qtypes import QTensor

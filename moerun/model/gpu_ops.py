@@ -5,14 +5,18 @@ device, and that device can run them now (CUDA, or the CPU under TRITON_INTERPRE
 (float weights, other types, a CPU tensor on a GPU machine, no triton) falls back to ReferenceOps.
 Routed experts (plain SwiGLU, or gpt-oss's clamped one with biases) always go to the kernels when their
 weights do: an experts mapping is checked once, when its ExpertTable is built (moe_table, or per call).
+`device_ops` picks a stage's ops for its device (TritonOps on a GPU, else ops.make_ops); ops.py does not import
+this module.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from moerun.experts.store import Expert
-from moerun.model.ops import PLAIN, ExpertFn, ReferenceOps, Weight
+from moerun.model.ops import PLAIN, ExpertFn, ReferenceOps, Weight, make_ops
 from moerun.quant.qtypes import QTensor
 
 
@@ -84,3 +88,15 @@ class TritonOps(ReferenceOps):
             res = self.tq.moe_ffn(x, ids, w, experts, pairs=True, table=tab, fn=None if fn.plain else fn)
             return res if out is None else out.copy_(res)
         return super().moe_pairs(x, ids, w, experts, out, fn=fn)
+
+
+STANDIN_KERNELS_ENV = "MOERUN_STANDIN_KERNELS"  # "triton": the stand-in device runs the Triton kernels (interpreted)
+
+
+def device_ops(dev, kernels: bool = True) -> ReferenceOps:
+    """How a stage on `dev` (moerun.device.Device) multiplies its weights: the Triton kernels on a GPU
+    (reference for what they do not take); on the CPU stand-in the host's kernels, or with
+    MOERUN_STANDIN_KERNELS=triton (and TRITON_INTERPRET=1) the Triton kernels in triton's interpreter."""
+    if dev.kind == "cuda" or (dev.kind == "standin" and os.environ.get(STANDIN_KERNELS_ENV) == "triton"):
+        return TritonOps() if kernels else ReferenceOps()
+    return make_ops(kernels)

@@ -370,22 +370,6 @@ def thread_budget(n: int):
             cpu.set_threads(before[1])
 
 
-STANDIN_KERNELS_ENV = "MOERUN_STANDIN_KERNELS"  # "triton": the stand-in device runs the Triton kernels (interpreted)
-
-
-def device_ops(dev, kernels: bool = True) -> ReferenceOps:
-    """How a stage on `dev` (moerun.device.Device) multiplies its weights: the Triton kernels on a GPU
-    (reference for what they do not take); on the CPU stand-in the host's kernels, or with
-    MOERUN_STANDIN_KERNELS=triton (and TRITON_INTERPRET=1) the Triton kernels in triton's interpreter."""
-    import os
-
-    if dev.kind == "cuda" or (dev.kind == "standin" and os.environ.get(STANDIN_KERNELS_ENV) == "triton"):
-        from moerun.model.gpu_ops import TritonOps
-
-        return TritonOps() if kernels else ReferenceOps()
-    return make_ops(kernels)
-
-
 def make_ops(kernels: bool = True) -> ReferenceOps:
     """KernelOps when asked for and the CPU kernels are built (and not disabled), else the reference."""
     if kernels:
