@@ -12,18 +12,34 @@ stays the reference the tests compare with). DeepSeek's MLA takes the torch path
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from moerun.arch.spec import RING_ROWS
+from moerun.arch.spec import RING_ROWS, ModelSpec
 from moerun.model.layers import rope_tables
 from moerun.model.ops import ExpertFn
 
 if TYPE_CHECKING:
     from moerun.engine.kv_cache import SeqKV
-    from moerun.model.model import MoEModel
+
+
+class Model(Protocol):
+    """What FusedAttention reads of the model it serves (moerun.model.model.MoEModel, which imports this module):
+    the spec, the stage's layers [first, stop) and their weights, the head, the embeddings, ops and dtype."""
+
+    spec: ModelSpec
+    first: int
+    stop: int
+    layers: Sequence
+    store: object  # ExpertStore: stacks(layer) for the whole layers' experts
+    out_norm: torch.Tensor | None
+    head: object | None
+    embd: object | None
+    ops: object
+    dtype: torch.dtype
 
 
 class FusedAttention:
@@ -31,7 +47,7 @@ class FusedAttention:
     # for this many positions of one sequence written before they are attended to
     MAX_ROWS = RING_ROWS
 
-    def __init__(self, model: MoEModel, cpu, kl):
+    def __init__(self, model: Model, cpu, kl):
         s = model.spec
         self.cpu, self.kl, self.spec = cpu, kl, s
 
@@ -80,7 +96,7 @@ class FusedAttention:
         self._cos = self._sin = torch.empty((0, s.rotary_dim // 2))
 
     @staticmethod
-    def build(model: MoEModel) -> FusedAttention | None:
+    def build(model: Model) -> FusedAttention | None:
         cpu = getattr(model.ops, "cpu", None)  # KernelOps carries the CPU kernels
         if cpu is None or model.dtype != torch.float32 or not model.spec.fused_decode:
             return None  # attention the C block does not implement (ModelSpec.fused_decode)
