@@ -43,7 +43,34 @@ from moerun.errors import MoerunError
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from moerun.engine.engine import Engine, Sequence
+    from moerun.engine.kv_cache import KVPool, SeqKV
+    from moerun.model.model import MoEModel
+
+
+class SequenceLike(Protocol):
+    """What speculative decoding uses of a sequence (moerun.engine.engine.Sequence): its tokens and their KV."""
+
+    kv: SeqKV
+    tokens: list[int]
+
+    def free(self) -> None: ...
+
+
+class EngineLike(Protocol):
+    """What speculative decoding uses of an engine (moerun.engine.engine.Engine, which imports this module, so
+    this module takes it by this interface): the target's or the draft model's model, pool and sizes, and its
+    sequences."""
+
+    model: MoEModel
+    pool: KVPool
+    ctx_size: int
+    ubatch: int
+
+    def new_sequence(self) -> SequenceLike: ...
+
+    def prefill(self, seq: SequenceLike, prompt: list[int]) -> tuple[torch.Tensor, int]: ...
+
+    def resize_pool(self, n_tokens: int, seqs: int = 1) -> None: ...
 
 
 class DraftSession(Protocol):
@@ -106,7 +133,7 @@ class ModelDrafter:
 
     name = "draft model"
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: EngineLike):
         self.engine = engine
 
     def session(self) -> _ModelSession:
@@ -119,7 +146,7 @@ class ModelDrafter:
 
 
 class _ModelSession:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: EngineLike):
         self.engine, self.seq = engine, engine.new_sequence()
 
     def prime(self, context: list[int]) -> None:
@@ -306,7 +333,7 @@ class Speculation:
     """One sequence's speculative decoding against the target `engine`: the verify step, matching and rollback,
     and llama-server's counts (draft_n: tokens drafted and verified, draft_n_accepted: those kept)."""
 
-    def __init__(self, engine: Engine, seq: Sequence, session: DraftSession, params: DraftParams,
+    def __init__(self, engine: EngineLike, seq: SequenceLike, session: DraftSession, params: DraftParams,
                  length: DraftLength):
         self.engine, self.seq, self.session, self.params, self.length = engine, seq, session, params, length
         self.drafts: list[int] = []  # drafted tokens in the cache that no sampled token has matched yet
