@@ -43,7 +43,6 @@ import json
 import re
 import statistics
 import textwrap
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -53,6 +52,7 @@ from typing import TextIO
 
 from moerun.config import DEFAULT_CACHE_POLICY
 from moerun.errors import MoerunError
+from moerun.model.timing import time_gen, time_prompt
 
 FIELDS = [
     "moerun_version", "cpu_info", "gpu_info", "backends", "model_filename", "model_type", "model_size",
@@ -183,27 +183,6 @@ def describe_model(path: str | Path) -> ModelInfo:
 
 
 # --------------------------------------------------------------------------------------------- timing
-
-
-def time_prompt(model, seq, tokens, ubatch: int) -> int:
-    """Nanoseconds to run `tokens` through `model` into the (empty) `seq`, `ubatch` tokens per forward."""
-    t0 = time.perf_counter_ns()
-    for chunk in tokens.split(ubatch):
-        logits = model.forward(chunk, seq, last_only=True)
-    int(logits[-1].argmax())  # the prompt is done when its last logits are (a sync point on any device)
-    return time.perf_counter_ns() - t0
-
-
-def time_gen(model, seq, first_token: int, n_gen: int) -> int:
-    """Nanoseconds to generate `n_gen` tokens one at a time into `seq`, greedy, starting from first_token."""
-    import torch
-
-    tok = first_token
-    t0 = time.perf_counter_ns()
-    for _ in range(n_gen):
-        logits = model.forward(torch.tensor([tok], dtype=torch.long), seq, last_only=True)
-        tok = int(logits[-1].argmax())
-    return time.perf_counter_ns() - t0
 
 
 def run_case(model, pool, case: BenchCase, reps: int, vocab: int, warmup: bool = True, seed: int = 0,

@@ -162,10 +162,10 @@ def measure_layers(threads: int, layout: dict, rates, *, rounds: int = 8, n_gen:
     bandwidth during the probe cancels. -> {"layer_s", "token_s", "prefill_layer_token_s", "residual_s"}."""
     import torch
 
-    from moerun.bench import time_gen, time_prompt
     from moerun.engine.kv_cache import KVPool, SeqKV
     from moerun.model.model import MoEModel
     from moerun.model.ops import thread_budget
+    from moerun.model.timing import time_gen, time_prompt
     from moerun.placement.costmodel import Workload, decode_time, prefill_time, state_flops, state_parts
 
     bare = dataclasses.replace(rates, layer_overhead_s=dataclasses.replace(rates.layer_overhead_s, value=0.0),
