@@ -46,8 +46,9 @@ def model_options(f):
                           "(--no-mmap). Default: RAM when the model takes under 70% of the available memory "
                           "and no expert cache is asked for."),
         click.option("--repack/--no-repack", "repack", default=True, show_default=True,
-                     help="Rewrite Q4_K and Q8_0 weights held in RAM into the CPU kernels' interleaved layout at load "
-                          "(faster; llama.cpp's repack). Experts in the file's map are read as stored."),
+                     help="Rewrite Q4_K, Q5_K, Q6_K, Q8_0, MXFP4 and IQ4_XS weights held in RAM into the CPU "
+                          "kernels' interleaved layout at load (faster; llama.cpp's repack; on NEON Q6_K and IQ4_XS "
+                          "stay as stored). Experts in the file's map are read as stored."),
         click.option("--device", default="cpu", show_default=True,
                      help="Compute device: cpu, cuda:N, or standin:N (the CPU standing in for a GPU: the GPU "
                           "code path with the host as its device, for testing placements without one)."),
@@ -102,8 +103,8 @@ def model_options(f):
                      help="The draft model stops where its most likely token is less likely than this."),
         click.option("-ctk", "--cache-type-k", type=click.Choice(KV_CACHE_TYPES), default=None,
                      help="KV cache type of the keys (llama.cpp's): f32, f16, bf16, or q8_0 / q4_0 blocks of 32 "
-                          "values (default: the compute dtype; the fused C decode path reads float32 only, so "
-                          "other types decode through torch for now)."),
+                          "values (default: the compute dtype; the fused C decode path reads and writes f32, f16 "
+                          "and q8_0 (q8_0 when head_dim is a multiple of 32); bf16 and q4_0 decode through torch)."),
         click.option("-ctv", "--cache-type-v", type=click.Choice(KV_CACHE_TYPES), default=None,
                      help="KV cache type of the values (as -ctk)."),
         click.option("--draft-adaptive/--no-draft-adaptive", default=True, show_default=True,
