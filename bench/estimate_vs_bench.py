@@ -6,7 +6,7 @@ the file's map (the disk tier) behind expert caches of 25% and 50% of the expert
 Then the estimates from A and from B (hit rates from the bench's own routing trace, from another text's trace
 when `--other-trace DIR` holds `<model stem>.jsonl`, and uniform) and a markdown table of their mean against
 the measurements. On a machine whose bandwidth drifts, run it where nothing else runs (the recorded run in
-bench/RESULTS.md paused the other jobs on the VM for each model's benchmarks).
+bench/journal/issue-07.md paused the other jobs on the VM for each model's benchmarks).
 
     python bench/estimate_vs_bench.py ~/.cache/moerun/bench-models/a3b-L4-Q4_K_M.gguf ... --out /tmp/evb
 """
