@@ -188,7 +188,7 @@ def test_variants_match_transformers(variant, tokens, tmp_path):
 def test_greedy_equals_transformers_generate(ds, tokens, source, monkeypatch):
     """Greedy generation of 32 tokens after a 32-token prompt prefilled in chunks of 20 and 12: the first
     chunk in MLA's expanded form, the second and every decode step in the absorbed form (queries through W_UK
-    into the latent space, over the cached latents)."""
+    into the latent space, over the cached latents), in the fused C layers and in the torch loop."""
     _, model, folder, path = ds
     prompt = tokens.tolist()
     with torch.no_grad():
@@ -204,11 +204,17 @@ def test_greedy_equals_transformers_generate(ds, tokens, source, monkeypatch):
 
         monkeypatch.setattr(layers, f"mla_{name}", spy)
     loaded = load_model(folder if source == "hf" else path)
-    eng = Engine(loaded.model, Tokenizer.from_model_file(loaded.file), ctx_size=256, ubatch=20)
-    gen = eng.generate(prompt, SamplingParams.greedy(max_tokens=32, ignore_eos=True)).run()
-    assert gen.tokens == ref
-    assert forms["expanded"] == [20] * 3  # the first chunk, in each layer
-    assert forms["absorbed"] == [12] * 3 + [1] * 31 * 3  # the second chunk, then every decode step
+    assert loaded.model.fused is not None
+    for fused in (loaded.model.fused, None):  # the C layers (mla.c), then the torch layer loop
+        loaded.model.fused = fused
+        for seen in forms.values():
+            seen.clear()
+        eng = Engine(loaded.model, Tokenizer.from_model_file(loaded.file), ctx_size=256, ubatch=20)
+        gen = eng.generate(prompt, SamplingParams.greedy(max_tokens=32, ignore_eos=True)).run()
+        assert gen.tokens == ref
+        assert forms["expanded"] == [20] * 3  # the first chunk, in each layer
+        # the second chunk, then every decode step: absorbed in C, or in torch
+        assert forms["absorbed"] == ([] if fused else [12] * 3 + [1] * 31 * 3)
 
 
 # ------------------------------------------------------------------------------------------- KV cache
@@ -446,8 +452,8 @@ def wide(request, tmp_path_factory):
 def test_quantized_conversion_runs_through_the_c_kernels(wide, tokens, tmp_path, ftype, fp32_bound):
     """Q8_0 and Q4_K GGUFs: the torch reference path equals transformers on the gguf.quants-dequantized
     weights (1e-4); the C kernels (experts, shared experts, dense FFN, the q / q_a / q_b / kv_a / output
-    projections, the head; attn_k_b and attn_v_b are held as floats and multiplied per head in torch; the
-    fused whole-layer path falls back, spec not fused_decode) are close to that oracle and to the float model.
+    projections, the head; attn_k_b and attn_v_b are held as floats and multiplied per head in torch: a
+    whole prompt takes the layer loop) are close to that oracle and to the float model.
     Measured relative logit error of the kernel path (`pytest tests/test_deepseek2.py -k quantized -s`, 3
     layers, hidden 256, rank 256): V2 Q8_0 4.8% against the oracle (2-4% per position; 12-19% at two positions
     where a near-tie in the router flips an expert) and 6.1% against fp32; V2 Q4_K 8.7% / 48% (the oracle
@@ -464,7 +470,8 @@ def test_quantized_conversion_runs_through_the_c_kernels(wide, tokens, tmp_path,
     oracle = dequantized_reference(path, config, _HF, join_kv_b)
     calls, e_oracle, e_fp32 = kernel_path_errors(path, oracle, model, tokens)
     q = 2 if config.q_lora_rank else 1
-    assert calls["experts"] == 2 and calls["matmul"] == 3 * (q + 2 + 3) + 1, calls
+    # per layer q (or q_a, q_b), kv_a, o and the FFN's three; the head in its own kernel (fused.head_logits)
+    assert calls["experts"] == 2 and calls["matmul"] == 3 * (q + 2 + 3), calls
     print(f"{ftype} q_lora {config.q_lora_rank}: kernel path relative error {e_oracle:.4f} against the "
           f"oracle, {e_fp32:.4f} against fp32")
     assert e_oracle < 0.3 and e_fp32 < fp32_bound
@@ -490,7 +497,7 @@ def preset_gguf(tmp_path_factory):
     from moerun.tools.presets import preset
 
     spec = preset("tiny-deepseek3", layers=4)
-    assert spec.moe_layers == (False, True, True, True) and spec.q_lora_rank and not spec.fused_decode
+    assert spec.moe_layers == (False, True, True, True) and spec.q_lora_rank and spec.fused_decode
     return str(make_model(spec, tmp_path_factory.mktemp("ds-preset") / "tiny-deepseek3.gguf", ftype="Q8_0",
                           progress=False, threads=1))
 

@@ -23,7 +23,7 @@ from moerun.tools.presets import preset
 cpu = pytest.importorskip("moerun.kernels.cpu")
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU kernels not built")
 
-# each GQA family's tiny shape, with what it brings to the fused layers
+# each family's tiny shape, with what it brings to the fused layers
 FAMILIES = {
     "tiny-qwen3moe": "q/k norms per head",
     "tiny-qwen2moe": "shared expert with its sigmoid gate, q/k/v biases",
@@ -33,6 +33,8 @@ FAMILIES = {
     "tiny-gptoss": "sinks, windows, biases, top-k-softmax routing, clamped SwiGLU",
     "tiny-qwen3next": "gated DeltaNet, gated attention, partial rotary, shared expert",
     "tiny-qwen35moe": "gated DeltaNet (separate beta / alpha), gated attention, shared expert",
+    "tiny-deepseek2": "multi-head latent attention absorbed over the latent cache, dense leading layer, shared experts",
+    "tiny-deepseek3": "MLA with q's low-rank pair, sigmoid routing with groups and correction bias, yarn",
 }
 
 
@@ -40,13 +42,14 @@ FAMILIES = {
 def models(tmp_path_factory):
     cache = {}
 
-    def get(name: str, ftype: str = "Q8_0"):
-        if (name, ftype) not in cache:
-            spec = preset(name, layers=max(4, preset(name).n_layers))
+    def get(name: str, ftype: str = "Q8_0", **overrides):
+        key = (name, ftype, *sorted(overrides.items()))
+        if key not in cache:
+            spec = preset(name, layers=max(4, preset(name).n_layers), **overrides)
             path = make_model(spec, tmp_path_factory.mktemp(name) / f"{ftype}.gguf", ftype=ftype, progress=False,
                               threads=1)
-            cache[name, ftype] = load_model(path).model
-        return cache[name, ftype]
+            cache[key] = load_model(path).model
+        return cache[key]
 
     return get
 
@@ -91,7 +94,7 @@ def test_every_layer_is_whole_and_equals_the_layer_loop(models, tokens32, name):
     close(fused_logits, loop_logits, f"{name}: fused vs the layer loop")
 
 
-@pytest.mark.parametrize("name", ["tiny-glm4moe", "tiny-qwen35moe", "tiny-gptoss"])
+@pytest.mark.parametrize("name", ["tiny-glm4moe", "tiny-qwen35moe", "tiny-gptoss", "tiny-deepseek3"])
 def test_batched_decode_equals_each_sequence_alone(models, name):
     """Three sequences of different lengths in one pool, decoded together in one C call per step."""
     model = models(name)
@@ -114,10 +117,29 @@ def test_batched_decode_equals_each_sequence_alone(models, name):
         close(together[b], alone[b], f"{name} sequence {b}")
 
 
-def test_mla_keeps_the_layer_loop(models):
-    """DeepSeek's multi-head latent attention is not in the fused layers (ARCHITECTURE.md): the loop computes it."""
-    model = models("tiny-deepseek2")
-    assert model.fused is None and not model.spec.fused_decode
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_mla_reads_its_latent_cache_in_each_type(models, tokens32, kv_type):
+    """MLA's latent cache in halves or Q8_0 blocks: the C path stores the bytes the loop stores and reads them as the
+    loop does (greedy equal, logits within the noise of test_every_layer). The latent in whole Q8_0 blocks: rank
+    64 and 32 rotated dimensions (V2-Lite's are 512 and 64)."""
+    nope = preset("tiny-deepseek2").qk_nope_dim
+    model = models("tiny-deepseek2", kv_lora_rank=64, qk_rope_dim=32, head_dim=nope + 32)
+    outs = []
+    for fused in (True, False):
+        saved = model.fused
+        model.fused = saved if fused else None
+        try:
+            kv = SeqKV(KVPool(model.spec, 64, kv_types=(kv_type, kv_type)), 64)
+            assert not fused or model.fused.reads(kv.pool)
+            out = [model.forward(tokens32[:7], kv, last_only=True)] + [model.forward(t.view(1), kv)
+                                                                       for t in tokens32[7:15]]
+            outs.append((torch.cat(out), kv.pool.layer(1)[0].clone()))
+        finally:
+            model.fused = saved
+    (fl, fc), (ll, lc) = outs
+    assert torch.equal(fl.argmax(-1), ll.argmax(-1))
+    close(fl, ll, f"MLA with a {kv_type} latent cache")
+    assert fc.dtype == lc.dtype and (fc.float() - lc.float()).abs().max() < 0.05  # the same encoding of near values
 
 
 def test_q4_k_m_hybrid_equals_the_layer_loop(models, tokens32):

@@ -271,8 +271,8 @@ class ModelSpec:
 
     @property
     def fused_decode(self) -> bool:
-        """Whether the fused C decode path (moerun.model.fused) computes this model: every family with grouped-query
-        attention (gated, partial rotary, sinks, windows, biases), gated DeltaNet layers, any routing (softmax,
-        top-k-softmax, sigmoid with correction bias, groups and scale), shared experts and dense layers. MLA takes
-        the torch layer loop (ARCHITECTURE.md says what that costs)."""
-        return self.attention == "gqa"
+        """Whether the fused C decode path (moerun.model.fused) computes this model: grouped-query attention (gated,
+        partial rotary, sinks, windows, biases), multi-head latent attention (absorbed, over the latent cache), gated
+        DeltaNet layers, any routing (softmax, top-k-softmax, sigmoid with correction bias, groups and scale),
+        shared experts and dense layers: every family moerun loads."""
+        return self.attention in ("gqa", "mla")

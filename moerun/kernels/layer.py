@@ -22,8 +22,8 @@ import torch
 from moerun.kernels.cpu import (FLOAT_TYPES, _check_q, _check_x, _cpu, _fn_args, _isa, _need, _type)
 from moerun.quant.qtypes import QTensor
 
-__all__ = ["Attention", "AttnRows", "DeltaNet", "Embedding", "Head", "Layer", "LayerStack", "attn_block",
-           "decode_layers", "decode_tokens", "head_logits"]
+__all__ = ["Attention", "AttnRows", "DeltaNet", "Embedding", "Head", "LatentAttention", "Layer", "LayerStack",
+           "attn_block", "decode_layers", "decode_tokens", "head_logits"]
 
 GATINGS = {"softmax": 0, "topk_softmax": 1, "sigmoid": 2}  # attn.h's gating
 GROUP_SCORES = {"max": 0, "top2": 1}
@@ -55,6 +55,30 @@ class Attention:
     sinks: torch.Tensor | None = None
     window: int = 0
     gate: bool = False
+    scale: float = 0.0
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """DeepSeek's multi-head latent attention (attn.h's kind 2, absorbed): heads of nope + rope query dimensions;
+    wq [heads * (nope + rope), hidden], or with wq_a ([q_rank, hidden]) and q_a_norm wq [.., q_rank]; wkv_a
+    [rank + rope, hidden] and kv_a_norm [rank] make the cached latent; wk_b [heads, rank, nope] and wv_b [heads,
+    v_dim, rank] float32; wo [hidden, heads * v_dim]; scale: the softmax's (0: (nope + rope) ** -0.5)."""
+
+    n_heads: int
+    nope: int
+    rope: int
+    rank: int
+    v_dim: int
+    wq: object
+    wkv_a: object
+    kv_a_norm: torch.Tensor
+    wk_b: torch.Tensor
+    wv_b: torch.Tensor
+    wo: object
+    wq_a: object = None
+    q_a_norm: torch.Tensor | None = None
+    rope_style: str = "interleaved"
     scale: float = 0.0
 
 
@@ -93,7 +117,7 @@ class Layer:
     sigmoid(x . shared_gate) when that [hidden] vector is given.
     """
 
-    def __init__(self, *, hidden: int, attn_norm, ffn_norm, attention: Attention | None = None,
+    def __init__(self, *, hidden: int, attn_norm, ffn_norm, attention: Attention | LatentAttention | None = None,
                  delta: DeltaNet | None = None, router=None, n_used: int = 0, norm_topk: bool = False, experts=None,
                  router_b=None, gating: str = "softmax", fn=None, score_b=None, n_groups: int = 1,
                  topk_groups: int = 1, group_score: str = "max", routed_scale: float = 1.0, shared=None,
@@ -120,16 +144,18 @@ class Layer:
             f[name] = self._vector(name, t, n)
         f["router"], f["router_type"] = (0, 0) if router is None else self._matrix("router", router,
                                                                                   (n_experts, hidden))
-        f.update(self._attention(attention, hidden) if attention else self._delta(delta, hidden))
+        latent = isinstance(attention, LatentAttention)
+        f.update(self._latent(attention, hidden) if latent else
+                 self._attention(attention, hidden) if attention else self._delta(delta, hidden))
         f.update(self._experts(experts, n_experts, hidden))
         f.update(self._fn(fn, n_experts, f["n_ff"], hidden))
         f.update(self._shared(dense if router is None else shared, hidden))
         self.desc = torch.tensor([f.get(name, 0) for name in _cpu.attn_fields()], dtype=torch.int64)
         self.hidden, self.n_used, self.routed = hidden, n_used, router is not None
-        self.kind = "attention" if attention else "delta"
-        self.kv_dim = attention.n_kv_heads * attention.head_dim if attention else 0
-        self.rope_half = (attention.rope_dim or attention.head_dim) // 2 if attention else 0
-        self.window = attention.window if attention else 0
+        self.kind, a = "mla" if latent else "attention" if attention else "delta", attention
+        self.kv_dim = (a.rank + a.rope if latent else a.n_kv_heads * a.head_dim) if a else 0
+        self.rope_half = ((a.rope if latent else a.rope_dim or a.head_dim) if a else 0) // 2
+        self.window = a.window if a and not latent else 0
         self.state = (delta.conv.shape, (delta.n_v_heads, delta.k_dim, delta.v_dim)) if delta else None
         # the call can finish the FFN: the routed experts given (with the shared expert, if any), or a dense FFN
         self.whole = experts is not None if router is not None else dense is not None
@@ -150,6 +176,23 @@ class Layer:
             f[name] = self._vector(name, t, n)
         for name, w, shape in (("wq", a.wq, ((1 + a.gate) * q_dim, hidden)), ("wk", a.wk, (kv_dim, hidden)),
                                ("wv", a.wv, (kv_dim, hidden)), ("wo", a.wo, (hidden, q_dim))):
+            f[name], f[name + "_type"] = self._matrix(name, w, shape)
+        return f
+
+    def _latent(self, a: LatentAttention, hidden: int) -> dict[str, int]:
+        hd, L, qr = a.nope + a.rope, a.rank + a.rope, 0 if a.wq_a is None else a.wq_a.shape[0]
+        if min(a.n_heads, a.nope, a.rank, a.v_dim) < 1 or a.rope < 2 or a.rope % 2 or (a.wq_a is None) != \
+                (a.q_a_norm is None):
+            raise ValueError("a latent attention layer's shapes are not supported")
+        f = {"kind": 2, "n_heads": a.n_heads, "n_kv_heads": 1, "head_dim": hd, "rope_dim": a.rope,
+             "neox": int(a.rope_style == "neox"), "mla_rank": a.rank, "mla_v": a.v_dim, "q_rank": qr}
+        for name, t, n in (("kv_a_norm", a.kv_a_norm, a.rank), ("q_a_norm", a.q_a_norm, qr or None),
+                           ("wk_b", a.wk_b.reshape(-1), a.n_heads * a.rank * a.nope),
+                           ("wv_b", a.wv_b.reshape(-1), a.n_heads * a.v_dim * a.rank)):
+            f[name] = self._vector(name, t, n)
+        mats = [("wq", a.wq, (a.n_heads * hd, qr or hidden)), ("wkv_a", a.wkv_a, (L, hidden)),
+                ("wo", a.wo, (hidden, a.n_heads * a.v_dim))] + ([("wq_a", a.wq_a, (qr, hidden))] if qr else [])
+        for name, w, shape in mats:
             f[name], f[name + "_type"] = self._matrix(name, w, shape)
         return f
 
@@ -365,6 +408,7 @@ def attn_block(layer: Layer, x: torch.Tensor, rows: AttnRows, k_cache: torch.Ten
         if rows.sslots is None:
             raise ValueError("a DeltaNet layer needs the rows' state slots")
     else:
+        v_cache = k_cache if layer.kind == "mla" else v_cache  # the latent is keys and values at once
         _check_kv(k_cache, v_cache)
         kt, vt = _check_cache(layer.kv_dim, rows, k_cache, v_cache, layer.window)
         _check_rope(layer.rope_half, rows.cos)
@@ -387,7 +431,7 @@ class LayerStack:
         if not layers or not all(isinstance(la, Layer) and la.whole for la in layers):
             raise ValueError("a LayerStack takes whole Layers (built with their experts)")
         first = layers[0]
-        attn = [la for la in layers if la.kind == "attention"]
+        attn = [la for la in layers if la.kind != "delta"]
         if any(la.hidden != first.hidden for la in layers) or len({(la.kv_dim, la.rope_half) for la in attn}) > 1:
             raise ValueError("the layers of a stack must share hidden size, and their attention KV width and RoPE")
         self.layers, self.hidden = layers, first.hidden
@@ -416,6 +460,7 @@ class _Bound:
             if la.kind == "delta":
                 states.append(_check_state(la, kc, vc))
                 continue
+            vc = kc if la.kind == "mla" else vc
             _check_kv(kc, vc)
             types.add(_check_cache(stack.kv_dim, None, kc, vc))
             held[bool(la.window)].append(min(kc.shape[0], vc.shape[0]))

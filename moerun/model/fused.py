@@ -7,7 +7,7 @@ kernel calls out of a decode step (~0.25 ms a layer in the torch loop, bench/RES
 
 It applies when every weight it reads is a QTensor of a type the CPU kernels take, or float32, and the model
 computes in float32 on the CPU (else `FusedAttention.build` returns None and the model keeps its torch path, which
-stays the reference the tests compare with). DeepSeek's MLA takes the torch path (ModelSpec.fused_decode).
+stays the reference the tests compare with). DeepSeek's MLA runs absorbed (moerun/kernels/csrc/mla.c).
 """
 
 from __future__ import annotations
@@ -57,6 +57,12 @@ class FusedAttention:
                     n_k_heads=s.ssm_k_heads, n_v_heads=s.ssm_v_heads, k_dim=s.ssm_k_dim, v_dim=s.ssm_v_dim,
                     qkv=lw.wqkv, z=lw.wz, out=lw.ssm_out, conv=lw.conv.contiguous(), a=lw.ssm_a, dt=lw.ssm_dt,
                     norm=lw.ssm_norm, ba=lw.wba, beta=lw.wbeta, alpha=lw.walpha, tiled=s.ssm_v_order == "tiled")}
+            elif s.attention == "mla":
+                mixer = {"attention": kl.LatentAttention(
+                    n_heads=s.n_heads, nope=s.qk_nope_dim, rope=s.qk_rope_dim, rank=s.kv_lora_rank,
+                    v_dim=s.v_head_dim, wq=lw.wq, wkv_a=lw.wkv_a, kv_a_norm=lw.kv_a_norm, wk_b=lw.wk_b.contiguous(),
+                    wv_b=lw.wv_b.contiguous(), wo=lw.wo, wq_a=lw.wq_a, q_a_norm=lw.q_a_norm,
+                    rope_style=s.rope_style, scale=s.softmax_scale)}
             else:
                 mixer = {"attention": kl.Attention(
                     n_heads=s.n_heads, n_kv_heads=s.n_kv_heads, head_dim=s.head_dim, wq=lw.wq, wk=lw.wk, wv=lw.wv,
@@ -113,10 +119,13 @@ class FusedAttention:
     def reads(self, pool) -> bool:
         """Whether the C block reads this pool's keys and values: float32, f16, or Q8_0 with whole blocks per head
         (moerun.engine.kv_types); bf16 and Q4_0 go through torch."""
-        def ok(t) -> bool:
-            return t.name in ("f32", "f16") or (t.name == "q8_0" and self.spec.head_dim % 32 == 0)
+        s = self.spec
+        whole = (s.kv_lora_rank % 32 == 0 and s.qk_rope_dim % 32 == 0) if s.attention == "mla" else s.head_dim % 32 == 0
 
-        return ok(pool.k_type) and ok(pool.v_type)
+        def ok(t) -> bool:
+            return t.name in ("f32", "f16") or (t.name == "q8_0" and whole)
+
+        return ok(pool.k_type) and (s.attention == "mla" or ok(pool.v_type))  # MLA's latent is its values too
 
     def _rope(self, top: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [> top positions, rotary dims / 2], grown by doubling and kept."""

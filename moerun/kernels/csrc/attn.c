@@ -6,6 +6,7 @@
  * Norms, biases, RoPE and routing are a few thousand floats per row and stay on the calling thread.
  * Every value is computed by one thread in a fixed order, so results do not depend on the thread count. */
 #include "attn.h"
+#include "attn_core.h"
 
 #include <math.h>
 #include <stdatomic.h>
@@ -17,24 +18,6 @@
 
 /* ------------------------------------------------------------------ attention inner loops */
 
-/* The cache's storage kinds (KV_F32, KV_F16, KV_Q8_0: ggml's blocks of 32, an f16 scale then 32 int8). A row of
- * D values of one head starts at base + slot * stride (bytes); a Q8_0 head holds D / 32 whole blocks. */
-enum { KV_F32, KV_F16, KV_Q8_0, KV_KINDS };
-
-/* s[j] = scale * q . k_j, k_j at kbase + slot[j] * stride, for j < n (D values each). */
-typedef void (*scores_fn)(float *s, const float *q, int64_t n, const uint8_t *kbase, const int64_t *slot,
-                          int64_t stride, int64_t D, float scale);
-/* s[j] = exp(s[j] - max) for j < n; returns the sum. */
-typedef float (*softmax_fn)(float *s, int64_t n, float max);
-/* out[D] = sum_j p[j] * v_j, v_j at vbase + slot[j] * stride. */
-typedef void (*wsum_fn)(float *out, const float *p, int64_t n, const uint8_t *vbase, const int64_t *slot,
-                        int64_t stride, int64_t D);
-
-typedef struct {
-    scores_fn scores[KV_KINDS];
-    softmax_fn exp_sum;
-    wsum_fn wsum[KV_KINDS];
-} attn_kernels;
 
 /* One row of n values into the cache's kind: floats, halves (round to nearest even), or Q8_0 blocks as
  * moerun.quant.quantize writes them (d = absmax / 127 as an f16; round(x / d) half away from zero, in
@@ -65,7 +48,7 @@ static float gguf_roundf(float v) {
     return v < 0 ? -r : r;
 }
 
-static void store_row(int kind, uint8_t *dst, const float *src, int64_t n) {
+void qk_store_row(int kind, uint8_t *dst, const float *src, int64_t n) {
     if (kind == KV_F32) {
         memcpy(dst, src, (size_t)n * sizeof(float));
     } else if (kind == KV_F16) {
@@ -336,7 +319,7 @@ static const attn_kernels ATTN_AVX2 = {{scores_avx2, scores_f16_avx2, scores_q8_
                                        {wsum_avx2, wsum_f16_avx2, wsum_q8_avx2}};
 #endif
 
-static const attn_kernels *attn_kernels_for(int isa) {
+const attn_kernels *qk_attn_kernels(int isa) {
 #if QK_X86
     if (isa != ISA_SCALAR) return &ATTN_AVX2;
 #endif
@@ -359,13 +342,11 @@ typedef struct {
     atomic_long next;
 } attn_ctx;
 
-/* Bytes of n values of a kind (n a multiple of 32 for Q8_0). */
-static int64_t kind_bytes(int kind, int64_t n) {
+int64_t qk_kind_bytes(int kind, int64_t n) {
     return kind == KV_F32 ? 4 * n : kind == KV_F16 ? 2 * n : n / 32 * 34;
 }
 
-/* ggml's type id of a cache (0 F32, 1 F16, 8 Q8_0) -> its kind, or -1. */
-static int kv_kind(int ggml_type) {
+int qk_kv_kind(int ggml_type) {
     return ggml_type == 0 ? KV_F32 : ggml_type == 1 ? KV_F16 : ggml_type == 8 ? KV_Q8_0 : -1;
 }
 
@@ -414,9 +395,7 @@ void qk_rms_norm(const float *x, const float *w, int64_t n, float eps, float *ou
     for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * scale);
 }
 
-/* One head's RoPE at one position over its first R dimensions: neox rotates (x[i], x[i + R/2]), interleaved
- * (x[2i], x[2i + 1]). */
-static void rope(float *x, const float *cos, const float *sin, int64_t R, int neox) {
+void qk_rope(float *x, const float *cos, const float *sin, int64_t R, int neox) {
     const int64_t half = R / 2;
     for (int64_t i = 0; i < half; i++) {
         float *a = neox ? x + i : x + 2 * i, *b = neox ? x + i + half : x + 2 * i + 1;
@@ -446,8 +425,8 @@ static void finish_qkv(const qk_attn_desc *d, float *q, float *k, float *v, cons
         for (int64_t h = 0; h < d->n_heads; h++) qk_rms_norm(q + h * D, fptr(d->q_norm), D, eps, q + h * D);
         for (int64_t h = 0; h < d->n_kv_heads; h++) qk_rms_norm(k + h * D, fptr(d->k_norm), D, eps, k + h * D);
     }
-    for (int64_t h = 0; h < d->n_heads; h++) rope(q + h * D, cos, sin, R, (int)d->neox);
-    for (int64_t h = 0; h < d->n_kv_heads; h++) rope(k + h * D, cos, sin, R, (int)d->neox);
+    for (int64_t h = 0; h < d->n_heads; h++) qk_rope(q + h * D, cos, sin, R, (int)d->neox);
+    for (int64_t h = 0; h < d->n_kv_heads; h++) qk_rope(k + h * D, cos, sin, R, (int)d->neox);
 }
 
 /* ------------------------------------------------------------------------------------ the call */
@@ -457,12 +436,12 @@ int qk_attn_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64
                 float clip, int ktype, int vtype) {
     const int64_t H = d->hidden, nh = d->n_heads, nkv = d->n_kv_heads, D = d->head_dim;
     const int64_t qd = nh * D, kd = nkv * D, R = d->rope_dim ? d->rope_dim : D, gated = d->attn_gate != 0;
-    const int kkind = kv_kind(ktype), vkind = kv_kind(vtype);
+    const int kkind = qk_kv_kind(ktype), vkind = qk_kv_kind(vtype);
     if (B < 1 || H < 1 || nh < 1 || nkv < 1 || nh % nkv || D < 2 || D % 2 || R < 2 || R % 2 || R > D)
         return QK_ESHAPE;
     if (kkind < 0 || vkind < 0) return QK_ETYPE;
     if ((kkind == KV_Q8_0 || vkind == KV_Q8_0) && D % 32) return QK_ESHAPE; /* a head is whole blocks */
-    const int64_t krow = kind_bytes(kkind, kd), vrow = kind_bytes(vkind, kd);
+    const int64_t krow = qk_kind_bytes(kkind, kd), vrow = qk_kind_bytes(vkind, kd);
     int64_t maxkeys = 1;
     for (int64_t r = 0; r < B; r++) {
         if (pos[r] < 0) return QK_ESHAPE;
@@ -492,15 +471,15 @@ int qk_attn_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64
         const float *cs = rope_cos + pos[r] * (R / 2), *sn = rope_sin + pos[r] * (R / 2);
         finish_qkv(d, q + r * qd, k + r * kd, v + r * kd, cs, sn, R, eps, clip);
         const int64_t slot = slots[r][pos[r]];
-        store_row(kkind, (uint8_t *)kc + slot * krow, k + r * kd, kd);
-        store_row(vkind, (uint8_t *)vc + slot * vrow, v + r * kd, kd);
+        qk_store_row(kkind, (uint8_t *)kc + slot * krow, k + r * kd, kd);
+        qk_store_row(vkind, (uint8_t *)vc + slot * vrow, v + r * kd, kd);
     }
     if (!rc) {
         const float scale = fptr(d->fparams) && fptr(d->fparams)[1] > 0.0f ? fptr(d->fparams)[1]
                                                                             : (float)(1.0 / sqrt((double)D));
-        attn_ctx c = {.k = attn_kernels_for(isa), .nh = nh, .nkv = nkv, .D = D, .maxkeys = maxkeys,
+        attn_ctx c = {.k = qk_attn_kernels(isa), .nh = nh, .nkv = nkv, .D = D, .maxkeys = maxkeys,
                       .items = B * nkv, .window = d->window, .kkind = kkind, .vkind = vkind, .krow = krow,
-                      .vrow = vrow, .khead = kind_bytes(kkind, D), .vhead = kind_bytes(vkind, D), .q = q,
+                      .vrow = vrow, .khead = qk_kind_bytes(kkind, D), .vhead = qk_kind_bytes(vkind, D), .q = q,
                       .kc = kc, .vc = vc, .sinks = fptr(d->sinks),
                       .att = att, .scores = scores, .scale = scale, .slots = slots, .pos = pos};
         atomic_init(&c.next, 0);

@@ -31,7 +31,14 @@
  * from ssm_ba ([b (r), a (r)] per key head, r = nv / nk) or ssm_beta and ssm_alpha [nv, hidden]; ssm_a, ssm_dt
  * [nv]; ssm_norm [dv] the gated norm; ssm_out [hidden, nv * dv]; ssm_tiled: value head h reads key head h % nk
  * (else h / r). Its state (deltanet.h) lives in the pool's conv [slots, C, ssm_k - 1] and ssm [slots, nv, dk, dv],
- * passed where an attention layer's kc and vc go. */
+ * passed where an attention layer's kc and vc go.
+ * Multi-head latent attention (kind 2, DeepSeek's MLA, absorbed): n_heads heads of head_dim = nope + rope_dim query
+ * dimensions (the last rope_dim rotated); q = xn wq ([n_heads * head_dim, hidden]), or with q_rank > 0 q =
+ * q_a_norm(xn wq_a) wq (wq_a [q_rank, hidden], wq [n_heads * head_dim, q_rank]); the latent [mla_rank + rope_dim]
+ * = [kv_a_norm(c), rope(k_pe)] for [c, k_pe] = xn wkv_a, stored in the cache (kc: [slots, mla_rank + rope_dim]; vc
+ * is not read). Each head's query enters the latent space through wk_b [n_heads, mla_rank, nope] (float32),
+ * attends over the latents (keys: the whole latent; values: its first mla_rank values), and leaves through wv_b
+ * [n_heads, mla_v, mla_rank] (float32); x += o wo ([hidden, n_heads * mla_v]). */
 #define QK_ATTN_FIELDS(X)                                                                          \
     X(hidden) X(n_heads) X(n_kv_heads) X(head_dim) X(qk_norm) X(neox)                               \
     X(attn_norm) X(ffn_norm) X(q_norm) X(k_norm) X(bq) X(bk) X(bv)                                  \
@@ -45,9 +52,11 @@
     X(sh_gate_inp)                                                                                  \
     X(ssm_qkv) X(ssm_qkv_type) X(ssm_z) X(ssm_z_type) X(ssm_ba) X(ssm_ba_type) X(ssm_beta)           \
     X(ssm_beta_type) X(ssm_alpha) X(ssm_alpha_type) X(ssm_out) X(ssm_out_type) X(ssm_conv) X(ssm_k)  \
-    X(ssm_nk) X(ssm_nv) X(ssm_dk) X(ssm_dv) X(ssm_tiled) X(ssm_a) X(ssm_dt) X(ssm_norm)
+    X(ssm_nk) X(ssm_nv) X(ssm_dk) X(ssm_dv) X(ssm_tiled) X(ssm_a) X(ssm_dt) X(ssm_norm)              \
+    X(mla_rank) X(mla_v) X(q_rank) X(wq_a) X(wq_a_type) X(q_a_norm) X(wkv_a) X(wkv_a_type) X(kv_a_norm) \
+    X(wk_b) X(wv_b)
 
-enum { QK_MIX_ATTN = 0, QK_MIX_DELTA = 1 };
+enum { QK_MIX_ATTN = 0, QK_MIX_DELTA = 1, QK_MIX_MLA = 2 };
 
 #define QK_ATTN_MEMBER(name) int64_t name;
 typedef struct {
@@ -79,6 +88,11 @@ int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int
 int qk_attn_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_t *const *slots,
                 const int64_t *pos, void *kc, void *vc, const float *rope_cos, const float *rope_sin, float eps,
                 float clip, int ktype, int vtype);
+
+/* MLA's mixer alone (mla.c): x += latent attention(attn_norm(x)) as qk_attn_block's kind 2, the latent cache
+ * kc of ggml type ktype (F32, F16, or Q8_0 when mla_rank and rope_dim are whole blocks). */
+int qk_mla_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_t *const *slots, const int64_t *pos,
+               void *kc, const float *rope_cos, const float *rope_sin, float eps, int ktype);
 
 /* out = w * (x / rms(x)) over n values, the mean of squares accumulated in double (out may be x). */
 void qk_rms_norm(const float *x, const float *w, int64_t n, float eps, float *out);

@@ -242,6 +242,8 @@ int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int
     if (d->kind == QK_MIX_DELTA) {
         if (!states_within(B, sslots, nstates)) return QK_ESLOT;
         rc = delta_mix(isa, d, x, B, pos, kc, vc, sslots, eps);
+    } else if (d->kind == QK_MIX_MLA) {
+        rc = qk_mla_mix(isa, d, x, B, slots, pos, kc, rope_cos, rope_sin, eps, ktype);
     } else {
         rc = qk_attn_mix(isa, d, x, B, slots, pos, kc, vc, rope_cos, rope_sin, eps, clip, ktype, vtype);
     }

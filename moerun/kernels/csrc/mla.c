@@ -1,0 +1,121 @@
+/* DeepSeek's multi-head latent attention for the rows of a small step (attn.h's kind 2), in the absorbed form:
+ * the cache holds one latent a position, shared by every head; no head's keys or values are ever expanded.
+ *
+ * The projections go through qk_matmuls; then one pool job with an item per (row, head): the head's query into
+ * the latent space (wk_b), scores over the latents, the softmax, the weighted latent, and out through wv_b. Each
+ * value is computed by one thread in a fixed order, so results do not depend on the thread count. */
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attn.h"
+#include "attn_core.h"
+#include "matmul.h"
+#include "pool.h"
+#include "qk.h"
+
+typedef struct {
+    const attn_kernels *k;
+    dot_fn dot;
+    int64_t nh, rank, R, nope, dv, maxkeys, items, row;
+    int kind;
+    const uint8_t *cache;
+    const float *q, *wk_b, *wv_b;
+    float *qlat, *lat, *o, *scores, scale;
+    const int64_t *const *slots;
+    const int64_t *pos;
+    atomic_long next;
+} mla_ctx;
+
+static void mla_task(void *p, int tid, int nth) {
+    mla_ctx *c = p;
+    (void)tid, (void)nth;
+    const int64_t hd = c->nope + c->R, L = c->rank + c->R;
+    for (int64_t it; (it = atomic_fetch_add(&c->next, 1)) < c->items;) {
+        const int64_t r = it / c->nh, h = it % c->nh, n = c->pos[r] + 1;
+        const float *qh = c->q + it * hd;         /* [nope, rope], rotated */
+        float *ql = c->qlat + it * L, *s = c->scores + it * c->maxkeys, *lt = c->lat + it * c->rank;
+        const float *wk = c->wk_b + h * c->rank * c->nope, *wv = c->wv_b + h * c->dv * c->rank;
+        const void *xq = qh, *xl = lt;
+        for (int64_t i = 0; i < c->rank; i++) c->dot(c->nope, (const uint8_t *)(wk + i * c->nope), &xq, 1, ql + i);
+        memcpy(ql + c->rank, qh + c->nope, (size_t)c->R * sizeof(float));
+        c->k->scores[c->kind](s, ql, n, c->cache, c->slots[r], c->row, L, c->scale);
+        float max = -INFINITY;
+        for (int64_t j = 0; j < n; j++) max = s[j] > max ? s[j] : max;
+        const float inv = 1.0f / c->k->exp_sum(s, n, max);
+        for (int64_t j = 0; j < n; j++) s[j] *= inv;
+        c->k->wsum[c->kind](lt, s, n, c->cache, c->slots[r], c->row, c->rank);
+        for (int64_t v = 0; v < c->dv; v++) c->dot(c->rank, (const uint8_t *)(wv + v * c->rank), &xl, 1,
+                                                   c->o + it * c->dv + v);
+    }
+}
+
+static const float *fptr(int64_t a) { return (const float *)(uintptr_t)a; }
+
+static qk_wmat wmat(int64_t w, int64_t type, int64_t rows) {
+    return (qk_wmat){(const uint8_t *)(uintptr_t)w, (int)type, rows};
+}
+
+int qk_mla_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_t *const *slots, const int64_t *pos,
+               void *kc, const float *rope_cos, const float *rope_sin, float eps, int ktype) {
+    const int64_t H = d->hidden, nh = d->n_heads, rank = d->mla_rank, R = d->rope_dim, hd = d->head_dim;
+    const int64_t nope = hd - R, dv = d->mla_v, qr = d->q_rank, L = rank + R, qd = nh * hd;
+    const int kind = qk_kv_kind(ktype);
+    const dot_fn dot = qk_fdot(isa, 0);
+    if (B < 1 || H < 1 || nh < 1 || rank < 1 || dv < 1 || R < 2 || R % 2 || nope < 1 || qr < 0 || !d->wk_b ||
+        !d->wv_b || !d->wkv_a || !d->kv_a_norm || (qr && (!d->wq_a || !d->q_a_norm)))
+        return QK_ESHAPE;
+    if (kind < 0 || !dot) return QK_ETYPE;
+    if (kind == KV_Q8_0 && (rank % 32 || R % 32)) return QK_ESHAPE; /* the values are the latent's whole blocks */
+    const int64_t row = qk_kind_bytes(kind, L);
+    int64_t maxkeys = 1;
+    for (int64_t r = 0; r < B; r++) {
+        if (pos[r] < 0) return QK_ESHAPE;
+        maxkeys = pos[r] + 1 > maxkeys ? pos[r] + 1 : maxkeys;
+    }
+    const int64_t nfloat = B * (H + qr + qd + L + nh * (L + rank + dv + maxkeys) + H);
+    float *mem = malloc((size_t)nfloat * sizeof(float));
+    if (!mem) return QK_ENOMEM;
+    float *xn = mem, *qa = xn + B * H, *q = qa + B * qr, *kv = q + B * qd, *qlat = kv + B * L;
+    float *lat = qlat + B * nh * L, *o = lat + B * nh * rank, *scores = o + B * nh * dv, *out = scores + B * nh * maxkeys;
+
+    for (int64_t r = 0; r < B; r++) qk_rms_norm(x + r * H, fptr(d->attn_norm), H, eps, xn + r * H);
+    int rc;
+    if (qr) { /* q through its low-rank pair, the latent beside it from the same input */
+        const qk_wmat first[2] = {wmat(d->wq_a, d->wq_a_type, qr), wmat(d->wkv_a, d->wkv_a_type, L)};
+        float *const outs[2] = {qa, kv};
+        rc = qk_matmuls(isa, 2, first, H, xn, B, outs);
+        for (int64_t r = 0; !rc && r < B; r++) qk_rms_norm(qa + r * qr, fptr(d->q_a_norm), qr, eps, qa + r * qr);
+        const qk_wmat wq = wmat(d->wq, d->wq_type, qd);
+        if (!rc) rc = qk_matmuls(isa, 1, &wq, qr, qa, B, &q);
+    } else {
+        const qk_wmat first[2] = {wmat(d->wq, d->wq_type, qd), wmat(d->wkv_a, d->wkv_a_type, L)};
+        float *const outs[2] = {q, kv};
+        rc = qk_matmuls(isa, 2, first, H, xn, B, outs);
+    }
+    for (int64_t r = 0; !rc && r < B; r++) {
+        const float *cs = rope_cos + pos[r] * (R / 2), *sn = rope_sin + pos[r] * (R / 2);
+        float *lr = kv + r * L;
+        qk_rms_norm(lr, fptr(d->kv_a_norm), rank, eps, lr);
+        qk_rope(lr + rank, cs, sn, R, (int)d->neox);
+        qk_store_row(kind, (uint8_t *)kc + slots[r][pos[r]] * row, lr, L);
+        for (int64_t h = 0; h < nh; h++) qk_rope(q + r * qd + h * hd + nope, cs, sn, R, (int)d->neox);
+    }
+    if (!rc) {
+        const float scale = fptr(d->fparams) && fptr(d->fparams)[1] > 0.0f ? fptr(d->fparams)[1]
+                                                                            : (float)(1.0 / sqrt((double)hd));
+        mla_ctx c = {.k = qk_attn_kernels(isa), .dot = dot, .nh = nh, .rank = rank, .R = R, .nope = nope, .dv = dv,
+                     .maxkeys = maxkeys, .items = B * nh, .row = row, .kind = kind, .cache = kc, .q = q,
+                     .wk_b = fptr(d->wk_b), .wv_b = fptr(d->wv_b), .qlat = qlat, .lat = lat, .o = o,
+                     .scores = scores, .scale = scale, .slots = slots, .pos = pos};
+        atomic_init(&c.next, 0);
+        qk_pool_run(mla_task, &c);
+        const qk_wmat wo = wmat(d->wo, d->wo_type, H);
+        rc = qk_matmuls(isa, 1, &wo, nh * dv, o, B, &out);
+    }
+    for (int64_t r = 0; !rc && r < B; r++)
+        for (int64_t i = 0; i < H; i++) x[r * H + i] += out[r * H + i];
+    free(mem);
+    return rc;
+}
