@@ -3,18 +3,23 @@ the same kernels (issue 36's parity on full-depth files; tests/test_fused_famili
 
     python bench/fused_vs_loop.py MODEL.gguf [MODEL ...] [-n 16] [--prompt 24]
 
-Per file: the greedy continuation of a fixed random prompt both ways (equal or not, and where they part), and the
-largest relative difference between the two paths' logits over the steps while their tokens agree.
+Per file: the greedy continuation of a fixed random prompt both ways (equal or not, and where they part), the
+largest relative difference between the two paths' logits over the steps while their tokens agree, each layer
+alone against the loop's (layer_by_layer), and the median time of a decode step each way (`--rounds` alternating
+rounds of the n steps; noisy on a shared machine, a ratio rather than a speed).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 
 
-def run(model, prompt: torch.Tensor, n: int, fused: bool) -> tuple[list[int], list[torch.Tensor]]:
+def run(model, prompt: torch.Tensor, n: int, fused: bool, times: list[float] | None = None
+        ) -> tuple[list[int], list[torch.Tensor]]:
     from moerun.engine.kv_cache import KVPool, SeqKV
 
     saved = model.fused
@@ -26,7 +31,10 @@ def run(model, prompt: torch.Tensor, n: int, fused: bool) -> tuple[list[int], li
         for _ in range(n):
             all_logits.append(logits[-1])
             tokens.append(int(logits[-1].argmax()))
+            t0 = time.perf_counter()
             logits = model.forward(torch.tensor([tokens[-1]]), kv)
+            if times is not None:
+                times.append(time.perf_counter() - t0)
         return tokens, all_logits
     finally:
         model.fused = saved
@@ -64,7 +72,7 @@ def layer_by_layer(model, T: int, tol: float = 1e-5) -> tuple[dict[str, float], 
                 flips += 1
                 continue
             err = ((got - ref).norm() / ref.norm()).item()
-            kind = "deltanet" if s.linear(i) else "attention"
+            kind = "deltanet" if s.linear(i) else "mla" if s.attention == "mla" else "attention"
             if err >= tol:
                 over += 1
                 continue
@@ -77,19 +85,24 @@ def main() -> None:
     ap.add_argument("models", nargs="+")
     ap.add_argument("-n", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=1, help="alternating timing rounds of n steps each way")
     args = ap.parse_args()
     from moerun.loading import load_model
 
     print("| file | fused path | greedy tokens equal | first difference (top-2 margin there) | max relative logit "
-          "difference | each layer alone: max relative difference (flips) |")
-    print("|---|---|---|---:|---:|---|")
+          "difference | each layer alone: max relative difference (flips) | ms a step fused / loop |")
+    print("|---|---|---|---:|---:|---|---|")
     for path in args.models:
         model = load_model(path).model
         whole = model.fused is not None and model.fused.whole_model
         prompt = torch.randint(0, model.spec.vocab, (args.prompt,), generator=torch.Generator().manual_seed(0))
+        tf, tl = [], []
         with torch.inference_mode():
-            a, la = run(model, prompt, args.n, True)
-            b, lb = run(model, prompt, args.n, False)
+            a, la = run(model, prompt, args.n, True, tf)
+            b, lb = run(model, prompt, args.n, False, tl)
+            for _ in range(args.rounds - 1):
+                run(model, prompt, args.n, True, tf)
+                run(model, prompt, args.n, False, tl)
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         upto = len(a) if same is None else same + 1
         err = max(((x - y).norm() / y.norm()).item() for x, y in zip(la[:upto], lb[:upto]))
@@ -99,7 +112,8 @@ def main() -> None:
             where = f"{same} ({(top[0] - top[1]).item():.2e} vs {(la[same] - lb[same]).abs().max().item():.2e})"
         worst, flips, over = layer_by_layer(model, 1) if whole else ({}, 0, 0)
         layers = ", ".join(f"{k} {v:.1e}" for k, v in sorted(worst.items())) + f" ({flips} routing, {over} rounding)"
-        print(f"| {path} | {'whole model' if whole else 'no'} | {a == b} | {where} | {err:.1e} | {layers} |")
+        ms = f"{1e3 * statistics.median(tf):.1f} / {1e3 * statistics.median(tl):.1f}"
+        print(f"| {path} | {'whole model' if whole else 'no'} | {a == b} | {where} | {err:.1e} | {layers} | {ms} |")
 
 
 if __name__ == "__main__":
