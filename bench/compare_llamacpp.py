@@ -30,11 +30,9 @@ import statistics
 import subprocess
 import sys
 import time
-from datetime import date
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-
+from toolkit import HERE, add, append_section, dated_heading, machine, moerun_commit
 
 # --------------------------------------------------------------------------------------------- llama.cpp
 
@@ -101,40 +99,6 @@ def ts_stats(samples_ns: list[int], n_tokens: int) -> tuple[float, float]:
     return statistics.fmean(ts), statistics.stdev(ts) if len(ts) > 1 else 0.0
 
 
-def machine() -> str:
-    import psutil
-
-    name, flags = "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                name = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
-    simd = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags) or "no AVX2"
-    ram = psutil.virtual_memory().total / 2**30
-    return (f"{name}, {psutil.cpu_count(logical=False)} cores / {os.cpu_count()} logical CPUs ({simd}), "
-            f"{ram:.1f} GiB RAM")
-
-
-def moerun_commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(HERE), "describe", "--always", "--dirty"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def append_section(text: str, path: Path = HERE / "RESULTS.md") -> None:
-    """Append a results section (its own paragraph) to bench/RESULTS.md."""
-    with open(path, "a", encoding="utf-8") as f:
-        f.write("\n" + text)
-    print(f"appended to {path}", file=sys.stderr)
-
-
 def run(cmd: list[str]) -> str:
     print(f"$ {shlex.join(cmd)}", file=sys.stderr, flush=True)
     return subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
@@ -158,7 +122,7 @@ def compare(model: str, args) -> dict:
 
 def section(results: list[dict], args) -> str:
     first, llama0 = results[0]["moerun"][0], results[0]["llama"]
-    title = f"## {date.today().isoformat()} — moerun vs llama.cpp (llama-cpp-python {llama0['version']})"
+    title = dated_heading(f"moerun vs llama.cpp (llama-cpp-python {llama0['version']})")
     lines = [f"{title}, {args.threads} thread(s)", ""]
     if args.note:
         lines += [args.note, ""]
@@ -201,7 +165,7 @@ def section(results: list[dict], args) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("models", nargs="+", help="GGUF files")
-    p.add_argument("-t", "--threads", type=int, default=2)
+    add(p, "threads")
     p.add_argument("-p", "--n-prompt", type=int, default=512)
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("-r", "--reps", type=int, default=3)

@@ -26,11 +26,8 @@ after warm-up, all KV blocks free at the end. Exit status 0 when it passes, 1 ot
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import random
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -39,87 +36,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
+from toolkit import Reply, ServerProcess, add, md_table
 
 KEY = "sk-soak"
 MAX_BODY = 256 * 1024
 CHATS = ["write a loop", "what is a list?", "explain recursion in one line", "def main():", "hello",
          "sort these numbers: 3 1 2"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Reply:
-    status: int
-    text: str
-
-    def json(self):
-        return json.loads(self.text)
-
-
-class ServerProcess:
-    """`python -m moerun serve ARGS` on a free loopback port, ready once /health says 200.
-    launcher: what runs moerun's command line instead of `-m moerun` (e.g. `-c CODE`)."""
-
-    def __init__(self, args: list[str], log_path: Path, key: str | None = None, wait: float = 300,
-                 launcher: tuple[str, ...] = ("-m", "moerun")):
-        self.port, self.key, self.log_path = free_port(), key, log_path
-        cmd = [sys.executable, *launcher, "serve", "--port", str(self.port), *args]
-        if key is not None:
-            cmd += ["--api-key", key]
-        with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.time() + wait
-        while time.time() < deadline and self.proc.poll() is None:
-            try:
-                if self.request("GET", "/health").status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"the server did not start:\n{log_path.read_text()}")
-
-    def connect(self, method: str, path: str, body=None, key: str | None = None, timeout: float = 300):
-        """The request sent on a new connection (the caller reads the response and closes it)."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        headers = {"Authorization": f"Bearer {key or self.key}"} if (key or self.key) else {}
-        if isinstance(body, (dict, list)):
-            body = json.dumps(body)
-        if body is not None:
-            headers["Content-Type"] = "application/json"
-        conn.request(method, path, body=body, headers=headers)
-        return conn
-
-    def request(self, method: str, path: str, body=None, key: str | None = None, timeout: float = 300) -> Reply:
-        conn = self.connect(method, path, body, key, timeout)
-        try:
-            r = conn.getresponse()
-            return Reply(r.status, r.read().decode())
-        finally:
-            conn.close()
-
-    def rss(self) -> int:
-        return psutil.Process(self.proc.pid).memory_info().rss
-
-    def metrics(self) -> dict[str, float]:
-        """Unlabelled samples of /metrics (gauges and counters without labels)."""
-        out = {}
-        for line in self.request("GET", "/metrics").text.splitlines():
-            if line and not line.startswith("#") and "{" not in line:
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-        return out
-
-    def stop(self, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        return self.proc.wait(timeout=timeout)
 
 
 # -- the workload -------------------------------------------------------------------------------------------
@@ -475,10 +397,8 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def markdown(r: dict) -> str:
-    lines = [f"| {k} | {v} |" for k, v in r.items() if k != "failures"]
-    lines = ["| figure | value |", "|---|---|", *lines]
-    lines += [f"\nfailures: {len(r['failures'])}"] + [f"- {f}" for f in r["failures"][:20]]
-    return "\n".join(lines)
+    table = md_table(["figure", "value"], [(k, v) for k, v in r.items() if k != "failures"])
+    return "\n".join([table, f"\nfailures: {len(r['failures'])}", *(f"- {f}" for f in r["failures"][:20])])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -494,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--expert-cache-slots", type=int, default=4,
                     help="expert cache slots per layer over the file's map; 0: experts in RAM, no cache")
-    ap.add_argument("-o", "--output", choices=("md", "json"), default="md")
+    add(ap, "output")
     ap.add_argument("--log", type=Path, default=None, help="server log (default: a temporary file)")
     a = ap.parse_args(argv)
     log = a.log or Path(tempfile.mkdtemp(prefix="moerun-soak-")) / "serve.log"

@@ -17,7 +17,8 @@ from moerun.runtime import default_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from soak import ServerProcess, free_port, read_stream
+from soak import read_stream
+from toolkit import ServerProcess, free_port
 
 PROMPT = {"prompt": "def fib(n):", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 

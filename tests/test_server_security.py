@@ -16,7 +16,7 @@ from moerun.server.errors import Guard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from soak import ServerProcess, free_port
+from toolkit import ServerProcess, free_port
 
 KEY = "sk-security"
 MARK = "probe-7c1e"
