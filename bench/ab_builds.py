@@ -10,12 +10,12 @@ with `python setup.py build_ext --inplace` at each commit and copy moerun/kernel
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import statistics
 import time
 
 import torch
+from toolkit import add, alternate, pair_ratio, parser
 
 from moerun.engine.kv_cache import KVPool, SeqKV
 from moerun.kernels import cpu
@@ -31,12 +31,11 @@ def load_build(path: str):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model")
+    ap = add(parser(__doc__, "all"), "model")
     ap.add_argument("--a", required=True, help="build A's _cpu*.so")
     ap.add_argument("--b", required=True, help="build B's _cpu*.so")
     ap.add_argument("-T", type=int, default=512, help="prompt tokens (1: decode steps)")
-    ap.add_argument("-t", "--threads", type=int, default=2)
+    add(ap, "threads")
     ap.add_argument("--reps", type=int, default=6)
     args = ap.parse_args()
     builds = {"A": load_build(args.a), "B": load_build(args.b)}
@@ -44,28 +43,28 @@ def main() -> None:
     model, T = loaded.model, args.T
     pool = KVPool(loaded.arch.spec, T + 130, dtype=torch.float32)
     tokens = torch.randint(0, 1000, (T,), generator=torch.Generator().manual_seed(0))
-    times: dict[str, list[float]] = {"A": [], "B": []}
+
+    def forward(name: str, _round: int) -> float:
+        cpu._cpu = builds[name]
+        seq = SeqKV(pool, T + 129)
+        t0 = time.perf_counter()
+        if T > 1:
+            model.forward(tokens, seq, last_only=True)
+        else:
+            tok = torch.tensor([1])
+            for _ in range(64):
+                tok = model.forward(tok, seq, last_only=True)[-1].argmax().reshape(1)
+        dt = time.perf_counter() - t0
+        seq.free()
+        return dt
+
     with thread_budget(args.threads):
         for mod in builds.values():
             mod.set_threads(args.threads)
-        for rep in range(args.reps + 1):  # the first round warms up
-            for name, mod in builds.items():
-                cpu._cpu = mod
-                seq = SeqKV(pool, T + 129)
-                t0 = time.perf_counter()
-                if T > 1:
-                    model.forward(tokens, seq, last_only=True)
-                else:
-                    tok = torch.tensor([1])
-                    for _ in range(64):
-                        tok = model.forward(tok, seq, last_only=True)[-1].argmax().reshape(1)
-                dt = time.perf_counter() - t0
-                seq.free()
-                if rep:
-                    times[name].append(dt)
+        times = alternate(list(builds), args.reps, forward, warmup=True)  # the first round warms up
     n = T if T > 1 else 64
     a, b = statistics.median(times["A"]), statistics.median(times["B"])
-    pairs = statistics.median(x / y for x, y in zip(times["A"], times["B"]))
+    pairs = pair_ratio(times["A"], times["B"])
     print(f"{args.model}: T={T}, {args.threads} threads, {args.reps} pairs: A {n / a:.1f} t/s, B {n / b:.1f} t/s, "
           f"B/A {a / b:.3f} (median per-pair ratio {pairs:.3f})")
 

@@ -7,13 +7,11 @@ turn's prompt the whole conversation again, through the server's scheduler; alte
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-from datetime import date
 from pathlib import Path
 
-from compare_llamacpp import append_section, moerun_commit
+from toolkit import add, alternate, dated_heading, moerun_commit, parser, publish
 
 HERE = Path(__file__).resolve().parent
 TEMPLATE = HERE.parent / "tests" / "data" / "templates" / "Qwen-Qwen3-0.6B.jinja"
@@ -60,13 +58,9 @@ def loop(sched, tok, template, reuse: bool, n: int, session: int) -> list[tuple[
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("model")
-    p.add_argument("-t", "--threads", type=int, default=2)
-    p.add_argument("-r", "--rounds", type=int, default=3)
+    p = add(parser(__doc__), "model", "threads", "rounds")
     p.add_argument("-n", "--turns", type=int, default=5)
-    p.add_argument("--append", action="store_true")
-    args = p.parse_args()
+    args = add(p, "append").parse_args()
     from moerun.config import RuntimeConfig
     from moerun.engine.scheduler import Scheduler
     from moerun.runtime import build
@@ -75,10 +69,8 @@ def main() -> None:
     rt = build(RuntimeConfig(model=args.model, threads=args.threads, ctx_size=4096))
     sched = Scheduler(rt.engine, parallel=1)
     tok, template = rt.engine.tokenizer, ChatTemplate(TEMPLATE.read_text())
-    runs: dict[bool, list[list[tuple[float, int, int]]]] = {True: [], False: []}
-    for r in range(args.rounds):
-        for reuse in (False, True):
-            runs[reuse].append(loop(sched, tok, template, reuse, args.turns, 2 * r + reuse))
+    runs = alternate([False, True], args.rounds,
+                     lambda reuse, r: loop(sched, tok, template, reuse, args.turns, 2 * (r - 1) + reuse))
     rt.close()
     rows = []
     for t in range(args.turns):
@@ -87,16 +79,14 @@ def main() -> None:
         rows.append(f"| {t + 1} | {runs[True][0][t][1]} | {runs[True][0][t][2]} | {cold:.0f} | {warm:.0f} | "
                     f"{cold / warm:.1f}x |")
     commit = moerun_commit()
-    text = (f"## {date.today()} — an agent loop's TTFT with and without prefix reuse (issue 18)\n\n"
+    text = (dated_heading("an agent loop's TTFT with and without prefix reuse (issue 18)") + "\n\n"
             f"Command: `python bench/agent_loop.py {args.model} -t {args.threads} -r {args.rounds} -n {args.turns}` "
             f"(commit {commit}). A system prompt with four tools (Qwen3's template), then per turn a tool call "
             "and its result appended and the whole conversation sent again; 8 greedy tokens a turn; the "
             f"scheduler of `moerun serve` with one slot; {args.rounds} rounds alternating `cache_prompt` off and "
             "on, medians.\n\n| turn | prompt tokens | cached (reuse on) | TTFT off, ms | TTFT on, ms | speed-up |\n"
             "|---:|---:|---:|---:|---:|---:|\n" + "\n".join(rows) + "\n")
-    print(text)
-    if args.append:
-        append_section(text)
+    publish(text, args.append)
 
 
 if __name__ == "__main__":

@@ -13,25 +13,14 @@ bench/journal/issue-07.md paused the other jobs on the VM for each model's bench
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
+from toolkit import add, moerun, parser, pct_err, write_json
+
 FRACTIONS = (0.25, 0.5)
-
-
-def moerun(*args: str, env: dict | None = None, out: Path | None = None) -> str:
-    r = subprocess.run(["moerun", *args], capture_output=True, text=True, env={**os.environ, **(env or {})},
-                       check=False)
-    if r.returncode:
-        sys.exit(f"moerun {' '.join(args)} failed:\n{r.stderr[-2000:]}")
-    if out is not None:
-        out.write_text(r.stdout)
-    return r.stdout
 
 
 def measure(model: Path, d: Path, threads: str) -> dict:
@@ -79,9 +68,6 @@ def all_tokens_per_s(b: dict) -> float:
 
 
 def table(results: dict) -> str:
-    def err(a, b):
-        return f"{100 * (a / b - 1):+.1f}%"
-
     dec = [("| model | experts' home | hit rate (bench) | estimate t/s, bench's trace (A / B) | tg128 t/s mean ± sd "
            "| tg128 t/s all tokens / all time | error | estimate, other text's trace | estimate, uniform |"),
            "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -93,10 +79,10 @@ def table(results: dict) -> str:
         ea, eb = A["ram"]["decode"]["expected_tok_s"], B["ram"]["decode"]["expected_tok_s"]
         e = (ea + eb) / 2
         dec.append(f"| {name} | RAM | - | {e:.1f} ({ea:.1f} / {eb:.1f}) | {tg['avg_ts']:.1f} ± {tg['stddev_ts']:.1f} "
-                   f"| {all_tokens_per_s(tg):.1f} | {err(e, all_tokens_per_s(tg))} | | |")
+                   f"| {all_tokens_per_s(tg):.1f} | {pct_err(e, all_tokens_per_s(tg))} | | |")
         pa, pb = A["ram"]["prefill"]["tok_s"], B["ram"]["prefill"]["tok_s"]
         pre.append(f"| {name} | {(pa + pb) / 2:.1f} ({pa:.1f} / {pb:.1f}) | {pp['avg_ts']:.1f} ± {pp['stddev_ts']:.1f} "
-                   f"| {err((pa + pb) / 2, pp['avg_ts'])} |")
+                   f"| {pct_err((pa + pb) / 2, pp['avg_ts'])} |")
         for b in r["bench_cache"]:
             s, meas = str(b["expert_cache_mib"]), all_tokens_per_s(b)
 
@@ -104,7 +90,7 @@ def table(results: dict) -> str:
                 if kind not in A["cache"][s]:
                     return "-"
                 v = (A["cache"][s][kind]["decode"]["expected_tok_s"] + B["cache"][s][kind]["decode"]["expected_tok_s"]) / 2
-                return f"{v:.1f} (hit {100 * A['cache'][s][kind]['hit_rate']:.1f}%): {err(v, meas)}"
+                return f"{v:.1f} (hit {100 * A['cache'][s][kind]['hit_rate']:.1f}%): {pct_err(v, meas)}"
 
             dec.append(f"| {name} | file + {b['expert_cache_mib']:g} MiB cache | {100 * b['expert_cache_hit_rate']:.1f}% "
                        f"| {cell('bench_trace')} | {b['avg_ts']:.1f} ± {b['stddev_ts']:.1f} | {meas:.1f} | "
@@ -113,10 +99,9 @@ def table(results: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("models", nargs="+", type=Path)
+    ap = add(parser(__doc__, "paragraph"), "models", models={"type": Path})
     ap.add_argument("--out", type=Path, required=True, help="folder for probes, traces and records")
-    ap.add_argument("-t", "--threads", default="2")
+    add(ap, "threads", threads={"type": str, "default": "2"})
     ap.add_argument("--other-trace", type=Path, default=None, help="folder of <model stem>.jsonl routing traces")
     args = ap.parse_args()
     results = {}
@@ -124,7 +109,7 @@ def main() -> None:
         d = args.out / model.stem
         rec = measure(model, d, args.threads)
         rec["probes"] = estimates(model, d, args.threads, rec, args.other_trace)
-        (d / "result.json").write_text(json.dumps(rec, indent=1))
+        write_json(d / "result.json", rec)
         results[model.stem] = rec
     print(table(results))
 

@@ -11,42 +11,24 @@ the machine's drifting bandwidth meets both; the table gives each round and the 
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from compare_llamacpp import append_section, machine, moerun_commit
-
-
-def moerun(*args: str, cache: str | None = None) -> tuple[str, float]:
-    env = dict(os.environ)
-    if cache is not None:
-        env["MOERUN_CACHE"] = cache
-    t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "moerun", *args], capture_output=True, text=True, env=env,
-                       check=False)
-    if r.returncode:
-        sys.exit(f"moerun {' '.join(args)} failed:\n{r.stderr[-2000:]}")
-    return r.stdout, time.perf_counter() - t0
+from toolkit import add, dated_heading, machine, moerun, moerun_commit, parser, pct_err, publish
 
 
 def one_round(model: str, threads: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="moerun-first-") as d:
-        out, wall = moerun("estimate", model, "-t", threads, "--json", cache=d)
-        est = json.loads(out)
+        t0 = time.perf_counter()
+        est = json.loads(moerun("estimate", model, "-t", threads, "--json", env={"MOERUN_CACHE": d}))
+        wall = time.perf_counter() - t0
     with tempfile.TemporaryDirectory(prefix="moerun-first-") as d:
-        dflt = json.loads(moerun("estimate", model, "-t", threads, "--json", "--no-measure", cache=d)[0])
-    bench = json.loads(moerun("bench", "-m", model, "-p", "512", "-n", "128", "-r", "3", "-t", threads,
-                              "-o", "json")[0])
+        dflt = json.loads(moerun("estimate", model, "-t", threads, "--json", "--no-measure", env={"MOERUN_CACHE": d}))
+    bench = json.loads(moerun("bench", "-m", model, "-p", "512", "-n", "128", "-r", "3", "-t", threads, "-o", "json"))
     pp = next(b for b in bench if b["n_prompt"])
     tg = next(b for b in bench if b["n_gen"])
     return {"est_tg": est["decode"]["expected_tok_s"], "est_pp": est["prefill"]["tok_s"], "wall": wall,
@@ -55,16 +37,9 @@ def one_round(model: str, threads: str) -> dict:
             "rates": est["rates"]}
 
 
-def err(a: float, b: float) -> str:
-    return f"{100 * (a / b - 1):+.1f}%"
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("models", nargs="+")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("-t", "--threads", default="2")
-    ap.add_argument("--append", action="store_true", help="append the section to bench/RESULTS.md")
+    ap = add(parser(__doc__, "paragraph"), "models", "--rounds", "threads", "append",
+             threads={"type": str, "default": "2"}, append={"help": "append the section to bench/RESULTS.md"})
     args = ap.parse_args(argv)
     rows, summary = [], []
     for model in args.models:
@@ -73,18 +48,18 @@ def main(argv: list[str] | None = None) -> int:
             rec = one_round(model, args.threads)
             recs.append(rec)
             name = Path(model).stem
-            rows.append(f"| {name} | {r} | {rec['est_tg']:.1f} | {rec['tg']:.1f} | {err(rec['est_tg'], rec['tg'])} | "
-                        f"{rec['est_pp']:.1f} | {rec['pp']:.1f} | {err(rec['est_pp'], rec['pp'])} | "
+            rows.append(f"| {name} | {r} | {rec['est_tg']:.1f} | {rec['tg']:.1f} | {pct_err(rec['est_tg'], rec['tg'])} | "
+                        f"{rec['est_pp']:.1f} | {rec['pp']:.1f} | {pct_err(rec['est_pp'], rec['pp'])} | "
                         f"{rec['wall']:.1f} s | {rec['default_tg']:.1f} | {rec['default_pp']:.1f} |")
             print(rows[-1], file=sys.stderr, flush=True)
         m = {k: statistics.median(x[k] for x in recs) for k in ("est_tg", "tg", "est_pp", "pp", "wall",
                                                                   "default_tg", "default_pp")}
-        summary.append(f"| {Path(model).stem} | {m['est_tg']:.1f} | {m['tg']:.1f} | **{err(m['est_tg'], m['tg'])}** | "
-                       f"{m['est_pp']:.1f} | {m['pp']:.1f} | **{err(m['est_pp'], m['pp'])}** | {m['wall']:.1f} s | "
-                       f"{err(m['default_tg'], m['tg'])} / {err(m['default_pp'], m['pp'])} |")
+        summary.append(f"| {Path(model).stem} | {m['est_tg']:.1f} | {m['tg']:.1f} | **{pct_err(m['est_tg'], m['tg'])}** | "
+                       f"{m['est_pp']:.1f} | {m['pp']:.1f} | **{pct_err(m['est_pp'], m['pp'])}** | {m['wall']:.1f} s | "
+                       f"{pct_err(m['default_tg'], m['tg'])} / {pct_err(m['default_pp'], m['pp'])} |")
     cmd = " ".join(["python", "bench/first_estimate.py", *(sys.argv[1:] if argv is None else argv)])
     text = "\n".join([
-        f"## {date.today().isoformat()} — the first estimate (quick default probes) against bench (issue 15, item 6)",
+        dated_heading("the first estimate (quick default probes) against bench (issue 15, item 6)"),
         "", f"Machine: {machine()}. moerun commit {moerun_commit()}. Run: `{cmd}`, {args.threads} threads.", "",
         ("| model | estimate tg128 t/s | bench tg128 t/s | error | estimate pp512 t/s | bench pp512 t/s | error | "
         "first estimate's wall time | `--no-measure` error tg / pp |"),
@@ -93,9 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         ("| model | round | estimate tg128 | bench tg128 | error | estimate pp512 | bench pp512 | error | wall | "
         "`--no-measure` tg128 | `--no-measure` pp512 |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, ""])
-    print(text)
-    if args.append:
-        append_section(text)
+    publish(text, args.append)
     return 0
 
 

@@ -12,11 +12,8 @@ machine is compared with itself. Run it with nothing else busy.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-
 import torch
+from toolkit import ints, median_time, parser
 
 from moerun.hostmem import host_empty
 from moerun.kernels import _cpu, cpu
@@ -41,18 +38,11 @@ def weights(rows: int, K: int, layout: str, pages: str, qtype: QType = QType.Q4_
 def gbps(w: QTensor, T: int, reps: int) -> float:
     x = torch.randn(T, w.shape[1])
     calls = max(1, (256 << 20) // w.nbytes)  # ~256 MB per timed pass
-    cpu.matmul(x, w)
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            cpu.matmul(x, w)
-        ts.append((time.perf_counter() - t0) / calls)
-    return w.nbytes / statistics.median(ts) / 1e9
+    return w.nbytes / median_time(lambda _: cpu.matmul(x, w), reps, calls) / 1e9
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--qtype", default="Q4_K", choices=("Q4_K", "Q8_0", "MXFP4"))
@@ -62,13 +52,12 @@ def main() -> None:
     K, qtype = a.k, QType[a.qtype]
     l2, dram = 256, 524288 * 2048 // K // 1024 * 1024  # whole tiles of the 1024 distinct rows
     mb = [tensor_bytes(qtype, (n, K)) / 1e6 for n in (l2, dram)]
-    cases = [(f"L2 ({mb[0] * 1000:.0f} KB)", l2, 1)] + [(f"DRAM ({mb[1]:.0f} MB)", dram, int(t))
-                                                         for t in a.tokens.split(",")]
+    cases = [(f"L2 ({mb[0] * 1000:.0f} KB)", l2, 1)] + [(f"DRAM ({mb[1]:.0f} MB)", dram, t) for t in ints(a.tokens)]
     combos = [("gguf", "4k"), ("gguf", "huge"), ("r8", "4k"), ("r8", "huge")]
     print(f"isa {cpu.features()['isa']}; GB/s of {qtype.name} weight bytes; K = {K}")
     print("| threads | weights | tokens | " + " | ".join(f"{lay} {pg}" for lay, pg in combos) + " | r8 huge / gguf 4k |")
     print("| ---: | --- | ---: | " + " | ".join("---:" for _ in combos) + " | ---: |")
-    for th in (int(t) for t in a.threads.split(",")):
+    for th in ints(a.threads):
         _cpu.set_threads(th, -1)
         for name, rows, T in cases:
             r = []

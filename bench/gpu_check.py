@@ -22,7 +22,6 @@ table for bench/RESULTS.md), and the bench's and pytest's own outputs beside the
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -31,6 +30,8 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from toolkit import add, cell, parser, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,12 +81,12 @@ def n_layers(model: str) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--standin", action="store_true", help="the CPU stand-in, even where CUDA is present")
     ap.add_argument("--model", help="the bench model (default: made here)")
     ap.add_argument("--cache", default=os.environ.get("MOERUN_BENCH_CACHE", "/tmp/moerun-bench"),
                     help="folder for the made model")
-    ap.add_argument("-t", "--threads", type=int, default=None)
+    add(ap, "threads", threads=None)
     args = ap.parse_args()
     out = Path(os.environ.get("OUT") or ROOT / "gpu_check_out")
     out.mkdir(parents=True, exist_ok=True)
@@ -173,20 +174,16 @@ def main() -> int:
     return finish(report, out)
 
 
-def _cell(x, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
-
-
 def finish(report: dict, out: Path) -> int:
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+    write_json(out / "gpu_check.json", report, indent=2)
     lines = [f"{report['device']} ({report['gpu'] or 'CPU stand-in'}), {report.get('model', '-')}, {report['date']}",
              "", "| placement | test | cache MiB | t/s | hit rate | home share | h2d GB/s | estimate t/s | est / meas |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report["rows"]:
-        lines.append(f"| {r['placement']} | {r['test']} | {_cell(r['cache_mib'], '.1f')} | "
-                     f"{r['t_s']:.1f} ± {r['stddev']:.1f} | {_cell(r['hit_rate'], '.1%')} | "
-                     f"{_cell(r['home_share'], '.1%')} | {_cell(r['h2d_gbps'], '.1f')} | "
-                     f"{_cell(r['estimate_ts'], '.1f')} | {_cell(r['estimate_ratio'], '.2f')} |")
+        lines.append(f"| {r['placement']} | {r['test']} | {cell(r['cache_mib'], '.1f')} | "
+                     f"{r['t_s']:.1f} ± {r['stddev']:.1f} | {cell(r['hit_rate'], '.1%')} | "
+                     f"{cell(r['home_share'], '.1%')} | {cell(r['h2d_gbps'], '.1f')} | "
+                     f"{cell(r['estimate_ts'], '.1f')} | {cell(r['estimate_ratio'], '.2f')} |")
     if report.get("counts"):
         lines += ["", "Counted on the stand-in (structure at small widths), predicted for the real shape "
                   "(moerun/gpu_counts.py's figures):", "",

@@ -15,12 +15,11 @@ Figures are medians of --repeats timed rounds. The machine may be shared: compar
 
 from __future__ import annotations
 
-import argparse
 import functools
 import statistics
-import time
 
 import torch
+from toolkit import ints, median_time, parser
 
 from moerun.kernels import cpu
 from moerun.quant.qtypes import QTensor, QType
@@ -28,18 +27,6 @@ from moerun.quant.quantize import quantize
 
 STREAM_BYTES = 192 << 20  # weight copies per case: several times a 32 MiB L3
 E, K_ACTIVE, I, H = 128, 8, 768, 2048
-
-
-def median_time(fn, calls: int, repeats: int) -> float:
-    """Median seconds per call of `fn(i)` over `repeats` rounds of `calls` calls (after one warm-up round)."""
-    rounds = []
-    for r in range(repeats + 1):
-        t0 = time.perf_counter()
-        for i in range(calls):
-            fn(i)
-        if r:
-            rounds.append((time.perf_counter() - t0) / calls)
-    return statistics.median(rounds)
 
 
 def copies(data: torch.Tensor, n: int) -> torch.Tensor:
@@ -70,7 +57,7 @@ def bench_matmul(args) -> list[tuple]:
             call = functools.partial(matmul_call, x, ws, args.isa)
             for threads in args.threads:
                 cpu.set_threads(threads)
-                s = median_time(call, n, args.repeats)
+                s = median_time(call, args.repeats, n, warmup=n)
                 rows.append((f"matmul T=1 {N}x{K}", qtype.name, threads, s * 1e6, one.numel() / s / 1e9))
         if args.torch:
             rows += bench_int4pack(args, N, K)
@@ -89,7 +76,7 @@ def bench_int4pack(args, N: int, K: int) -> list[tuple]:
     call = functools.partial(int4pack_call, x, ps, ss)
     for threads in args.threads:
         torch.set_num_threads(threads)
-        s = median_time(call, n, args.repeats)
+        s = median_time(call, args.repeats, n, warmup=n)
         rows.append((f"matmul T=1 {N}x{K}", "torch int4pack", threads, s * 1e6, nbytes / s / 1e9))
     torch.set_num_threads(before)
     return rows
@@ -114,20 +101,20 @@ def bench_moe(args) -> list[tuple]:
             call = functools.partial(moe_call, x, routes, w, (gate, up, down), args.isa)
             for threads in args.threads:
                 cpu.set_threads(threads)
-                s = median_time(call, calls, args.repeats)
+                s = median_time(call, args.repeats, calls, warmup=calls)
                 rows.append((f"moe_ffn T={T} (a3b)", f"Q4_K/Q4_K/{down_type.name}", threads, s * 1e6,
                              nbytes / s / 1e9))
     return rows
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, "paragraph")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--isa", default=None, help="kernel set (default: the best this CPU runs)")
     ap.add_argument("--no-torch", dest="torch", action="store_false", help="skip the torch int4pack baseline")
     args = ap.parse_args()
-    args.threads = [int(t) for t in args.threads.split(",")]
+    args.threads = ints(args.threads)
     if not cpu.available():
         raise SystemExit(f"kernels unavailable: {cpu.features()['reason']}")
     f = cpu.features()

@@ -11,15 +11,13 @@ needs) for the same types, run after moerun (never together).
 
 from __future__ import annotations
 
-import argparse
 import inspect
-import json
 import statistics
-import subprocess
 import textwrap
 from pathlib import Path
 
 import torch
+from toolkit import add, alternate, parser, run_json
 
 from moerun.config import RuntimeConfig, SamplingParams
 from moerun.runtime import build
@@ -40,7 +38,7 @@ def prompt_ids(eng, n: int) -> list[int]:
 
 
 def run_moerun(args) -> list[dict]:
-    rows = {t: {"type": t or "f32 (default)", "tps": []} for t in TYPES}
+    rows = {t: {"type": t or "f32 (default)"} for t in TYPES}
     runtimes = {}
     for t in TYPES:
         rt = build(RuntimeConfig(model=args.model, threads=args.threads, ctx_size=args.depth + args.n + 16,
@@ -50,14 +48,16 @@ def run_moerun(args) -> list[dict]:
         rows[t]["pool_mib"] = rt.engine.pool.nbytes / 2**20
     ids = prompt_ids(runtimes[None].engine, args.depth)
     params = SamplingParams.greedy(max_tokens=args.n, ignore_eos=True)
-    for r in range(args.rounds + 1):  # round 0 warms up
-        for t in TYPES:
-            eng = runtimes[t].engine
-            seq = eng.new_sequence()
-            gen = eng.generate(ids, params, seq).run()
-            seq.free()
-            if r:
-                rows[t]["tps"].append(gen.timings.to_dict()["predicted_per_second"])
+
+    def decode(t, _round: int) -> float:
+        eng = runtimes[t].engine
+        seq = eng.new_sequence()
+        gen = eng.generate(ids, params, seq).run()
+        seq.free()
+        return gen.timings.to_dict()["predicted_per_second"]
+
+    for t, tps in alternate(TYPES, args.rounds, decode, warmup=True).items():  # round 0 warms up
+        rows[t]["tps"] = tps
     for rt in runtimes.values():
         rt.close()
     return list(rows.values())
@@ -69,21 +69,16 @@ def run_llama(args) -> list[dict]:
         cmd = [str(Path(args.llama_bin) / "llama-bench"), "-m", args.model, "-t", str(args.threads), "-p", "0",
                "-n", str(args.n), "-d", str(args.depth), "-ctk", t, "-ctv", t, "-fa", "1", "-r", str(args.rounds),
                "-o", "json"]
-        p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=1800)
-        if p.returncode != 0:
-            raise RuntimeError(f"llama-bench failed ({p.returncode}):\n{p.stderr[-2000:]}")
-        rec = json.loads(p.stdout)[0]
+        rec = run_json(cmd, timeout=1800, echo=False)[0]
         out.append({"type": t, "tps": rec["samples_ts"], "median": statistics.median(rec["samples_ts"])})
     return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model")
+    ap = add(parser(__doc__, "all"), "model")
     ap.add_argument("-d", "--depth", type=int, default=4096)
     ap.add_argument("-n", type=int, default=32)
-    ap.add_argument("-t", "--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=2)
+    add(ap, "threads", "--rounds", rounds=2)
     ap.add_argument("--llama-bin")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -8,28 +8,18 @@ milliseconds of each form, which is faster, and what layers.mla_form picks.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-
 import torch
+from toolkit import add, median_time, parser
 
 from moerun.model.layers import mla_absorbed, mla_expanded, mla_form
 
 
 def median_ms(f, reps: int) -> float:
-    f()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
+    return median_time(lambda _: f(), reps) * 1e3  # after one warm-up call
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("-t", "--threads", type=int, default=2)
+    p = add(parser(__doc__), "threads")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("-r", "--reps", type=int, default=5)
     a = p.parse_args()

@@ -10,12 +10,12 @@ Prints decode ms/token, hit rate, bytes paged in, and the guesses' precision and
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
 import statistics
 
 from routing_traces import text_sets
+from toolkit import add, alternate, md_table, parser
 
 MADV_PAGEOUT = 21
 
@@ -59,9 +59,7 @@ def one_run(model: str, prompts: list[str], n_gen: int, slots: int, policy: str,
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("model")
-    p.add_argument("--rounds", type=int, default=3)
+    p = add(parser(__doc__), "model", "--rounds")
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--policy", default="lfru")
     p.add_argument("--texts", type=int, default=12)
@@ -69,13 +67,11 @@ def main() -> None:
     p.add_argument("--cold", action="store_true", help="drop the file's pages before each text")
     args = p.parse_args()
     prompts = text_sets(args.texts)[1]
-    runs: dict[bool, list[dict]] = {False: [], True: []}
-    for _ in range(args.rounds):
-        for pf in (False, True):
-            runs[pf].append(one_run(args.model, prompts, args.tokens, args.slots, args.policy, pf, args.cold))
-            print(pf, runs[pf][-1], flush=True)
-    print("\n| prefetch | decode ms/token (runs) | median | hit rate | paged in | precision / recall |\n"
-          "|---|---|---:|---:|---:|---:|")
+    runs = alternate([False, True], args.rounds,
+                     lambda pf, _r: one_run(args.model, prompts, args.tokens, args.slots, args.policy, pf, args.cold),
+                     each=lambda pf, _r, got: print(pf, got, flush=True))
+    print("\n" + md_table(["prefetch", "decode ms/token (runs)", "median", "hit rate", "paged in",
+                           "precision / recall"], align="llrrrr"))
     for pf, rs in runs.items():
         r = rs[0]
         pr = "-" if r["precision"] is None else f"{100 * r['precision']:.1f}% / {100 * r['recall']:.1f}%"

@@ -14,45 +14,37 @@ read the ratios.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from compare_llamacpp import machine, moerun_commit
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests load this file by its path
+from toolkit import (
+    add,
+    alternate,
+    append_jsonl,
+    cpu_ids,
+    ints,
+    machine,
+    moerun_cmd,
+    moerun_commit,
+    parser,
+    run_json,
+)
 
 HINTS = ("t0", "t1", "t2", "nta")
 DISTANCES = (0, 256, 512, 1024, 2048, 4096, 8192)
 
 
-def cpu_name() -> str:
-    """machine() (the model name, cores, SIMD, RAM) with /proc/cpuinfo's vendor, family and model."""
-    fields = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("vendor_id", "cpu family", "model") and key.strip() not in fields:
-                fields[key.strip()] = value.strip()
-    except OSError:
-        pass
-    ids = " ".join(f"{k.replace('cpu ', '')} {fields[k]}" for k in ("cpu family", "model") if k in fields)
-    return f"{machine()}; {fields.get('vendor_id', '?')} {ids}".strip()
-
-
 def run_one(model: str, n_gen: int, threads: int, hint: str, distance: int, timeout: float) -> dict:
     """One `moerun bench` tg run under (hint, distance) -> its JSON record."""
-    env = dict(os.environ, MOERUN_PREFETCH=str(distance), MOERUN_PREFETCH_HINT=hint)
-    cmd = [sys.executable, "-m", "moerun", "bench", "-m", model, "-p", "0", "-n", str(n_gen), "-r", "1",
-           "-t", str(threads), "-o", "json"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    if r.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} (hint {hint}, {distance} B) failed:\n{r.stderr[-2000:]}")
-    rec = json.loads(r.stdout)[0]
+    env = {"MOERUN_PREFETCH": str(distance), "MOERUN_PREFETCH_HINT": hint}
+    cmd = moerun_cmd("bench", "-m", model, "-p", "0", "-n", n_gen, "-r", "1", "-t", threads, "-o", "json")
+    try:
+        rec = run_json(cmd, env=env, timeout=timeout, echo=False)[0]
+    except RuntimeError as e:
+        raise RuntimeError(f"{' '.join(cmd)} (hint {hint}, {distance} B): {e}") from None
     if (rec["cpu_prefetch"], rec["cpu_prefetch_hint"]) != (distance, hint):
         raise RuntimeError(f"asked for {hint} {distance} B, the run used {rec['cpu_prefetch_hint']} "
                            f"{rec['cpu_prefetch']} B")
@@ -62,18 +54,16 @@ def run_one(model: str, n_gen: int, threads: int, hint: str, distance: int, time
 def sweep(model: str, n_gen: int, threads: int, rounds: int, hints, distances, timeout: float = 3600,
           raw: str | None = None, log=sys.stderr) -> dict:
     """Run the rounds -> {(hint, distance): [t/s per round]}."""
-    settings = [(h, d) for h in hints for d in distances]
-    ts: dict[tuple[str, int], list[float]] = {s: [] for s in settings}
-    for r in range(rounds):
-        k = r * len(settings) // rounds
-        for hint, dist in settings[k:] + settings[:k]:
-            rec = run_one(model, n_gen, threads, hint, dist, timeout)
-            ts[(hint, dist)].append(rec["avg_ts"])
-            print(f"round {r + 1}/{rounds} {hint} {dist:5d} B: {rec['avg_ts']:.2f} t/s", file=log, flush=True)
-            if raw:
-                with open(raw, "a", encoding="utf-8") as f:
-                    f.write(json.dumps({"round": r, "hint": hint, "distance": dist, "avg_ts": rec["avg_ts"]}) + "\n")
-    return ts
+    def one(setting: tuple[str, int], r: int) -> float:
+        hint, dist = setting
+        t_s = run_one(model, n_gen, threads, hint, dist, timeout)["avg_ts"]
+        print(f"round {r}/{rounds} {hint} {dist:5d} B: {t_s:.2f} t/s", file=log, flush=True)
+        if raw:
+            append_jsonl(raw, {"round": r - 1, "hint": hint, "distance": dist, "avg_ts": t_s})
+        return t_s
+
+    # each round starts a 1/rounds turn further into the settings
+    return alternate([(h, d) for h in hints for d in distances], rounds, one, rotate=True)
 
 
 def table(ts: dict, model: str, n_gen: int, threads: int, rounds: int) -> str:
@@ -89,7 +79,7 @@ def table(ts: dict, model: str, n_gen: int, threads: int, rounds: int) -> str:
         return f"{statistics.median(v):.2f}{ratio}"
 
     lines = [f"### Prefetch sweep: {Path(model).name}, tg{n_gen}, {threads} threads, {rounds} rounds", "",
-             f"CPU: {cpu_name()}. moerun commit {moerun_commit()}. Load average at the end: "
+             f"CPU: {machine()}; {cpu_ids()}. moerun commit {moerun_commit()}. Load average at the end: "
              f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}.", "",
              "Median tg t/s over the rounds (median of per-round ratios to distance 0), by hint and distance (bytes):",
              "", "| hint | " + " | ".join(str(d) for d in distances) + " |",
@@ -110,11 +100,9 @@ def table(ts: dict, model: str, n_gen: int, threads: int, rounds: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("model", help="GGUF file")
+    p = add(parser(__doc__), "model", model={"help": "GGUF file"})
     p.add_argument("-n", "--n-gen", type=int, default=64, help="tokens generated per run")
-    p.add_argument("-t", "--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=3)
+    add(p, "threads", "--rounds")
     p.add_argument("--hints", default=",".join(HINTS))
     p.add_argument("--distances", default=",".join(map(str, DISTANCES)), help="bytes; 0 (the baseline) is added")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
@@ -123,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     hints = [h.strip().lower() for h in a.hints.split(",") if h.strip()]
     if not hints or any(h not in HINTS for h in hints):
         p.error(f"--hints: a comma list of {', '.join(HINTS)}")
-    distances = sorted({0, *(int(d) for d in a.distances.split(",") if d.strip())})
+    distances = sorted({0, *ints(a.distances)})
     ts = sweep(a.model, a.n_gen, a.threads, a.rounds, hints, distances, a.timeout, a.raw)
     print(table(ts, a.model, a.n_gen, a.threads, a.rounds))
     return 0

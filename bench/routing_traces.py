@@ -16,12 +16,11 @@ published ones are).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
 
-from compare_llamacpp import append_section, moerun_commit
+from toolkit import add, moerun_commit, parser, publish
 
 HERE = Path(__file__).resolve().parent
 PUBLISHED = ("Qwen3-30B-A3B (128 experts, top-8): median reuse distance ~2 tokens, 45% of a token's choices repeat "
@@ -223,13 +222,11 @@ def policy_table(decode: dict[str, list], sizes: list[int]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("model")
+    p = add(parser(__doc__), "model")
     p.add_argument("--texts", type=int, default=12)
     p.add_argument("--tokens", type=int, default=300)
     p.add_argument("--out", type=Path, default=Path("~/.cache/moerun/routing").expanduser())
-    p.add_argument("--append", action="store_true")
-    args = p.parse_args()
+    args = add(p, "append").parse_args()
     sys.path.insert(0, str(HERE))
     from moerun.experts.allocate import (
         floor_slots,
@@ -291,9 +288,7 @@ def main() -> None:
             "slots by layer |\n|---|---|---:|---:|---:|---:|---|\n" + "\n".join(alloc_rows)
             + "\n\nMore totals, learned on trace A and replayed on trace B:\n\n" + more
             + "\n\nEviction policies, decode only:\n\n" + policy_table(dec, [n // 4, round(0.4 * n), n // 2]) + "\n")
-    print(text)
-    if args.append:
-        append_section(text)
+    publish(text, args.append)
 
 
 if __name__ == "__main__":

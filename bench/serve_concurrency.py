@@ -12,27 +12,20 @@ plain HTTP (http.client), so they cost the machine little next to the server.
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+from toolkit import ServerProcess, add, ints, mean_sd, parser
+
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Parser:\n    def", "    return self.",
            "for i in range(len(items)):", "data = {", "while True:\n    line =", "# compute the checksum",
            "try:\n    import", "with open(path) as f:", "async def fetch(url):", "if __name__ == '__main__':",
            "x = [i * i for i in", "@property\ndef", "raise ValueError(", "from collections import"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stream(port: int, prompt: str, n: int) -> dict:
@@ -84,50 +77,34 @@ def _round(port: int, clients: int, n: int) -> dict:
             "ttft": statistics.mean(r["ttft"] for r in results), "tokens": tokens, "wall": wall}
 
 
-def _ms(xs: list[float]) -> str:
-    return f"{statistics.mean(xs):.2f} ± {statistics.stdev(xs) if len(xs) > 1 else 0.0:.2f}"
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("-m", "--model", default=None, help="model file (default: the built-in model)")
     ap.add_argument("--clients", default="1,8", help="comma list of concurrent client counts")
     ap.add_argument("-n", "--n-predict", type=int, default=128)
     ap.add_argument("-r", "--repetitions", type=int, default=3)
-    ap.add_argument("-t", "--threads", type=int, default=None)
+    add(ap, "threads", threads=None)
     ap.add_argument("-c", "--ctx-size", type=int, default=1024)
-    ap.add_argument("-o", "--output", choices=("md", "json"), default="md")
+    add(ap, "output")
     ap.add_argument("--server-log", type=Path, default=None, help="write the server's log here")
     args = ap.parse_args(argv)
-    counts = [int(c) for c in args.clients.split(",")]
-    port = _free_port()
-    cmd = [sys.executable, "-m", "moerun", "serve", "--port", str(port), "-np", str(max(counts)), "-c",
-           str(args.ctx_size), "--no-cache-prompt", "--log-interval", "0"]
-    cmd += ["-m", args.model] if args.model else []
-    cmd += ["-t", str(args.threads)] if args.threads else []
-    log = open(args.server_log, "w") if args.server_log else subprocess.DEVNULL  # noqa: SIM115
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    counts = ints(args.clients)
+    serve = ["-np", str(max(counts)), "-c", str(args.ctx_size), "--no-cache-prompt", "--log-interval", "0"]
+    serve += ["-m", args.model] if args.model else []
+    serve += ["-t", str(args.threads)] if args.threads else []
     try:
-        deadline = time.time() + 600
-        while True:
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            if server.poll() is not None or time.time() > deadline:
-                raise SystemExit(f"the server did not start: {' '.join(cmd)}")
-            time.sleep(0.1)
-        _stream(port, PROMPTS[0], 16)  # warm-up
+        server = ServerProcess(serve, args.server_log, wait=600)
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
+    cmd = server.cmd
+    try:
+        _stream(server.port, PROMPTS[0], 16)  # warm-up
         rows = []
         for c in counts:
-            rounds = [_round(port, c, args.n_predict) for _ in range(args.repetitions)]
+            rounds = [_round(server.port, c, args.n_predict) for _ in range(args.repetitions)]
             rows.append({"clients": c, "rounds": rounds})
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        server.stop()
     if args.output == "json":
         print(json.dumps({"command": cmd, "n_predict": args.n_predict, "rows": rows}, indent=2))
         return 0
@@ -136,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
         rs = row["rounds"]
-        print(f"| {row['clients']} | {rs[0]['tokens']} | {_ms([r['aggregate'] for r in rs])} | "
-              f"{_ms([r['per_client'] for r in rs])} | {_ms([1e3 * r['ttft'] for r in rs])} | "
-              f"{_ms([r['wall'] for r in rs])} |")
+        print(f"| {row['clients']} | {rs[0]['tokens']} | {mean_sd([r['aggregate'] for r in rs])} | "
+              f"{mean_sd([r['per_client'] for r in rs])} | {mean_sd([1e3 * r['ttft'] for r in rs])} | "
+              f"{mean_sd([r['wall'] for r in rs])} |")
     base = statistics.mean(r["aggregate"] for r in rows[0]["rounds"])
     for row in rows[1:]:
         agg = statistics.mean(r["aggregate"] for r in row["rounds"])

@@ -21,7 +21,6 @@ llama-speculative-simple; this script does not build it.
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import re
 import statistics
@@ -33,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from toolkit import add, alternate, parser
 
 from moerun.config import DraftParams, RuntimeConfig, SamplingParams
 from moerun.engine.speculative import LookupDrafter
@@ -97,36 +97,42 @@ def settings(args) -> list[tuple[str, DraftParams, str | None]]:
     return out
 
 
-def run_moerun(args, eng, drafters, ids: list[int]) -> list[dict]:
-    params = SamplingParams.greedy(max_tokens=args.n, ignore_eos=True)
-    rows = {label: {"label": label, "tps": [], "draft_n": 0, "accepted": 0, "lengths": ""}
-            for label, _, _ in settings(args)}
-    ref = None
-    for r in range(args.rounds + 1):  # round 0 warms up
-        for label, draft, kind in settings(args):
-            eng.drafter = drafters[kind]
-            seq = eng.new_sequence()
-            gen = eng.generate(ids, params, seq, draft=draft).run()
-            seq.free()
-            if kind is None:  # each round's plain run: the prompt's blocks shared as for the others (round 0
-                ref = gen.tokens  # prefills it cold, which can move a near tie of a random model's logits)
-            if r == 0:
-                continue
-            row = rows[label]
-            row["same"] = row.get("same", True) and gen.tokens == ref
-            row["tps"].append(gen.timings.to_dict()["predicted_per_second"])
-            row["text"] = eng.tokenizer.decode(gen.tokens)
-            if gen.spec is not None:
-                row["draft_n"] += gen.timings.draft_n
-                row["accepted"] += gen.timings.draft_n_accepted
-                row["lengths"] = gen.spec.lengths_line()
-    out = []
-    base = statistics.median(rows["plain"]["tps"])
+def with_ratios(rows: dict[str, dict], base: str) -> list[dict]:
+    """The rows with each one's median t/s and its ratio to `base`'s."""
     for row in rows.values():
         row["median"] = statistics.median(row["tps"])
-        row["ratio"] = row["median"] / base
-        out.append(row)
-    return out, overlap(ids, ref)
+    return [{**row, "ratio": row["median"] / rows[base]["median"]} for row in rows.values()]
+
+
+def run_moerun(args, eng, drafters, ids: list[int]) -> list[dict]:
+    params = SamplingParams.greedy(max_tokens=args.n, ignore_eos=True)
+    setting = {label: (draft, kind) for label, draft, kind in settings(args)}
+    rows = {label: {"label": label, "tps": [], "draft_n": 0, "accepted": 0, "lengths": ""} for label in setting}
+    ref = None
+
+    def one(label: str, _round: int):
+        nonlocal ref
+        draft, kind = setting[label]
+        eng.drafter = drafters[kind]
+        seq = eng.new_sequence()
+        gen = eng.generate(ids, params, seq, draft=draft).run()
+        seq.free()
+        if kind is None:  # each round's plain run: the prompt's blocks shared as for the others (round 0
+            ref = gen.tokens  # prefills it cold, which can move a near tie of a random model's logits)
+        return gen
+
+    def record(label: str, _round: int, gen) -> None:
+        row = rows[label]
+        row["same"] = row.get("same", True) and gen.tokens == ref
+        row["tps"].append(gen.timings.to_dict()["predicted_per_second"])
+        row["text"] = eng.tokenizer.decode(gen.tokens)
+        if gen.spec is not None:
+            row["draft_n"] += gen.timings.draft_n
+            row["accepted"] += gen.timings.draft_n_accepted
+            row["lengths"] = gen.spec.lengths_line()
+
+    alternate(list(setting), args.rounds, one, warmup=True, each=record)  # round 0 warms up
+    return with_ratios(rows, "plain"), overlap(ids, ref)
 
 
 def overlap(prompt: list[int], reply: list[int], n: int = 8) -> float:
@@ -150,36 +156,31 @@ def run_llama(args, prompt: str) -> list[dict]:
         runs.append(("llama.cpp draft-simple -md, --spec-draft-n-max 8, p-min 0.75",
                      ["--spec-type", "draft-simple", "-md", args.draft, "--spec-draft-n-max", "8",
                       "--spec-draft-p-min", "0.75"]))
-    rows = {label: {"label": label, "tps": []} for label, _ in runs}
-    for _ in range(args.rounds):
-        for label, extra in runs:
-            p = subprocess.run(common + extra, check=False, capture_output=True, timeout=600)
-            log = (p.stdout + p.stderr).decode("utf-8", errors="replace")
-            m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", log)
-            if p.returncode != 0 or m is None:
-                raise RuntimeError(f"llama-speculative-simple failed ({p.returncode}):\n{log[-2000:]}")
-            rows[label]["tps"].append(float(m.group(3)))
-            for key in ("n_drafted", "n_accept"):
-                km = re.search(rf"{key}\s*=\s*(\d+)", log)
-                rows[label][key] = int(km.group(1)) if km else None
+    extra = dict(runs)
+
+    def one(label: str, _round: int) -> dict:
+        p = subprocess.run(common + extra[label], check=False, capture_output=True, timeout=600)
+        log = (p.stdout + p.stderr).decode("utf-8", errors="replace")
+        m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", log)
+        if p.returncode != 0 or m is None:
+            raise RuntimeError(f"llama-speculative-simple failed ({p.returncode}):\n{log[-2000:]}")
+        counts = {key: re.search(rf"{key}\s*=\s*(\d+)", log) for key in ("n_drafted", "n_accept")}
+        return {"tps": float(m.group(3)), **{k: int(km.group(1)) if km else None for k, km in counts.items()}}
+
+    got = alternate(list(extra), args.rounds, one)
     prompt_file.unlink()
-    out = []
-    base = statistics.median(next(iter(rows.values()))["tps"])
-    for row in rows.values():
-        row["median"] = statistics.median(row["tps"])
-        row["ratio"] = row["median"] / base
-        out.append(row)
-    return out
+    rows = {label: {"label": label, "tps": [g["tps"] for g in gs], "n_drafted": gs[-1]["n_drafted"],
+                    "n_accept": gs[-1]["n_accept"]} for label, gs in got.items()}
+    return with_ratios(rows, runs[0][0])
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model")
+    ap = add(parser(__doc__, "all"), "model")
     ap.add_argument("--draft", help="a draft model of the same vocabulary")
-    ap.add_argument("-t", "--threads", type=int, default=2)
+    add(ap, "threads")
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("-c", "--ctx", type=int, default=2048)
-    ap.add_argument("--rounds", type=int, default=3)
+    add(ap, "--rounds")
     ap.add_argument("--llama-bin", help="a folder with llama.cpp's llama-lookup and llama-speculative-simple")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

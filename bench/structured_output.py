@@ -11,14 +11,12 @@ is its time against a decode step's.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
-from datetime import date
 
 import torch
-from compare_llamacpp import append_section, moerun_commit
+from toolkit import add, alternate, dated_heading, moerun_commit, parser, publish
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "email", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 24},
@@ -90,28 +88,23 @@ def decode_runs(path: str, threads: int, rounds: int) -> dict[str, list[float]]:
     sched = Scheduler(rt.engine, parallel=1)
     grammar = rt.engine.grammars.json_schema(SCHEMA)
     prompt = rt.engine.tokenizer.encode("Describe a person as JSON:")
-    out: dict[str, list[float]] = {"plain": [], "schema": [], "schema_tokens": []}
-    for r in range(rounds):
-        for name in ("plain", "schema"):
-            req = Request(prompt, SamplingParams(temperature=1.0, seed=r, max_tokens=64, ignore_eos=True),
-                          grammar=grammar if name == "schema" else None, cache_prompt=False)
-            sched.submit(req)
-            while sched.has_work():
-                sched.step()
-            out[name].append(req.timings.predicted_n / req.timings.predicted_ms * 1e3)
-            if name == "schema":
-                out["schema_tokens"].append(req.timings.predicted_n)
+
+    def one(name: str, r: int):
+        req = Request(prompt, SamplingParams(temperature=1.0, seed=r - 1, max_tokens=64, ignore_eos=True),
+                      grammar=grammar if name == "schema" else None, cache_prompt=False)
+        sched.submit(req)
+        while sched.has_work():
+            sched.step()
+        return req.timings
+
+    runs = alternate(["plain", "schema"], rounds, one)
     rt.close()
-    return out
+    out = {name: [t.predicted_n / t.predicted_ms * 1e3 for t in ts] for name, ts in runs.items()}
+    return {**out, "schema_tokens": [t.predicted_n for t in runs["schema"]]}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("model")
-    p.add_argument("-t", "--threads", type=int, default=2)
-    p.add_argument("-r", "--rounds", type=int, default=5)
-    p.add_argument("--append", action="store_true")
-    args = p.parse_args()
+    args = add(parser(__doc__), "model", "threads", "rounds", "append", rounds=5).parse_args()
     from moerun.engine.grammar import Grammars
     from moerun.text import Tokenizer
     from moerun.tools.tokenizer import build_tokenizer
@@ -129,7 +122,7 @@ def main() -> None:
     dec = decode_runs(args.model, args.threads, args.rounds)
     plain, schema = statistics.median(dec["plain"]), statistics.median(dec["schema"])
     commit = moerun_commit()
-    text = (f"## {date.today()} — structured output: the grammar mask's cost (issue 18, item 2)\n\n"
+    text = (dated_heading("structured output: the grammar mask's cost (issue 18, item 2)") + "\n\n"
             f"Command: `python bench/structured_output.py {args.model} -t {args.threads} -r {args.rounds}` (commit "
             f"{commit}). The schema: an object of a bounded string name, an integer age 0-120, a bounded email "
             "string and up to 4 bounded tags, compact JSON. Mask time of one step (us, median over a whole answer "
@@ -139,9 +132,7 @@ def main() -> None:
             f"without a constraint {plain:.1f} tok/s ({', '.join(f'{x:.1f}' for x in dec['plain'])}), with the "
             f"schema {schema:.1f} tok/s ({', '.join(f'{x:.1f}' for x in dec['schema'])}; answers of "
             f"{', '.join(map(str, dec['schema_tokens']))} tokens): {schema / plain:.3f}x.\n")
-    print(text)
-    if args.append:
-        append_section(text)
+    publish(text, args.append)
 
 
 if __name__ == "__main__":

@@ -14,22 +14,27 @@ OMP_WAIT_POLICY=PASSIVE), for the before/after comparison.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import shlex
 import statistics
 import subprocess
 import sys
 import time
-from datetime import date
 from pathlib import Path
 
 import psutil
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from compare_llamacpp import append_section, machine, moerun_commit
+from toolkit import (
+    HERE,
+    add,
+    cell,
+    dated_heading,
+    machine,
+    moerun_cmd,
+    moerun_commit,
+    parser,
+    publish,
+    ratio,
+    run_json,
+)
 
 
 class Hogs:
@@ -60,16 +65,12 @@ def resolve_model(name: str) -> str:
 def moerun_run(model: str, threads: int, n_prompt: int, n_gen: int, reps: int, policy: str | None,
                timeout: float) -> dict:
     """pp and tg t/s from one `moerun bench` process -> {"pp": t/s, "tg": t/s} (None: it ran past timeout)."""
-    env = dict(os.environ)
-    if policy:
-        env["OMP_WAIT_POLICY"] = policy
+    env = {"OMP_WAIT_POLICY": policy} if policy else None
     out = {}
     for kind, p, n in (("pp", n_prompt, 0), ("tg", 0, n_gen)):
-        cmd = [sys.executable, "-m", "moerun", "bench", "-m", model, "-p", str(p), "-n", str(n), "-r", str(reps),
-               "-t", str(threads), "-o", "json"]
+        cmd = moerun_cmd("bench", "-m", model, "-p", p, "-n", n, "-r", reps, "-t", threads, "-o", "json")
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=True)
-            out[kind] = json.loads(r.stdout)[0]["avg_ts"]
+            out[kind] = run_json(cmd, env=env, timeout=timeout, echo=False)[0]["avg_ts"]
         except subprocess.TimeoutExpired:
             out[kind] = None
     return out
@@ -79,10 +80,9 @@ def llama_run(model: str, threads: int, n_prompt: int, n_gen: int, reps: int, ti
     cmd = [sys.executable, str(HERE / "compare_llamacpp.py"), "--llama-worker", model, "-p", str(n_prompt),
            "-n", str(n_gen), "-r", str(reps), "-t", str(threads)]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=True)
+        d = run_json(cmd, timeout=timeout, echo=False)
     except subprocess.TimeoutExpired:
         return {"pp": None, "tg": None}
-    d = json.loads(r.stdout)
     return {"pp": statistics.fmean(n_prompt * 1e9 / ns for ns in d["pp"]),
             "tg": statistics.fmean(n_gen * 1e9 / ns for ns in d["tg"])}
 
@@ -96,17 +96,11 @@ def have_llama() -> bool:
 
 
 def fmt(v: float | None) -> str:
-    return "timeout" if v is None else f"{v:.1f}"
-
-
-def ratio(a: float | None, b: float | None) -> str:
-    return "-" if a is None or not b else f"{a / b:.2f}"
+    return cell(v, ".1f", "timeout")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("models", nargs="+", help="GGUF files, or `default` for the built-in model")
-    p.add_argument("--rounds", type=int, default=3)
+    p = add(parser(__doc__), "models", "--rounds", models={"help": "GGUF files, or `default` for the built-in model"})
     p.add_argument("--first-round", type=int, default=1, help="number of the first round (runs split over windows)")
     p.add_argument("-p", "--n-prompt", type=int, default=128)
     p.add_argument("-n", "--n-gen", type=int, default=32)
@@ -115,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=240, help="seconds one tool's run may take")
     p.add_argument("--omp-wait-policy", default=None, help="OMP_WAIT_POLICY for moerun's runs (default: moerun's)")
     p.add_argument("--no-llama", action="store_true")
-    p.add_argument("--append", action="store_true", help="append the section to bench/RESULTS.md")
-    args = p.parse_args(argv)
+    args = add(p, "append", append={"help": "append the section to bench/RESULTS.md"}).parse_args(argv)
     cores = psutil.cpu_count(logical=False) or 1
     thread_counts = sorted({cores, 1}, reverse=True)
     loads = [int(x) for x in args.loads.split(",")]
@@ -138,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append((rnd, name, load, "llama.cpp", t, got["pp"], got["tg"]))
                         print(rows[-1], file=sys.stderr, flush=True)
     invocation = shlex.join(["python", "bench/under_load.py", *(sys.argv[1:] if argv is None else argv)])
-    lines = [f"## {date.today().isoformat()} — prefill and decode with other processes on the cores (issue 15)", "",
+    lines = [dated_heading("prefill and decode with other processes on the cores (issue 15)"), "",
              (f"Machine: {machine()}. moerun commit {moerun_commit()}. Run: `{invocation}`. Busy processes: "
              f"`python -c \"while True: pass\"`, one per core taken. pp{args.n_prompt} / tg{args.n_gen}, mean of "
              f"{args.reps} runs each (llama-bench's t/s); `default` is the built-in model (F16)."), "",
@@ -153,9 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {rnd} | {Path(name).name} | {load} | {tool} | {fmt(r[5])} | {fmt(one[5])} | "
                      f"{ratio(r[5], one[5])} | {fmt(r[6])} | {fmt(one[6])} | {ratio(r[6], one[6])} |")
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.append:
-        append_section(text)
+    publish(text, args.append)
     return 0
 
 
