@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import json
 import re
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 from hf_models import reference_logits
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from toolkit import ServerProcess, free_port  # noqa: F401 (test_server_reasoning imports free_port)
 
 from moerun.cli import main
 from moerun.config import RuntimeConfig, SamplingParams
@@ -208,17 +209,9 @@ def prompt_and_steps(model, kv, tokens) -> torch.Tensor:
     return torch.cat(out + [model.forward(t.view(1), kv) for t in tokens[:4]]).float().cpu()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def check_server_completion(path: str, tmp_path) -> None:
     """One /v1/completions request through the openai client on a real `moerun serve`: the engine's greedy
     text."""
-    import http.client
-
     import openai
 
     ref_rt = build_runtime(RuntimeConfig(model=path, threads=1))
@@ -226,31 +219,14 @@ def check_server_completion(path: str, tmp_path) -> None:
     want = eng.generate(eng.tokenizer.encode("Hello there"), SamplingParams.greedy(max_tokens=12,
                                                                                     ignore_eos=True)).run().text
     ref_rt.close()
-    port = free_port()
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (the server writes it until the finally below)
-    proc = subprocess.Popen([sys.executable, "-m", "moerun", "serve", "-m", path, "--port", str(port), "-t", "1",
-                             "-c", "256", "-np", "1"], stdout=log, stderr=subprocess.STDOUT)
+    server = ServerProcess(["-m", path, "-t", "1", "-c", "256", "-np", "1"], tmp_path / "serve.log", wait=120)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(0.1)
-        else:
-            pytest.fail((tmp_path / "serve.log").read_text())
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
         name = client.models.list().data[0].id
         r = client.completions.create(model=name, prompt="Hello there", max_tokens=12, temperature=0)
         assert r.choices[0].text == want and r.usage.completion_tokens == 12
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+        server.stop()
 
 
 def independent_counts(model, n_experts: int) -> tuple[int, int]:

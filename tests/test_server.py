@@ -11,10 +11,14 @@ import threading
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from toolkit import ServerProcess, free_port
 
 KEY = "sk-test-7f3a"
 CTX = 384
@@ -27,12 +31,6 @@ PROMPTS = ["def fib(n):", "import os\n", "class Foo:\n    def", "    return self
            "x = [", "while True:\n", "# compute the"]
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Response:
     status_code: int
@@ -43,35 +41,14 @@ class Response:
         return json.loads(self.text)
 
 
-class Server:
-    def __init__(self, tmp_path, *extra):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp_path / "serve.log"
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "moerun", "serve", "--port", str(self.port), "--api-key", KEY, "-c", str(CTX),
-                 "-np", str(PARALLEL), "--max-queue", str(QUEUE), "--max-body-size", str(MAX_BODY), "-t", "1",
-                 "--expert-cache-slots", str(SLOTS), "--log-interval", "0.5", "-a", MODEL, "-a", ALIAS, *extra],
-                stdout=log, stderr=subprocess.STDOUT)
-        self.health = []  # (status, body) of every /health answer until the model was ready
-        deadline = time.time() + 120
-        while time.time() < deadline and self.proc.poll() is None:
-            try:
-                r = self.http("GET", "/health", key=None)
-            except OSError:
-                time.sleep(0.01)
-                continue
-            self.health.append((r.status_code, r.json()))
-            if r.status_code == 200:
-                return
-            time.sleep(0.01)
-        self.stop()
-        raise RuntimeError(f"the server did not start:\n{self.log_path.read_text()}")
+class Server(ServerProcess):
+    """The built-in model behind KEY with this file's limits (extra: more arguments); `health` has every /health
+    answer until the model was ready. Requests: http (a Response), http_stream, metrics (labelled)."""
 
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
+    def __init__(self, tmp_path, *extra):
+        super().__init__(["-c", str(CTX), "-np", str(PARALLEL), "--max-queue", str(QUEUE), "--max-body-size",
+                          str(MAX_BODY), "-t", "1", "--expert-cache-slots", str(SLOTS), "--log-interval", "0.5",
+                          "-a", MODEL, "-a", ALIAS, *extra], tmp_path / "serve.log", key=KEY, wait=120, poll=0.01)
 
     def _connect(self, method, path, key, body, headers):
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
@@ -113,16 +90,24 @@ class Server:
         return out
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("serve"))
-    yield s
-    s.stop()
+def server_fixtures(folder: str = "serve", timeout: float = 60):
+    """A test module's `server` (a Server of its own, in a folder named `folder`) and `client` (the openai client
+    on it) fixtures, module-scoped: `server, client = server_fixtures("serve-x")`."""
+
+    @pytest.fixture(scope="module")
+    def server(tmp_path_factory):
+        s = Server(tmp_path_factory.mktemp(folder))
+        yield s
+        s.stop()
+
+    @pytest.fixture(scope="module")
+    def client(server):
+        return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=timeout)
+
+    return server, client
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+server, client = server_fixtures()
 
 
 def total(metrics, name):

@@ -2,23 +2,12 @@
 first's prompt blocks), each choice the answer of a single request with its seed, streamed and whole alike
 (issue 18, item 3)."""
 
-import openai
-import pytest
-from test_server import KEY, MODEL, Server
+from test_server import MODEL, server_fixtures
 
 PROMPT = "def fibonacci(n):\n    # return the n-th Fibonacci number, iteratively, with a docstring\n" * 3
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("serve-choices"))
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+server, client = server_fixtures("serve-choices", timeout=120)
 
 
 def test_n_choices_are_single_requests_of_their_seeds_from_one_prefill(server, client):

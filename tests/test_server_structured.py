@@ -5,9 +5,8 @@ schemas that cannot be enforced are a 400 naming why (issue 18, item 2)."""
 import json
 
 import jsonschema
-import openai
 import pytest
-from test_server import KEY, MODEL, Server
+from test_server import MODEL, server_fixtures
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 12},
@@ -16,16 +15,7 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON."}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("serve-structured"))
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+server, client = server_fixtures("serve-structured", timeout=120)
 
 
 def schema_format(schema=SCHEMA):
