@@ -1,5 +1,5 @@
 """Model-file fuzzing: hypothesis strategies that mutate valid GGUF files and Hugging Face folders, and the
-check every mutant must pass (what `moerun inspect` does ends in success or a MoerunError, fast, without
+check every mutant must pass (what `moerun inspect` does ends in success or a MoerunError, without hanging or
 allocating what a header claims). Used by tests/test_fuzz_formats.py (short, in CI) and
 bench/fuzz_formats.py (long runs).
 
@@ -29,7 +29,7 @@ from moerun.formats import open_model
 
 GGUF_BASES = (("tiny-qwen3moe", "F32"), ("tiny-qwen2moe", "Q8_0"))
 HF_BASES = ("tiny-mixtral", "tiny-qwen2moe")
-TIME_LIMIT_S = 10.0
+TIME_LIMIT_S = 120.0  # a hang guard: a case runs in milliseconds, and no loaded machine comes near it
 MEMORY_LIMIT = 64 * 2**20
 DELETE = "<delete>"
 
