@@ -36,13 +36,14 @@ def layer_bytes(model, i: int) -> tuple[str, int]:
     written."""
     s, lw = model.spec, model.layers[i]
     mats = [lw.wq, lw.wk, lw.wv, lw.wo, lw.router, lw.wqkv, lw.wz, lw.wba, lw.wbeta, lw.walpha, lw.ssm_out,
-            lw.shexp_gate, *(lw.shexp or ()), *(lw.ffn or ())]
+            lw.shexp_gate, lw.wq_a, lw.wkv_a, lw.wk_b, lw.wv_b, *(lw.shexp or ()), *(lw.ffn or ())]
     n = sum(getattr(m, "nbytes", 0) for m in mats if m is not None)
     if lw.router is not None:
         n += sum(t.nbytes for t in model.store.stacks(i)) * s.n_experts_used // s.n_experts
     if s.linear(i):
         n += 2 * 4 * s.ssm_v_heads * s.ssm_k_dim * s.ssm_v_dim
-    kind = ("deltanet" if s.linear(i) else "attention") + (" + moe" if lw.router is not None else " + dense")
+    mixer = "deltanet" if s.linear(i) else "mla" if s.attention == "mla" else "attention"
+    kind = mixer + (" + moe" if lw.router is not None else " + dense")
     return kind, n
 
 
