@@ -108,14 +108,15 @@ def test_long_loops_stop(source, phrase):
 def test_long_loops_stop_by_default():
     # the default limits: 5 million steps or 5 s, whichever comes first on this machine ("the template ran
     # more than ... steps" or "the template ran longer than ... s"); either way it stops
-    _fails("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "the template ran")
+    _fails("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+           "the template ran")
 
 
 def test_deadline():
     # the wall-clock limit alone (steps unbounded): 1 ms against 3 million template lines, which no
     # machine runs in 1 ms, so the deadline fires; were it ignored, the loop would end and nothing be raised
-    _fails("{% for i in range(1000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}", "longer than 0.001 s",
-           Limits(max_steps=10**12, max_seconds=0.001))
+    _fails("{% for i in range(1000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}",
+           "longer than 0.001 s", Limits(max_steps=10**12, max_seconds=0.001))
 
 
 @pytest.mark.parametrize("source", [

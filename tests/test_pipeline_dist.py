@@ -126,7 +126,8 @@ STEP_TIMEOUT_S = 3
 
 
 def short_step_timeout(rt) -> None:
-    """Rank 0 waits STEP_TIMEOUT_S on the worker from now on (its Link's timeout; the join had HANG_GUARD_S)."""
+    """Rank 0 waits STEP_TIMEOUT_S on the worker from now on (its Link's timeout; it joined with
+    HANG_GUARD_S)."""
     rt.engine.model.link.timeout = timedelta(seconds=STEP_TIMEOUT_S)
 
 
