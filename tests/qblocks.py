@@ -23,7 +23,7 @@ def random_blocks(qtype: QType, rows: int, cols: int, gen: torch.Generator, kq_s
         f16(2, kq_scale, 4 * kq_scale)  # dmin
     elif qtype == QType.Q6_K:
         f16(208, 1e-4, 4e-4)
-    elif qtype in (QType.Q8_0, QType.Q4_0):
+    elif qtype in (QType.Q8_0, QType.Q4_0, QType.Q5_0):
         f16(0, -0.02, 0.02)
     elif qtype == QType.IQ4_XS:  # sub-block scales up to 31, code book up to 127
         f16(0, -2e-4, 2e-4)

@@ -25,7 +25,7 @@ from moerun.quant.quantize import quantize
 cpu = pytest.importorskip("moerun.kernels.cpu")
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="moerun.kernels._cpu not built or disabled")
 
-QTYPES = [QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.Q4_0, QType.IQ4_XS, QType.MXFP4]
+QTYPES = [QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.IQ4_XS, QType.MXFP4]
 K_QUANTS = {QType.Q4_K, QType.Q5_K, QType.Q6_K}
 QUANTIZABLE = {QType.Q4_K, QType.Q6_K, QType.Q8_0, QType.Q4_0}
 TOKENS = (1, 2, 3, 5, 17, 64)
@@ -101,9 +101,10 @@ def test_matmul_matches_reference(qtype, shape_i):
         ref = x.double() @ wd.T
         ref_q = emulate_act(x, qtype) @ wd.T
         outs = {isa: cpu.matmul(x, w, isa=isa) for isa in ISAS}
+        scale = (x.abs().double() @ wd.abs().T).norm()  # the products' size: a one-block sum may cancel to ~0
         for isa, y in outs.items():
             assert y.shape == (T, N) and y.dtype == torch.float32
-            assert rel_err(y, ref) < 0.02, (isa, T)
+            assert (y.double() - ref).norm() / scale < 0.01, (isa, T)  # the activations' 8-bit rounding
             assert rel_err(y, ref_q) < 2e-5, (isa, T)
         check_isas_agree(outs, 2e-6)
 

@@ -9,6 +9,8 @@
  *
  *   Q4_0   32 el, 18 B: d f16 @0 | qs[16] @2. qs[j] low nibble -> el j, high nibble -> el j+16.
  *          value = d * (q - 8).
+ *   Q5_0   32 el, 22 B: d f16 @0 | qh u32 @2 | qs[16] @6, nibbles as Q4_0; bit j of qh is bit 4 of el j.
+ *          value = d * (q - 16). (llama-quantize's stand-in for Q4_K where a row is not whole 256-blocks.)
  *   Q8_0   32 el, 34 B: d f16 @0 | qs int8[32] @2. value = d * q.
  *   MXFP4  32 el, 17 B: e u8 (E8M0) @0 | qs[16] @1, nibbles as Q4_0.
  *          value = 2^(e-128) * KV_MXFP4[q] (the E2M1 code book doubled, so it is all integers).
@@ -64,7 +66,7 @@
  * Activation formats (ours, internal; f32 scales, values in [-127, 127], never -128):
  *   act_q8k  per 256: f32 d | int8 qs[256] | int16 bsums[16] (sums of each 16 qs), 292 B.
  *   act_q8_0 per 32:  f32 d | int32 s (the sum of qs) | int8 qs[32], 40 B.
- * K-quants pair with act_q8k; Q4_0, Q8_0, MXFP4 and IQ4_XS with act_q8_0.
+ * K-quants pair with act_q8k; Q4_0, Q5_0, Q8_0, MXFP4 and IQ4_XS with act_q8_0.
  */
 #ifndef MOERUN_QK_H
 #define MOERUN_QK_H
@@ -85,7 +87,7 @@
 #endif
 
 /* ggml type ids (gguf.GGMLQuantizationType) of the weight types we read. */
-enum { GGML_Q4_0 = 2, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14,
+enum { GGML_Q4_0 = 2, GGML_Q5_0 = 6, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14,
        GGML_IQ4_XS = 23, GGML_MXFP4 = 39 };
 /* Our interleaved layouts (see above): type id = source ggml id + QK_R8. */
 enum { QK_R8 = 1000, GGML_Q4_K_R8 = QK_R8 + GGML_Q4_K, GGML_Q8_0_R8 = QK_R8 + GGML_Q8_0,
@@ -98,7 +100,7 @@ enum { FT_F32, FT_F16, FT_COUNT };
 
 /* Our dense indices for those types. */
 enum { QT_Q4_0, QT_Q8_0, QT_MXFP4, QT_Q4_K, QT_Q5_K, QT_Q6_K, QT_IQ4_XS, QT_Q4_K_R8, QT_Q8_0_R8, QT_MXFP4_R8,
-       QT_Q6_K_R8, QT_IQ4_XS_R8, QT_Q5_K_R8, QT_COUNT };
+       QT_Q6_K_R8, QT_IQ4_XS_R8, QT_Q5_K_R8, QT_Q5_0, QT_COUNT };
 
 /* Activation formats. */
 enum { ACT_Q8K, ACT_Q8_0, ACT_COUNT };
@@ -163,6 +165,7 @@ dot_fn qk_fdot(int isa, int ggml);
 void qk_quant_q8k_scalar(const float *x, void *out, int64_t k);
 void qk_quant_q8_0_scalar(const float *x, void *out, int64_t k);
 void qk_dot_scalar_q4_0(int64_t, const uint8_t *, const void *const *, int, float *);
+void qk_dot_scalar_q5_0(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_q8_0(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_mxfp4(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_q4_k(int64_t, const uint8_t *, const void *const *, int, float *);
@@ -182,6 +185,7 @@ void qk_quant_q8k_avx2(const float *x, void *out, int64_t k);
 void qk_quant_q8_0_avx2(const float *x, void *out, int64_t k);
 #define QK_DECLARE_X86_DOTS(SUFFIX)                                                              \
     void qk_dot_q4_0##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
+    void qk_dot_q5_0##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
     void qk_dot_q8_0##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
     void qk_dot_mxfp4##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);  \
     void qk_dot_iq4_xs##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *); \
@@ -215,6 +219,7 @@ void qk_dot_q8_0_r8_neon(int64_t, const uint8_t *, const void *const *, int, flo
 /* ------------------------------------------------------------------------------ small helpers */
 
 static inline uint16_t qk_rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline uint32_t qk_rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 
 /* IEEE half -> float, exact for every input (normals and subnormals are rebiased by one multiply
  * by 2^112, which is exact; infinities and NaNs keep their payload). */
