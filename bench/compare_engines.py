@@ -12,29 +12,17 @@ does not build them.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import shlex
-import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-
-def run_json(cmd: list[str]) -> list[dict]:
-    print(f"$ {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=3600)
-    if p.returncode != 0:
-        raise RuntimeError(f"{cmd[0]} failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    return json.loads(p.stdout)
+from toolkit import add, alternate, medians, moerun_cmd, parser, ratio, run_json
 
 
 def moerun_round(model: str, args) -> dict:
     out = {}
     for kind, p, n in (("pp", args.n_prompt, 0), ("tg", 0, args.n_gen)):
-        rec = run_json([sys.executable, "-m", "moerun", "bench", "-m", model, "-p", str(p), "-n", str(n), "-r", "1",
-                        "-t", str(args.threads), "-o", "json"])[0]
+        cmd = moerun_cmd("bench", "-m", model, "-p", p, "-n", n, "-r", "1", "-t", args.threads, "-o", "json")
+        rec = run_json(cmd)[0]
         out[kind] = rec["avg_ts"]
         if kind == "tg":
             out["bytes_per_token"] = rec["bytes_per_token"]
@@ -51,14 +39,13 @@ def llama_bench_round(binary: Path, model: str, args, extra: list[str]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("models", nargs="+")
+    ap = add(parser(__doc__, "all"), "models")
     ap.add_argument("--llama-bin", required=True, type=Path, help="folder with llama.cpp's llama-bench")
     ap.add_argument("--ik-bin", type=Path, help="folder with ik_llama.cpp's llama-bench")
-    ap.add_argument("-t", "--threads", type=int, default=2)
+    add(ap, "threads")
     ap.add_argument("-p", "--n-prompt", type=int, default=512)
     ap.add_argument("-n", "--n-gen", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3)
+    add(ap, "--rounds")
     args = ap.parse_args()
     engines = {"moerun": lambda m: moerun_round(m, args),
                "llama.cpp": lambda m: llama_bench_round(args.llama_bin, m, args, [])}
@@ -69,21 +56,14 @@ def main() -> None:
               + (" moerun / ik | ik / llama.cpp |" if args.ik_bin else "") + " GB/s moerun |")
     rows = [header, "|---|---|" + "---:|" * (len(engines) + (3 if args.ik_bin else 1) + 1)]
     for model in args.models:
-        samples: dict[str, dict[str, list[float]]] = {e: {"pp": [], "tg": []} for e in engines}
-        bpt = 0
-        for _ in range(args.rounds):
-            for name, fn in engines.items():
-                got = fn(model)
-                bpt = got.get("bytes_per_token", bpt)
-                for kind in ("pp", "tg"):
-                    samples[name][kind].append(got[kind])
+        got = alternate(list(engines), args.rounds, lambda name, _r, m=model: engines[name](m))
+        bpt = next((g["bytes_per_token"] for g in reversed(got["moerun"]) if "bytes_per_token" in g), 0)
         for kind, n in (("pp", args.n_prompt), ("tg", args.n_gen)):
-            med = {e: statistics.median(samples[e][kind]) for e in engines}
+            med = medians({e: [g[kind] for g in gs] for e, gs in got.items()})
             cells = [Path(model).name, f"{kind}{n}", *(f"{med[e]:.1f}" for e in engines),
-                     f"{med['moerun'] / med['llama.cpp']:.2f}"]
+                     ratio(med["moerun"], med["llama.cpp"])]
             if args.ik_bin:
-                cells += [f"{med['moerun'] / med['ik_llama.cpp']:.2f}",
-                          f"{med['ik_llama.cpp'] / med['llama.cpp']:.2f}"]
+                cells += [ratio(med["moerun"], med["ik_llama.cpp"]), ratio(med["ik_llama.cpp"], med["llama.cpp"])]
             cells.append(f"{bpt * med['moerun'] / 1e9:.1f}" if kind == "tg" else "-")
             rows.append("| " + " | ".join(cells) + " |")
     print(f"{args.rounds} alternating rounds, medians, {args.threads} threads, load {os.getloadavg()[0]:.2f} at the end")

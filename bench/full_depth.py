@@ -24,9 +24,7 @@ start and imports included), llama.cpp as the wall time of `llama-bench -m FILE 
 
 from __future__ import annotations
 
-import argparse
 import os
-import platform
 import shlex
 import shutil
 import statistics
@@ -34,6 +32,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests load this file by its path
+from toolkit import cpu_model, parser
 
 GB = 1e9
 SRC_TYPES = ("F16", "BF16", "Q8_0")
@@ -167,7 +168,7 @@ def time_loads(paths: list[Path], args) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     from moerun.tools.presets import FULL_DEPTH, preset_names
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, "all")
     ap.add_argument("--llama-bin", required=True, type=Path, help="llama.cpp's build/bin (llama-quantize, llama-bench)")
     ap.add_argument("--out", required=True, type=Path, help="folder of the files")
     ap.add_argument("--models", default=",".join(FULL_DEPTH), help="preset names, comma separated")
@@ -192,11 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         paths = [p for m in args.models for p in build_model(m, args, binary)]
         print("\n".join(f"{p}  {p.stat().st_size / GB:.2f} GB" for p in paths))
         if args.time_load > 0:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                        if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
-                else platform.processor()
-            print(f"\nload times, median of {args.time_load} after a warm-up run, -t {args.load_threads}, {cpu}, "
-                  f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}")
+            print(f"\nload times, median of {args.time_load} after a warm-up run, -t {args.load_threads}, "
+                  f"{cpu_model()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}")
             print("\n".join(time_loads(paths, args)))
     except (FullDepthError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

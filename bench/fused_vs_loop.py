@@ -11,11 +11,11 @@ rounds of the n steps; noisy on a shared machine, a ratio rather than a speed).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
+from toolkit import add, parser
 
 
 def run(model, prompt: torch.Tensor, n: int, fused: bool, times: list[float] | None = None
@@ -81,8 +81,7 @@ def layer_by_layer(model, T: int, tol: float = 1e-5) -> tuple[dict[str, float], 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("models", nargs="+")
+    ap = add(parser(__doc__, "all"), "models")
     ap.add_argument("-n", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=1, help="alternating timing rounds of n steps each way")

@@ -12,23 +12,12 @@ the sampler chain (temperature 0.8, top-k 40, top-p 0.95; and top-k off) over th
 
 from __future__ import annotations
 
-import argparse
-import platform
 import statistics
 import time
 from collections import defaultdict
 
 import torch
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+from toolkit import add, cpu_model, parser
 
 
 def layer_bytes(model, i: int) -> tuple[str, int]:
@@ -48,9 +37,7 @@ def layer_bytes(model, i: int) -> tuple[str, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model")
-    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap = add(parser(__doc__, "all"), "model", "threads")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=64)
     args = ap.parse_args()
@@ -113,7 +100,7 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t0)
     bw = measure_host_read_bandwidth(args.threads)["gbps"]
     step = statistics.median(times["whole step"])
-    print(f"{args.model}: {s.family}, {s.n_layers} layers, vocab {s.vocab}; {cpu_name()}, {args.threads} threads; "
+    print(f"{args.model}: {s.family}, {s.n_layers} layers, vocab {s.vocab}; {cpu_model()}, {args.threads} threads; "
           f"read-bandwidth probe {bw:.1f} GB/s")
     print("| part | layers | ms / token | % of step | MB read | GB/s | % of probe |")
     print("|---|---:|---:|---:|---:|---:|---:|")
