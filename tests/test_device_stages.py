@@ -224,6 +224,7 @@ def test_out_of_memory_fails_the_request_and_the_server_goes_on(gguf, monkeypatc
             assert req.finish_reason == "length" and len(req.tokens) == 4
 
 
+@pytest.mark.slow
 def test_triton_kernels_on_the_standin(gguf, monkeypatch, tokens32):
     """MOERUN_STANDIN_KERNELS=triton: the stand-in multiplies with the Triton kernels (interpreted), as a GPU
     does; against the torch reference (float32 activations both) within float32 accumulation error."""

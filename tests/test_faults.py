@@ -20,6 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from soak import read_stream
 from toolkit import ServerProcess, free_port
 
+# a server started for each fault (~45 s in all): `python -m pytest -m slow`, and CI
+pytestmark = pytest.mark.slow
+
 PROMPT = {"prompt": "def fib(n):", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 

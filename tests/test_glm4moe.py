@@ -329,6 +329,7 @@ def test_standin_device_gives_the_same_tokens(preset_gguf, glm, tokens):
     check_standin_hf_logits(folder, model, tokens)
 
 
+@pytest.mark.slow
 def test_triton_kernels_on_the_standin(preset_gguf, tokens, monkeypatch):
     check_triton_standin(preset_gguf, tokens, monkeypatch)
 

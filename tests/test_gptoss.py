@@ -544,6 +544,7 @@ def test_standin_device_gives_the_same_tokens(preset_gguf, gptoss, tokens):
     check_standin_hf_logits(folder, model, tokens, chunked)
 
 
+@pytest.mark.slow
 def test_triton_kernels_on_the_standin(preset_gguf, tokens, monkeypatch):
     """MOERUN_STANDIN_KERNELS=triton: the stand-in multiplies gpt-oss's Q8_0 blocks with the Triton kernels
     (interpreted), as a GPU does (the experts' matrices one expert at a time: the fused Triton MoE kernel has no

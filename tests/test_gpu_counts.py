@@ -17,6 +17,9 @@ from moerun.model.gpu_decode import GpuDecode
 from moerun.tools.make_model import make_model
 from moerun.tools.presets import preset
 
+# whole models' steps traced on the stand-in (~120 s in all): `python -m pytest -m slow`, and CI
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(autouse=True)
 def _interpreter(monkeypatch):

@@ -26,6 +26,9 @@ from moerun.engine.kv_cache import KVPool, SeqKV
 from moerun.loading import load_model
 from moerun.runtime import build
 
+# process groups over gloo (~25 s in all): `python -m pytest -m slow`, and CI
+pytestmark = pytest.mark.slow
+
 HANG_GUARD_S = 300  # joins, steps and process exits: only a hang comes near it, however loaded the machine
 
 @pytest.fixture(scope="module")

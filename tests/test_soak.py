@@ -4,11 +4,14 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import soak
 
 
+@pytest.mark.slow  # 20 s of clients against a server: `python -m pytest -m slow`, and CI
 def test_short_soak_passes(tmp_path):
     r = soak.soak(None, seconds=20, clients=4, n_ctx=512, parallel=4, threads=1, n_cases=6, warmup=4, seed=1,
                   log_path=tmp_path / "serve.log")

@@ -521,6 +521,7 @@ def test_no_host_synchronisation_in_the_source():
             assert bad not in src, f"{mod.__name__}: {bad}"
 
 
+@pytest.mark.slow
 def test_ptx_cases_compile_for_sm90_and_sm86():
     """Every ptx_cases() entry of both modules compiles for an H100/H200 (sm_90) and an A10/3090 (sm_86) with
     triton's bundled compiler (no GPU needed), in a process where triton was never interpreted, as its wrapper

@@ -393,6 +393,7 @@ def test_moe_into_residual_in_choice_order(t, monkeypatch):
     assert len([n for n in seen if n == "moe_pair_kernel"]) == (4 if t <= tq.PAIRS_MAX else 0)
 
 
+@pytest.mark.slow
 def test_moe_pair_tiles_of_a_gpu(monkeypatch):
     """The pair kernel with a GPU's small tiles (BN 2..16), run here by the interpreter."""
     real = tq._pair_tiles

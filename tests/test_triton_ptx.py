@@ -27,6 +27,9 @@ triton = pytest.importorskip("triton")
 from moerun.kernels import triton_q as tq  # noqa: E402
 from moerun.quant.qtypes import QType  # noqa: E402
 
+# compiles every Triton kernel to PTX for two GPU generations (~150 s): `python -m pytest -m slow`, and CI
+pytestmark = pytest.mark.slow
+
 ARCHS = (90, 86)
 SHARED_MAX = {90: 227 * 1024, 86: 99 * 1024}  # opt-in shared memory per block
 BYTE_LOAD = re.compile(r"\bld\.global(?:\.[\w:]+)*?\.[bsu]8\b")
