@@ -15,7 +15,7 @@ from moerun.server.tools import ToolRequest, forced_grammar
 
 if TYPE_CHECKING:
     from moerun.server.answers import Calls
-    from moerun.server.state import Ready
+    from moerun.server.ready import Ready
     from moerun.text import ChatTemplate
     from moerun.text.reasoning import ReasoningParser
 

@@ -10,7 +10,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,23 +18,13 @@ from moerun.errors import MoerunError
 from moerun.server.chat import say_reasoning
 from moerun.server.errors import APIError
 from moerun.server.metrics import Telemetry, ThroughputLog
+from moerun.server.ready import Ready
 
 if TYPE_CHECKING:  # torch and the model load on the loader thread, after the port answers
-    from moerun.engine.scheduler import EngineLoop, Scheduler
     from moerun.runtime import Runtime
     from moerun.server.trace import ServeRouteRecorder
-    from moerun.text import ChatTemplate
 
 log = logging.getLogger("moerun.server")
-
-
-@dataclass
-class Ready:
-    runtime: Runtime
-    scheduler: Scheduler
-    loop: EngineLoop
-    template: ChatTemplate | None
-    template_error: str | None
 
 
 class Server:
