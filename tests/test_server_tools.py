@@ -76,9 +76,46 @@ def test_a_named_tool_choice_forces_a_valid_call(client, stream):
 def test_required_calls_validate_against_their_tools(client, stream):
     for seed in range(3):
         calls, reason = calls_of(client, stream, temperature=1.0, seed=seed, tool_choice="required")
-        assert reason == "tool_calls" and calls
+        # parallel calls may go on until max_tokens ("length"), the whole ones before it returned as calls
+        assert reason in ("tool_calls", "length") and calls
         for name, args in calls:
             jsonschema.validate(args, SCHEMAS[name])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_call_cut_off_by_max_tokens_ends_in_length_and_is_no_call(client, stream):
+    """max_tokens stops a forced call half written: finish_reason "length", and no tool_calls entry (a cut-off call
+    is not a whole one)."""
+    kw = {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "parallel_tool_calls": False}
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=5, temperature=0,
+                                       stream=stream, **kw)
+    if not stream:
+        c = r.choices[0]
+        assert c.finish_reason == "length" and not c.message.tool_calls
+        return
+    reasons, deltas = [], []
+    for chunk in r:
+        for c in chunk.choices:
+            reasons += [c.finish_reason] if c.finish_reason else []
+            deltas += c.delta.tool_calls or []
+    assert reasons == ["length"] and deltas == []
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_calls_that_run_into_max_tokens_end_in_length(client, stream):
+    """Required calls, in parallel: a reply that reaches max_tokens (after whole calls, in the middle of the next)
+    says "length", one that stops by itself "tool_calls"; only the whole calls are returned."""
+    for seed in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=80,
+                                           temperature=1.0, seed=seed, tool_choice="required", stream=stream,
+                                           stream_options={"include_usage": True} if stream else None)
+        if stream:
+            chunks = list(r)
+            reason = next(c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason)
+            used = next(ch.usage for ch in chunks if ch.usage).completion_tokens
+        else:
+            reason, used = r.choices[0].finish_reason, r.usage.completion_tokens
+        assert reason == ("length" if used == 80 else "tool_calls"), (seed, reason, used)
 
 
 def test_stream_equals_whole(client):

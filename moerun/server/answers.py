@@ -87,13 +87,15 @@ class ChoiceStream:
         return self._chunks(pieces, list(ev.logprobs) if self.logprobs else None)
 
     def finish(self, ev) -> tuple[list[dict], str]:
-        """The last event's chunks and what is still held back -> (chunks, the choice's finish reason)."""
+        """The last event's chunks and what is still held back -> (chunks, the choice's finish reason: "tool_calls"
+        after a whole call, unless max_tokens stopped it: "length", as a call cut off is never a whole one)."""
         chunks = self.feed(ev)
         rest = [] if self.parser is None else self.parser.flush()
         if self.tools is not None:
             rest = self.tools.feed(rest) + self.tools.flush()
         chunks += self._chunks(rest, None)
-        return chunks, "tool_calls" if self.tools is not None and self.tools.n else ev.finish_reason
+        made = self.tools is not None and self.tools.n and ev.finish_reason != "length"
+        return chunks, "tool_calls" if made else ev.finish_reason
 
 
 def whole_choice(reply: Reply, index: int, request_id: str, text: str, finish_reason: str, split: Callable | None,

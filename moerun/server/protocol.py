@@ -323,8 +323,9 @@ class Reply:
                      tool_calls: list[dict] | None = None, index: int = 0) -> dict:
         """One choice of the answer; the model's reasoning, when it was told apart, as the message's
         reasoning_content; logprobs: every generated token's entry (chat_logprobs), when asked for; tool_calls:
-        the calls it made (then finish_reason "tool_calls", and no content when it wrote none beside them)."""
-        if tool_calls:
+        the calls it made (then finish_reason "tool_calls", but "length" when max_tokens stopped it, and no content
+        when it wrote none beside them)."""
+        if tool_calls and finish_reason != "length":
             finish_reason = "tool_calls"
         choice = self._choice(text if text.strip() or not tool_calls else None, finish_reason, delta=False,
                               role=True, logprobs=logprobs, index=index)
