@@ -339,6 +339,7 @@ class ServerConfig:
     reasoning_format  REASONING_FORMATS: where chat completions put the model's reasoning (a request may
                   name another in "reasoning_format").
     slot_save_path  the folder /slots/{id}?action=save|restore read and write slot files in (None: no files).
+    strict_model_name  a request naming another model is 404 (else, as llama-server, the one model answers it).
     """
 
     model_names: tuple[str, ...]
@@ -354,6 +355,7 @@ class ServerConfig:
     log_interval: float = 5.0
     reasoning_format: str = "auto"
     slot_save_path: Path | None = None
+    strict_model_name: bool = False
 
     def __post_init__(self) -> None:
         problems = []

@@ -42,6 +42,7 @@ class Server:
                                    if self.ready else "cpu")
         self.throughput = ThroughputLog(self.snapshot, cfg.log_interval)
         self.stopping = False  # shutdown has begun: a generation that fails now is a 503, not a 500
+        self._named_other = False  # a request named another model: said once in the log
 
     def snapshot(self):
         return self.ready.scheduler.snapshot() if self.ready is not None else None
@@ -111,11 +112,19 @@ class Server:
             raise APIError(503, "Loading model", "unavailable_error")
         return self.ready
 
-    def check_model(self, name: str | None) -> str:
+    def check_model(self, name: str | None, strict: bool | None = None) -> str:
+        """The served name for a request's "model". Another name is answered by the one model served, as
+        llama-server does (clients send their own defaults, such as gpt-4o-mini), with a log line the first time;
+        with strict (default: --strict-model-name) it is a 404."""
         names = self.cfg.model_names
         if name is not None and name not in names:
-            raise APIError(404, f"the model '{name}' does not exist (this server has: {', '.join(names)})",
-                           param="model")
+            if self.cfg.strict_model_name if strict is None else strict:
+                raise APIError(404, f"the model '{name}' does not exist (this server has: {', '.join(names)})",
+                               param="model")
+            if not self._named_other:
+                self._named_other = True
+                log.info("a request named the model %r: %s answers every model name (--strict-model-name: 404)",
+                         name[:80], names[0])
         return names[0]
 
 

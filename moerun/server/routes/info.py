@@ -41,8 +41,8 @@ def add_routes(app: FastAPI, server: Server) -> None:
     @app.get("/v1/models/{model:path}")
     @app.get("/models/{model:path}")
     async def model(model: str):
-        """Any name a request may give (the aliases too); another is 404 with param "model", as OpenAI's."""
-        server.check_model(model)
+        """The served names (the aliases too); another is 404 with param "model", as OpenAI's."""
+        server.check_model(model, strict=True)
         return model_object(model)
 
     @app.get("/metrics")
