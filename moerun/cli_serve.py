@@ -144,7 +144,7 @@ def serve(host, port, api_key, parallel, max_queue, alias, strict_model_name, ma
                            n_predict=None if max_tokens < 0 else max_tokens, defaults=defaults,
                            cache_prompt=cache_prompt, log_interval=log_interval,
                            reasoning_format=reasoning_format, slot_save_path=slot_save_path,
-                           strict_model_name=strict_model_name)
+                           strict_model_name=strict_model_name, model_path=str(model))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if trace_routing is not None and trace_routing.exists():

@@ -340,6 +340,7 @@ class ServerConfig:
                   name another in "reasoning_format").
     slot_save_path  the folder /slots/{id}?action=save|restore read and write slot files in (None: no files).
     strict_model_name  a request naming another model is 404 (else, as llama-server, the one model answers it).
+    model_path    the served file, as /props reports it.
     """
 
     model_names: tuple[str, ...]
@@ -356,6 +357,7 @@ class ServerConfig:
     reasoning_format: str = "auto"
     slot_save_path: Path | None = None
     strict_model_name: bool = False
+    model_path: str | None = None
 
     def __post_init__(self) -> None:
         problems = []

@@ -24,6 +24,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("moerun.server")
 
 
+def chat_text(ready: Ready, messages: list[dict], kwargs: dict | None = None) -> str:
+    """The chat template applied to `messages` with the generation prompt: the text chat_prompt tokenizes
+    (llama-server's /apply-template)."""
+    from moerun.text import ChatTemplateError
+
+    if ready.template is None:
+        raise APIError(501, f"this model's chat template cannot be used: {ready.template_error}")
+    try:
+        return ready.template.render(message_texts(messages), add_generation_prompt=True, **(kwargs or {}))
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), param="messages") from None
+
+
 def chat_prompt(ready: Ready, messages: list[dict], kwargs: dict | None, reasoning: str = "none",
                 tools: list[dict] | None = None, keep: bool = False) -> tuple[list[int], Split | None]:
     """The chat template applied (with the request's tools), then tokenized (the template writes BOS itself
