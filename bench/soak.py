@@ -348,7 +348,8 @@ def soak(model: str | None, seconds: float, clients: int, n_ctx: int, parallel: 
     """cache_slots 0: no expert cache, experts in RAM (decode steps then run whole layers in C)."""
     cache = ["--mmap", "--expert-cache-slots", str(cache_slots)] if cache_slots else ["--no-mmap"]
     args = ["-c", str(n_ctx), "-np", str(parallel), "-t", str(threads), "--max-body-size", str(MAX_BODY),
-            *cache, "--log-interval", "0"] + (["-m", model] if model else [])
+            *cache, "--log-interval", "0", "--strict-model-name"] + (["-m", model] if model else [])
+    # --strict-model-name: a request naming another model (a path among them) stays one of the refused cases
     server = ServerProcess(args, log_path, key=KEY)
     try:
         vocab = server.request("GET", "/v1/models").json()["data"][0]["meta"]["n_vocab"]
