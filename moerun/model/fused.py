@@ -3,7 +3,8 @@
 over the pool's states), the routing and, when the experts are read where they are stored (no cache, no routing
 hook), the FFN too (routed experts with the shared one, or a dense FFN); a run of such layers is one call, and a
 whole model from token ids to logits is one call per step (`decode_tokens`). That takes the Python between
-kernel calls out of a decode step (~0.25 ms a layer in the torch loop, bench/RESULTS.md).
+kernel calls out of a decode step (on V2-Lite's full depth 31.0 against the loop's 59.2 ms a token,
+bench/journal/issue-36.md).
 
 It applies when every weight it reads is a QTensor of a type the CPU kernels take, or float32, and the model
 computes in float32 on the CPU (else `FusedAttention.build` returns None and the model keeps its torch path, which

@@ -4,6 +4,7 @@ must follow."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable
@@ -24,17 +25,24 @@ if TYPE_CHECKING:
 log = logging.getLogger("moerun.server")
 
 
+@contextlib.contextmanager
+def _template_errors():
+    """A template's own error (a raise_exception, a limit hit) is the request's: 400 on its messages."""
+    from moerun.text import ChatTemplateError
+
+    try:
+        yield
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), param="messages") from None
+
+
 def chat_text(ready: Ready, messages: list[dict], kwargs: dict | None = None) -> str:
     """The chat template applied to `messages` with the generation prompt: the text chat_prompt tokenizes
     (llama-server's /apply-template)."""
-    from moerun.text import ChatTemplateError
-
     if ready.template is None:
         raise APIError(501, f"this model's chat template cannot be used: {ready.template_error}")
-    try:
+    with _template_errors():
         return ready.template.render(message_texts(messages), add_generation_prompt=True, **(kwargs or {}))
-    except ChatTemplateError as e:
-        raise APIError(400, str(e), param="messages") from None
 
 
 def chat_prompt(ready: Ready, messages: list[dict], kwargs: dict | None, reasoning: str = "none",
@@ -42,19 +50,14 @@ def chat_prompt(ready: Ready, messages: list[dict], kwargs: dict | None, reasoni
     """The chat template applied (with the request's tools), then tokenized (the template writes BOS itself
     when the model wants it); and, when the template writes reasoning the `reasoning` format tells apart,
     the parser's factory."""
-    from moerun.text import ChatTemplateError
     from moerun.text.reasoning import ReasoningParser
 
-    if ready.template is None:
-        raise APIError(501, f"this model's chat template cannot be used: {ready.template_error}")
-    messages, tok = message_texts(messages), ready.runtime.engine.tokenizer
-    syntax = usable_syntax(ready.template, tok, reasoning)
     kwargs = {**(kwargs or {}), **({"tools": tools} if tools else {})}
-    try:
-        text = ready.template.render(messages, add_generation_prompt=True, **kwargs)
-        prime = "" if syntax is None else ready.template.generation_prompt(messages, **kwargs)
-    except ChatTemplateError as e:
-        raise APIError(400, str(e), param="messages") from None
+    text = chat_text(ready, messages, kwargs)
+    tok = ready.runtime.engine.tokenizer
+    syntax = usable_syntax(ready.template, tok, reasoning)
+    with _template_errors():
+        prime = "" if syntax is None else ready.template.generation_prompt(message_texts(messages), **kwargs)
     split = None if syntax is None else functools.partial(ReasoningParser, syntax, prime, keep=keep)
     return tok.encode(text, add_special=False), split
 
