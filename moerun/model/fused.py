@@ -1,5 +1,5 @@
 """Small steps (decode, speculative verification, prompt chunks of up to 16 rows) through whole layers in C
-(moerun.kernels.layer): one kernel call per layer does the mixer (attention with its variants, or gated DeltaNet
+(moerun.kernels.layer): one kernel call per layer does the mixer (grouped-query or latent attention, or gated DeltaNet
 over the pool's states), the routing and, when the experts are read where they are stored (no cache, no routing
 hook), the FFN too (routed experts with the shared one, or a dense FFN); a run of such layers is one call, and a
 whole model from token ids to logits is one call per step (`decode_tokens`). That takes the Python between
