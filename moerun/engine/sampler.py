@@ -382,8 +382,8 @@ class StopChecker:
     """Cuts generated text at the first stop string, holding back text that may be the start of one.
 
     feed(chunk) -> (text safe to emit, stopped). Once stopped, the stop string and everything after it
-    are dropped, as in llama.cpp and OpenAI. At the end of generation without a stop, flush() returns
-    the text still held back.
+    are dropped, as in llama.cpp and OpenAI, and `word` is the stop string found (llama-server's stopping_word).
+    At the end of generation without a stop, flush() returns the text still held back.
     """
 
     def __init__(self, stop: Iterable[str]):
@@ -392,15 +392,17 @@ class StopChecker:
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         self._held = ""
         self.stopped = False
+        self.word: str | None = None
 
     def feed(self, chunk: str) -> tuple[str, bool]:
         if self.stopped:
             return "", True
         text = self._held + chunk
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        hits = [(i, s) for s in self.stop if (i := text.find(s)) >= 0]
         if hits:
+            at, self.word = min(hits, key=lambda h: h[0])
             self._held, self.stopped = "", True
-            return text[: min(hits)], True
+            return text[:at], True
         hold = self._partial_suffix(text)
         self._held = text[len(text) - hold:] if hold else ""
         return text[: len(text) - hold], False

@@ -56,12 +56,14 @@ class SlotBusyError(MoerunError):
 @dataclass(frozen=True)
 class Event:
     """New text of one request; the last event has finish_reason: stop | length | cancelled | error. logprobs:
-    the entries (Request.logprobs) of the tokens sampled since the previous event, when the request asked."""
+    the entries (Request.logprobs) of the tokens sampled since the previous event, when the request asked; stop_word:
+    on the last event, the stop string that ended the request (None when another reason did)."""
 
     text: str = ""
     finish_reason: str | None = None
     error: str | None = None
     logprobs: tuple = ()
+    stop_word: str | None = None
 
 
 def _no_events(event: Event) -> None:
@@ -505,7 +507,7 @@ class Scheduler:
             self._active -= 1
         self._copy_cache_stats(force=True)  # a client reading /metrics after its answer sees its lookups
         self.observer.finished(req)
-        req.emit(Event(text=rest, finish_reason=reason, error=error, logprobs=unsent))
+        req.emit(Event(text=rest, finish_reason=reason, error=error, logprobs=unsent, stop_word=slot.stops and slot.stops.word))
 
     @staticmethod
     def _unsent(slot: Slot, req: Request) -> tuple:

@@ -10,13 +10,17 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from starlette.concurrency import run_in_threadpool
+
 from moerun.server.errors import APIError
+from moerun.server.generation import Generation, start
 from moerun.server.protocol import ChatRequest, message_texts
-from moerun.server.tools import ToolRequest, forced_grammar
+from moerun.server.tools import ToolRequest, forced_grammar, parse_request
 
 if TYPE_CHECKING:
     from moerun.server.answers import Calls
     from moerun.server.ready import Ready
+    from moerun.server.state import Server
     from moerun.text import ChatTemplate
     from moerun.text.reasoning import ReasoningParser
 
@@ -60,6 +64,25 @@ def chat_prompt(ready: Ready, messages: list[dict], kwargs: dict | None, reasoni
         prime = "" if syntax is None else ready.template.generation_prompt(message_texts(messages), **kwargs)
     split = None if syntax is None else functools.partial(ReasoningParser, syntax, prime, keep=keep)
     return tok.encode(text, add_special=False), split
+
+
+async def start_chat(server: Server, body: ChatRequest) -> Generation:
+    """A chat request submitted: its tools and tool_choice read, the template applied, the output's grammar
+    compiled. Chat completions answer it as they are; the Responses and Messages APIs convert it both ways."""
+    ready = server.require()
+    server.check_model(body.model)
+    body.refuse_unsupported()
+    reasoning = body.reasoning_format_or(server.cfg.reasoning_format)
+    tools = parse_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+    calls = tool_syntax(ready, tools)
+    harmony = calls is not None and calls[0].body == "harmony"  # its reasoning parser reads the calls
+    prompt, split = await run_in_threadpool(chat_prompt, ready, body.messages, body.template_kwargs(),
+                                            reasoning, calls[1].tools if calls else None, harmony)
+    if harmony and split is None:
+        raise APIError(400, "gpt-oss's tool calls are read with its reasoning: not with reasoning_format "
+                            "'none'", param="reasoning_format")
+    grammar = await run_in_threadpool(output_grammar, ready, body, calls)
+    return await start(server, body, prompt, "chat", split, grammar, calls)
 
 
 def tool_syntax(ready: Ready, tools: ToolRequest | None) -> Calls | None:

@@ -47,11 +47,113 @@ class _Events:
         self.emit((index, event))
 
 
-async def generate(server: Server, http: HTTPRequest, body: ChatRequest | CompletionRequest, prompt: list[int],
-                   kind: str, split: Split | None = None, grammar: str | None = None, calls: Calls | None = None):
-    """split: for chat completions whose reasoning is told apart, a new ReasoningParser; grammar: what the
-    output must follow (moerun.engine.grammar); calls: the template's tool-call syntax and the request's
-    tools, when the answer's calls are read back."""
+class Generation:
+    """A submitted request (one engine Request per choice): its answer whole (`whole`, OpenAI's object) or as
+    stream chunks (`chunks`, dicts; a failure ends them with an error body). The routes of other APIs convert
+    these (moerun.server.convert); `respond` answers them as OpenAI's JSON or server-sent events."""
+
+    def __init__(self, server: Server, reqs: list[Request], events: _Events, reply: Reply, stream: bool,
+                 include_usage: bool, split: Split | None, calls: Calls | None):
+        self.server, self.reqs, self.events, self.reply = server, reqs, events, reply
+        self.stream, self.include_usage, self.split, self.calls = stream, include_usage, split, calls
+        self.last: list[Event | None] = [None] * len(reqs)  # each choice's last event, once it came
+
+    @property
+    def id(self) -> str:
+        return self.reqs[0].id
+
+    @property
+    def stop_word(self) -> str | None:
+        """The stop string that ended the first choice (None: another reason, or not ended yet)."""
+        return None if self.last[0] is None else self.last[0].stop_word
+
+    def finals(self) -> tuple[dict, dict]:
+        """usage and timings, once every choice ended."""
+        req = self.reqs[0]
+        timings = {**req.timings.to_dict(), "expert_cache_hits": req.cache_hits,
+                   "expert_cache_queries": req.cache_queries}
+        return usage(len(req.prompt), sum(len(r.tokens) for r in self.reqs), req.timings.cache_n), timings
+
+    def cancel(self) -> None:
+        for r in self.reqs:
+            r.cancel()
+        if self.server.ready is not None:
+            self.server.ready.scheduler.wake()
+
+    def _failure(self, ev: Event) -> APIError:
+        return APIError(503 if self.server.stopping else 500, f"generation failed: {ev.error}")
+
+    async def whole(self, http: HTTPRequest) -> dict | None:
+        """The answer (a failure raises APIError); None when the client went away first (the request is
+        cancelled)."""
+        async def collect() -> list[str]:
+            texts: list[list[str]] = [[] for _ in self.reqs]
+            while any(e is None for e in self.last):
+                i, ev = await self.events.queue.get()
+                texts[i].append(ev.text)
+                if ev.finish_reason is not None:
+                    self.last[i] = ev
+            return ["".join(t) for t in texts]
+
+        work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(http))
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            self.cancel()
+            return None
+        texts = work.result()
+        failed = next((ev for ev in self.last if ev.finish_reason == "error"), None)
+        if failed is not None:
+            raise self._failure(failed)
+        use, timings = self.finals()
+        choices = [whole_choice(self.reply, i, r.id, text, ev.finish_reason, self.split, self.calls,
+                                r.logprobs if r.top_logprobs is not None else None)
+                   for i, (r, text, ev) in enumerate(zip(self.reqs, texts, self.last))]
+        return self.reply.whole(choices, use, timings)
+
+    async def chunks(self) -> AsyncIterator[dict]:
+        """The answer's stream chunks; after a failure, its error body (OpenAI's {"error": ...}) is the last. Closing
+        the iterator early (the client went away) cancels the request."""
+        streams = [ChoiceStream(self.reply, i, r.id, self.split, self.calls, r.top_logprobs is not None)
+                   for i, r in enumerate(self.reqs)]
+        finished, last = False, None
+        try:
+            for chunk in self.reply.first_chunks(len(self.reqs)):
+                yield chunk
+            while any(e is None for e in self.last):
+                i, ev = await self.events.queue.get()
+                if ev.finish_reason is None:
+                    for chunk in streams[i].feed(ev):
+                        yield chunk
+                    continue
+                self.last[i] = ev
+                if ev.finish_reason == "error":
+                    finished = True
+                    self.cancel()
+                    yield self._failure(ev).body()
+                    return
+                chunks, reason = streams[i].finish(ev)
+                for chunk in chunks:
+                    yield chunk
+                if last is not None:
+                    yield last
+                last = self.reply.finish_chunk(reason, i)
+            finished = True
+            use, timings = self.finals()
+            for chunk in self.reply.final_chunks(last, use, timings, self.include_usage):
+                yield chunk
+        finally:
+            if not finished:  # the client went away (the response was cancelled) or the server is stopping
+                self.cancel()
+
+
+async def start(server: Server, body: ChatRequest | CompletionRequest, prompt: list[int], kind: str,
+                split: Split | None = None, grammar: str | None = None, calls: Calls | None = None) -> Generation:
+    """The request submitted to the scheduler (kind: "chat" or "text", the objects answered). split: for chat
+    completions whose reasoning is told apart, a new ReasoningParser; grammar: what the output must follow
+    (moerun.engine.grammar); calls: the template's tool-call syntax and the request's tools, when the answer's
+    calls are read back."""
     from moerun.engine.kv_cache import ContextOverflowError
     from moerun.engine.scheduler import ModelUnavailableError, QueueFullError
     from moerun.engine.scheduler import Request as EngineRequest
@@ -85,94 +187,45 @@ async def generate(server: Server, http: HTTPRequest, body: ChatRequest | Comple
         raise APIError(503, str(e), "unavailable_error") from None
     except ContextOverflowError as e:
         raise APIError(400, str(e), "exceed_context_size_error") from None
-    req = reqs[0]
-    reply = Reply(kind, req.id, model, tokenizer=eng.tokenizer if req.top_logprobs is not None else None)
-    if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(_stream(server, reqs, events, reply, include_usage, split, calls),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                          "X-Request-Id": req.id})
-    return await _whole(server, http, reqs, events, reply, split, calls)
+    reply = Reply(kind, reqs[0].id, model,
+                  tokenizer=eng.tokenizer if reqs[0].top_logprobs is not None else None)
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    return Generation(server, reqs, events, reply, body.stream, include_usage, split, calls)
 
 
-def _finals(reqs: list[Request]) -> tuple[dict, dict]:
-    req = reqs[0]
-    timings = {**req.timings.to_dict(), "expert_cache_hits": req.cache_hits,
-               "expert_cache_queries": req.cache_queries}
-    return usage(len(req.prompt), sum(len(r.tokens) for r in reqs), req.timings.cache_n), timings
-
-
-def _cancel(server: Server, reqs: list[Request]) -> None:
-    for r in reqs:
-        r.cancel()
-    if server.ready is not None:
-        server.ready.scheduler.wake()
-
-
-async def _whole(server: Server, http: HTTPRequest, reqs: list[Request], events: _Events, reply: Reply,
-                 split: Split | None, calls: Calls | None = None) -> JSONResponse:
-    async def collect() -> list[tuple[str, Event]]:
-        texts: list[list[str]] = [[] for _ in reqs]
-        last: list[Event | None] = [None] * len(reqs)
-        while any(e is None for e in last):
-            i, ev = await events.queue.get()
-            texts[i].append(ev.text)
-            if ev.finish_reason is not None:
-                last[i] = ev
-        return [("".join(t), e) for t, e in zip(texts, last)]
-
-    work, gone = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(http))
-    await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    gone.cancel()
-    if not work.done():
-        work.cancel()
-        _cancel(server, reqs)
+async def respond(gen: Generation, http: HTTPRequest) -> JSONResponse | StreamingResponse:
+    """OpenAI's answer: the whole object as JSON, or its chunks as server-sent events ending with [DONE]."""
+    if gen.stream:
+        return event_stream(_openai_events(gen), gen.id)
+    out = await gen.whole(http)
+    if out is None:
         return JSONResponse({}, status_code=499)  # nobody is listening
-    results = work.result()
-    failed = next((ev for _, ev in results if ev.finish_reason == "error"), None)
-    if failed is not None:
-        raise APIError(503 if server.stopping else 500, f"generation failed: {failed.error}")
-    use, timings = _finals(reqs)
-    choices = [whole_choice(reply, i, r.id, text, ev.finish_reason, split, calls,
-                            r.logprobs if r.top_logprobs is not None else None)
-               for i, (r, (text, ev)) in enumerate(zip(reqs, results))]
-    return JSONResponse(reply.whole(choices, use, timings), headers={"X-Request-Id": reqs[0].id})
+    return JSONResponse(out, headers={"X-Request-Id": gen.id})
 
 
-async def _stream(server: Server, reqs: list[Request], events: _Events, reply: Reply, include_usage: bool,
-                  split: Split | None, calls: Calls | None = None) -> AsyncIterator[str]:
-    streams = [ChoiceStream(reply, i, r.id, split, calls, r.top_logprobs is not None) for i, r in enumerate(reqs)]
-    done, finished, last = [False] * len(reqs), False, None
+async def generate(server: Server, http: HTTPRequest, body: ChatRequest | CompletionRequest, prompt: list[int],
+                   kind: str, split: Split | None = None, grammar: str | None = None, calls: Calls | None = None):
+    """`start`, then `respond`."""
+    return await respond(await start(server, body, prompt, kind, split, grammar, calls), http)
+
+
+async def _openai_events(gen: Generation) -> AsyncIterator[str]:
+    chunks = gen.chunks()
     try:
-        for chunk in reply.first_chunks(len(reqs)):
-            yield _sse(chunk)
-        while not all(done):
-            i, ev = await events.queue.get()
-            if ev.finish_reason is None:
-                for chunk in streams[i].feed(ev):
-                    yield _sse(chunk)
-                continue
-            if ev.finish_reason == "error":
-                finished = True
-                _cancel(server, reqs)
-                yield _sse(APIError(503 if server.stopping else 500, f"generation failed: {ev.error}").body())
+        async for chunk in chunks:
+            yield sse(chunk)
+            if "error" in chunk:
                 return
-            chunks, reason = streams[i].finish(ev)
-            for chunk in chunks:
-                yield _sse(chunk)
-            done[i] = True
-            if last is not None:
-                yield _sse(last)
-            last = reply.finish_chunk(reason, i)
-        finished = True
-        use, timings = _finals(reqs)
-        for chunk in reply.final_chunks(last, use, timings, include_usage):
-            yield _sse(chunk)
         yield "data: [DONE]\n\n"
     finally:
-        if not finished:  # the client went away (the response was cancelled) or the server is stopping
-            _cancel(server, reqs)
+        await chunks.aclose()
+
+
+def event_stream(events: AsyncIterator[str], request_id: str) -> StreamingResponse:
+    """Server-sent events, unbuffered."""
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                      "X-Request-Id": request_id})
 
 
 def _nth(params, i: int):
@@ -208,8 +261,10 @@ def max_tokens(body: ChatRequest | CompletionRequest, n_predict: int | None, n_c
     return min(n_predict, n_ctx) if n_predict is not None else n_ctx - n_prompt
 
 
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+def sse(obj: dict, event: str | None = None) -> str:
+    """One server-sent event (`event`: its name, for APIs that name theirs)."""
+    head = "" if event is None else f"event: {event}\n"
+    return f"{head}data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 async def _disconnected(http: HTTPRequest) -> None:
