@@ -1,5 +1,7 @@
-"""Errors in OpenAI's shape, {"error": {"code", "message", "type", "param"}}, with llama-server's type names;
-and the guard in front of every route: API key (constant-time compare) and request body size."""
+"""Errors in OpenAI's shape, {"error": {"code", "message", "type", "param"}}, with llama-server's type
+names, and in Anthropic's, {"type": "error", "error": {"type", "message"}}, on its Messages API's paths
+(`shape_for`); and the guard in front of every route: API key (constant-time compare) and request body
+size."""
 
 from __future__ import annotations
 
@@ -18,6 +20,23 @@ log = logging.getLogger("moerun.server")
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 501: "not_supported_error",
          503: "unavailable_error"}
+# Anthropic's error types by status (its API answers 529 when overloaded; moerun's 503s keep their status)
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
+                   413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+                   529: "overloaded_error"}
+ANTHROPIC_PATHS = "/v1/messages"  # the Messages API's paths: it and everything under it
+
+
+def shape_for(path: str) -> str:
+    """The error shape a path is answered in: "anthropic" on the Messages API's paths, else "openai"."""
+    return "anthropic" if path == ANTHROPIC_PATHS or path.startswith(ANTHROPIC_PATHS + "/") else "openai"
+
+
+def anthropic_error(status: int, message: str) -> dict:
+    """Anthropic's error object for an HTTP status (also the data of its streams' `error` event)."""
+    kind = ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 class APIError(Exception):
@@ -32,9 +51,11 @@ class APIError(Exception):
         return {"error": {"code": self.status, "message": self.message, "type": self.type, "param": self.param,
                           **self.extra}}
 
-    def response(self) -> JSONResponse:
+    def response(self, path: str = "") -> JSONResponse:
+        """The answer to a request for `path`, in that path's error shape (shape_for)."""
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        body = anthropic_error(self.status, self.message) if shape_for(path) == "anthropic" else self.body()
+        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -55,24 +76,24 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
-        return APIError(400, message, param=param).response()
+        return APIError(400, message, param=param).response(request.url.path)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
-        return APIError(exc.status_code, message).response()
+        return APIError(exc.status_code, message).response(request.url.path)
 
     @app.exception_handler(Exception)
     async def crash(request: Request, exc: Exception):
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response(request.url.path)
 
 
 class Guard:
@@ -92,8 +113,8 @@ class Guard:
             return
         headers = dict(scope["headers"])
         if self._key is not None and scope["path"] not in self.open_paths and not self._authorized(headers):
-            await APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'")\
-                .response()(scope, receive, send)
+            await APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' or "
+                                "'x-api-key: <key>'").response(scope["path"])(scope, receive, send)
             return
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
@@ -134,4 +155,4 @@ class Guard:
         what = f"{size} bytes" if size is not None else "larger than that"
         err = APIError(413, f"request body too large: the limit is {self.max_body_bytes} bytes (--max-body-size); "
                             f"this one is {what}")
-        await err.response()(scope, receive, send)
+        await err.response(scope["path"])(scope, receive, send)
