@@ -114,6 +114,8 @@ def preflight(rcfg, parallel: int) -> None:
 @click.option("--strict-model-name", is_flag=True,
               help="A request naming another model than the served one (or an alias) is 404; by default the one "
                    "model answers any name, as llama-server does.")
+@click.option("--responses-max", type=click.IntRange(min=0), default=1000, show_default=True,
+              help="Responses /v1/responses keeps for previous_response_id (the most recently used; 0: none).")
 @click.option("--max-body-size", default="16MiB", show_default=True, help="Largest request body, e.g. 1MiB.")
 @click.option("--cache-prompt/--no-cache-prompt", default=True, show_default=True,
               help="Slots keep their KV cache after a request, so a request sharing a prefix skips it.")
@@ -122,9 +124,10 @@ def preflight(rcfg, parallel: int) -> None:
 @click.option("--slot-save-path", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder for /slots/{id}?action=save|restore files (llama-server's; without it, none).")
 @reasoning_format_option
-def serve(host, port, api_key, parallel, max_queue, alias, strict_model_name, max_body_size, cache_prompt,
+def serve(host, port, api_key, parallel, max_queue, alias, strict_model_name, responses_max, max_body_size, cache_prompt,
           log_interval, slot_save_path, reasoning_format, trace_routing, verbose, **kw):
-    """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics."""
+    """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages (Anthropic's),
+    /v1/models, llama-server's /completion, /props, /apply-template, /health, /metrics."""
     import uvicorn
 
     from moerun.builtin import model_path
@@ -144,7 +147,8 @@ def serve(host, port, api_key, parallel, max_queue, alias, strict_model_name, ma
                            n_predict=None if max_tokens < 0 else max_tokens, defaults=defaults,
                            cache_prompt=cache_prompt, log_interval=log_interval,
                            reasoning_format=reasoning_format, slot_save_path=slot_save_path,
-                           strict_model_name=strict_model_name, model_path=str(model))
+                           strict_model_name=strict_model_name, model_path=str(model),
+                           responses_max=responses_max)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if trace_routing is not None and trace_routing.exists():

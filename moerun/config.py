@@ -341,6 +341,7 @@ class ServerConfig:
     slot_save_path  the folder /slots/{id}?action=save|restore read and write slot files in (None: no files).
     strict_model_name  a request naming another model is 404 (else, as llama-server, the one model answers it).
     model_path    the served file, as /props reports it.
+    responses_max  responses /v1/responses keeps for previous_response_id (the most recently used; 0: none).
     """
 
     model_names: tuple[str, ...]
@@ -358,6 +359,7 @@ class ServerConfig:
     slot_save_path: Path | None = None
     strict_model_name: bool = False
     model_path: str | None = None
+    responses_max: int = 1000
 
     def __post_init__(self) -> None:
         problems = []
@@ -372,7 +374,7 @@ class ServerConfig:
             problems.append(f"port must be in 1..65535, got {self.port!r}")
         if self.api_key is not None and not (isinstance(self.api_key, str) and self.api_key):
             problems.append("api_key must be a non-empty string when given")
-        for name, low in (("parallel", 1), ("max_queue", 0), ("max_body_bytes", 1)):
+        for name, low in (("parallel", 1), ("max_queue", 0), ("max_body_bytes", 1), ("responses_max", 0)):
             v = getattr(self, name)
             if not (_is_int(v) and v >= low):
                 problems.append(f"{name} must be an integer >= {low}, got {v!r}")
