@@ -268,6 +268,15 @@ def test_multiple_stop_strings_earliest_wins():
     assert feed_all(StopChecker(["aab"]), ["aa", "ab"]) == (["", "a"], True)
 
 
+def test_the_stop_string_found_is_named():
+    """`word`: the stop string that ended the text (llama-server's stopping_word, Anthropic's stop_sequence)."""
+    for stops, chunks, word in ((["STOP", "END"], ["xx EN", "D STOP"], "END"), (["STOP", "END"], ["aSTOPbEND"], "STOP"),
+                                (["b", "ab"], ["xab"], "ab"), (["zz"], ["no stop"], None)):
+        checker = StopChecker(stops)
+        feed_all(checker, chunks)
+        assert checker.word == word, (stops, chunks)
+
+
 def test_stop_at_start_and_after_stop():
     checker = StopChecker(["###"])
     assert feed_all(checker, ["###abc", "more"]) == (["", ""], True)
