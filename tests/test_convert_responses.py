@@ -93,3 +93,28 @@ def test_the_store_keeps_the_most_recently_used():
     off.put("a", Stored({}, []))
     with pytest.raises(APIError):
         off.get("a")
+
+
+def test_a_failure_mid_stream_is_an_error_event_then_response_failed():
+    import asyncio
+    import json
+
+    from moerun.server.convert.responses import Conversion, ResponsesRequest
+    from moerun.server.routes.responses import _events
+
+    class Failing:
+        async def chunks(self):
+            yield _chunk(content="par")
+            yield {"error": {"code": 500, "message": "generation failed: boom", "type": "server_error", "param": None}}
+
+    conv = Conversion.of(ResponsesRequest(input="hi", stream=True), [])
+
+    async def run():
+        return [e async for e in _events(Failing(), conv, "resp_1", "m", 0, lambda o: 0, lambda *a: None)]
+
+    events = [json.loads(e.split("data: ", 1)[1]) for e in asyncio.run(run())]
+    kinds = [e["type"] for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", "response.output_text.delta", "error", "response.failed"]
+    assert events[-2]["message"] == "generation failed: boom" and events[-1]["response"]["status"] == "failed"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
