@@ -20,7 +20,7 @@ from fastapi import FastAPI
 
 from moerun.config import ServerConfig
 from moerun.server.errors import Guard, install_handlers
-from moerun.server.routes import completions, info, llama, responses, slots, tokens
+from moerun.server.routes import completions, info, llama, messages, responses, slots, tokens
 from moerun.server.state import Server
 
 if TYPE_CHECKING:
@@ -45,6 +45,6 @@ def create_app(cfg: ServerConfig, load: Callable[[], Runtime],
     app.state.server = server
     app.add_middleware(Guard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, open_paths=OPEN_PATHS)
     install_handlers(app)
-    for family in (info, completions, responses, tokens, slots, llama):
+    for family in (info, completions, messages, responses, tokens, slots, llama):
         family.add_routes(app, server)
     return app
