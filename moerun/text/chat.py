@@ -221,9 +221,13 @@ class ChatTemplate:
         self._template.root_render_func.__globals__["str_join"] = lambda parts: checked_join(parts, self.limits)
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any, name: str | None = None, tools: Any = None) -> ChatTemplate:
-        """The template a moerun Tokenizer carries (see select_template), with its special tokens."""
-        return cls(select_template(tokenizer.chat_templates, name, tools), tokenizer.special_tokens)
+    def for_tokenizer(cls, tokenizer: Any, name: str | None = None, tools: Any = None,
+                      source: str | None = None) -> ChatTemplate:
+        """The template a moerun Tokenizer carries (see select_template), with its special tokens; `source`, a
+        template given instead of the model's (--chat-template, moerun.text.templates), replaces it."""
+        if source is None:
+            source = select_template(tokenizer.chat_templates, name, tools)
+        return cls(source, tokenizer.special_tokens)
 
     def render(self, messages: Sequence[Any], add_generation_prompt: bool = False, tools: Any = None,
                documents: Any = None, continue_final_message: bool = False, **kwargs: Any) -> str:
