@@ -139,6 +139,31 @@ def sampling_options(f):
     return f
 
 
+def chat_template_options(f):
+    """llama.cpp's --chat-template, --chat-template-file and --jinja."""
+    opts = [
+        click.option("--chat-template", default=None, metavar="NAME|TEMPLATE",
+                     help="Chat template instead of the model's: a built-in one by name (qwen3, qwen3.5, glm-4.6, "
+                          "deepseek-v3.1, mistral, mistral-small-3.2, gpt-oss, chatml, ...), or the template's "
+                          "Jinja text itself."),
+        click.option("--chat-template-file", default=None, metavar="FILE",
+                     help="Chat template instead of the model's, read from a Jinja file."),
+        click.option("--jinja", is_flag=True,
+                     help="Accepted for llama.cpp's command lines; does nothing: templates are always Jinja here."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def chat_template_source(kw: dict) -> str | None:
+    """Pops the chat template options out of kw -> the template they choose, checked (None: the model's)."""
+    from moerun.text.templates import chat_template_override
+
+    kw.pop("jinja")
+    return chat_template_override(kw.pop("chat_template"), kw.pop("chat_template_file"))
+
+
 def sampling_params(kw: dict, with_max_tokens: bool = True):
     """Pops the sampling options out of kw -> SamplingParams (serve takes max_tokens per request)."""
     from moerun.config import SamplingParams
@@ -299,9 +324,13 @@ def _cache_json(rt) -> dict:
               help="Read the prompt from a file.")
 @click.option("--no-display-prompt", is_flag=True, help="Do not echo the prompt before the generated text.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and timings.")
+@chat_template_options
 def run(prompt, prompt_file, no_display_prompt, as_json, trace_routing, verbose, **kw):
-    """Complete a prompt, streaming the text to stdout; timings go to stderr."""
+    """Complete a prompt, streaming the text to stdout; timings go to stderr. With --chat-template or
+    --chat-template-file the prompt is one user message in that template (a single chat turn, the reply
+    shown as written); without them it is completed as given."""
     params = sampling_params(kw)
+    template_source = chat_template_source(kw)
     cfg, print_plan = runtime_config(kw)  # a pipeline rank other than 0 serves its stage here, and exits
     if prompt_file is not None:
         prompt = prompt_file.read()
@@ -310,7 +339,14 @@ def run(prompt, prompt_file, no_display_prompt, as_json, trace_routing, verbose,
     rt = _build(cfg, print_plan)
     eng = rt.engine
     tracer = _trace(eng, trace_routing)
-    ids = eng.tokenizer.encode(prompt)
+    if template_source is None:
+        ids = eng.tokenizer.encode(prompt)
+    else:
+        from moerun.text import ChatTemplate
+
+        template = ChatTemplate.for_tokenizer(eng.tokenizer, source=template_source)
+        prompt = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        ids = eng.tokenizer.encode(prompt, add_special=False)
     gen = eng.generate(ids, params)
     if as_json:
         gen.run()
@@ -389,9 +425,11 @@ class ReplyDisplay:
 @reasoning_format_option
 @click.option("--show-reasoning/--hide-reasoning", default=True, show_default=True,
               help="Show the model's reasoning (dim, on stderr) before its answer, or hide it.")
+@chat_template_options
 def chat(system, reasoning_format, show_reasoning, trace_routing, verbose, **kw):
-    """Interactive chat with the model's chat template. Ctrl-C stops a reply, Ctrl-D exits, /clear forgets the
-    conversation. When it outgrows the context (-c), its oldest turns are dropped; the system prompt stays.
+    """Interactive chat with the model's chat template (or --chat-template's). Ctrl-C stops a reply, Ctrl-D
+    exits, /clear forgets the conversation. When it outgrows the context (-c), its oldest turns are dropped;
+    the system prompt stays.
     A reasoning model's reasoning is shown apart from its answer (--reasoning-format none: as written), and
     the conversation keeps the two apart, as the chat template wants them back."""
     from moerun.text import ChatTemplate
@@ -399,10 +437,11 @@ def chat(system, reasoning_format, show_reasoning, trace_routing, verbose, **kw)
     from moerun.text.reasoning import ReasoningParser, syntax_for
 
     params = sampling_params(kw)
+    template_source = chat_template_source(kw)
     rt = _runtime(kw)
     eng = rt.engine
     tracer = _trace(eng, trace_routing)
-    template = ChatTemplate.for_tokenizer(eng.tokenizer)
+    template = ChatTemplate.for_tokenizer(eng.tokenizer, source=template_source)
     syntax = None if template.is_fallback else syntax_for(template.source)
     if syntax is not None and not all(map(eng.tokenizer.renders, syntax.markers)):
         syntax = None

@@ -12,6 +12,8 @@ from pathlib import Path
 import click
 
 from moerun.cli_generate import (
+    chat_template_options,
+    chat_template_source,
     model_options,
     reasoning_format_option,
     runtime_config,
@@ -124,6 +126,7 @@ def preflight(rcfg, parallel: int) -> None:
 @click.option("--slot-save-path", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder for /slots/{id}?action=save|restore files (llama-server's; without it, none).")
 @reasoning_format_option
+@chat_template_options
 def serve(host, port, api_key, parallel, max_queue, alias, strict_model_name, responses_max, max_body_size, cache_prompt,
           log_interval, slot_save_path, reasoning_format, trace_routing, verbose, **kw):
     """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages (Anthropic's),
@@ -137,6 +140,7 @@ def serve(host, port, api_key, parallel, max_queue, alias, strict_model_name, re
 
     max_tokens = kw.pop("max_tokens")
     defaults = sampling_params(kw, with_max_tokens=False)
+    template = chat_template_source(kw)
     rcfg, print_plan = runtime_config(kw)
     rcfg = dataclasses.replace(rcfg, kv_contexts=parallel)  # a GPU's plan holds -np contexts of KV
     model = model_path(rcfg.model)
@@ -147,7 +151,7 @@ def serve(host, port, api_key, parallel, max_queue, alias, strict_model_name, re
                            n_predict=None if max_tokens < 0 else max_tokens, defaults=defaults,
                            cache_prompt=cache_prompt, log_interval=log_interval,
                            reasoning_format=reasoning_format, slot_save_path=slot_save_path,
-                           strict_model_name=strict_model_name, model_path=str(model),
+                           strict_model_name=strict_model_name, model_path=str(model), chat_template=template,
                            responses_max=responses_max)
     except ValueError as e:
         raise click.UsageError(str(e)) from None

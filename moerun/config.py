@@ -341,6 +341,8 @@ class ServerConfig:
     slot_save_path  the folder /slots/{id}?action=save|restore read and write slot files in (None: no files).
     strict_model_name  a request naming another model is 404 (else, as llama-server, the one model answers it).
     model_path    the served file, as /props reports it.
+    chat_template  a chat template to use instead of the model's (--chat-template, --chat-template-file); None:
+                  the model's own.
     responses_max  responses /v1/responses keeps for previous_response_id (the most recently used; 0: none).
     """
 
@@ -359,6 +361,7 @@ class ServerConfig:
     slot_save_path: Path | None = None
     strict_model_name: bool = False
     model_path: str | None = None
+    chat_template: str | None = None
     responses_max: int = 1000
 
     def __post_init__(self) -> None:
@@ -386,6 +389,8 @@ class ServerConfig:
             problems.append(f"cache_prompt must be a bool, got {self.cache_prompt!r}")
         if not (_is_number(self.log_interval) and self.log_interval >= 0):
             problems.append(f"log_interval must be >= 0 seconds, got {self.log_interval!r}")
+        if self.chat_template is not None and not (isinstance(self.chat_template, str) and self.chat_template):
+            problems.append("chat_template must be None or a template's text")
         if self.reasoning_format not in REASONING_FORMATS:
             problems.append(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, got "
                             f"{self.reasoning_format!r}")

@@ -63,7 +63,7 @@ class Server:
             sched = Scheduler(eng, parallel=cfg.parallel, max_queue=cfg.max_queue, observer=self.telemetry)
             template = error = None
             try:
-                template = ChatTemplate.for_tokenizer(eng.tokenizer)
+                template = ChatTemplate.for_tokenizer(eng.tokenizer, source=cfg.chat_template)
             except ChatTemplateError as e:
                 error = str(e)
                 log.warning("chat completions are off: %s", e)
