@@ -18,12 +18,14 @@ from moerun.formats import open_model
 from moerun.formats.names import CName
 from moerun.quant.qtypes import QTensor, QType
 from moerun.quant.quantize import quantize
+from moerun.text import ChatTemplate, Tokenizer
+from moerun.text.templates import builtin_template
 from moerun.tools import hf_out
 from moerun.tools.convert import convert_hf_to_gguf
 from moerun.tools.gguf_out import qtype_for, use_more_bits
 from moerun.tools.make_model import generate_tensor, main, make_model
 from moerun.tools.presets import preset
-from moerun.tools.tokenizer import SPECIAL_TOKENS, build_tokenizer, gguf_tokenizer_metadata
+from moerun.tools.tokenizer import FAMILY_TEMPLATES, SPECIAL_TOKENS, build_tokenizer, gguf_tokenizer_metadata
 from moerun.weights.loader import load_weights
 
 FAMILIES = ("qwen3moe", "qwen2moe", "mixtral", "olmoe")
@@ -194,8 +196,10 @@ def test_safetensors_round_trip(tmp_path, family):
     assert torch.isfinite(logits).all() and 0.1 < float(logits.std()) < 10
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     assert len(tok) == spec.vocab and tok.eos_token == "<|im_end|>"
+    assert tok.chat_template == builtin_template(FAMILY_TEMPLATES[family])  # the family's published template
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
-    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ours = ChatTemplate(Tokenizer.from_hf_dir(folder).chat_template, {"eos_token": tok.eos_token})  # no BOS, as tok
+    assert chat == ours.render([{"role": "user", "content": "hi"}], add_generation_prompt=True) and "hi" in chat
 
 
 def test_safetensors_shards(tmp_path, monkeypatch):

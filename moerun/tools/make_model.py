@@ -158,7 +158,7 @@ def model_metadata(spec: ModelSpec, ftype: str, name: str) -> dict:
     """GGUF metadata of a synthetic model: llama.cpp hyperparameters, general.*, tokenizer."""
     meta = gguf_metadata(FAMILIES[spec.family], spec)
     meta |= {"general.name": name, "general.file_type": file_type(ftype), "general.quantization_version": 2}
-    return meta | gguf_tokenizer_metadata(build_tokenizer(spec.vocab, spec.family))
+    return meta | gguf_tokenizer_metadata(build_tokenizer(spec.vocab, spec.family), spec.family)
 
 
 def gguf_tensors(spec: ModelSpec, ftype: str, seed: int = 0, pool: ThreadPoolExecutor | None = None,
@@ -258,7 +258,7 @@ def _write_hf(spec: ModelSpec, out_path: Path, ftype: str, seed: int, overwrite:
         ids = special_ids(tok)
         gen_cfg = {"bos_token_id": ids["bos"], "eos_token_id": ids["eos"], "pad_token_id": ids["pad"]}
         (tmp / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
-        write_hf_tokenizer(tok, tmp)
+        write_hf_tokenizer(tok, tmp, spec.family)
         write_safetensors(tmp, tensors, progress=progress)
     return out_path
 

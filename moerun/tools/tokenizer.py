@@ -14,6 +14,10 @@ Two styles, after the real models' tokenizers (a family's made models get its st
   harmony's special tokens (`<|start|>`, `<|channel|>`, `<|message|>`, `<|end|>`, `<|return|>`, ...)
   and OpenAI's published gpt-oss chat template (moerun/data/templates/gpt-oss.jinja).
 
+A family's made models carry its published, tool-capable chat template (FAMILY_TEMPLATES, names of
+moerun.text.templates) rather than their style's; the other markers those templates write (`<tool_call>`,
+`<think>`, `[TOOL_CALLS]`, ...) are plain text to these tokenizers, which moerun's parsers read as text.
+
 The GGUF fields describe the same tokenizer llama.cpp would build. The trained tokenizer.json is cached
 under $MOERUN_CACHE/tokenizers (default ~/.cache/moerun/tokenizers), keyed by style, vocabulary size and
 a hash of the corpus, so repeated calls are instant.
@@ -37,6 +41,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 __all__ = [
     "CHATML",
     "CHAT_TEMPLATE",
+    "FAMILY_TEMPLATES",
     "HARMONY",
     "O200K_PATTERN",
     "PRE_PATTERNS",
@@ -44,6 +49,7 @@ __all__ = [
     "TextStyle",
     "build_tokenizer",
     "cache_dir",
+    "chat_template_for",
     "gguf_tokenizer_metadata",
     "hf_tokenizer_to_gguf",
     "special_ids",
@@ -125,10 +131,27 @@ HARMONY = TextStyle("harmony", ("<|startoftext|>", "<|endoftext|>", "<|return|>"
                     template_file="gpt-oss.jinja")
 _FAMILY_STYLES = MappingProxyType({"gptoss": HARMONY})  # families whose models' text side is not ChatML
 
+# family -> the built-in chat template (moerun.text.templates) its made models carry: the family's published one
+# that renders tool calls; Qwen3's for the families with none of their own that does (Qwen2-MoE's and OLMoE's
+# published chat templates render no tools; Qwen3-Next's is not among the shipped ones).
+FAMILY_TEMPLATES = MappingProxyType({
+    "qwen3moe": "qwen3", "qwen2moe": "qwen3", "olmoe": "qwen3", "qwen3next": "qwen3", "qwen35moe": "qwen3.5",
+    "mixtral": "mistral", "glm4moe": "glm-4.6", "deepseek2": "deepseek-v3.1", "gptoss": "gpt-oss",
+})
+
 
 def style_for(family: str | None) -> TextStyle:
     """The text style of `family`'s made models."""
     return _FAMILY_STYLES.get(family or "", CHATML)
+
+
+def chat_template_for(family: str | None, tok: Tokenizer) -> str:
+    """The chat template `family`'s made models carry (FAMILY_TEMPLATES); without a family, the tokenizer's
+    style's own."""
+    from moerun.text.templates import builtin_template
+
+    name = FAMILY_TEMPLATES.get(family or "")
+    return style_of(tok).chat_template if name is None else builtin_template(name)
 
 
 def style_of(tok: Tokenizer) -> TextStyle:
@@ -262,9 +285,9 @@ def special_ids(tok: Tokenizer) -> dict[str, int]:
             "pad": tok.token_to_id(style.pad)}
 
 
-def write_hf_tokenizer(tok: Tokenizer, folder: str | Path) -> None:
-    """Write tokenizer.json and tokenizer_config.json into `folder`, and the chat template: in
-    tokenizer_config.json (ChatML), or as chat_template.jinja (harmony, as gpt-oss's repositories have it)."""
+def write_hf_tokenizer(tok: Tokenizer, folder: str | Path, family: str | None = None) -> None:
+    """Write tokenizer.json and tokenizer_config.json into `folder`, and the chat template (chat_template_for):
+    in tokenizer_config.json (ChatML), or as chat_template.jinja (harmony, as gpt-oss's repositories have it)."""
     folder = Path(folder)
     style = style_of(tok)
     tok.save(str(folder / "tokenizer.json"))
@@ -284,10 +307,11 @@ def write_hf_tokenizer(tok: Tokenizer, folder: str | Path) -> None:
         "clean_up_tokenization_spaces": False,
         "model_max_length": 131072,
     }
+    template = chat_template_for(family, tok)
     if style.template_file is None:
-        config["chat_template"] = style.chat_template
+        config["chat_template"] = template
     else:
-        (folder / "chat_template.jinja").write_text(style.chat_template, encoding="utf-8")
+        (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
@@ -334,7 +358,8 @@ def hf_tokenizer_to_gguf(tok_json: dict[str, Any], chat_template: str | None = N
     return meta
 
 
-def gguf_tokenizer_metadata(tok: Tokenizer) -> dict[str, Any]:
-    """GGUF `tokenizer.*` keys for a tokenizer made by build_tokenizer (its style's template included)."""
-    style = style_of(tok)
-    return hf_tokenizer_to_gguf(json.loads(tok.to_str()), style.chat_template, special_ids(tok), style.pre)
+def gguf_tokenizer_metadata(tok: Tokenizer, family: str | None = None) -> dict[str, Any]:
+    """GGUF `tokenizer.*` keys for a tokenizer made by build_tokenizer, with `family`'s chat template
+    (chat_template_for)."""
+    return hf_tokenizer_to_gguf(json.loads(tok.to_str()), chat_template_for(family, tok), special_ids(tok),
+                                style_of(tok).pre)

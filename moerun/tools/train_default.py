@@ -157,7 +157,7 @@ def train(args) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     model.config.output_router_logits = False
     model.save_pretrained(out_dir)
-    write_hf_tokenizer(tok, out_dir)
+    write_hf_tokenizer(tok, out_dir, "qwen3moe")  # Qwen3's published chat template
     # A base model: documents end with <|endoftext|>, so generation stops there rather than at <|im_end|>.
     tc_path = out_dir / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text())
