@@ -12,8 +12,10 @@ import jsonschema
 import pytest
 from family_checks import rewrite_gguf
 from test_server import KEY, MAX_BODY, MODEL, Server
+from test_server_reasoning import THINK_OUT, THINK_TEMPLATE, ScriptedSampler, _model, _script, serving
 
 from moerun.builtin import default_model_path
+from moerun.engine import scheduler
 from moerun.server.convert.messages import (
     CountTokensRequest,
     MessagesRequest,
@@ -22,6 +24,7 @@ from moerun.server.convert.messages import (
     to_message,
 )
 from moerun.server.errors import APIError
+from moerun.text import Tokenizer
 
 TEMPLATE = (Path(__file__).parent / "data" / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
@@ -203,10 +206,10 @@ def client(server):
     return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
 
 
-def both(client, **kw):
+def both(client, model=MODEL, **kw):
     """The same request whole (messages.create) and streamed (messages.stream's final message), as dicts."""
-    whole = client.messages.create(model=MODEL, **kw).model_dump()
-    with client.messages.stream(model=MODEL, **kw) as s:
+    whole = client.messages.create(model=model, **kw).model_dump()
+    with client.messages.stream(model=model, **kw) as s:
         streamed = s.get_final_message().model_dump()
     return whole, streamed
 
@@ -360,3 +363,34 @@ def test_every_error_on_these_paths_has_anthropics_shape(server):
     r = server.http("POST", "/v1/messages", {"model": MODEL, "messages": ASK, "max_tokens": 2}, key=None,
                     headers={"x-api-key": KEY})
     assert r.status_code == 200 and r.json()["type"] == "message"
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    """The anthropic client on a tiny model with a Qwen3-style template (<think>) whose output is scripted
+    (test_server_reasoning), and its tokenizer."""
+    tmp = tmp_path_factory.mktemp("think")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MOERUN_CACHE", str(tmp / "cache"))
+        folder = _model(tmp, None, THINK_TEMPLATE)
+        mp.setattr(scheduler, "Sampler", ScriptedSampler)
+        with serving(folder) as openai_client:
+            url = str(openai_client.base_url).removesuffix("/").removesuffix("/v1")
+            client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+            yield client, Tokenizer.from_hf_dir(folder)
+
+
+def test_a_reasoning_models_thinking_is_a_thinking_block(thinker, monkeypatch):
+    client, tok = thinker
+    kw = {"model": "tiny", "max_tokens": 60, "system": "Be brief.",
+          "messages": [{"role": "user", "content": "What is 2+2?"}]}
+    _script(monkeypatch, tok, THINK_OUT, "<|im_end|>")
+    m = same_answer(*both(client, **kw))
+    thought = "The user wants 2+2.\nThat is 4."
+    assert m["content"] == [{"type": "thinking", "thinking": thought, "signature": ""},
+                            {"type": "text", "text": "The answer is 4.", "citations": None}]
+    assert m["stop_reason"] == "end_turn"
+    _script(monkeypatch, tok, "Four.", "<|im_end|>")
+    m = client.messages.create(**kw, thinking={"type": "disabled"})
+    assert [(b.type, b.text) for b in m.content] == [("text", "Four.")]
+    assert tok.decode(ScriptedSampler.prompts[0], skip_special=False).endswith("<think>\n\n</think>\n\n")
