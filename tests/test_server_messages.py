@@ -58,7 +58,7 @@ def test_a_conversation_becomes_chat_messages_in_order():
                                          "content": [{"type": "text", "text": "timeout"}]},
                                         {"type": "text", "text": "And tomorrow?"}]}],
                           tools=TOOLS, tool_choice={"type": "any", "disable_parallel_tool_use": True},
-                          stop_sequences=["END"], temperature=0.5, top_k=4, thinking={"type": "disabled"},
+                          stop_sequences=["END"], temperature=0.5, top_k=4, seed=7, thinking={"type": "disabled"},
                           metadata={"user_id": "u"})
     chat = to_chat(req)
     assert chat.messages == [
@@ -73,7 +73,7 @@ def test_a_conversation_becomes_chat_messages_in_order():
     assert chat.tools[0] == {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER,
                                                               "description": "The weather in a city"}}
     assert (chat.tool_choice, chat.parallel_tool_calls, chat.stop) == ("required", False, ["END"])
-    assert (chat.temperature, chat.top_k, chat.max_tokens) == (0.5, 4, 9)
+    assert (chat.temperature, chat.top_k, chat.seed, chat.max_tokens) == (0.5, 4, 7, 9)
     assert chat.chat_template_kwargs == {"enable_thinking": False} and chat.reasoning_format == "auto"
     named = to_chat(CountTokensRequest(model="m", messages=ASK, tools=TOOLS,
                                        tool_choice={"type": "tool", "name": "search"}))

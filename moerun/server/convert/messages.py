@@ -50,6 +50,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(None, ge=0, le=1)  # Anthropic's range
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
+    seed: int | None = None  # moerun's (Anthropic has none): the sampler's seed
     stream: bool = False
     output_config: dict[str, Any] | None = None  # its format: a JSON schema the answer follows
 
@@ -242,7 +243,7 @@ def to_chat(req: CountTokensRequest) -> ChatRequest:
                               **_enable_thinking(req.thinking), "reasoning_format": "auto"}
     if isinstance(req, MessagesRequest):
         fields.update(max_tokens=req.max_tokens, stop=req.stop_sequences, temperature=req.temperature,
-                      top_p=req.top_p, top_k=req.top_k, stream=req.stream,
+                      top_p=req.top_p, top_k=req.top_k, seed=req.seed, stream=req.stream,
                       **_output_format(req.output_config))
     try:
         return ChatRequest.model_validate(fields)
