@@ -58,8 +58,8 @@ def test_a_conversation_becomes_chat_messages_in_order():
                                          "content": [{"type": "text", "text": "timeout"}]},
                                         {"type": "text", "text": "And tomorrow?"}]}],
                           tools=TOOLS, tool_choice={"type": "any", "disable_parallel_tool_use": True},
-                          stop_sequences=["END"], temperature=0.5, top_k=4, seed=7, thinking={"type": "disabled"},
-                          metadata={"user_id": "u"})
+                          stop_sequences=["END"], temperature=0.5, top_k=4, seed=7,
+                          thinking={"type": "disabled"}, metadata={"user_id": "u"})
     chat = to_chat(req)
     assert chat.messages == [
         {"role": "system", "content": "Be brief.\nUse tools."},
