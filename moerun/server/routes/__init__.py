@@ -2,7 +2,10 @@
 (create_app calls them in turn).
 
     completions  /v1/chat/completions, /v1/completions (OpenAI's; also without /v1)
+    responses    /v1/responses, /v1/responses/{id} (OpenAI's Responses API, converted to chat)
+    messages     /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API, converted to chat)
     info         /health, /v1/models, /v1/models/{model}, /metrics
     tokens       /tokenize, /detokenize (llama-server's)
     slots        /slots, /slots/{id}?action=erase|save|restore (llama-server's)
+    llama        /props, /apply-template, /completion (llama-server's)
 """
