@@ -331,7 +331,6 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
     ({**CHAT, "max_tokens": 0}, 400, "max_tokens"),
     ({**CHAT, "n": 17}, 400, "n=17"),
     ({**CHAT, "stop": [""]}, 400, "stop"),
-    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "renders no tool calls"),
     ({**CHAT, "top_logprobs": 3}, 400, "top_logprobs needs logprobs"),
     ({**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 2, "logprobs": -1}, 400, "logprobs"),

@@ -1,19 +1,15 @@
-"""Function calling on a real `moerun serve` through the `openai` client: the built-in model with Qwen3's published
-chat template (tests/data/templates), tools rendered into the prompt, forced (named) and required calls whose
-arguments validate against the schema, whole and streamed, a tool result sent back (issue 18, item 1)."""
+"""Function calling on a real `moerun serve` through the `openai` client: the built-in model, which carries Qwen3's
+published chat template (tests/data/templates/Qwen-Qwen3-0.6B.jinja), tools rendered into the prompt, forced
+(named) and required calls whose arguments validate against the schema, whole and streamed, a tool result sent
+back (issue 18, item 1)."""
 
 import json
-from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
-from family_checks import rewrite_gguf
 from test_server import KEY, MODEL, Server
 
-from moerun.builtin import default_model_path
-
-TEMPLATE = (Path(__file__).parent / "data" / "templates" / "Qwen-Qwen3-0.6B.jinja").read_text()
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
            "properties": {"city": {"type": "string", "maxLength": 16}, "days": {"type": "integer", "minimum": 1,
                                                                                "maximum": 7}}}
@@ -28,10 +24,7 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris for three 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("serve-tools")
-    model = folder / "qwen3-template.gguf"
-    rewrite_gguf(default_model_path(), model, key=lambda k, v: TEMPLATE if k == "tokenizer.chat_template" else v)
-    s = Server(folder, "-m", str(model), "-c", "2048")  # the tools make a long prompt
+    s = Server(tmp_path_factory.mktemp("serve-tools"), "-c", "2048")  # the tools make a long prompt
     yield s
     s.stop()
 
