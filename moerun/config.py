@@ -221,6 +221,7 @@ class RuntimeConfig:
     cache_type_k: str | None = None  # KV cache types (moerun.engine.kv_types.KV_TYPES); None: the compute dtype
     cache_type_v: str | None = None
     draft: DraftParams = DraftParams()
+    progress: bool = False  # bars on stderr while the model loads (the CLI: on a terminal, without --no-progress)
 
     def __post_init__(self) -> None:
         from moerun.device import canonical

@@ -17,7 +17,8 @@ from moerun.formats import open_model
 from moerun.formats.names import CName
 from moerun.formats.records import ModelFile
 from moerun.model.model import MoEModel
-from moerun.weights.loader import interleave_for_kernels, load_weights
+from moerun.progress import bar
+from moerun.weights.loader import interleavable, interleave_for_kernels, load_weights, source_bytes
 
 
 @dataclass
@@ -69,18 +70,23 @@ def expert_reader(arch: Arch) -> ExpertReader | None:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, kernels: bool = True,
-               home: str = "auto", interleave: bool | Callable[[CName], bool] = True) -> Loaded:
+               home: str = "auto", interleave: bool | Callable[[CName], bool] = True,
+               progress: bool = False) -> Loaded:
     """kernels=False runs quantized weights through the torch reference (dequantize per use).
     home: "auto", "ram" (llama.cpp's --no-mmap) or "mmap" (see weights_home).
     interleave: with the CPU kernels, rewrite the Q4_K matrices moerun owns into their faster interleaved
     layout (experts too when home is RAM; see interleave_for_kernels); a function of the canonical name
-    chooses which."""
+    chooses which. progress: bars on stderr for the bytes placed and repacked (moerun.progress)."""
     mf = open_model(path)
     arch = resolve(mf)
     in_ram = weights_home(mf, home) == "ram"
-    weights = load_weights(mf, arch, copy_experts=in_ram)
+    with bar(progress, "loading", sum(map(source_bytes, arch.sources.values()))) as placed:
+        weights = load_weights(mf, arch, copy_experts=in_ram, progress=placed)
     if kernels and interleave:
-        interleave_for_kernels(weights, experts=in_ram, keep=None if interleave is True else interleave)
+        keep = None if interleave is True else interleave
+        todo = sum(weights[cn].nbytes for cn in interleavable(weights, in_ram, keep))
+        with bar(progress, "repacking", todo) as repacked:
+            interleave_for_kernels(weights, experts=in_ram, keep=keep, progress=repacked)
     reader = None if in_ram else expert_reader(arch)
     loaded = Loaded(mf, arch, MoEModel(arch.spec, weights, dtype=dtype, kernels=kernels, expert_reader=reader))
     gc.freeze()  # the model's thousands of objects live as long as it: keep them out of every full collection

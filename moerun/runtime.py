@@ -218,7 +218,8 @@ def build(cfg: RuntimeConfig) -> Runtime:
     path, ctx, the_plan, home = _prepare(cfg)
     if cfg.pipeline_world_size > 1:
         return _build_rank0(cfg, ctx, the_plan, home)
-    loaded = load_model(path, dtype=getattr(torch, cfg.dtype), home=home, interleave=_interleave(cfg, the_plan))
+    loaded = load_model(path, dtype=getattr(torch, cfg.dtype), home=home, interleave=_interleave(cfg, the_plan),
+                        progress=cfg.progress)
     warnings: list[str] = []
     _check_kernels(loaded, warnings)
     models = _stage_models(loaded.model, the_plan)

@@ -28,7 +28,7 @@ PKG_DIR = Path(__file__).resolve().parents[1] / PKG
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # errors, sizes, host memory, the device module and its stand-in, settings, the built-in model's name
     ("base", ("moerun", "moerun.errors", "moerun.sizes", "moerun.hostmem", "moerun.standin", "moerun.device",
-              "moerun.config", "moerun.builtin")),
+              "moerun.config", "moerun.builtin", "moerun.progress")),
     ("quant", ("moerun.quant",)),  # QType, QTensor, the torch reference dequantizers
     ("kernels", ("moerun.kernels",)),  # the C extension's and Triton's kernels over QTensors
     ("formats", ("moerun.formats", "moerun.text")),  # what a model file holds: tensor records, metadata, vocabulary

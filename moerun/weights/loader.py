@@ -96,49 +96,76 @@ def _kv_b_part(kv_b: QTensor, part: str, heads: int, nope: int) -> QTensor:
     return QTensor.from_float(w.transpose(1, 2).contiguous())
 
 
-def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False) -> dict[CName, QTensor]:
+def source_bytes(src: Source) -> int:
+    """The stored bytes a canonical tensor is made of."""
+    return sum(r.nbytes for r in src.records) + (0 if src.scales is None else src.scales.nbytes)
+
+
+def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False,
+                 progress: Callable[[int], None] | None = None) -> dict[CName, QTensor]:
     """Every canonical tensor of the model as stored (quantized stays quantized).
 
     Dense tensors are copied into memory moerun owns. Routed experts stay views of the memory map (their
     home tier: the kernel may drop those pages and fault them back in from disk) unless copy_experts.
+    progress: called with each tensor's stored bytes once it is placed (from the reading threads too).
     """
     out = {}
     reads = {}
+    done = progress or (lambda n: None)
     for cn, src in arch.sources.items():
         if src.direct and (copy_experts or tensor_class(cn.kind) != "routed_experts"):
             reads[cn] = src.records[0]
         else:
             out[cn] = materialize(mf, src)
+            done(source_bytes(src))
+
+    def read(rec) -> QTensor:
+        t = QTensor.from_bytes(mf.read(rec), rec.qtype, rec.shape)
+        done(rec.nbytes)
+        return t
+
     # positioned reads release the GIL: a few at once keep the copies (and the new pages' faults) on every core
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        got = pool.map(lambda rec: QTensor.from_bytes(mf.read(rec), rec.qtype, rec.shape), reads.values())
-        out.update(zip(reads, got))
+        out.update(zip(reads, pool.map(read, reads.values())))
     return {cn: out[cn] for cn in arch.sources}
 
 
 def interleave_for_kernels(weights: dict[CName, QTensor], experts: bool,
-                           keep: Callable[[CName], bool] | None = None) -> int:
+                           keep: Callable[[CName], bool] | None = None,
+                           progress: Callable[[int], None] | None = None) -> int:
     """Rewrite, in `weights`, every matrix the CPU kernels multiply and can read faster interleaved (Q4_K,
     rows a multiple of 8) into that layout -> bytes rewritten. One tensor at a time, each original dropped as
     its copy replaces it, so memory grows by one tensor at most. Never the token embeddings (looked up by
     row); routed experts only with `experts` (when they are memory moerun owns, not views of a file map: a
     copy would read the whole file into RAM). keep: only the tensors it accepts (e.g. what stays on the CPU
-    when other stages run on a device, whose kernels read the file's layout)."""
-    try:
-        from moerun.kernels import cpu
-    except ImportError:  # a tree without the kernels module
+    when other stages run on a device, whose kernels read the file's layout). progress: called with each
+    rewritten tensor's bytes."""
+    todo = interleavable(weights, experts, keep)
+    if not todo:
         return 0
-    if not cpu.available():
-        return 0
+    from moerun.kernels import cpu
+
     done = 0
-    for cn in list(weights):
+    for cn in todo:
         t = weights[cn]
-        if cn.kind == "token_embd.weight" or not cpu.can_interleave(t) or (keep is not None and not keep(cn)):
-            continue
-        if tensor_class(cn.kind) == "routed_experts" and not experts:
-            continue
         weights[cn] = None  # drop the dict's reference first: t is the last one
         weights[cn] = cpu.interleave(t)
         done += t.nbytes
+        if progress is not None:
+            progress(t.nbytes)
         del t
     return done
+
+
+def interleavable(weights: dict[CName, QTensor], experts: bool,
+                  keep: Callable[[CName], bool] | None = None) -> list[CName]:
+    """The tensors interleave_for_kernels rewrites ([] without the CPU kernels)."""
+    try:
+        from moerun.kernels import cpu
+    except ImportError:  # a tree without the kernels module
+        return []
+    if not cpu.available():
+        return []
+    return [cn for cn, t in weights.items()
+            if cn.kind != "token_embd.weight" and cpu.can_interleave(t) and (keep is None or keep(cn))
+            and (experts or tensor_class(cn.kind) != "routed_experts")]
