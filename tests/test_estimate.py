@@ -210,6 +210,16 @@ def footer(r) -> str | None:
     return lines[0] if lines else None
 
 
+def quiet_machine(monkeypatch) -> None:
+    """The load readings replaced by a machine where nothing else runs (the probes' verdicts do not depend on
+    what the other processes on this shared machine do)."""
+    import time
+
+    from moerun.placement import load
+
+    monkeypatch.setattr(load, "read", lambda: load.Sample(time.monotonic(), 0.0, 0.0, 0.0))
+
+
 def stub_probes(monkeypatch) -> dict[str, int]:
     """The probes replaced by fixed figures (no timing in tests); -> how often each ran."""
     from moerun.placement import layer_probe
@@ -225,7 +235,8 @@ def stub_probes(monkeypatch) -> dict[str, int]:
     monkeypatch.setattr(bw_mod, "measure_host_read_bandwidth", count("ram", {"gbps": 33.0, "measured_at": "now"}))
     monkeypatch.setattr(probes, "measure_kernels", count("kernels", lambda threads, qtypes: {
         q: {"decode_gbps": 25.0, "prefill_flops": 2e11} for q in qtypes if q not in cm.F32_NAMES}))
-    monkeypatch.setattr(probes, "measure_float_flops", count("float", 1e11))
+    monkeypatch.setattr(probes, "measure_float_flops", count("float", {"flops": 1e11, "spread": 0.01}))
+    quiet_machine(monkeypatch)
     monkeypatch.setattr(probes, "measure_file_read", count("file", 3.0))
     monkeypatch.setattr(layer_probe, "measure_layers", count("layers", {
         "layer_s": 4e-4, "token_s": 1e-4, "prefill_layer_token_s": 1e-4}))
