@@ -56,8 +56,9 @@ def _cache_sizes(ctx, param, values):
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="Compute precision.")
 @click.option("--measure-bw", is_flag=True,
-              help="Measure host read bandwidth again (else the cached figure; measured once when none is cached, in "
-                   "~/.cache/moerun/hardware.json).")
+              help="Measure host read bandwidth again (else the cached figure, in ~/.cache/moerun/hardware.json; "
+                   "measured quickly when none is cached, or when it was probed under load and the machine is quiet "
+                   "now).")
 @click.option("--no-warmup", is_flag=True, help="Skip the warm-up run before each test.")
 @click.option("--expert-cache-mib", "cache_mib", multiple=True, callback=_cache_sizes,
               help="Expert cache sizes to sweep, e.g. 256,512,none (none: no cache).  [default: none]")

@@ -105,6 +105,31 @@ def default_figures(rates, qtypes: list[str], reads_file: bool) -> list[str]:
     return out
 
 
+RERUN = "re-run `moerun estimate --measure` when quiet"
+
+
+def probe_notes(rates, used: dict[str, dict]) -> tuple[str | None, list[str]]:
+    """(the host read figure's line: its value, age and load; warnings for the other probes this estimate used
+    that were taken under load or too noisy), from probes.used_probes."""
+    from moerun.placement import load
+
+    host = used.get("host read")
+    line = None if host is None else load.note(f"host read {rates.ram_gbps.value:.1f} GB/s", host, RERUN)
+    bad = {name: e for name, e in used.items() if name != "host read" and not load.trusted(e)}
+    if not bad:
+        return line, []
+    why = load.why_all(list(bad.values()))
+    return line, [f"warning: the {', '.join(bad)} probe{'s' if len(bad) > 1 else ''} ran {why}: {RERUN}"]
+
+
+def _probe_json(used: dict[str, dict]) -> dict:
+    from moerun.placement import load
+
+    return {name: {"measured_at": e.get("measured_at"), "age_s": load.age_s(e), "trusted": load.trusted(e),
+                   "why": e.get("why"), "load": e.get("load"), "spread": e.get("spread"),
+                   "described": load.describe(e)} for name, e in used.items()}
+
+
 def _kv_bytes(name: str | None) -> float:
     """Bytes per value of a KV cache type, without torch (ggml's block sizes); None: float32, run's default."""
     from moerun.quant.ggml_types import QType, block_size
@@ -259,6 +284,8 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
         model_path=str(model), reads_file=the_plan.home == "disk", qtypes=qtypes, layout=probe_layout(arch),
         gpu=inv.gpus[0] if inv.gpus and devices != ("cpu",) else None)
     rates = _gather_rates(probes, options, spec)
+    used = probes.used_probes(options, rates)
+    host_note, probe_warnings = probe_notes(rates, used)
     hit_rates = hit_source = None
     slots = [0] * spec.n_layers
     for d in the_plan.devices:
@@ -298,11 +325,17 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
                   "layer_overhead_s": rates.layer_overhead_s.value, "token_overhead_s": rates.token_overhead_s.value,
                   "h2d_gbps": rates.h2d_gbps.value if rates.h2d_gbps else None,
                   "device_gbps": rates.device_gbps.value if rates.device_gbps else None},
-        "sources": rates.sources(),
+        "sources": rates.sources(), "probes": _probe_json(used),
         "llama_cpp": cmd, "plan": the_plan.to_json(), "seconds": time.perf_counter() - t0,
     }
     if as_json:
         info["plan"].pop("tensors", None)
+        from moerun.placement import load
+
+        if "host read" in used and not load.trusted(used["host read"]):
+            click.echo(f"warning: {host_note}", err=True)
+        for w in probe_warnings:
+            click.echo(w, err=True)
         click.echo(json.dumps(info, indent=2, default=lambda x: None if isinstance(x, float) and math.isinf(x) else x))
         return
     e = click.echo
@@ -357,6 +390,10 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
     if rates.h2d_gbps:
         e(f"  host-to-device  {rates.h2d_gbps.value:8.2f} GB/s   {rates.h2d_gbps.source}")
         e(f"  device memory   {rates.device_gbps.value:8.2f} GB/s   {rates.device_gbps.source}")
+    if host_note:
+        e(f"  {host_note}")
+    for w in probe_warnings:
+        e(f"  {w}")
     defaults = default_figures(rates, qtypes, reads_file=the_plan.home == "disk")
     if defaults:
         e(f"  (default figures for {', '.join(defaults)}: run `moerun estimate` without --no-measure, or with "
