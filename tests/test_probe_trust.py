@@ -319,3 +319,26 @@ def test_a_probe_beside_busy_loops_is_marked_under_load(cache):
     entry = bandwidth.cached_host_read_bandwidth(1)
     assert entry["trusted"] is False and entry["why"].startswith("under load (other processes used")
     assert entry["load"]["others_cores"] > load.BUSY_CORES
+
+
+def test_the_stale_probe_scripts_report(monkeypatch):
+    """bench/stale_probe.py's report from a record of its shape: the ratio, the verdict and the warnings."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    import stale_probe
+
+    cache = {"host read GB/s": {"trusted": True}}
+    rec = {"threads": 2, "stale_expected_tok_s": 144.6, "stale_ratio": 0.426, "ratio": 0.96, "ratio_median": 0.959,
+           "within": True, "warned": True, "load_busy": {"others_cores": 2.0},
+           "load_before_estimate": {"others_cores": 0.0}, "load_before_bench": {"others_cores": 0.0},
+           "busy": {"others_cores": 1.2, "ram_gbps": 32.2, "expected_tok_s": 144.6,
+                    "warnings": ["warning: host read 32.2 GB/s, probed just now under load"]},
+           "estimate": {"others_cores": 0.0, "ram_gbps": 54.6, "expected_tok_s": 326.2, "warnings": [],
+                        "cache": cache},
+           "bench": {"others_cores": 0.01, "host_read_gbps": 54.6, "avg_ts": 339.8, "stddev_ts": 1.6,
+                     "median_ts": 340.0, "samples_ts": [339.8] * 5, "log": ["bench: host read 54.6 GB/s"]}}
+    text = stale_probe.report(rec, ["bench/stale_probe.py"])
+    assert "| quiet estimate (the default) | 0.00 | 54.6 | 326.2 | 0.960 | -4.0% |" in text
+    assert "within ±15%; a warning was printed" in text
+    assert "- `` warning: host read 32.2 GB/s, probed just now under load ``" in text
