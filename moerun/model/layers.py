@@ -8,7 +8,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from moerun.arch.spec import Yarn
 
@@ -158,6 +157,8 @@ def attend_fused(q, k, v, q_pos, k_pos, scale=None, window=0, q_start=None):
         if window and k0 + lo <= q_start + T - 1 - window:  # the last query's window starts inside the keys
             mask = visible(q_pos, k_pos, window)  # [T, S]
         elif S > T:
+            from torch.nn.attention.bias import causal_lower_right  # imports torch._dynamo: ~0.5 s
+
             mask = causal_lower_right(T, S)
     else:
         mask = visible(q_pos, k_pos, window)  # [T, S]
