@@ -26,9 +26,10 @@ PKG_DIR = Path(__file__).resolve().parents[1] / PKG
 # The layers, lowest first. An entry names a module, or a package and everything under it; the longest entry
 # that covers a module places it ("moerun" itself names only the package's __init__).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    # errors, sizes, host memory, the device module and its stand-in, settings, the built-in model's name
+    # errors, sizes, host memory, the device module and its stand-in, settings, the built-in model's name, progress,
+    # hub references (moerun.hub imports huggingface_hub only when it resolves one)
     ("base", ("moerun", "moerun.errors", "moerun.sizes", "moerun.hostmem", "moerun.standin", "moerun.device",
-              "moerun.config", "moerun.builtin", "moerun.progress")),
+              "moerun.config", "moerun.builtin", "moerun.progress", "moerun.hub")),
     ("quant", ("moerun.quant",)),  # QType, QTensor, the torch reference dequantizers
     ("kernels", ("moerun.kernels",)),  # the C extension's and Triton's kernels over QTensors
     ("formats", ("moerun.formats", "moerun.text")),  # what a model file holds: tensor records, metadata, vocabulary
