@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import mmap
+import re
 import struct
 from pathlib import Path
 from typing import Any
@@ -233,9 +234,8 @@ def _map(path: Path) -> tuple[mmap.mmap | bytes, int]:
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), size
 
 
-def read_gguf(path: str | Path) -> ModelFile:
-    """Open a GGUF v2/v3 file: metadata dict and one TensorRecord per tensor, bytes left in the map."""
-    path = Path(path)
+def _read_one(path: Path) -> tuple[dict[str, Any], list[TensorRecord], Any]:
+    """One GGUF file's metadata, tensor records and map."""
     try:
         buf, size = _map(path)
     except OSError as e:
@@ -248,7 +248,50 @@ def read_gguf(path: str | Path) -> ModelFile:
     except (struct.error, ValueError, IndexError, OverflowError, MemoryError, RecursionError) as e:
         _close(buf)
         raise ModelFormatError(path, f"corrupt header ({type(e).__name__}: {e})".replace("\n", " ")) from None
-    return ModelFile(path, "gguf", meta, {r.name: r for r in records}, {path: buf})
+    return meta, records, buf
+
+
+SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")  # llama.cpp's gguf-split
+
+
+def split_parts(path: Path, meta: dict[str, Any]) -> list[Path]:
+    """The files of a model split by llama.cpp's gguf-split (split.count parts, named NAME-0000i-of-0000n.gguf
+    beside the first), or [path] for a whole file. Opening a later part names the first."""
+    count = meta.get("split.count", 1)
+    if type(count) is not int or count <= 1:
+        return [path]
+    m = SPLIT_NAME.match(path.name)
+    if m is None or int(m["count"]) != count:
+        raise ModelFormatError(path, f"part of a model split in {count} files, but not named NAME-00001-of-"
+                                     f"{count:05d}.gguf as gguf-split names them")
+    if meta.get("split.no", 0) != 0:
+        first = path.with_name(f"{m['stem']}-00001-of-{count:05d}.gguf")
+        raise ModelFormatError(path, f"part {meta.get('split.no', 0) + 1} of {count}: open the first part, {first}")
+    return [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def read_gguf(path: str | Path) -> ModelFile:
+    """Open a GGUF v2/v3 file: metadata dict and one TensorRecord per tensor, bytes left in the map. A split
+    model's first part opens every part (their tensors, one map each; the metadata is the first part's)."""
+    path = Path(path)
+    meta, records, buf = _read_one(path)
+    maps = {path: buf}
+    try:
+        for part in split_parts(path, meta)[1:]:
+            if not part.is_file():
+                raise ModelFormatError(part, f"missing: part of the split model {path.name} (llama-gguf-split "
+                                             f"--merge makes one file of the parts)")
+            _, more, maps[part] = _read_one(part)
+            seen = {r.name for r in records}
+            clash = next((r.name for r in more if r.name in seen), None)
+            if clash is not None:
+                raise ModelFormatError(part, f"tensor {_q(clash)} is also in an earlier part")
+            records += more
+    except ModelFormatError:
+        for b in maps.values():
+            _close(b)
+        raise
+    return ModelFile(path, "gguf", meta, {r.name: r for r in records}, maps)
 
 
 def _close(buf: Any) -> None:
