@@ -10,6 +10,7 @@ import click
 
 from moerun.cli_bench import bench
 from moerun.cli_estimate import estimate
+from moerun.cli_flags import check_clusters
 from moerun.cli_generate import chat, run
 from moerun.cli_serve import serve
 from moerun.errors import MoerunError
@@ -17,7 +18,14 @@ from moerun.experts.simulate_cli import trace
 
 
 class _Group(click.Group):
-    """Turns moerun's own errors into one line on stderr and exit status 1, never a traceback."""
+    """Turns moerun's own errors into one line on stderr and exit status 1, never a traceback; reads a
+    subcommand's multi-letter short flags whole, as llama.cpp does (moerun.cli_flags.check_clusters)."""
+
+    def resolve_command(self, ctx, args):
+        name, cmd, rest = super().resolve_command(ctx, args)
+        if cmd is not None and not cmd.context_settings.get("ignore_unknown_options"):
+            check_clusters(cmd, click.Context(cmd, info_name=name, parent=ctx), rest)
+        return name, cmd, rest
 
     def invoke(self, ctx):
         try:
@@ -27,7 +35,7 @@ class _Group(click.Group):
             sys.exit(1)
 
 
-@click.group(cls=_Group)
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="moerun")
 def main():
     """moerun: run Mixture-of-Experts models larger than your GPU."""

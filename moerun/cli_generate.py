@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from moerun.cli_flags import UNTIL_END, apply_llama_flags, device_flag, gpu_layers, llama_options
 from moerun.config import CACHE_POLICIES, DEFAULT_CACHE_POLICY, KV_CACHE_TYPES, REASONING_FORMATS
 from moerun.errors import MoerunError
 
@@ -18,7 +19,8 @@ def model_options(f):
                      help="GGUF file or Hugging Face folder (default: the built-in model)."),
         click.option("-c", "--ctx-size", type=click.IntRange(min=16), default=None,
                      help="Context size in tokens (default: the model's, at most 4096)."),
-        click.option("-ub", "--ubatch", type=click.IntRange(min=1), default=512, show_default=True,
+        click.option("-ub", "--ubatch", "--ubatch-size", "ubatch", type=click.IntRange(min=1), default=512,
+                     show_default=True,
                      help="Prefill chunk size in tokens."),
         click.option("-t", "--threads", type=click.IntRange(min=1), default=None,
                      help="CPU threads (default: physical cores)."),
@@ -49,9 +51,10 @@ def model_options(f):
                      help="Rewrite Q4_K, Q5_K, Q6_K, Q8_0, MXFP4 and IQ4_XS weights held in RAM into the CPU "
                           "kernels' interleaved layout at load (faster; llama.cpp's repack; on NEON Q6_K and IQ4_XS "
                           "stay as stored). Experts in the file's map are read as stored."),
-        click.option("--device", default="cpu", show_default=True,
+        click.option("-dev", "--device", default=None,
                      help="Compute device: cpu, cuda:N, or standin:N (the CPU standing in for a GPU: the GPU "
-                          "code path with the host as its device, for testing placements without one)."),
+                          "code path with the host as its device, for testing placements without one); "
+                          "llama.cpp's none, CPU, CUDA0, or CUDA0,CUDA1 (one stage per GPU). Default: cpu."),
         click.option("--gpus", default=None,
                      help="CUDA devices in PCI bus order, one stage each, e.g. 0,1 (llama.cpp's meaning; "
                           "the same as --devices cuda:0,cuda:1)."),
@@ -66,7 +69,7 @@ def model_options(f):
                      help="Host-to-GPU copy bandwidth in GB/s for the cost model (default: measured)."),
         click.option("--vram-bw", type=click.FloatRange(min=0, min_open=True), default=None,
                      help="GPU memory bandwidth in GB/s for the cost model (default: NVML's figure)."),
-        click.option("--tensor-split", default=None,
+        click.option("-ts", "--tensor-split", default=None,
                      help="Share of the layers per stage, e.g. 3,1 (llama.cpp's meaning; default: equal on CPUs)."),
         click.option("--pipeline-rank", type=click.IntRange(min=0), default=0, envvar="RANK", show_default=True,
                      help="This process's stage in a pipeline over processes (torchrun's RANK)."),
@@ -81,7 +84,7 @@ def model_options(f):
         click.option("--ram-budget", default=None, help="Host RAM moerun may use, e.g. 12GiB (default: available)."),
         click.option("--vram-budget", default=None,
                      help="GPU memory moerun may use per device, e.g. 6GiB or 6GiB,20GiB (default: free memory)."),
-        click.option("--n-cpu-moe", type=click.IntRange(min=0), default=0,
+        click.option("-ncmoe", "--n-cpu-moe", type=click.IntRange(min=0), default=0,
                      help="llama.cpp's flag: routed experts of the first N layers stay on the CPU (with GPUs)."),
         click.option("-ot", "--override-tensor", multiple=True,
                      help="llama.cpp's REGEX=DEVICE placement override, matched on GGUF tensor names."),
@@ -111,15 +114,26 @@ def model_options(f):
                      help="Choose each step's draft length from the acceptance so far and the measured cost of "
                           "verifying it (up to --draft-max), or always draft up to --draft-max."),
     ]
+    f = llama_options(f)
     for o in reversed(opts):
         f = o(f)
     return f
 
 
+def _n_predict(ctx, param, value):
+    """-n: llama.cpp's -1 (until the text ends) and -2 (until the context is full) -> a count no generation
+    reaches (it ends with the text or the context: no context shift here)."""
+    if value == 0:
+        raise click.BadParameter("0 generates nothing: give 1 or more, -1 (until the text ends) or -2 (until "
+                                 "the context is full)")
+    return UNTIL_END if value < 0 else value
+
+
 def sampling_options(f):
     opts = [
-        click.option("-n", "--n-predict", "max_tokens", type=click.IntRange(min=1), default=128, show_default=True,
-                     help="Tokens to generate at most."),
+        click.option("-n", "--n-predict", "--predict", "max_tokens", type=click.IntRange(min=-2), default=128,
+                     show_default=True, callback=_n_predict,
+                     help="Tokens to generate at most; -1: until the text ends, -2: until the context is full."),
         click.option("--temp", "temperature", type=float, default=0.8, show_default=True,
                      help="Temperature; 0 is greedy."),
         click.option("--top-k", type=int, default=40, show_default=True, help="0 disables."),
@@ -185,7 +199,7 @@ RUNTIME_OPTIONS = ("model", "ctx_size", "ubatch", "threads", "dtype", "expert_ca
                    "vram_budget", "n_cpu_moe", "override_tensor", "print_plan", "devices", "tensor_split",
                    "pipeline_rank", "pipeline_world_size", "master_addr", "master_port", "pipeline_timeout",
                    "miss_path", "h2d_bw", "vram_bw", "model_draft", "lookup_ngram", "draft_max", "draft_min",
-                   "draft_p_min", "draft_adaptive", "cache_type_k", "cache_type_v")
+                   "draft_p_min", "draft_adaptive", "cache_type_k", "cache_type_v", "n_gpu_layers", "mlock")
 
 
 def gpu_devices(gpus: str) -> tuple[str, ...]:
@@ -217,23 +231,27 @@ def runtime_config(kw: dict):
     from moerun.placement.devices import parse_size
     from moerun.placement.planner import parse_device, parse_override
 
+    apply_llama_flags(kw)
     o = {name: kw.pop(name) for name in RUNTIME_OPTIONS}
     devices = _split_list(o["devices"], parse_device, "--devices") or ()
     if o["gpus"] is not None:
         if devices:
             raise click.UsageError("give --gpus or --devices, not both")
         devices = gpu_devices(o["gpus"])
+    device, devices = device_flag(o["device"], devices)
+    device, devices = gpu_layers(o["n_gpu_layers"], device, devices, o["device"] is not None,
+                                 None if o["model"] is None else str(o["model"]))
     try:
         overrides = tuple(pair for spec in o["override_tensor"] for pair in parse_override(spec))
         cfg = RuntimeConfig(
-            model=None if o["model"] is None else str(o["model"]), device=o["device"], ctx_size=o["ctx_size"],
+            model=None if o["model"] is None else str(o["model"]), device=device, ctx_size=o["ctx_size"],
             ubatch=o["ubatch"], threads=o["threads"], dtype=o["dtype"],
             ram_budget=None if o["ram_budget"] is None else parse_size(o["ram_budget"]),
             vram_budget=_split_list(o["vram_budget"], parse_size, "--vram-budget"),
             expert_cache_mib=o["expert_cache_mib"], expert_cache_slots=o["expert_cache_slots"],
             expert_cache_plan=o["expert_cache_plan"], expert_cache_trace=o["expert_cache_trace"],
             cache_policy=o["cache_policy"], cache_prefill=o["cache_prefill"], prefetch=o["prefetch"],
-            mmap=o["use_mmap"], repack=o["repack"],
+            mmap=o["use_mmap"], repack=o["repack"], mlock=o["mlock"],
             n_cpu_moe=o["n_cpu_moe"], override_tensor=overrides,
             devices=devices,
             tensor_split=_split_list(o["tensor_split"], float, "--tensor-split"),
@@ -323,12 +341,14 @@ def _cache_json(rt) -> dict:
 @click.option("-f", "--file", "prompt_file", type=click.File("r", encoding="utf-8"), default=None,
               help="Read the prompt from a file.")
 @click.option("--no-display-prompt", is_flag=True, help="Do not echo the prompt before the generated text.")
+@click.option("-sys", "--system-prompt", "system", default=None,
+              help="System prompt: the prompt becomes one user message after it, in the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and timings.")
 @chat_template_options
-def run(prompt, prompt_file, no_display_prompt, as_json, trace_routing, verbose, **kw):
-    """Complete a prompt, streaming the text to stdout; timings go to stderr. With --chat-template or
-    --chat-template-file the prompt is one user message in that template (a single chat turn, the reply
-    shown as written); without them it is completed as given."""
+def run(prompt, prompt_file, no_display_prompt, system, as_json, trace_routing, verbose, **kw):
+    """Complete a prompt, streaming the text to stdout; timings go to stderr. With -sys, --chat-template or
+    --chat-template-file the prompt is one user message in the chat template (a single chat turn after the
+    system prompt, the reply shown as written); without them it is completed as given."""
     params = sampling_params(kw)
     template_source = chat_template_source(kw)
     cfg, print_plan = runtime_config(kw)  # a pipeline rank other than 0 serves its stage here, and exits
@@ -339,14 +359,19 @@ def run(prompt, prompt_file, no_display_prompt, as_json, trace_routing, verbose,
     rt = _build(cfg, print_plan)
     eng = rt.engine
     tracer = _trace(eng, trace_routing)
-    if template_source is None:
+    if template_source is None and system is None:
         ids = eng.tokenizer.encode(prompt)
     else:
         from moerun.text import ChatTemplate
 
         template = ChatTemplate.for_tokenizer(eng.tokenizer, source=template_source)
-        prompt = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        turns = [{"role": "system", "content": system}] * (system is not None)
+        prompt = template.render([*turns, {"role": "user", "content": prompt}], add_generation_prompt=True)
         ids = eng.tokenizer.encode(prompt, add_special=False)
+    if len(ids) >= eng.ctx_size:
+        rt.close()
+        raise MoerunError(f"the prompt has {len(ids)} tokens but the context size is {eng.ctx_size}: give a "
+                          "larger -c or a shorter prompt")
     gen = eng.generate(ids, params)
     if as_json:
         gen.run()
@@ -359,11 +384,13 @@ def run(prompt, prompt_file, no_display_prompt, as_json, trace_routing, verbose,
         return
     if not no_display_prompt:
         click.echo(prompt, nl=False)
-    for piece in gen:
-        click.echo(piece, nl=False)
+    try:
+        for piece in gen:
+            click.echo(piece, nl=False)
+            sys.stdout.flush()
+    finally:  # the text's line ends even when an error or Ctrl-C cuts it short
+        click.echo()
         sys.stdout.flush()
-    click.echo()
-    sys.stdout.flush()
     _log(rt, gen.timings, verbose, gen)
     if tracer is not None:
         tracer.writer.close()
@@ -421,7 +448,7 @@ class ReplyDisplay:
 @click.command()
 @model_options
 @sampling_options
-@click.option("--system", default=None, help="System prompt.")
+@click.option("-sys", "--system-prompt", "--system", "system", default=None, help="System prompt.")
 @reasoning_format_option
 @click.option("--show-reasoning/--hide-reasoning", default=True, show_default=True,
               help="Show the model's reasoning (dim, on stderr) before its answer, or hide it.")

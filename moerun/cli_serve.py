@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from moerun.cli_flags import UNTIL_END
 from moerun.cli_generate import (
     chat_template_options,
     chat_template_source,
@@ -24,13 +25,14 @@ from moerun.errors import MoerunError
 
 
 def _serve_sampling_options(f):
-    """run/chat's sampling flags as the defaults for requests; -n is llama-server's (-1: until the context
+    """run/chat's sampling flags as the defaults for requests; -n is llama-server's (-1, -2: until the context
     is full or the model ends)."""
     f = sampling_options(f)
     for p in f.__click_params__:
         if p.name == "max_tokens":
-            p.type, p.default = click.IntRange(min=-1), -1
-            p.help = "Tokens to generate at most for requests that set no max_tokens; -1: until the context is full."
+            p.default = -1
+            p.help = ("Tokens to generate at most for requests that set no max_tokens; -1 or -2: until the text "
+                      "ends or the context is full.")
     return f
 
 
@@ -148,7 +150,7 @@ def serve(host, port, api_key, parallel, max_queue, alias, strict_model_name, re
     try:
         cfg = ServerConfig(model_names=names, host=host, port=port, api_key=api_key, parallel=parallel,
                            max_queue=max_queue, max_body_bytes=parse_size(max_body_size),
-                           n_predict=None if max_tokens < 0 else max_tokens, defaults=defaults,
+                           n_predict=None if max_tokens == UNTIL_END else max_tokens, defaults=defaults,
                            cache_prompt=cache_prompt, log_interval=log_interval,
                            reasoning_format=reasoning_format, slot_save_path=slot_save_path,
                            strict_model_name=strict_model_name, model_path=str(model), chat_template=template,

@@ -203,6 +203,7 @@ class RuntimeConfig:
     cache_prefill: str = "bypass"
     prefetch: bool = False  # decode steps guess the next MoE layer's experts and page them in ahead (needs a cache)
     mmap: bool | None = None
+    mlock: bool = False  # lock the process's memory, the loaded weights with it, in RAM (llama.cpp's --mlock)
     repack: bool = True  # the CPU kernels' interleaved layouts (Q4_K, Q6_K, Q8_0, MXFP4, IQ4_XS) for weights in owned RAM (llama.cpp's repack)
     n_cpu_moe: int = 0
     override_tensor: tuple[tuple[str, str], ...] = ()

@@ -1,5 +1,6 @@
-"""Host memory for weights: large buffers on transparent huge pages. A leaf module (torch and moerun.errors
-only), so the file readers, the weight loader, the expert store and cache and the kernels can all use it.
+"""Host memory for weights: large buffers on transparent huge pages, and --mlock. A leaf module (torch,
+moerun.errors and moerun.sizes only), so the file readers, the weight loader, the expert store and cache and the
+kernels can all use it.
 
 A decode step streams hundreds of megabytes of weights through the kernels once each. On 4 KiB pages every
 page is a TLB miss and a place where the hardware prefetchers stop; on 2 MiB pages neither happens. Measured
@@ -42,3 +43,22 @@ def host_empty(nbytes: int) -> torch.Tensor:
     whole = torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping alive as long as any view of it
     start = -whole.data_ptr() % HUGE_PAGE
     return whole[start:start + nbytes]
+
+
+def lock_all() -> str | None:
+    """Lock every page this process maps now in RAM (mlockall(MCL_CURRENT), llama.cpp's --mlock) -> None, or
+    the line that says why the kernel refused (usually the locked-memory limit, RLIMIT_MEMLOCK)."""
+    import ctypes
+    import os
+    import resource
+
+    from moerun.sizes import format_size
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mlockall(1) == 0:  # MCL_CURRENT
+        return None
+    err = ctypes.get_errno()
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    limit = "unlimited" if soft == resource.RLIM_INFINITY else format_size(soft)
+    return (f"--mlock: the weights are not locked in RAM: {os.strerror(err)} (the locked-memory limit, ulimit -l, "
+            f"is {limit})")

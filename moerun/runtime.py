@@ -241,6 +241,10 @@ def build(cfg: RuntimeConfig) -> Runtime:
     engine = Engine(model, tok, ctx_size=ctx, ubatch=cfg.ubatch, expert_cache=cache, draft=cfg.draft,
                     kv_types=(cfg.cache_type_k, cfg.cache_type_v))
     engine.drafter = make_drafter(cfg, engine)
+    if cfg.mlock:
+        from moerun.hostmem import lock_all
+
+        warnings += filter(None, [lock_all()])
     return Runtime(engine, the_plan, cache, warnings, stages)
 
 

@@ -1,7 +1,10 @@
 """`moerun run` and `moerun chat` end to end (chat driven through stdin)."""
 
 import json
+import os
 import re
+import resource
+import shutil
 import subprocess
 import sys
 
@@ -253,3 +256,44 @@ def test_runtime_config_checks_vram_budgets():
     for bad in ((), (0,), (-1,), 6 << 30):
         with pytest.raises(ValueError, match="vram_budget"):
             RuntimeConfig(vram_budget=bad)
+
+
+def _moerun(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "moerun", *map(str, args)], capture_output=True, text=True,
+                          timeout=120, check=False, **kw)
+
+
+@pytest.mark.parametrize("args", [(), ("--no-display-prompt",), ("-sys", "be brief"), ("--stop", "e")])
+def test_run_output_ends_with_a_newline(args):
+    r = _moerun("run", "-p", "hello", "-n", "5", "--temp", "0", *args)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.endswith("\n"), repr(r.stdout)
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_it_is_echoed(tmp_path):
+    long = tmp_path / "long.txt"
+    long.write_text("word " * 200)
+    r = _moerun("run", "-c", "64", "-f", long)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.splitlines() == [("error: the prompt has 400 tokens but the context size is 64: give a larger -c "
+                                     "or a shorter prompt")]
+
+
+def test_mlock_locks_or_says_in_one_line_why_not():
+    r = _moerun("run", "--mlock", "-p", "hi", "-n", "2")
+    assert r.returncode == 0, r.stderr
+    assert sum("--mlock" in line for line in r.stderr.splitlines()) <= 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="drops root's CAP_IPC_LOCK")
+def test_mlock_refused_by_the_limit_is_one_warning():
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 20, 1 << 20))
+
+    cmd = ["setpriv", "--bounding-set", "-ipc_lock", "--inh-caps", "-ipc_lock", sys.executable, "-m", "moerun",
+           "run", "--mlock", "-p", "hi", "-n", "2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, preexec_fn=low_limit)
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stderr.splitlines() if "mlock" in line]
+    assert lines == [("warning: --mlock: the weights are not locked in RAM: Cannot allocate memory (the "
+                     "locked-memory limit, ulimit -l, is 1.00 MiB)")], r.stderr

@@ -45,8 +45,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # what walks the chain for a configuration, and what measures or builds whole models
     ("runtime", ("moerun.runtime", "moerun.runtime_device", "moerun.loading", "moerun.distributed", "moerun.bench",
                  "moerun.gpu_counts", "moerun.tools")),
-    ("server/cli", ("moerun.server", "moerun.cli", "moerun.cli_bench", "moerun.cli_estimate", "moerun.cli_generate",
-                    "moerun.cli_serve", "moerun.__main__")),
+    ("server/cli", ("moerun.server", "moerun.cli", "moerun.cli_bench", "moerun.cli_estimate", "moerun.cli_flags",
+                    "moerun.cli_generate", "moerun.cli_serve", "moerun.__main__")),
 ]
 
 # (importer, imported) -> why this upward import is allowed. The one list of exceptions.

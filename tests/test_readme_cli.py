@@ -26,6 +26,7 @@ the parser itself.
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -332,7 +333,7 @@ def _clauses(masked: str, cut: str = ".;") -> list[tuple[int, int]]:
     """(start, end) of each clause: cut after '.' and ';' (or `cut`) and a space, outside code spans."""
     cuts = [m.end() for m in re.finditer(rf"[{cut}](?=\s)", masked)]
     bounds = [0, *cuts, len(masked)]
-    return list(zip(bounds, bounds[1:]))
+    return list(itertools.pairwise(bounds))
 
 
 LISTED = re.compile(r"((?:`-[^`]+`(?:,? and |, | or )?)+)\s*(?:\([^)]*\))?:\s*"
@@ -411,7 +412,7 @@ def test_readme_names_flags(uses):
     assert (("trace", "simulate"), "--slots") in exact and (("make-model",), "--ftype") in exact
     assert {"--repack", "--no-repack", "-ctk", "--cache-type-k", "--draft-adaptive", "-np"} <= prose
     assert len(uses) > 150
-    others = ("-ngl", "--index-url", "--llama-bin", "--nproc-per-node", "-q")
+    others = ("--index-url", "--llama-bin", "--nproc-per-node", "-q")  # -ngl, -ot: moerun's too (LLAMA_FLAGS)
     assert not any(u.flag in others for u in uses), \
         "flags of other programs (llama-cli, pip, bench scripts, torchrun, pytest) are left out"
 
