@@ -259,6 +259,22 @@ def test_the_overwrite_refusal_names_the_flag_on_the_command_line_and_the_keywor
     assert path.read_bytes() == b"user data"
 
 
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_outputs_get_the_mode_the_umask_gives(tmp_path, mask):
+    import os
+    import stat
+
+    old = os.umask(mask)
+    try:
+        gguf_path = make_model("tiny-olmoe", tmp_path / "m.gguf", progress=False)
+        folder = make_model("tiny-olmoe", tmp_path / "hf", fmt="safetensors", progress=False)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(gguf_path.stat().st_mode) == 0o666 & ~mask
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o777 & ~mask
+    assert {stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()} == {0o666 & ~mask}
+
+
 def test_cli_main(tmp_path, capsys):
     out = tmp_path / "cli.gguf"
     assert main(["tiny-mixtral", str(out), "--ftype", "Q8_0", "--layers", "3", "--set", "rope_theta=5e5",

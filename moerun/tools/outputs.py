@@ -1,6 +1,7 @@
 """Writing outputs safely: a temporary file (or folder) next to the target, renamed into place at the end.
 
-A user's existing file is never destroyed unless `overwrite=True`; an interrupted write leaves only
+Outputs get the modes a plain open() would give them (0666 / 0777 less the umask), not the temporaries' 0600 /
+0700. A user's existing file is never destroyed unless `overwrite=True`; an interrupted write leaves only
 a hidden temporary, which is removed on the way out. A folder is replaced only when it looks like a
 model folder (it holds a config.json) or is empty, so that `overwrite=True` cannot wipe, say, $HOME.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-__all__ = ["OutputExistsError", "atomic_dir", "atomic_file", "check_target", "error_line", "progress_bar"]
+__all__ = ["OutputExistsError", "atomic_dir", "atomic_file", "check_target", "error_line", "progress_bar", "umask"]
 
 
 class OutputExistsError(FileExistsError):
@@ -34,6 +35,17 @@ def error_line(e: Exception) -> str:
     if isinstance(e, OutputExistsError):
         return f"error: {e.path} already exists (pass --overwrite to replace it)"
     return f"error: {e}"
+
+
+def umask() -> int:
+    """The process's umask (read without changing it where /proc says it)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
 
 
 def check_target(path: Path, overwrite: bool) -> None:
@@ -58,6 +70,7 @@ def atomic_file(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     tmp = Path(name)
+    tmp.chmod(0o666 & ~umask())  # mkstemp's 0600 would outlive the rename
     try:
         yield tmp
         _publish_file(tmp, path, overwrite)
@@ -91,6 +104,7 @@ def atomic_dir(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
         raise NotADirectoryError(f"{path} is a file; a Hugging Face model is written as a folder")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    tmp.chmod(0o777 & ~umask())  # mkdtemp's 0700 would outlive the rename
     try:
         yield tmp
         if path.exists():
