@@ -44,6 +44,9 @@ def _cpu_cache_plan(the_plan, arch, cache_mib: float | None, layer_slots: dict[i
     else:
         slots = min(spec.n_experts, int(cache_mib * MiB // (per_expert * len(exp))))
         sl = tuple(slots if i in exp else 0 for i in range(*d.layers))
+        if not slots:
+            click.echo(f"warning: --expert-cache-mib {cache_mib:g} gives no expert cache (0 slots): one slot in each "
+                       f"of the {len(exp)} MoE layers takes {per_expert * len(exp) / MiB:.2f} MiB", err=True)
     cache = sum(s * exp.get(i, 0) // spec.n_experts for s, i in zip(sl, range(*d.layers)))
     dev = dataclasses.replace(d, expert_slots=sl, cache_bytes=cache)
     tensors = {n: (dataclasses.replace(t, tier="disk", cached=bool(slots)) if "_exps" in n else t)
@@ -232,7 +235,8 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
         found = {g.index for g in inv.gpus}
         if not wanted <= found:
             raise MoerunError(f"--gpus {gpus}: no CUDA device {sorted(wanted - found)} here (found: "
-                              f"{sorted(found) or 'none'}); estimate for the CPU with --device cpu")
+                              f"{sorted(found) or 'none'}); plan for GPUs this machine lacks with --assume-gpus "
+                              "SIZE[,SIZE...] (e.g. --assume-gpus 24GiB), or estimate for the CPU with --device cpu")
         inv = dataclasses.replace(inv, gpus=tuple(g for g in inv.gpus if g.index in wanted))
     devices = tuple(g.device for g in inv.gpus) if inv.gpus else ("cpu",)
     ctx = ctx_size or min(4096, spec.context_length)

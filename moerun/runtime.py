@@ -95,9 +95,10 @@ def _cache_slots(cfg: RuntimeConfig, the_plan: Plan, store, warnings: list[str])
             raise MoerunError(f"{cfg.expert_cache_plan}: more slots than the {n} experts of a layer")
         slots = {layer: given.get(layer, 0) for layer in slots}
     if cfg.expert_cache_mib is not None and not any(slots.values()):
-        per_layer = max((store.expert_bytes(layer) for layer in store.layers), default=1)
-        warnings.append(f"{cfg.expert_cache_mib} MiB holds no expert per layer ({per_layer / MiB:.2f} MiB "
-                        "each); every expert is read from its home tier")
+        one = sum(store.expert_bytes(layer) for layer in store.layers)
+        warnings.append(f"--expert-cache-mib {cfg.expert_cache_mib:g} gives no expert cache (0 slots): one slot in "
+                        f"each of the {len(store.layers)} MoE layers takes {one / MiB:.2f} MiB; every expert is "
+                        "read from its home tier")
     return slots
 
 

@@ -297,3 +297,11 @@ def test_mlock_refused_by_the_limit_is_one_warning():
     lines = [line for line in r.stderr.splitlines() if "mlock" in line]
     assert lines == [("warning: --mlock: the weights are not locked in RAM: Cannot allocate memory (the "
                      "locked-memory limit, ulimit -l, is 1.00 MiB)")], r.stderr
+
+
+def test_an_expert_cache_too_small_for_one_slot_says_so():
+    r = _moerun("run", "-p", "hi", "-n", "2", "--expert-cache-mib", "0.001")
+    assert r.returncode == 0, r.stderr
+    assert [line for line in r.stderr.splitlines() if "expert-cache-mib" in line] == [
+        ("warning: --expert-cache-mib 0.001 gives no expert cache (0 slots): one slot in each of the 4 MoE layers "
+         "takes 0.84 MiB; every expert is read from its home tier")]

@@ -400,7 +400,14 @@ def test_batch_reads_the_union_of_the_tokens_experts(tiny, counts):
 def test_gpus_without_a_gpu_is_one_line(tiny):
     r = estimate(tiny, "--gpus", "0,1")
     assert r.exit_code == 1 and "no CUDA device" in r.output and "--device cpu" in r.output
+    assert "--assume-gpus" in r.output and len(r.output.strip().splitlines()) == 1
     assert "Traceback" not in r.output
+
+
+def test_a_cache_too_small_for_one_slot_says_so(tiny):
+    r = estimate(tiny, "--device", "cpu", "--expert-cache-mib", "0.001")
+    assert r.exit_code == 0, r.output
+    assert "warning: --expert-cache-mib 0.001 gives no expert cache (0 slots): one slot in each of the" in r.stderr
 
 
 @pytest.mark.parametrize("name", [n for n in __import__("moerun.tools.presets", fromlist=["x"]).preset_names()
