@@ -190,6 +190,7 @@ class RateOptions:
     qtypes: list[str] = field(default_factory=list)
     gpu: object | None = None  # moerun.placement.devices.GPU of the first compute device, if any
     layout: dict | None = None  # layer_probe.probe_layout(arch): the layer figures are kept per layout
+    progress: bool = False  # a bar of the probes on stderr while they run (moerun.progress)
 
 
 @dataclass(frozen=True)
@@ -245,10 +246,20 @@ def _file_read_rate(opt: RateOptions, cache: Path | None, quiet=lambda: False) -
     return Figure(float(gbps), "cached") if known else Figure(DEFAULT_DISK_GBPS, "default")
 
 
+PROBES = ("host read", "file read", "kernels", "torch float32", "layers")  # gather_rates' steps, in order
+
+
 def gather_rates(opt: RateOptions, cache: Path | None = None) -> Rates:
     """Rates from flags, then the cache, then the defaults; the probes run first as opt.measure says (every
     one, or those whose figures the cache lacks or holds untrusted while the machine is quiet now), each storing
-    what it measured in the cache with the load during it."""
+    what it measured in the cache with the load during it. opt.progress: a bar of the probes on stderr."""
+    from moerun.progress import bar
+
+    with bar(opt.progress and opt.measure is not False, "probing", len(PROBES), unit="probe") as step:
+        return _gather(opt, cache, step)
+
+
+def _gather(opt: RateOptions, cache: Path | None, step) -> Rates:
     t, full = opt.threads, opt.measure is True
     effort = FULL if full else QUICK
     quiet = _Quiet()
@@ -263,7 +274,9 @@ def gather_rates(opt: RateOptions, cache: Path | None = None) -> Rates:
         v, src = bw_mod.host_read_bandwidth(t, measure=due_ram, path=cache, nbytes=effort.ram_bytes,
                                             runs=effort.ram_runs)
         ram = Figure(v, src)
+    step(1)
     disk = Figure(opt.disk_gbps, "given") if opt.disk_gbps is not None else _file_read_rate(opt, cache, quiet)
+    step(1)
 
     quantized = sorted(q for q in set(opt.qtypes) if q not in F32_NAMES)
     kern = _cached(SEC_KERNEL, t, cache) or {}
@@ -276,6 +289,7 @@ def gather_rates(opt: RateOptions, cache: Path | None = None) -> Rates:
                                              "measured_at": _now()}, w.load, v.get("spread"))
                                for q, v in ks.items()}, cache)
         kern, fresh = _cached(SEC_KERNEL, t, cache) or {}, set(ks)
+    step(1)
 
     def pick(key: str) -> tuple[tuple[str, Figure], ...]:
         return tuple((q, Figure(float(v[key]), "measured" if q in fresh else "cached"))
@@ -291,6 +305,7 @@ def gather_rates(opt: RateOptions, cache: Path | None = None) -> Rates:
         fl = dict(_cached(SEC_FLOAT, t, cache) or {}, fresh=True)
     float_flops = Figure(float(fl["flops"]), "measured" if fl.get("fresh") else "cached") if fl and fl.get("flops") \
         else Figure(DEFAULT_FLOAT_FLOPS_PER_THREAD * t, "default")
+    step(1)
     rates = Rates(ram_gbps=ram, disk_gbps=disk, layer_overhead_s=Figure(DEFAULT_LAYER_OVERHEAD_S, "default"),
                   token_overhead_s=Figure(DEFAULT_TOKEN_OVERHEAD_S, "default"),
                   default_qflops=Figure(DEFAULT_QFLOPS_PER_THREAD * t, "default"), float_flops=float_flops,
@@ -313,6 +328,7 @@ def gather_rates(opt: RateOptions, cache: Path | None = None) -> Rates:
             rates = replace(rates, layer_overhead_s=Figure(float(ov["layer_s"]), label),
                             token_overhead_s=Figure(float(ov.get("token_s", 0.0)), label),
                             prefill_overhead_s=Figure(float(ov.get("prefill_layer_token_s", 0.0)), label))
+    step(1)
     h2d = dev = None
     g = opt.gpu
     if g is not None:
