@@ -94,9 +94,18 @@ class ExpertReader:
             _close_fds(list(self._fds.values()))
             raise ModelFormatError(e.filename, f"cannot open for reading experts: {e.strerror or e}") from None
         self._closer = weakref.finalize(self, _close_fds, list(self._fds.values()))
+        self.ids: dict[int, list[int]] | None = None  # layer -> the file's id of each expert (a shard's)
 
     def close(self) -> None:
         self._closer()
+
+    def shard(self, ids: dict[int, list[int]]) -> ExpertReader:
+        """This reader for one rank's experts, numbered 0.. as `ids` (layer -> file ids) lists them, sharing the
+        open files."""
+        r = copy.copy(self)
+        r._whole = self  # its files close when this reader goes
+        r.ids = {layer: [e if self.ids is None else self.ids[layer][e] for e in v] for layer, v in ids.items()}
+        return r
 
     def read_into(self, layer: int, e: int, buf: torch.Tensor) -> int:
         """Expert e of `layer` into `buf` (a contiguous CPU uint8 tensor, gate | up | down) -> bytes read.
@@ -104,6 +113,7 @@ class ExpertReader:
         raises ModelFormatError."""
         if not buf.is_cpu or not buf.is_contiguous() or buf.dtype != torch.uint8:
             raise ValueError("read_into needs a contiguous CPU uint8 buffer")
+        e = e if self.ids is None else self.ids[layer][e]
         view, off = memoryview(buf.numpy()).cast("B"), 0
         for part, span in zip(("gate", "up", "down"), self.spans[layer]):
             n = span.expert_nbytes
@@ -166,6 +176,14 @@ class ExpertStore:
         s._experts = {layer: v for layer, v in self._experts.items() if a <= layer < b}
         return s
 
+    def shard(self, ids: dict[int, list[int]]) -> ExpertStore:
+        """One rank's experts under expert parallelism: layer -> the ids it owns (ascending), numbered 0.. in that
+        order (expert_rows); the reader renumbered to match."""
+        if self._owned:
+            raise ValueError("an owned store cannot be sharded: shard the stacked tensors it was made from")
+        parts = ({layer: expert_rows(self._stacks[layer][m], ids[layer]) for layer in self._stacks} for m in range(3))
+        return ExpertStore(*parts, reader=None if self.reader is None else self.reader.shard(ids))
+
     def n_experts(self, layer: int) -> int:
         return self._stacks[layer][0].shape[0]
 
@@ -202,3 +220,14 @@ class ExpertStore:
     @property
     def total_bytes(self) -> int:
         return sum(self.expert_bytes(layer) * self.n_experts(layer) for layer in self._stacks)
+
+
+def expert_rows(q: QTensor, ids: list[int]) -> QTensor:
+    """Experts `ids` (ascending) of a stacked [E, ..] tensor as a stack of their own: a view when they are a
+    range, else a copy of just those experts."""
+    lo = ids[0] if ids else 0
+    if ids == list(range(lo, lo + len(ids))):
+        part = q.data[lo:lo + len(ids)]
+    else:
+        part = q.data.index_select(0, torch.tensor(ids, dtype=torch.long))
+    return QTensor(part, q.qtype, (len(ids), *q.shape[1:]), q.interleave)
