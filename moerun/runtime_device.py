@@ -17,8 +17,8 @@ from moerun.config import RuntimeConfig
 from moerun.engine.pipeline import Stage
 from moerun.experts.cache import ExpertCache
 from moerun.experts.store import Expert, ExpertStore
-from moerun.model.offload import DeviceExperts
 from moerun.model.gpu_ops import device_ops
+from moerun.model.offload import DeviceExperts
 from moerun.model.ops import make_ops
 from moerun.placement import costmodel as cm
 from moerun.placement.planner import DevicePlan, Plan
@@ -75,16 +75,30 @@ def stage_rates(cfg: RuntimeConfig, dev: device.Device, arch, threads: int) -> c
 
 def device_stage(cfg: RuntimeConfig, model, dp: DevicePlan, the_plan: Plan, arch) -> Stage:
     """Place `model` (the stage's MoEModel) on dp's device and give it its experts (module docstring)."""
-    import psutil
-
     dev = device.parse(dp.device)
     kernels = model.ops.name != "reference"
     model.place(dev, device_ops(dev, kernels))
-    store, slots = model.store, dict(zip(range(*dp.layers), dp.expert_slots))
-    home_layers = {layer for layer in store.layers if not _cached_layer(the_plan, layer)}
+    slots = dict(zip(range(*dp.layers), dp.expert_slots))
+    model.experts, cache = device_experts(cfg, dev, model.ops, kernels, model.store, slots,
+                                          home_layers(the_plan, model.store), arch)
+    return Stage(model, cache)
+
+
+def home_layers(the_plan: Plan, store: ExpertStore) -> set[int]:
+    """The layers of `store` whose experts the plan keeps on the CPU (--n-cpu-moe, -ot ...exps=CPU)."""
+    return {layer for layer in store.layers if not _cached_layer(the_plan, layer)}
+
+
+def device_experts(cfg: RuntimeConfig, dev: device.Device, ops, kernels: bool, store: ExpertStore,
+                   slots: dict[int, int], home: set[int], arch) -> tuple[DeviceExperts, ExpertCache | None]:
+    """`store`'s experts computed on `dev` by `ops` (gpu_ops.device_ops; the CPU kernels for misses computed at
+    home) -> (their DeviceExperts, the cache on the device or None): layers with slots for every expert held
+    there, `home` layers on the CPU, the others paged."""
+    import psutil
+
     resident = {layer: _on_device(store, layer, dev) for layer in store.layers
-                if layer not in home_layers and slots.get(layer, 0) >= store.n_experts(layer)}
-    paged = [layer for layer in store.layers if layer not in home_layers and layer not in resident]
+                if layer not in home and slots.get(layer, 0) >= store.n_experts(layer)}
+    paged = [layer for layer in store.layers if layer not in home and layer not in resident]
     pinned, pinned_layers = [], set()
     if store.reader is None:  # the experts are in RAM moerun owns: page-lock them for async copies
         for layer in paged:
@@ -109,6 +123,6 @@ def device_stage(cfg: RuntimeConfig, model, dp: DevicePlan, the_plan: Plan, arch
             return cfg.miss_path
         return costs[layer].choose(store.expert_bytes(layer), params_e, n)
 
-    model.experts = DeviceExperts(dev, model.ops, make_ops(kernels), store, cache,
-                                  lambda layer, e, n: choose(layer, 0, n), resident, home_layers, pinned)
-    return Stage(model, cache)
+    experts = DeviceExperts(dev, ops, make_ops(kernels), store, cache,
+                            lambda layer, e, n: choose(layer, 0, n), resident, home, pinned)
+    return experts, cache

@@ -395,7 +395,7 @@ class MoEModel:
         if self.on_route is not None:
             self.on_route(i, phase, pos, ids, w)
         stacks = self.store.stacks(i) if self._direct() else None  # experts read where they are stored
-        if hasattr(self.experts, "run"):  # a device stage's experts: hits, page-ins and home misses (offload.py)
+        if hasattr(self.experts, "run"):  # a device stage's (offload.py), or the ranks' under expert parallelism (shards.py)
             out = self.experts.run(i, x, ids, w, phase, fn)
         elif stacks is None or (out := ops.moe_stacked(x, ids, w, stacks, fn=fn)) is None:
             experts = self.experts.fetch(i, sorted(set(ids.view(-1).tolist())), phase)

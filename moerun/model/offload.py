@@ -54,13 +54,14 @@ class DeviceExperts:
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, phase: str,
             fn: ExpertFn = PLAIN) -> torch.Tensor:
         """x [T, H], ids / w [T, k] on the device -> the routed experts' output [T, H] on the device. fn: the
-        experts' activation and biases (on the device; the host's copy for home misses)."""
+        experts' activation and biases (on the device; the host's copy for home misses). A negative id is a
+        pair this source does not compute (another rank's under expert parallelism, moerun.model.shards): 0."""
         if layer in self.resident:
             if layer not in self._tables:
                 self._tables[layer] = self.ops.moe_table(self.resident[layer])
             return self.ops.moe(x, ids, w, self.resident[layer], table=self._tables[layer], fn=fn)
         x_h, ids_h, w_h = device.to_host([x, ids, w], dev=self.dev)  # the step's one wait for the device
-        need = Counter(ids_h.view(-1).tolist())
+        need = Counter(e for e in ids_h.view(-1).tolist() if e >= 0)
         if layer in self.home_layers or self.cache is None:
             home = {e: self.store.get(layer, e) for e in sorted(need)}
             with device.on_host(self.dev):
