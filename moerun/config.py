@@ -214,6 +214,11 @@ class RuntimeConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     pipeline_timeout: float = 120.0  # seconds: joining the group, and waiting on another rank during a step
+    expert_parallel: int = 1  # ranks sharing each MoE layer's routed experts (expert parallelism)
+    ep_world_size: int = 1  # > 1: the ranks are that many processes, this one `ep_rank`; else devices of this one
+    ep_rank: int = 0
+    ep_timeout: float = 120.0  # seconds: joining the group, and waiting on another rank during a step
+    expert_split: str | None = None  # which rank owns which expert (moerun.placement.expert_split); None: ranges
     miss_path: str = "auto"
     h2d_gbps: float | None = None
     vram_gbps: float | None = None
@@ -236,10 +241,10 @@ class RuntimeConfig:
                 object.__setattr__(self, "devices", tuple(canonical(d) for d in self.devices))
             except (ValueError, TypeError) as e:
                 problems.append(str(e))
-            kinds = {d.split(":")[0] for d in self.stage_devices}
+            kinds = {d.split(":")[0] for d in self.devices or (self.device,)}
             if len(kinds) > 1:
                 problems.append(f"the stages' devices must be of one kind (all cpu, all cuda or all standin), got "
-                                f"{list(self.stage_devices)}")
+                                f"{list(self.devices)}")
             elif kinds != {"cpu"} and self.pipeline_world_size > 1:
                 problems.append("a pipeline over processes runs on the CPU only")
         if self.miss_path not in MISS_PATHS:
@@ -267,6 +272,7 @@ class RuntimeConfig:
             problems.append(f"master_port must be in 1..65535, got {self.master_port!r}")
         if not (_is_number(self.pipeline_timeout) and self.pipeline_timeout > 0):
             problems.append(f"pipeline_timeout must be > 0 seconds, got {self.pipeline_timeout!r}")
+        problems += self._expert_parallel_problems()
         vb = self.vram_budget
         if vb is not None and not (isinstance(vb, tuple) and vb and all(_is_int(v) and v > 0 for v in vb)):
             problems.append(f"vram_budget must be a non-empty tuple of positive byte counts, got {vb!r}")
@@ -313,11 +319,48 @@ class RuntimeConfig:
         return (self.expert_cache_mib is not None or self.expert_cache_slots is not None
                 or self.expert_cache_plan is not None)
 
+    def _expert_parallel_problems(self) -> list[str]:
+        n, w, r = self.expert_parallel, self.ep_world_size, self.ep_rank
+        if not (_is_int(n) and n >= 1 and _is_int(w) and w >= 1 and _is_int(r) and 0 <= r < w):
+            return [(f"expert_parallel ({n!r}) and ep_world_size ({w!r}) must be >= 1 and ep_rank ({r!r}) in "
+                     "0..ep_world_size - 1")]
+        if w > 1 and n == 1:
+            object.__setattr__(self, "expert_parallel", n := w)
+        problems = []
+        if w > 1 and n != w:
+            problems.append(f"expert_parallel {n} over {w} processes: one rank per process (give the same number)")
+        if n > 1 and self.pipeline_world_size > 1:
+            problems.append("expert parallelism does not combine with a pipeline over processes yet")
+        if n > 1 and w == 1 and len(self.devices) not in (0, 1, n):
+            problems.append(f"expert parallelism over {n} ranks in this process takes one device per rank, got "
+                            f"{list(self.devices)}")
+        if w > 1 and len(self.devices) > 1:
+            problems.append("expert parallelism over processes runs one rank per process: give --device, not "
+                            "--devices")
+        if not (_is_number(self.ep_timeout) and self.ep_timeout > 0):
+            problems.append(f"ep_timeout must be > 0 seconds, got {self.ep_timeout!r}")
+        if self.expert_split is not None and not (isinstance(self.expert_split, str) and self.expert_split):
+            problems.append(f"expert_split must be a file's path, got {self.expert_split!r}")
+        if w > 1 and (self.cache_type_k is not None or self.cache_type_v is not None):
+            problems.append("expert parallelism over processes keeps its KV cache in the compute dtype")
+        return problems
+
+    @property
+    def ep_devices(self) -> tuple[str, ...]:
+        """Under expert parallelism in this process, each rank's device, in rank order (one per process: its own)."""
+        if self.ep_world_size > 1:
+            return (self.device,)
+        return self.devices if len(self.devices) == self.expert_parallel else (self.devices or (self.device,)) * \
+            self.expert_parallel
+
     @property
     def stage_devices(self) -> tuple[str, ...]:
-        """The device of every stage of the pipeline, in layer order (all processes' when distributed)."""
+        """The device of every stage of the pipeline, in layer order (all processes' when distributed); under
+        expert parallelism the one stage, on rank 0's device (the dense part's; the ranks' are ep_devices)."""
         if self.pipeline_world_size > 1:
             return (self.device,) * self.pipeline_world_size
+        if self.expert_parallel > 1:
+            return self.ep_devices[:1]
         return self.devices or (self.device,)
 
 

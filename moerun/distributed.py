@@ -93,29 +93,36 @@ class Step:
 
 
 class Link:
-    """Point-to-point tensors between this rank and the others, every wait bounded and its failure named."""
+    """Tensors between this rank and the others, point to point or all-gathered, every wait bounded and its
+    failure named. name: the group's kind in messages ("pipeline", "expert-parallel"); error: what they raise.
+    backend: gloo on CPUs; with GPUs "cpu:gloo,cuda:nccl" (each tensor goes by its device)."""
 
-    def __init__(self, cfg: RuntimeConfig):
-        self.rank, self.world = cfg.pipeline_rank, cfg.pipeline_world_size
-        self.timeout = timedelta(seconds=cfg.pipeline_timeout)
-        backend = "gloo" if cfg.device == "cpu" else "nccl"
+    def __init__(self, rank: int, world: int, timeout: float, addr: str, port: int, backend: str = "gloo",
+                 name: str = "pipeline", error: type[MoerunError] = PipelineError):
+        self.rank, self.world, self.name, self.error = rank, world, name, error
+        self.timeout = timedelta(seconds=timeout)
         try:
-            dist.init_process_group(backend, init_method=f"tcp://{cfg.master_addr}:{cfg.master_port}",
-                                    rank=self.rank, world_size=self.world, timeout=self.timeout)
+            dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
+                                    timeout=self.timeout)
         except Exception as e:  # noqa: BLE001 - DistStoreError, RuntimeError, socket errors: one line
-            raise PipelineError(f"rank {self.rank} of {self.world} could not join the pipeline at "
-                                f"{cfg.master_addr}:{cfg.master_port} within {cfg.pipeline_timeout:g} s: "
-                                f"{_first_line(e)}") from None
+            group = "the pipeline" if name == "pipeline" else f"the {name} group"
+            raise error(f"rank {rank} of {world} could not join {group} at {addr}:{port} within {timeout:g} s: "
+                        f"{_first_line(e)}") from None
 
-    def _fail(self, e: Exception, peer: int, what: str, timeout: timedelta) -> PipelineError:
-        msg = str(e)
+    @classmethod
+    def pipeline(cls, cfg: RuntimeConfig) -> Link:
+        return cls(cfg.pipeline_rank, cfg.pipeline_world_size, cfg.pipeline_timeout, cfg.master_addr, cfg.master_port,
+                   "gloo" if cfg.device == "cpu" else "nccl")
+
+    def _fail(self, e: Exception, peer: int | None, what: str, timeout: timedelta) -> MoerunError:
+        msg, who = str(e), "another rank" if peer is None else f"rank {peer}"
         if "Timed out" in msg or "timed out" in msg:
-            why = f"rank {peer} did not answer within {timeout.total_seconds():g} s"
+            why = f"{who} did not answer within {timeout.total_seconds():g} s"
         elif "closed by peer" in msg or "Connection reset" in msg or "Broken pipe" in msg:
-            why = f"rank {peer} is gone (it stopped or crashed; see its output)"
+            why = f"{who} is gone (it stopped or crashed; see its output)"
         else:
             why = _first_line(e)
-        return PipelineError(f"pipeline rank {self.rank}, {what}: {why}")
+        return self.error(f"{self.name} rank {self.rank}, {what}: {why}")
 
     def send(self, t: torch.Tensor, dst: int, what: str) -> None:
         try:
@@ -131,13 +138,23 @@ class Link:
             raise self._fail(e, src, what, timeout) from None
         return t
 
-    def bounds(self, mine: list[int]) -> list[int]:
-        """Rank 0's layer boundaries (world + 1 of them), so every rank loads the range rank 0 planned."""
+    def all_gather(self, t: torch.Tensor, what: str) -> list[torch.Tensor]:
+        """Every rank's `t` (one shape on all), in rank order."""
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        try:
+            dist.all_gather(parts, t.contiguous(), async_op=True).wait(self.timeout)
+        except RuntimeError as e:
+            raise self._fail(e, 1 - self.rank if self.world == 2 else None, what, self.timeout) from None
+        return parts
+
+    def bounds(self, mine: list[int], what: str = "agreeing on the layer split") -> list[int]:
+        """Rank 0's `mine` (the same length on every rank), e.g. its layer boundaries (world + 1 of them), so
+        every rank loads the range rank 0 planned."""
         t = torch.tensor(mine, dtype=torch.int64)
         try:
             dist.broadcast(t, 0)
         except RuntimeError as e:
-            raise self._fail(e, 0, "agreeing on the layer split", self.timeout) from None
+            raise self._fail(e, 0, what, self.timeout) from None
         return t.tolist()
 
     def close(self) -> None:
@@ -234,6 +251,11 @@ class PipelineModel(StagedModel):
         logits = torch.empty((rows_out, m.spec.vocab), dtype=torch.float32)
         return link.recv(logits, link.world - 1, "waiting for the logits")
 
+    def rank_label(self, r: int, plan) -> str:
+        """How statistics name rank r (plan: rank 0's placement plan, one device per rank)."""
+        a, b = plan.devices[r].layers
+        return f"rank {r} (layers {a}-{b - 1})"
+
     def remote_stats(self, reset: bool = False) -> list[CacheStats | None]:
         """Each other rank's expert-cache statistics (None where it has no cache), in rank order; with
         `reset` the ranks start counting afresh."""
@@ -254,7 +276,7 @@ class PipelineModel(StagedModel):
         try:
             for r in range(1, self.link.world):
                 self.link.send(torch.tensor([OP_STOP, *[0] * (HEADER - 1)], dtype=torch.int64), r, "stopping")
-        except PipelineError:
+        except self.link.error:
             pass  # a rank already gone has nothing to stop
         finally:
             self.link.close()
@@ -287,6 +309,17 @@ def _borrowed(pool: KVPool, g: Group) -> SeqKV:
     return kv
 
 
+def send_stats(link: Link, cache, reset: bool) -> None:
+    """A worker's answer to OP_STATS: its expert cache's statistics (nothing without a cache); reset: it starts
+    counting afresh."""
+    raw = b"" if cache is None else json.dumps(cache.stats.to_dict()).encode()
+    link.send(torch.tensor([len(raw)], dtype=torch.int64), 0, "sending stats")
+    if raw:
+        link.send(torch.frombuffer(bytearray(raw), dtype=torch.uint8), 0, "sending stats")
+    if reset and cache is not None:
+        cache.stats.reset()
+
+
 def serve_stage(cfg: RuntimeConfig, link: Link, model: MoEModel, stage: Stage) -> None:
     """A worker rank's loop: run each step rank 0 sends, until it says stop (or goes away)."""
     rank, last = link.rank, link.rank == link.world - 1
@@ -298,12 +331,7 @@ def serve_stage(cfg: RuntimeConfig, link: Link, model: MoEModel, stage: Stage) -
         if op == OP_STOP:
             return
         if op == OP_STATS:
-            raw = b"" if stage.cache is None else json.dumps(stage.cache.stats.to_dict()).encode()
-            link.send(torch.tensor([len(raw)], dtype=torch.int64), 0, "sending stats")
-            if raw:
-                link.send(torch.frombuffer(bytearray(raw), dtype=torch.uint8), 0, "sending stats")
-            if header[1] and stage.cache is not None:
-                stage.cache.stats.reset()
+            send_stats(link, stage.cache, bool(header[1]))
             continue
         payload = torch.zeros(int(header[6]), dtype=torch.int64)
         if payload.numel():

@@ -56,16 +56,14 @@ class Runtime:
         for k, st in enumerate(self.stages):
             if st.cache is not None:
                 st.cache.settle()  # a device stage's copy and stall times, from its finished events
-                out.append((f"stage {k} ({st.label})", st.cache.stats + CacheStats()))
+                out.append((st.name or f"stage {k} ({st.label})", st.cache.stats + CacheStats()))
                 if reset:
                     st.cache.stats.reset()
         if self.pipeline is not None:
-            bounds = [d.layers for d in self.plan.devices]
-            out = [(f"rank 0 ({self.stages[0].label})", s) for _, s in out]
+            out = [(self.stages[0].name or f"rank 0 ({self.stages[0].label})", s) for _, s in out]
             for r, stats in enumerate(self.pipeline.remote_stats(reset), 1):
                 if stats is not None:
-                    a, b = bounds[r]
-                    out.append((f"rank {r} (layers {a}-{b - 1})", stats))
+                    out.append((self.pipeline.rank_label(r, self.plan), stats))
         return out
 
     def close(self) -> None:
@@ -119,15 +117,19 @@ def _reshare(the_plan: Plan, cfg: RuntimeConfig, n_experts: int) -> Plan:
 def make_stage(cfg: RuntimeConfig, model, slots: dict[int, int] | None) -> Stage:
     """A CPU stage of `model` (one MoEModel of the stage's layers): its own expert cache over its layers'
     experts when slots are given, else every expert read where it is stored."""
-    store = model.store
+    model.experts, cache = cpu_experts(cfg, model.store, slots, model.ops.name != "reference")
+    return Stage(model, cache)
+
+
+def cpu_experts(cfg: RuntimeConfig, store, slots: dict[int, int] | None, kernels: bool, prefetch: bool = True):
+    """-> (the expert source of `store`'s experts on the CPU, its cache or None): a cache of `slots` per layer,
+    or (None) every expert read where it is stored."""
     if slots is None:
-        model.experts = ResidentExperts(store)
-        return Stage(model)
+        return ResidentExperts(store), None
     mine = {layer: slots.get(layer, 0) for layer in store.layers}
     cache = ExpertCache(store, slots=mine, policy=cfg.cache_policy, device="cpu", prefill=cfg.cache_prefill,
-                        prefetch=cfg.prefetch, interleave=cfg.repack and model.ops.name != "reference")
-    model.experts = CachedExperts(cache)
-    return Stage(model, cache)
+                        prefetch=cfg.prefetch and prefetch, interleave=cfg.repack and kernels)
+    return CachedExperts(cache), cache
 
 
 def _stage_models(model, the_plan: Plan) -> list:
@@ -143,7 +145,7 @@ def _prepare(cfg: RuntimeConfig) -> tuple[Path, int, Plan, str]:
     path = model_path(cfg.model)
     with open_model(path) as mf:  # metadata and tensor sizes only
         arch = resolve(mf)
-    if arch.spec.hybrid and cfg.pipeline_world_size > 1:
+    if arch.spec.hybrid and (cfg.pipeline_world_size > 1 or cfg.ep_world_size > 1):
         raise MoerunError(f"{path}: a model with linear-attention layers ({arch.spec.family}) cannot be split "
                           "across processes yet (its recurrent state stays with each rank's sequences); split it "
                           "across devices of one process (--devices) instead")
@@ -214,11 +216,13 @@ def _check_kernels(loaded, warnings: list[str]) -> None:
 
 def build(cfg: RuntimeConfig) -> Runtime:
     """The engine of a single process, or rank 0's of a pipeline over processes."""
-    if cfg.pipeline_rank != 0:
+    if cfg.pipeline_rank != 0 or cfg.ep_rank != 0:
         raise ValueError("build() runs rank 0; other ranks run serve_worker()")
     path, ctx, the_plan, home = _prepare(cfg)
     if cfg.pipeline_world_size > 1:
         return _build_rank0(cfg, ctx, the_plan, home)
+    if cfg.expert_parallel > 1:
+        return _build_expert_parallel(cfg, path, ctx, the_plan, home)
     loaded = load_model(path, dtype=getattr(torch, cfg.dtype), home=home, interleave=_interleave(cfg, the_plan),
                         progress=cfg.progress)
     warnings: list[str] = []
@@ -271,7 +275,7 @@ def _join(cfg: RuntimeConfig, the_plan: Plan, home: str):
     """Join the process group, agree on rank 0's layer split, load this rank's layers and make its stage."""
     from moerun.distributed import Link, stage_weights
 
-    link = Link(cfg)
+    link = Link.pipeline(cfg)
     bounds = link.bounds([d.layers[0] for d in the_plan.devices] + [the_plan.devices[-1].layers[1]])
     empty = [r for r in range(cfg.pipeline_world_size) if bounds[r] == bounds[r + 1]]
     if empty:  # every rank sees the same bounds, so every rank stops here with this line
@@ -302,12 +306,15 @@ def _build_rank0(cfg: RuntimeConfig, ctx: int, the_plan: Plan, home: str) -> Run
 
 
 def serve_worker(cfg: RuntimeConfig) -> None:
-    """A pipeline rank other than 0: load its layers, run the steps rank 0 sends until it stops them."""
+    """A pipeline rank other than 0: load its layers, run the steps rank 0 sends until it stops them. An
+    expert-parallel rank other than 0: load its experts, and the same."""
     from moerun.distributed import serve_stage
 
-    if cfg.pipeline_rank == 0:
+    if cfg.pipeline_rank == 0 and cfg.ep_rank == 0:
         raise ValueError("rank 0 runs build(), not serve_worker()")
     _, _, the_plan, home = _prepare(cfg)
+    if cfg.ep_rank:
+        return _serve_expert_rank(cfg, the_plan, home)
     link, loaded, stage, _ = _join(cfg, the_plan, home)
     try:
         serve_stage(cfg, link, loaded.model, stage)
@@ -315,3 +322,117 @@ def serve_worker(cfg: RuntimeConfig) -> None:
         if stage.cache is not None:
             stage.cache.close()
         link.close()
+
+
+# ------------------------------------------------------------------------------------ expert parallelism
+
+
+def _rank_shard(cfg: RuntimeConfig, rank: int, ids: dict[int, list[int]], store, model, the_plan: Plan, arch,
+                slots: dict[int, int] | None, biases: bool):
+    """Rank `rank`'s Shard (moerun.model.shards) of `store`'s experts (ids: layer -> the model's ids of them, in
+    the store's order) on its device, behind a cache of its own: on the CPU `slots` per layer (None: no cache),
+    on a device as the plan sizes its slots; either capped by the rank's experts. biases: the model's expert
+    biases are by its ids (cut them to the rank's)."""
+    from moerun.model.gpu_ops import device_ops
+    from moerun.model.shards import Shard
+    from moerun.runtime_device import device_experts, home_layers
+
+    dev = device.parse(cfg.ep_devices[rank if cfg.ep_world_size == 1 else 0])
+    kernels = model.ops.name != "reference"
+    cut = {}
+    for i in ids if biases else ():
+        exp_b = model.layers[i - model.first].exp_b
+        if exp_b is not None:
+            cut[i] = tuple(device.to_device(b[ids[i]], dev) for b in exp_b)
+    if dev.accelerator:
+        dp = the_plan.devices[0]
+        ops = device_ops(dev, kernels)
+        experts, cache = device_experts(cfg, dev, ops, kernels, store, dict(zip(range(*dp.layers), dp.expert_slots)),
+                                        home_layers(the_plan, store), arch)
+    else:
+        ops = model.ops
+        experts, cache = cpu_experts(cfg, store, slots, kernels, prefetch=False)
+    return Shard(rank, ids, store, experts, cache, dev, ops, cut)
+
+
+def _build_expert_parallel(cfg: RuntimeConfig, path: Path, ctx: int, the_plan: Plan, home: str) -> Runtime:
+    """Expert parallelism over devices of this process: the dense part once, on rank 0's device; each rank's
+    share of every MoE layer's experts on its own device behind its own cache; their parts summed in rank order
+    (moerun.model.shards). Across processes: _build_rank0_experts."""
+    from moerun.expert_parallel import expert_split
+    from moerun.model.gpu_ops import device_ops
+    from moerun.model.shards import ShardedExperts
+
+    if cfg.ep_world_size > 1:
+        return _build_rank0_experts(cfg, ctx, the_plan, home)
+    loaded = load_model(path, dtype=getattr(torch, cfg.dtype), home=home, interleave=_interleave(cfg, the_plan),
+                        progress=cfg.progress)
+    warnings: list[str] = []
+    _check_kernels(loaded, warnings)
+    slots = _cache_slots(cfg, the_plan, loaded.model.store, warnings)
+    if cfg.prefetch:
+        warnings.append("prefetch is not implemented for expert parallelism yet; ignored")
+    model, split = loaded.model, expert_split(cfg, loaded.arch.spec)
+    shards = [_rank_shard(cfg, r, split.shard(r), model.store.shard(split.shard(r)), model, the_plan, loaded.arch,
+                          slots, True) for r in range(cfg.expert_parallel)]
+    lead = device.parse(cfg.ep_devices[0])
+    if lead.accelerator:
+        model.place(lead, device_ops(lead, model.ops.name != "reference"))
+    model.experts = ShardedExperts(shards, loaded.arch.spec.n_experts, lead)
+    stages = [Stage(model, sh.cache, f"rank {sh.rank} ({sh.dev})") for sh in shards]
+    caches = [st for st in stages if st.cache is not None]
+    cache = StageCaches(caches) if caches else None
+    engine = Engine(model, Tokenizer.from_model_file(loaded.file), ctx_size=ctx, ubatch=cfg.ubatch,
+                    expert_cache=cache, draft=cfg.draft, kv_types=(cfg.cache_type_k, cfg.cache_type_v))
+    engine.drafter = make_drafter(cfg, engine)
+    return Runtime(engine, the_plan, cache, warnings, stages)
+
+
+def _join_experts(cfg: RuntimeConfig, the_plan: Plan, home: str):
+    """Join the expert-parallel group, agree on rank 0's split, load this rank's experts (and the dense weights)."""
+    from moerun.expert_parallel import agree, expert_split, join, load_shard
+    from moerun.model.gpu_ops import device_ops
+    from moerun.model.shards import ShardedExperts
+
+    path = model_path(cfg.model)
+    with open_model(path) as mf:
+        spec = resolve(mf).spec
+    link = join(cfg)
+    split = agree(link, expert_split(cfg, spec))
+    ids = split.shard(cfg.ep_rank)
+    loaded = load_shard(path, ids, getattr(torch, cfg.dtype), home, interleave=_interleave(cfg, the_plan))
+    warnings: list[str] = []
+    _check_kernels(loaded, warnings)
+    model = loaded.model
+    slots = _cache_slots(cfg, the_plan, model.store, warnings)
+    shard = _rank_shard(cfg, cfg.ep_rank, ids, model.store, model, the_plan, loaded.arch, slots, False)
+    if shard.dev.accelerator:
+        model.place(shard.dev, device_ops(shard.dev, model.ops.name != "reference"))
+    model.experts = ShardedExperts([shard], spec.n_experts, shard.dev,
+                                   gather=lambda t, layer: link.all_gather(t, f"summing layer {layer}'s experts"))
+    return link, loaded, Stage(model, shard.cache, f"rank {cfg.ep_rank} ({shard.dev})"), warnings
+
+
+def _build_rank0_experts(cfg: RuntimeConfig, ctx: int, the_plan: Plan, home: str) -> Runtime:
+    from moerun.expert_parallel import ExpertParallelEngine, ExpertParallelModel
+
+    link, loaded, stage, warnings = _join_experts(cfg, the_plan, home)
+    model = ExpertParallelModel(stage, link)
+    atexit.register(model.close)  # the other ranks stop when this process ends, however it ends
+    engine = ExpertParallelEngine(model, Tokenizer.from_model_file(loaded.file), ctx_size=ctx, ubatch=cfg.ubatch,
+                                  expert_cache=stage.cache, draft=cfg.draft)
+    engine.drafter = make_drafter(cfg, engine)
+    return Runtime(engine, the_plan, stage.cache, warnings, [stage], model)
+
+
+def _serve_expert_rank(cfg: RuntimeConfig, the_plan: Plan, home: str) -> None:
+    from moerun.expert_parallel import serve_rank
+
+    link, loaded, stage, _ = _join_experts(cfg, the_plan, home)
+    try:
+        serve_rank(link, loaded.model, stage)
+    finally:
+        if stage.cache is not None:
+            stage.cache.close()
+        link.close()
+

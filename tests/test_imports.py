@@ -43,8 +43,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # on them, the kernel probe multiplies experts; the planner and cost model only read the rates they give
     ("probes", ("moerun.placement.probes", "moerun.placement.layer_probe")),
     # what walks the chain for a configuration, and what measures or builds whole models
-    ("runtime", ("moerun.runtime", "moerun.runtime_device", "moerun.loading", "moerun.distributed", "moerun.bench",
-                 "moerun.gpu_counts", "moerun.tools")),
+    ("runtime", ("moerun.runtime", "moerun.runtime_device", "moerun.loading", "moerun.distributed",
+                 "moerun.expert_parallel", "moerun.bench", "moerun.gpu_counts", "moerun.tools")),
     ("server/cli", ("moerun.server", "moerun.cli", "moerun.cli_bench", "moerun.cli_estimate", "moerun.cli_flags",
                     "moerun.cli_generate", "moerun.cli_serve", "moerun.__main__")),
 ]

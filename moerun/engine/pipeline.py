@@ -30,6 +30,7 @@ from moerun.model.moe import Experts
 class Stage:
     model: MoEModel  # the stage's layers only (MoEModel.slice), on its device, with its expert source
     cache: ExpertCache | None = None
+    name: str = ""  # how statistics name it ("" : by its index and label); under expert parallelism, its rank
 
     @property
     def layers(self) -> tuple[int, int]:  # [start, stop)

@@ -1,0 +1,208 @@
+"""Expert parallelism over processes, joined by torch.distributed (gloo on CPUs; with GPUs, NCCL for the
+devices' tensors): every rank holds the dense weights and its share of each MoE layer's routed experts
+(moerun.model.shards), and runs every layer on the same hidden states; per MoE layer one all-gather brings each
+rank every rank's partial output, which each adds in rank order.
+
+Rank 0 runs the Engine (scheduler, sampling, server). Before each step it tells every other rank what the step
+is (a control message: the tokens, each sequence's start and KV blocks as rank 0's allocator handed them out,
+and the blocks its pool copied since the last step, copy on write); the others embed the same tokens, run the
+same layers over KV caches of their own with rank 0's block geometry (attention is replicated: every rank
+holds every layer's KV) and skip the head. A control message is int64 words, distributed.py's with two
+additions:
+
+    header   [op, phase (0 prefill, 1 decode), last_only, batched, rows, pool_tokens, payload_len, tokens]
+    payload  [copies, (src, dst) per copied block..., the step's tokens..., per group as distributed.Step]
+
+Every wait is bounded by `ep_timeout` except a worker's wait for its next step, which idles as long as rank 0
+does; a rank that exits or crashes ends the others' waits with an ExpertParallelError naming it.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from moerun import device
+from moerun.arch import resolve
+from moerun.config import RuntimeConfig
+from moerun.distributed import (
+    HEADER,
+    IDLE,
+    OP_STATS,
+    OP_STOP,
+    Group,
+    Link,
+    PipelineModel,
+    Step,
+    _borrowed,
+    _HandedBlocks,
+    send_stats,
+)
+from moerun.engine.engine import Engine
+from moerun.engine.kv_cache import KVPool, SeqKV
+from moerun.engine.pipeline import Stage, check_decode
+from moerun.errors import MoerunError
+from moerun.formats import open_model
+from moerun.formats.names import CName
+from moerun.loading import Loaded, expert_reader, weights_home
+from moerun.model.model import MoEModel
+from moerun.model.shards import shard_weights
+from moerun.placement.expert_split import ExpertSplit, read_split
+from moerun.weights.loader import interleave_for_kernels, load_weights
+
+
+class ExpertParallelError(MoerunError):
+    """Another rank of the expert-parallel group crashed, stopped or did not answer in time."""
+
+
+def expert_split(cfg: RuntimeConfig, spec) -> ExpertSplit:
+    """Which rank owns which expert: cfg's split file, else contiguous ranges."""
+    layers = [i for i, moe in enumerate(spec.moe_layers) if moe]
+    if cfg.expert_split is not None:
+        return read_split(cfg.expert_split, cfg.expert_parallel, spec.n_experts, layers)
+    return ExpertSplit.ranges(cfg.expert_parallel, spec.n_experts, layers)
+
+
+def join(cfg: RuntimeConfig) -> Link:
+    """This process's place in the group (cfg.ep_rank of cfg.ep_world_size)."""
+    backend = "cpu:gloo,cuda:nccl" if device.parse(cfg.device).is_cuda else "gloo"
+    return Link(cfg.ep_rank, cfg.ep_world_size, cfg.ep_timeout, cfg.master_addr, cfg.master_port, backend,
+                name="expert-parallel", error=ExpertParallelError)
+
+
+def agree(link: Link, split: ExpertSplit) -> ExpertSplit:
+    """Rank 0's split, on every rank (each may have read its own copy of a split file)."""
+    layers = sorted(split.owner)
+    flat = link.bounds([r for layer in layers for r in split.owner[layer]], "agreeing on the expert split")
+    n = len(flat) // max(1, len(layers))
+    return ExpertSplit(split.ranks, {layer: tuple(flat[k * n:(k + 1) * n]) for k, layer in enumerate(layers)})
+
+
+def load_shard(path: str | Path, ids: dict[int, list[int]], dtype: torch.dtype, home: str,
+               interleave: bool | Callable[[CName], bool] = True) -> Loaded:
+    """load_model for one rank: the dense weights, and of each MoE layer's routed experts only those `ids` lists
+    (layer -> ids), numbered 0.. in that order. Experts at home in RAM are copied from the file's map one shard's
+    worth; at home in the file, read through the map or positioned reads of their own."""
+    mf = open_model(path)
+    arch = resolve(mf)
+    in_ram = weights_home(mf, home) == "ram"
+    weights = load_weights(mf, arch, copy_experts=False)
+    shard_weights(weights, ids, own=in_ram)
+    if interleave:
+        interleave_for_kernels(weights, experts=in_ram, keep=None if interleave is True else interleave)
+    reader = None if in_ram else expert_reader(arch)
+    model = MoEModel(arch.spec, weights, dtype=dtype, expert_reader=None if reader is None else reader.shard(ids))
+    gc.freeze()  # as load_model: the model's objects live as long as the process
+    return Loaded(mf, arch, model)
+
+
+class CopyingPool(KVPool):
+    """Rank 0's KV pool: the blocks it copies (copy on write) are listed for the other ranks to repeat."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.copied: list[tuple[int, int]] = []
+
+    def copy_block(self, src: int, dst: int) -> None:
+        super().copy_block(src, dst)
+        self.copied.append((src, dst))
+
+
+def rank_pool(model: MoEModel, n_tokens: int, cls: type[KVPool] = KVPool) -> KVPool:
+    """Every rank's KV pool: all layers, rank 0's geometry; sliding-window layers keep every position (the ranks
+    share rank 0's block tables, which say nothing of windows' rings)."""
+    return cls(model.spec, n_tokens, dtype=model.dtype, segments=model.kv_segments, windows=False)
+
+
+class ExpertParallelEngine(Engine):
+    """Rank 0's Engine: its KV pool is rank_pool's, its copies told to the other ranks."""
+
+    def __init__(self, model: ExpertParallelModel, *args, **kwargs):
+        super().__init__(model, *args, **kwargs)
+        self.pool = None  # the pool Engine made goes before this one is allocated
+        self.pool = rank_pool(model.model, self.ctx_size, CopyingPool)
+
+    def resize_pool(self, n_tokens: int, seqs: int = 1) -> None:
+        if self.pool.allocator.n_free != self.pool.allocator.n_blocks:
+            raise RuntimeError("resize_pool with sequences still holding KV blocks")
+        self.pool = None
+        self.pool = rank_pool(self.model.model, n_tokens, CopyingPool)
+
+
+class ExpertParallelModel(PipelineModel):
+    """Rank 0's model: MoEModel's interface; each step is told to the other ranks, then run here (its MoE layers
+    waiting on theirs). Statistics and stopping as a pipeline's."""
+
+    @property
+    def logits_device(self) -> torch.device:
+        return self.model.logits_device
+
+    @property
+    def dev(self) -> device.Device:
+        return self.model.dev
+
+    def rank_label(self, r: int, plan) -> str:
+        return f"rank {r}"
+
+    def forward(self, tokens: torch.Tensor, kv: SeqKV | None = None, last_only: bool = False,
+                phase: str | None = None) -> torch.Tensor:
+        """As MoEModel.forward."""
+        phase = phase or ("prefill" if len(tokens) > 1 else "decode")
+        if kv is not None:
+            kv.reserve(len(tokens))
+        group = Group(0 if kv is None else kv.length, len(tokens), None if kv is None else tuple(kv.blocks))
+        self._tell(tokens, (group,), phase, last_only, False, None if kv is None else kv.pool)
+        return self.model.forward(tokens, kv, last_only, phase)
+
+    def decode(self, tokens: torch.Tensor, kvs: list[SeqKV], phase: str = "decode") -> torch.Tensor:
+        """As MoEModel.decode."""
+        check_decode(tokens, kvs)
+        for kv in kvs:
+            kv.reserve(1)
+        self._tell(tokens, tuple(Group(kv.length, 1, tuple(kv.blocks)) for kv in kvs), phase, False, True,
+                   kvs[0].pool)
+        return self.model.decode(tokens, kvs, phase)
+
+    def _tell(self, tokens: torch.Tensor, groups: tuple[Group, ...], phase: str, last_only: bool, batched: bool,
+              pool: KVPool | None) -> None:
+        copied = getattr(pool, "copied", [])
+        step = Step(phase, last_only, batched, groups, 0 if pool is None else pool.n_slots)
+        header, groups = step.encode()
+        head = torch.tensor([len(copied), *[b for pair in copied for b in pair]], dtype=torch.int64)
+        payload = torch.cat([head, tokens.to(torch.int64).cpu(), groups])
+        header[6], header[7] = len(payload), len(tokens)
+        copied.clear()
+        for r in range(1, self.link.world):
+            self.link.send(header, r, "sending a step")
+            self.link.send(payload, r, "sending a step")
+
+
+def serve_rank(link: Link, model: MoEModel, stage: Stage) -> None:
+    """A rank other than 0: run each step rank 0 sends, until it says stop (or goes away)."""
+    header = torch.zeros(HEADER, dtype=torch.int64)
+    pool: KVPool | None = None
+    while True:
+        link.recv(header, 0, "waiting for the next step", timeout=IDLE)
+        op = int(header[0])
+        if op == OP_STOP:
+            return
+        if op == OP_STATS:
+            send_stats(link, stage.cache, bool(header[1]))
+            continue
+        payload = link.recv(torch.zeros(int(header[6]), dtype=torch.int64), 0, "receiving a step")
+        n_copies, n_tokens = int(payload[0]), int(header[7])
+        copies = payload[1:1 + 2 * n_copies].view(-1, 2).tolist()
+        tokens = payload[1 + 2 * n_copies:1 + 2 * n_copies + n_tokens]
+        step = Step.decode(header, payload[1 + 2 * n_copies + n_tokens:])
+        if step.pool_tokens and (pool is None or pool.n_slots != step.pool_tokens):
+            pool = None
+            pool = rank_pool(model, step.pool_tokens)
+            pool.allocator = _HandedBlocks(pool.allocator.n_blocks)
+        for src, dst in copies:
+            pool.copy_block(src, dst)
+        kvs = [None if g.blocks is None else _borrowed(pool, g) for g in step.groups]
+        with torch.inference_mode(), model.ops.step(step.rows), device.use(model.dev):
+            model.run_layers(model.embed(tokens), step.positions(), kvs if step.batched else kvs[0], step.phase)

@@ -1,0 +1,145 @@
+"""Expert parallelism over 2 and 3 processes on localhost (gloo; issue 40): the logits equal the same split in one
+process bit for bit and one rank's within 1e-5 (fp32), greedy tokens are the same, each rank has its own expert
+cache; a rank that crashes or stops answering ends rank 0's step with one ExpertParallelError, never a hang.
+
+No test here bounds how fast anything runs: joins and steps get HANG_GUARD_S; a test of a failing rank gives
+rank 0 a short step timeout and bounds the call that must fail by a hang guard 40 times that.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+import torch
+from test_expert_parallel import PROMPT, close, model_file
+from test_pipeline_dist import HANG_GUARD_S, ends_within, finish, free_port
+
+from moerun.config import RuntimeConfig, SamplingParams
+from moerun.expert_parallel import ExpertParallelError
+from moerun.runtime import build
+
+pytestmark = pytest.mark.slow  # process groups: `python -m pytest -m slow`, and CI
+
+WORKER = ("import json, sys\nfrom moerun.config import RuntimeConfig\nfrom moerun.runtime import serve_worker\n"
+          "serve_worker(RuntimeConfig(**json.loads(sys.argv[1])))")
+STEP_TIMEOUT_S = 3
+
+
+def start_ranks(path: str, world: int, **kw) -> tuple[object, list[subprocess.Popen]]:
+    """(rank 0's Runtime in this process, ranks 1.. as processes)."""
+    port = free_port()
+    cfg = dict(model=path, threads=1, ep_world_size=world, master_port=port, ep_timeout=HANG_GUARD_S, **kw)
+    workers = [subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(cfg | {"ep_rank": r})],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(1, world)]
+    return build(RuntimeConfig(**cfg)), workers
+
+
+def stop(rt, workers) -> list[tuple[int, str, str]]:
+    rt.close()
+    return [finish(w) for w in workers]
+
+
+def steps(rt) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens, and the logits of: a prompt without a cache, two sequences' prompts in chunks, decode steps
+    of both together, and a sequence whose new prompt leaves off inside a block another sequence shares (its
+    pool copies that block, copy on write)."""
+    eng = rt.engine
+    eng.resize_pool(4 * eng.ctx_size, seqs=4)
+    gen = eng.generate(PROMPT, SamplingParams.greedy(max_tokens=10, ignore_eos=True)).run()
+    gen.seq.free()
+    a, b = eng.new_sequence(), eng.new_sequence()
+    rows = [eng.model.forward(torch.tensor(PROMPT[:7])), eng.model.forward(torch.tensor(PROMPT[:9]), a.kv),
+            eng.model.forward(torch.tensor(PROMPT[9:]), a.kv), eng.model.forward(torch.tensor(PROMPT[3:8]), b.kv)]
+    step = torch.tensor([rows[2][-1].argmax(), rows[3][-1].argmax()])
+    for _ in range(3):
+        rows.append(eng.model.decode(step, [a.kv, b.kv]))
+        step = rows[-1].argmax(-1)
+    long = PROMPT * 2  # 48 tokens: three blocks of 16
+    c, d = eng.new_sequence(), eng.new_sequence()
+    rows.append(eng.prefill(c, long)[0][None])
+    rows.append(eng.prefill(d, long[:40] + [7, 8, 9])[0][None])  # adopts c's first two blocks
+    rows.append(eng.prefill(d, long[:20] + [11, 12, 13, 14])[0][None])  # back inside the second: copied
+    return gen.tokens, torch.cat(rows).cpu()
+
+
+@pytest.fixture(scope="module")
+def qwen2moe(tmp_path_factory):
+    return model_file(tmp_path_factory, "tiny-qwen2moe")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_processes_equal_one_process(qwen2moe, world):
+    one_tokens, one = steps(build(RuntimeConfig(model=qwen2moe, threads=1)))
+    here_tokens, here = steps(build(RuntimeConfig(model=qwen2moe, threads=1, expert_parallel=world)))
+    rt, workers = start_ranks(qwen2moe, world)
+    tokens, logits = steps(rt)
+    for rc, out, err in stop(rt, workers):
+        assert rc == 0 and out == "", err[-2000:]
+    print(f"tiny-qwen2moe {world} processes: max |dlogit| {(logits - one).abs().max().item():.3g}")
+    assert tokens == here_tokens == one_tokens
+    assert torch.equal(logits, here)  # the same parts summed in the same order
+    assert close(logits, one)
+
+
+@pytest.mark.parametrize("name", ["tiny-gptoss", "tiny-deepseek2", "tiny-glm4moe", "tiny-qwen3moe"])
+def test_families_over_processes(name, tmp_path_factory):
+    path = model_file(tmp_path_factory, name)
+    one_tokens, one = steps(build(RuntimeConfig(model=path, threads=1)))
+    rt, workers = start_ranks(path, 3)
+    tokens, logits = steps(rt)
+    assert all(rc == 0 for rc, _, _ in stop(rt, workers))
+    print(f"{name} 3 processes: max |dlogit| {(logits - one).abs().max().item():.3g}")
+    assert tokens == one_tokens and close(logits, one)
+
+
+def test_a_cache_per_rank_over_processes(qwen2moe):
+    one_tokens, one = steps(build(RuntimeConfig(model=qwen2moe, threads=1)))
+    rt, workers = start_ranks(qwen2moe, 2, expert_cache_slots=1)
+    tokens, logits = steps(rt)
+    stats = dict(rt.stage_stats())
+    assert all(rc == 0 for rc, _, _ in stop(rt, workers))
+    assert tokens == one_tokens and close(logits, one)
+    assert sorted(stats) == ["rank 0 (cpu)", "rank 1"]
+    assert all(s.get().misses > 0 for s in stats.values())
+
+
+@pytest.fixture
+def two_ranks(qwen2moe):
+    rt, workers = start_ranks(qwen2moe, 2)
+    yield rt, workers[0]
+    rt.close()
+    if workers[0].poll() is None:
+        workers[0].send_signal(signal.SIGCONT)
+        workers[0].kill()
+    finish(workers[0])
+
+
+def test_a_rank_killed_mid_generation_is_one_error(two_ranks):
+    rt, worker = two_ranks
+    gen = iter(rt.engine.generate(PROMPT, SamplingParams.greedy(max_tokens=50, ignore_eos=True)))
+    next(gen), next(gen)
+    worker.kill()
+    worker.wait()
+    rt.engine.model.link.timeout = timedelta(seconds=STEP_TIMEOUT_S)
+    with pytest.raises(ExpertParallelError, match="expert-parallel rank 0, .*rank 1 (is gone|did not answer within 3 s)"):
+        ends_within(40 * STEP_TIMEOUT_S, lambda: list(gen))
+
+
+def test_a_rank_that_stops_answering_times_out(two_ranks):
+    rt, worker = two_ranks
+    rt.engine.model.forward(torch.tensor(PROMPT[:4]))
+    rt.engine.model.link.timeout = timedelta(seconds=STEP_TIMEOUT_S)
+    worker.send_signal(signal.SIGSTOP)
+    with pytest.raises(ExpertParallelError, match="rank 1 did not answer within 3 s"):
+        ends_within(40 * STEP_TIMEOUT_S, rt.engine.model.forward, torch.tensor(PROMPT[:4]))
+
+
+def test_a_hybrid_model_is_refused_across_processes(tmp_path_factory):
+    path = model_file(tmp_path_factory, "tiny-qwen3next")
+    with pytest.raises(Exception, match="linear-attention layers"):
+        build(RuntimeConfig(model=path, threads=1, ep_world_size=2, master_port=free_port(), ep_timeout=5))
