@@ -6,13 +6,12 @@ import atexit
 import gc
 import json
 import sys
-from pathlib import Path
 
 import click
 
 from moerun.cli_bench import bench
 from moerun.cli_estimate import estimate
-from moerun.cli_flags import check_clusters
+from moerun.cli_flags import check_clusters, hub_options
 from moerun.cli_generate import chat, run
 from moerun.cli_serve import serve
 from moerun.errors import MoerunError
@@ -78,9 +77,10 @@ def _fmt_count(n: float) -> str:
 
 
 @main.command()
-@click.argument("model", type=click.Path(path_type=Path))
+@hub_options(required=True)
+@click.argument("model", type=click.Path(), required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def inspect(model: Path, as_json: bool):
+def inspect(model: str, as_json: bool):
     """Describe MODEL (GGUF file or Hugging Face folder; `default`: the built-in model) without loading its
     weights."""
     from moerun.arch import resolve

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from moerun.cli_flags import hub_options
 from moerun.config import CACHE_POLICIES, DEFAULT_CACHE_POLICY
 
 
@@ -38,9 +39,10 @@ def _cache_sizes(ctx, param, values):
 
 
 @click.command()
-@click.option("-m", "--model", "models", multiple=True, required=True,
-              help="GGUF file or Hugging Face folder (repeat for several models; `default`: the built-in "
-                   "model).")
+@hub_options("models", required=True)
+@click.option("-m", "--model", "models", multiple=True,
+              help="GGUF file or Hugging Face folder, or hf://REPO[:QUANT] (repeat for several models; `default`: "
+                   "the built-in model).")
 @click.option("-p", "--n-prompt", multiple=True, callback=_int_lists,
               help="Prompt sizes for ppN tests; 0 skips them.  [default: 512]")
 @click.option("-n", "--n-gen", multiple=True, callback=_int_lists,

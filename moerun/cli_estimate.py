@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from moerun.cli_flags import hub_options
 from moerun.config import CACHE_POLICIES, DEFAULT_CACHE_POLICY, KV_CACHE_TYPES
 from moerun.errors import MoerunError
 
@@ -142,7 +143,8 @@ def _kv_bytes(name: str | None) -> float:
 
 
 @click.command()
-@click.argument("model", type=click.Path(path_type=Path))
+@hub_options(required=True)
+@click.argument("model", type=click.Path(), required=False)
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads (default: physical cores).")
 @click.option("--ram-budget", default=None, help="Host RAM moerun may use, e.g. 12GiB (default: available).")

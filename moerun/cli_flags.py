@@ -5,13 +5,16 @@ click's cluster of one-letter flags (`-ngl 99` read as `-n gl`)."""
 
 from __future__ import annotations
 
+import functools
 import re
+import sys
 from dataclasses import dataclass
 
 import click
 
 GENERATE = ("run", "chat", "serve")
 ALL = ("run", "chat", "serve", "bench", "estimate", "inspect", "trace")
+HUB = ("run", "chat", "serve", "bench", "estimate", "inspect")
 UNTIL_END = 2**31 - 1  # -n -1 / -n -2: max_tokens no generation reaches (it ends with the text or the context)
 
 
@@ -32,6 +35,10 @@ LLAMA_FLAGS: tuple[LlamaFlag, ...] = (
     LlamaFlag(("-h", "--help"), "", ALL, "usage and every option"),
     LlamaFlag(("-m", "--model"), "FNAME", GENERATE, "a GGUF file or a Hugging Face folder (default: the built-in "
               "model)"),
+    LlamaFlag(("-hf", "-hfr", "--hf-repo"), "REPO[:QUANT]", HUB, "a model on the Hugging Face Hub, downloaded into "
+              "its cache: the GGUF of that quant (default Q4_K_M, else Q8_0), split files whole, or a safetensors "
+              "model"),
+    LlamaFlag(("-hff", "--hf-file"), "FILE", HUB, "that file of the -hf repository"),
     LlamaFlag(("-c", "--ctx-size"), "N", (*GENERATE, "estimate"), "context size in tokens"),
     LlamaFlag(("-n", "--predict", "--n-predict"), "N", GENERATE, "tokens to generate at most; -1: until the "
               "text ends, -2: until the context is full (either way it ends when the context is full: no "
@@ -294,3 +301,43 @@ def gpu_layers(ngl: int | None, device: str, devices: tuple[str, ...], device_gi
         note(f"-ngl {ngl}: a GPU stage holds the dense weights of all its layers, so all {n} go to the GPU "
              "(the routed experts stay in RAM behind its expert cache; -ncmoe and -ot keep experts on the CPU)")
     return device, devices
+
+
+# -- models on the Hugging Face Hub ----------------------------------------------------------------------------
+
+
+def hub_model(model: str | None, hf_repo: str | None = None, hf_file: str | None = None) -> str | None:
+    """The local path of `-m MODEL` / `-hf REPO[:QUANT]` / `--hf-file FILE`: a hub reference downloaded (or found
+    in the cache) by moerun.hub, which is imported only for one; anything else unchanged."""
+    if hf_repo is None and hf_file is None and not (isinstance(model, str) and model.startswith("hf://")):
+        return model
+    from moerun.hub import resolve
+
+    return resolve(model, hf_repo, hf_file, progress=sys.stderr.isatty())
+
+
+def hub_options(param: str = "model", required: bool = False):
+    """llama.cpp's -hf/-hfr/--hf-repo REPO[:QUANT] and -hff/--hf-file FILE on a command whose model is the
+    parameter `param` (`models`: bench's repeatable -m, which the hub's model joins); the command receives local
+    paths. required: the command needs a model (-m, MODEL or -hf)."""
+
+    def decorate(f):
+        @functools.wraps(f)
+        def command(*args, **kw):
+            repo, file = kw.pop("hf_repo"), kw.pop("hf_file")
+            if param == "models":
+                kw[param] = (*(hub_model(m) for m in kw[param]), *([hub_model(None, repo, file)] * bool(repo or file)))
+            else:
+                kw[param] = hub_model(kw[param], repo, file)
+            if required and not kw[param]:
+                raise click.UsageError(f"give {'-m MODEL' if param == 'models' else 'MODEL'} or -hf REPO[:QUANT]")
+            return f(*args, **kw)
+
+        command = click.option("-hff", "--hf-file", "hf_file", default=None, metavar="FILE",
+                               help="llama.cpp's: that file of the -hf repository.")(command)
+        return click.option("-hf", "-hfr", "--hf-repo", "hf_repo", default=None, metavar="REPO[:QUANT]",
+                            help="llama.cpp's: a model on the Hugging Face Hub, downloaded into its cache (a GGUF "
+                                 "of that quant, default Q4_K_M, else Q8_0; or a safetensors model); -m "
+                                 "hf://REPO[:QUANT] too.")(command)
+
+    return decorate

@@ -8,15 +8,16 @@ from pathlib import Path
 
 import click
 
-from moerun.cli_flags import UNTIL_END, apply_llama_flags, device_flag, gpu_layers, llama_options
+from moerun.cli_flags import UNTIL_END, apply_llama_flags, device_flag, gpu_layers, hub_options, llama_options
 from moerun.config import CACHE_POLICIES, DEFAULT_CACHE_POLICY, KV_CACHE_TYPES, REASONING_FORMATS
 from moerun.errors import MoerunError
 
 
 def model_options(f):
     opts = [
-        click.option("-m", "--model", type=click.Path(path_type=Path), default=None,
-                     help="GGUF file or Hugging Face folder (default: the built-in model)."),
+        click.option("-m", "--model", type=click.Path(), default=None,
+                     help="GGUF file or Hugging Face folder, or hf://REPO[:QUANT] on the hub (default: the built-in "
+                          "model)."),
         click.option("-c", "--ctx-size", type=click.IntRange(min=16), default=None,
                      help="Context size in tokens (default: the model's, at most 4096)."),
         click.option("-ub", "--ubatch", "--ubatch-size", "ubatch", type=click.IntRange(min=1), default=512,
@@ -335,6 +336,7 @@ def _cache_json(rt) -> dict:
 
 
 @click.command()
+@hub_options()
 @model_options
 @sampling_options
 @click.option("-p", "--prompt", default=None, help="Prompt text.")
@@ -446,6 +448,7 @@ class ReplyDisplay:
 
 
 @click.command()
+@hub_options()
 @model_options
 @sampling_options
 @click.option("-sys", "--system-prompt", "--system", "system", default=None, help="System prompt.")

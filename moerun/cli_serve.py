@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from moerun.cli_flags import UNTIL_END
+from moerun.cli_flags import UNTIL_END, hub_options
 from moerun.cli_generate import (
     chat_template_options,
     chat_template_source,
@@ -103,6 +103,7 @@ def preflight(rcfg, parallel: int) -> None:
 
 
 @click.command()
+@hub_options()
 @model_options
 @_serve_sampling_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")

@@ -107,6 +107,38 @@ def check_model(settings):
     assert Path(parse("bench", "-m", MODEL)["models"][0]) == Path(MODEL)
 
 
+def _fake_hub(monkeypatch) -> list[tuple]:
+    """cli_flags.hub_model answering every hub reference with the built-in model; -> the references asked."""
+    asked = []
+
+    def hub_model(model, hf_repo=None, hf_file=None):
+        if hf_repo is None and hf_file is None and not str(model).startswith("hf://"):
+            return model
+        asked.append((model, hf_repo, hf_file))
+        return MODEL
+
+    monkeypatch.setattr(cli_flags, "hub_model", hub_model)
+    return asked
+
+
+def check_hf_repo(settings, monkeypatch):
+    asked = _fake_hub(monkeypatch)
+    assert settings("run", "-hf", "u/r:Q8_0", "-p", "x").cfg.model == MODEL
+    assert settings("serve", "-hfr", "u/r").cfg.model == MODEL
+    assert settings("chat", "--hf-repo", "u/r").cfg.model == MODEL
+    assert settings("run", "-m", "hf://u/r:q4_k_m", "-p", "x").cfg.model == MODEL
+    assert asked == [(None, "u/r:Q8_0", None), (None, "u/r", None), (None, "u/r", None), ("hf://u/r:q4_k_m", None, None)]
+    for args in (("inspect", "-hf", "u/r"), ("estimate", "-hf", "u/r", "--no-measure"), ("bench", "-hf", "u/r")):
+        assert parse(*args)["hf_repo"] == "u/r"
+
+
+def check_hf_file(settings, monkeypatch):
+    asked = _fake_hub(monkeypatch)
+    assert settings("run", "-hf", "u/r", "-hff", "M-Q8_0.gguf", "-p", "x").cfg.model == MODEL
+    assert settings("run", "-hf", "u/r", "--hf-file", "M.gguf", "-p", "x").cfg.model == MODEL
+    assert asked == [(None, "u/r", "M-Q8_0.gguf"), (None, "u/r", "M.gguf")]
+
+
 def check_ctx_size(settings):
     assert settings("run", "-c", "8192", "-p", "x").cfg.ctx_size == 8192
     assert settings("chat", "--ctx-size", "64").cfg.ctx_size == 64
@@ -355,7 +387,7 @@ def check_slot_save_path(settings, tmp_path):
     assert settings("serve", "--slot-save-path", str(tmp_path)).params["slot_save_path"] == tmp_path
 
 
-CHECK_NAMES = {"-h": "check_help", "-m": "check_model", "-c": "check_ctx_size", "-n": "check_n_predict",
+CHECK_NAMES = {"-h": "check_help", "-m": "check_model", "-hf": "check_hf_repo", "-hff": "check_hf_file", "-c": "check_ctx_size", "-n": "check_n_predict",
                "-b": "check_batch_size", "-ub": "check_ubatch_size", "-t": "check_threads",
                "-ngl": "check_gpu_layers", "-dev": "check_device", "-ts": "check_tensor_split",
                "-cmoe": "check_cpu_moe", "-ncmoe": "check_n_cpu_moe", "-ot": "check_override_tensor",

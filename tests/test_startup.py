@@ -1,7 +1,8 @@
 """Start-up (issue 39, item 4): what a short command imports, read from `python -X importtime` (no wall-clock
 times are asserted: the machine is shared). `moerun --help` and `-h` import no torch; `run` imports torch but not
-torch._dynamo (half a second, pulled in by torch.nn.attention.bias), the server, transformers or uvicorn; the
-interpreter's last collections at exit skip the objects alive then (gc.freeze at exit), unless triton is loaded."""
+torch._dynamo (half a second, pulled in by torch.nn.attention.bias), the server, the hub's client, transformers or
+uvicorn; the interpreter's last collections at exit skip the objects alive then (gc.freeze at exit), unless triton
+is loaded."""
 
 from __future__ import annotations
 
@@ -29,12 +30,12 @@ def test_help_imports_no_torch(args):
     assert not {m for m in mods if m == "torch" or m.startswith("torch.")}
 
 
-def test_a_short_run_imports_no_dynamo_server_or_transformers():
+def test_a_short_run_imports_no_dynamo_server_hub_client_or_transformers():
     mods = imported("run", "-p", "x", "-n", "1")
     assert "torch" in mods and "moerun.runtime" in mods
     tops = {m.split(".")[0] for m in mods}
-    assert not {"transformers", "uvicorn", "fastapi", "starlette", "sympy"} & tops, sorted(tops)
-    assert not {m for m in mods if m.startswith(("torch._dynamo", "torch._inductor", "moerun.server"))}
+    assert not {"transformers", "uvicorn", "fastapi", "starlette", "sympy", "huggingface_hub"} & tops, sorted(tops)
+    assert not {m for m in mods if m.startswith(("torch._dynamo", "torch._inductor", "moerun.server", "moerun.hub"))}
 
 
 @pytest.mark.parametrize("triton,frozen", [(False, True), (True, False)])
