@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -82,6 +83,19 @@ def model_options(f):
                      show_default=True, help="Rank 0's port (torchrun's MASTER_PORT)."),
         click.option("--pipeline-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0,
                      show_default=True, help="Seconds to wait for the other ranks to join, or to answer a step."),
+        click.option("--expert-parallel", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Ranks sharing each MoE layer's routed experts, each behind its own cache: devices of "
+                          "this process (--devices, one per rank; else N times --device), or processes "
+                          "(--ep-world-size; under torchrun, N = WORLD_SIZE makes its processes the ranks)."),
+        click.option("--ep-rank", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="This process's rank in expert parallelism over processes (0 runs the command)."),
+        click.option("--ep-world-size", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Processes in expert parallelism, one rank each, joined at --master-addr:--master-port."),
+        click.option("--ep-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
+                     help="Seconds to wait for the other expert-parallel ranks to join, or to answer a step."),
+        click.option("--expert-split", type=click.Path(exists=True, dir_okay=False), default=None,
+                     help="Which rank owns which expert, per layer (a JSON split file; default: contiguous "
+                          "ranges)."),
         click.option("--ram-budget", default=None, help="Host RAM moerun may use, e.g. 12GiB (default: available)."),
         click.option("--vram-budget", default=None,
                      help="GPU memory moerun may use per device, e.g. 6GiB or 6GiB,20GiB (default: free memory)."),
@@ -200,7 +214,8 @@ RUNTIME_OPTIONS = ("model", "ctx_size", "ubatch", "threads", "dtype", "expert_ca
                    "vram_budget", "n_cpu_moe", "override_tensor", "print_plan", "devices", "tensor_split",
                    "pipeline_rank", "pipeline_world_size", "master_addr", "master_port", "pipeline_timeout",
                    "miss_path", "h2d_bw", "vram_bw", "model_draft", "lookup_ngram", "draft_max", "draft_min",
-                   "draft_p_min", "draft_adaptive", "cache_type_k", "cache_type_v", "n_gpu_layers", "mlock")
+                   "draft_p_min", "draft_adaptive", "cache_type_k", "cache_type_v", "n_gpu_layers", "mlock",
+                   "expert_parallel", "ep_rank", "ep_world_size", "ep_timeout", "expert_split")
 
 
 def gpu_devices(gpus: str) -> tuple[str, ...]:
@@ -226,8 +241,9 @@ def _split_list(text: str | None, convert, flag: str) -> tuple | None:
 def runtime_config(kw: dict):
     """Pops the model and placement options out of kw; -> (RuntimeConfig, whether to print the plan).
 
-    On a pipeline rank other than 0 it does not return: the process serves its stage until rank 0 stops it,
-    then exits (the other ranks run no command of their own; rank 0 runs run, chat or serve)."""
+    On a pipeline or expert-parallel rank other than 0 it does not return: the process serves its stage or its
+    experts until rank 0 stops it, then exits (the other ranks run no command of their own; rank 0 runs run, chat
+    or serve)."""
     from moerun.config import DraftParams, RuntimeConfig
     from moerun.placement.devices import parse_size
     from moerun.placement.planner import parse_device, parse_override
@@ -242,6 +258,10 @@ def runtime_config(kw: dict):
     device, devices = device_flag(o["device"], devices)
     device, devices = gpu_layers(o["n_gpu_layers"], device, devices, o["device"] is not None,
                                  None if o["model"] is None else str(o["model"]))
+    if o["expert_parallel"] > 1 and os.environ.get("WORLD_SIZE") == str(o["expert_parallel"]) and \
+            o["ep_world_size"] == 1:  # torchrun's processes are the expert-parallel ranks, not pipeline stages
+        o["ep_rank"], o["ep_world_size"] = o["pipeline_rank"], o["pipeline_world_size"]
+        o["pipeline_rank"], o["pipeline_world_size"] = 0, 1
     try:
         overrides = tuple(pair for spec in o["override_tensor"] for pair in parse_override(spec))
         cfg = RuntimeConfig(
@@ -258,6 +278,8 @@ def runtime_config(kw: dict):
             tensor_split=_split_list(o["tensor_split"], float, "--tensor-split"),
             pipeline_rank=o["pipeline_rank"], pipeline_world_size=o["pipeline_world_size"],
             master_addr=o["master_addr"], master_port=o["master_port"], pipeline_timeout=o["pipeline_timeout"],
+            expert_parallel=o["expert_parallel"], ep_rank=o["ep_rank"], ep_world_size=o["ep_world_size"],
+            ep_timeout=o["ep_timeout"], expert_split=o["expert_split"],
             miss_path=o["miss_path"], h2d_gbps=o["h2d_bw"], vram_gbps=o["vram_bw"],
             model_draft=None if o["model_draft"] is None else str(o["model_draft"]),
             cache_type_k=o["cache_type_k"], cache_type_v=o["cache_type_v"],
@@ -265,7 +287,7 @@ def runtime_config(kw: dict):
                               lookup_ngram=o["lookup_ngram"], adaptive=o["draft_adaptive"]))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    if cfg.pipeline_rank > 0:
+    if cfg.pipeline_rank > 0 or cfg.ep_rank > 0:
         from moerun.runtime import serve_worker
 
         serve_worker(cfg)

@@ -12,12 +12,13 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from datetime import timedelta
 
 import pytest
 import torch
 from test_expert_parallel import PROMPT, close, model_file
-from test_pipeline_dist import HANG_GUARD_S, ends_within, finish, free_port
+from test_pipeline_dist import HANG_GUARD_S, ends_within, finish, free_port, moerun, start
 
 from moerun.config import RuntimeConfig, SamplingParams
 from moerun.expert_parallel import ExpertParallelError
@@ -143,3 +144,49 @@ def test_a_hybrid_model_is_refused_across_processes(tmp_path_factory):
     path = model_file(tmp_path_factory, "tiny-qwen3next")
     with pytest.raises(Exception, match="linear-attention layers"):
         build(RuntimeConfig(model=path, threads=1, ep_world_size=2, master_port=free_port(), ep_timeout=5))
+
+
+def ep_args(rank: int, world: int, port: int, timeout: float = HANG_GUARD_S) -> list[str]:
+    return ["--ep-rank", str(rank), "--ep-world-size", str(world), "--master-port", str(port), "--ep-timeout",
+            str(timeout), "-t", "1"]
+
+
+def test_run_over_processes_from_the_command_line(qwen2moe):
+    run = ["run", "-m", qwen2moe, "-p", "Experts split over ranks", "-n", "12", "--temp", "0", "--ignore-eos",
+           "--json", "--expert-cache-slots", "2"]
+    port = free_port()
+    workers = [start(moerun(*run, *ep_args(r, 3, port))) for r in (1, 2)]
+    rc0, out0, err0 = finish(start(moerun(*run, *ep_args(0, 3, port))))
+    assert rc0 == 0, err0[-2000:]
+    for w in workers:
+        rc, out, err = finish(w)
+        assert rc == 0 and out == "", err[-2000:]
+    rc, out, err = finish(start(moerun(*run, "-t", "1")))
+    here = finish(start(moerun(*run, "-t", "1", "--expert-parallel", "3")))
+    assert rc == 0 and here[0] == 0, err + here[2]
+    three, one, local = json.loads(out0), json.loads(out), json.loads(here[1])
+    assert three["tokens"] == one["tokens"] == local["tokens"] and len(one["tokens"]) == 12
+    assert [s["stage"] for s in three["expert_cache_stages"]] == ["rank 0 (cpu)", "rank 1", "rank 2"]
+    assert [s["stage"] for s in local["expert_cache_stages"]] == ["rank 0 (cpu)", "rank 1 (cpu)", "rank 2 (cpu)"]
+
+
+def test_rank0_alone_gives_up_joining(qwen2moe):
+    rc, _, err = finish(start(moerun("run", "-m", qwen2moe, "-p", "x", *ep_args(0, 2, free_port(), 2))))
+    assert rc == 1 and "could not join the expert-parallel group" in err and "within 2 s" in err
+    assert "Traceback" not in err
+
+
+def test_a_rank_exits_when_rank0_dies(qwen2moe):
+    port = free_port()
+    worker = start(moerun("run", "-m", qwen2moe, *ep_args(1, 2, port)))
+    chat = start(moerun("chat", "-m", qwen2moe, "-n", "4", "--temp", "0", *ep_args(0, 2, port)), stdin=subprocess.PIPE)
+    chat.stdin.write("hello\n")
+    chat.stdin.flush()
+    deadline = time.monotonic() + HANG_GUARD_S
+    while "eval time" not in (line := chat.stderr.readline()):
+        assert line, "rank 0 ended before its first reply"
+        assert time.monotonic() < deadline, f"no reply within {HANG_GUARD_S} s"
+    chat.kill()  # while the other rank idles, waiting for the next step
+    chat.communicate()
+    rc, _, err = finish(worker)
+    assert rc == 1 and "rank 0 is gone" in err and "Traceback" not in err
