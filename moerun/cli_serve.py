@@ -194,7 +194,7 @@ def serve(host, port, api_key, parallel, max_queue, alias, strict_model_name, re
                                 timeout_keep_alive=30))
     log.info("moerun serve: http://%s:%d (OpenAI API under /v1), loading %s", host, port, model)
     uv.run(sockets=socks)
-    error = app.state.server.load_error
+    error = app.state.server.load_error or app.state.server.fatal
     if error is not None:
         raise error if isinstance(error, MoerunError) else MoerunError(f"loading the model failed: {error}")
     if not uv.started:

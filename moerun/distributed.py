@@ -34,7 +34,7 @@ from moerun.config import RuntimeConfig
 from moerun.engine.engine import Engine
 from moerun.engine.kv_cache import KVPool, SeqKV
 from moerun.engine.pipeline import Stage, StagedModel
-from moerun.errors import MoerunError
+from moerun.errors import MoerunError, PeerLostError
 from moerun.experts.stats import CacheStats
 from moerun.formats import open_model
 from moerun.loading import Loaded, expert_reader, weights_home
@@ -46,7 +46,7 @@ HEADER = 8
 IDLE = timedelta(days=365)  # a worker waiting for rank 0's next step
 
 
-class PipelineError(MoerunError):
+class PipelineError(PeerLostError):
     """Another rank crashed, stopped or did not answer in time."""
 
 

@@ -13,6 +13,11 @@ class HostMemoryError(MoerunError, MemoryError):
     """The host could not give moerun the memory a model's weights need."""
 
 
+class PeerLostError(MoerunError):
+    """Another process of a model split over processes (a pipeline stage, an expert-parallel rank) crashed,
+    stopped or did not answer in time: the model cannot run any more."""
+
+
 class ModelFormatError(MoerunError):
     """A model file is unreadable: truncated, corrupt, or of a kind moerun does not support."""
 

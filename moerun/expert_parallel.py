@@ -44,7 +44,7 @@ from moerun.distributed import (
 from moerun.engine.engine import Engine
 from moerun.engine.kv_cache import KVPool, SeqKV
 from moerun.engine.pipeline import Stage, check_decode
-from moerun.errors import MoerunError
+from moerun.errors import PeerLostError
 from moerun.formats import open_model
 from moerun.formats.names import CName
 from moerun.loading import Loaded, expert_reader, weights_home
@@ -54,7 +54,7 @@ from moerun.placement.expert_split import ExpertSplit, read_split
 from moerun.weights.loader import interleave_for_kernels, load_weights
 
 
-class ExpertParallelError(MoerunError):
+class ExpertParallelError(PeerLostError):
     """Another rank of the expert-parallel group crashed, stopped or did not answer in time."""
 
 

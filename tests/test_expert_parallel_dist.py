@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
@@ -190,3 +191,73 @@ def test_a_rank_exits_when_rank0_dies(qwen2moe):
     chat.communicate()
     rc, _, err = finish(worker)
     assert rc == 1 and "rank 0 is gone" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("mode", ["devices", "processes"])
+def test_a_server_with_four_clients(qwen2moe, tmp_path, mode):
+    """`moerun serve -np 4` with 3 ranks (in its process, or it and two more processes) answers 4 clients at once
+    with one process's greedy texts."""
+    import openai
+    from family_checks import ServerProcess
+
+    prompts = ["The experts", "Four clients at once", "Ranks add their parts", "in rank order, every step"]
+    rt = build(RuntimeConfig(model=qwen2moe, threads=1))
+    want = [rt.engine.generate(rt.engine.tokenizer.encode(p), SamplingParams.greedy(max_tokens=12, ignore_eos=True))
+            .run().text for p in prompts]
+    args, workers = ["-m", qwen2moe, "-t", "1", "-c", "256", "-np", "4", "--expert-cache-slots", "2"], []
+    if mode == "processes":
+        port = free_port()
+        workers = [start(moerun("run", "-m", qwen2moe, "--expert-cache-slots", "2", *ep_args(r, 3, port)))
+                   for r in (1, 2)]
+        args += ep_args(0, 3, port)
+    else:
+        args += ["--expert-parallel", "3"]
+    server = ServerProcess(args, tmp_path / "serve.log", wait=HANG_GUARD_S)
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=HANG_GUARD_S)
+
+        def complete(prompt: str) -> str:
+            r = client.completions.create(model="x", prompt=prompt, max_tokens=12, temperature=0)
+            return r.choices[0].text
+
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(complete, prompts)) == want
+    finally:
+        server.stop()
+    for w in workers:
+        rc, out, err = finish(w)
+        assert rc == 0 and out == "", err[-2000:]
+
+
+def test_a_server_that_loses_a_rank_answers_503_and_exits(qwen2moe, tmp_path):
+    """Rank 1 killed while the server streams an answer: the stream ends in an error, /health and new requests
+    are 503 while it stops, and it exits with one error line within --ep-timeout (and the hang guard)."""
+    import openai
+    from family_checks import ServerProcess
+
+    port = free_port()
+    worker = start(moerun("run", "-m", qwen2moe, *ep_args(1, 2, port, timeout=60)))
+    log = tmp_path / "serve.log"
+    server = ServerProcess(["-m", qwen2moe, "-c", "512", "-np", "2", *ep_args(0, 2, port, timeout=60)], log,
+                           wait=HANG_GUARD_S)
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=HANG_GUARD_S)
+        stream = iter(client.completions.create(model="x", prompt="A long answer", max_tokens=400, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True}))
+        next(stream), next(stream)
+        worker.kill()
+        worker.wait()
+        with pytest.raises(openai.APIError, match="cannot be used any more|rank 1"):
+            for _ in stream:
+                pass
+        try:
+            status = server.request("GET", "/health", timeout=30).status
+        except OSError:  # already gone
+            status = 503
+        assert status == 503
+        assert server.proc.wait(timeout=HANG_GUARD_S) == 1
+    finally:
+        server.stop()
+    text = log.read_text()
+    assert "error: the model cannot be used any more: expert-parallel rank 0" in text and "rank 1" in text, text
+    assert "Traceback" not in text, text

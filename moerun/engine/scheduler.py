@@ -35,7 +35,7 @@ from moerun.engine.engine import Engine, Sequence, common_prefix
 from moerun.engine.kv_cache import ContextOverflowError, SeqKV
 from moerun.engine.sampler import Sampler, StopChecker
 from moerun.engine.timings import Timings
-from moerun.errors import ModelFormatError, MoerunError
+from moerun.errors import ModelFormatError, MoerunError, PeerLostError
 from moerun.experts.stats import PHASES, CacheStats, Counters
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,8 @@ class QueueFullError(MoerunError):
 
 
 class ModelUnavailableError(MoerunError):
-    """The model file could not be read during a step (truncated or changed while in use): no new requests."""
+    """The model file could not be read during a step (truncated or changed while in use), or another process of
+    a model split over processes is gone: no new requests."""
 
 
 class SlotBusyError(MoerunError):
@@ -184,7 +185,8 @@ class Scheduler:
         self._cache_copy: CacheStats | None = None
         self._copied_at = 0.0
         self._erase: deque[tuple[int, Callable[[Slot], Any], Future]] = deque()  # slot operations
-        self.fault: str | None = None  # why the model file cannot be read any more; set once, by the engine thread
+        self.fault: str | None = None  # why the model cannot be used any more; set once, by the engine thread
+        self.peer_lost = False  # the fault is a process the model runs across gone (PeerLostError)
         # the requests of the forward pass running (engine thread): one per row of a decode step, or the one
         # request of a prompt chunk; for hooks that watch the model, such as serve's routing trace
         self.step_requests: tuple[Request, ...] = ()
@@ -255,6 +257,9 @@ class Scheduler:
             if slot.req is not None and slot.req.cancelled:
                 self._finish(slot, "cancelled")
         self._erase_slots()
+        if self.peer_lost:  # no step can run any more: each would wait on the lost process again
+            self.abort_all(f"the model cannot be used any more: {self.fault}")
+            return
         self._admit()
         self._decode()
         self._prefill()
@@ -332,6 +337,10 @@ class Scheduler:
     def _run(self, slots: list[Slot], phase: str, forward: Callable[..., torch.Tensor], *args) -> torch.Tensor | None:
         """forward(*args) with the cache lookups it made credited to each of `slots`; on an error those requests
         fail (their KV freed) and the loop goes on."""
+        if self.peer_lost:  # every step would wait on the lost process again
+            for slot in slots:
+                self._finish(slot, "error", f"the model cannot be used any more: {self.fault}")
+            return None
         stats = self.engine.expert_cache.stats if self.engine.expert_cache is not None else None
         before = stats.get(phase=phase) if stats is not None else None
         self.step_requests = tuple(s.req for s in slots)
@@ -339,9 +348,11 @@ class Scheduler:
             logits = forward(*args)
         except Exception as e:  # one request's failure must not stop the others
             message = f"{type(e).__name__}: {e}"
-            if isinstance(e, ModelFormatError):  # the file changed under us: every later miss would fail too
+            if isinstance(e, (ModelFormatError, PeerLostError)):  # every later step would fail too
                 self.fault = self.fault or str(e)
-                log.error("reading the model failed (%s) for requests %s: %s", phase, [s.req.id for s in slots], e)
+                self.peer_lost = self.peer_lost or isinstance(e, PeerLostError)
+                log.error("%s failed (%s) for requests %s: %s", "the model's step" if self.peer_lost else
+                          "reading the model", phase, [s.req.id for s in slots], e)
             elif device.is_oom(e):  # this step's activations did not fit: fail its requests, keep serving
                 device.release_memory()
                 message = (f"out of device memory during {phase} of {len(slots)} request(s): {str(e).splitlines()[0]} "

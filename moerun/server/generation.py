@@ -81,7 +81,9 @@ class Generation:
             self.server.ready.scheduler.wake()
 
     def _failure(self, ev: Event) -> APIError:
-        return APIError(503 if self.server.stopping else 500, f"generation failed: {ev.error}")
+        """503 when the server cannot answer any more (shutting down, a process of its model gone), else 500."""
+        lost = self.server.ready is not None and self.server.ready.scheduler.peer_lost
+        return APIError(503 if self.server.stopping or lost else 500, f"generation failed: {ev.error}")
 
     async def whole(self, http: HTTPRequest) -> dict | None:
         """The answer (a failure raises APIError); None when the client went away first (the request is

@@ -1,7 +1,9 @@
 """What the routes share: the server's configuration, then the loaded model and its engine loop.
 
 The model loads on a thread (`Server.start_loading`) while the app already answers: until it is ready,
-`Server.require` is a 503 "Loading model"; a load that fails is kept in `load_error` (/health says 500).
+`Server.require` is a 503 "Loading model"; a load that fails is kept in `load_error` (/health says 500). A model
+split over processes that loses one (PeerLostError) is kept in `fatal`: /health and requests are 503, and the
+server stops.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ log = logging.getLogger("moerun.server")
 
 
 class Server:
-    """What the routes share: the configuration, then the loaded model and its engine loop."""
+    """What the routes share: the configuration, then the loaded model and its engine loop. on_load_error: called
+    when the server must stop, with why: its model failed to load, or lost a process it runs across."""
 
     def __init__(self, cfg: ServerConfig, load: Callable[[], Runtime],
                  on_load_error: Callable[[BaseException], None] | None = None,
@@ -38,6 +41,7 @@ class Server:
         self.tracer: ServeRouteRecorder | None = None
         self.ready: Ready | None = None
         self.load_error: BaseException | None = None
+        self.fatal: MoerunError | None = None  # a process the model runs across is gone: the server stops
         self.telemetry = Telemetry(self.snapshot, device=lambda: self.ready.runtime.engine.device_label
                                    if self.ready else "cpu")
         self.throughput = ThroughputLog(self.snapshot, cfg.log_interval)
@@ -74,7 +78,7 @@ class Server:
 
                 self.tracer = ServeRouteRecorder(self.trace_routing, eng.model.spec, sched)
                 eng.model.on_route = self.tracer
-            loop = EngineLoop(sched, after_step=self.throughput.tick)
+            loop = EngineLoop(sched, after_step=lambda: self._after_step(sched))
             if self.stopping:
                 return
             loop.start()
@@ -90,6 +94,14 @@ class Server:
             if self.on_load_error is not None:
                 self.on_load_error(e)
 
+    def _after_step(self, sched) -> None:
+        self.throughput.tick()
+        if sched.peer_lost and self.fatal is None:
+            self.fatal = MoerunError(f"the model cannot be used any more: {sched.fault}")
+            log.error("%s; stopping the server", self.fatal)
+            if self.on_load_error is not None:
+                self.on_load_error(self.fatal)
+
     def begin_shutdown(self) -> None:
         """Requests in flight end now with an error event, so their connections close and shutdown need not
         wait for them."""
@@ -101,9 +113,7 @@ class Server:
         self.stopping = True
         if self.ready is not None:
             self.ready.loop.stop()
-            cache = self.ready.runtime.cache
-            if cache is not None:
-                cache.close()
+            self.ready.runtime.close()  # caches' workers, other ranks: uvicorn re-raises SIGTERM, no exit functions run
         if self.tracer is not None:
             self.tracer.writer.close()
 
