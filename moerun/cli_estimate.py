@@ -192,10 +192,17 @@ def _kv_bytes(name: str | None) -> float:
               help="KV cache type of the keys, as `moerun run` takes it (default: float32).")
 @click.option("-ctv", "--cache-type-v", type=click.Choice(KV_CACHE_TYPES), default=None,
               help="KV cache type of the values (default: float32).")
+@click.option("--expert-parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Also predict the model over N hosts like this one: expert parallelism against a pipeline of N "
+                   "stages, and which decodes faster.")
+@click.option("--link-gbps", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="The hosts' link for --expert-parallel, in Gbit/s.")
+@click.option("--link-latency-us", type=click.FloatRange(min=0), default=50.0, show_default=True,
+              help="One message's latency on that link, in microseconds.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_mib, ctx_size, ram_bw, disk_bw, vram_bw, h2d_bw,
              measure, trace_path, cache_policy, cache_plan, cache_trace, n_prompt, ubatch, device, assume_gpus,
-             cache_type_k, cache_type_v, as_json):
+             cache_type_k, cache_type_v, expert_parallel, link_gbps, link_latency_us, as_json):
     """Predict decode and prefill speed and memory for MODEL on this machine, without loading weights
     (`default`: the built-in model)."""
     from moerun.arch import resolve
@@ -306,6 +313,14 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
     bound = cm.decode_time(w, rates, bound=True, batch=batch)
     expect = cm.decode_time(w, rates, batch=batch)
     pre = cm.prefill_time(w, rates, n_prompt, ubatch)
+    hosts = None
+    if expert_parallel > 1:
+        from moerun.placement import ep_cost
+        from moerun.placement.expert_split import check_ranks
+
+        check_ranks(expert_parallel, spec.n_experts)
+        hosts = ep_cost.compare(w, rates, expert_parallel, ep_cost.Link(link_gbps, link_latency_us * 1e-6),
+                                sum(spec.moe_layers), spec.vocab, batch, n_prompt, ubatch)
     cached_layers = [h for h, c in zip(w.hit_rate, slots) if h < 1 or c]
     hit = (sum(cached_layers) / len(cached_layers)) if cached_layers else None
     cmd = llama_cpp_command(model, threads, ctx, the_plan, spec.n_layers, spec.n_experts)
@@ -324,6 +339,7 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
         "decode": {"bound_tok_s": bound.tok_s, "expected_tok_s": expect.tok_s, "bound": bound.to_dict(),
                    "expected": expect.to_dict()},
         "prefill": {**pre.to_dict(), "ubatch": ubatch},
+        "hosts": hosts,
         "memory": {"devices": mem, "home_bytes": home_bytes, "ram_bytes": the_plan.ram_bytes},
         "rates": {"ram_gbps": rates.ram_gbps.value, "disk_gbps": rates.disk_gbps.value,
                   "kernel_gbps": {q: rates.kernel(q) for q in qtypes},
@@ -367,6 +383,8 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
       f" + overhead {expect.overhead * 1e3:.2f} + head {expect.head * 1e3:.2f})")
     e(f"prefill pp{n_prompt:<6} {pre.tok_s:8.1f} tok/s   TTFT {pre.seconds:.2f} s (compute {pre.compute:.2f} s, "
       f"memory {pre.memory:.2f} s, overhead {pre.overhead:.2f} s; ubatch {ubatch})")
+    for line in ep_cost.lines(hosts) if hosts else ():
+        e(line)
     e("")
     e("memory:")
     for m in mem:
