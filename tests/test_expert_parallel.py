@@ -7,6 +7,7 @@ split and the sharded store on their own. Across processes: test_expert_parallel
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -214,3 +215,30 @@ def test_config_checks():
                         ({"ep_world_size": 2, "cache_type_k": "q8_0"}, "compute dtype")):
         with pytest.raises(ValueError, match=message):
             RuntimeConfig(**kw)
+
+
+def test_a_split_from_a_routing_trace(tmp_path):
+    """`moerun trace split` balances a skewed trace's load better than ranges, and the split runs."""
+    from click.testing import CliRunner
+
+    from moerun.cli import main
+    from moerun.tools.make_model import make_model
+    from moerun.tools.presets import preset
+
+    path = str(make_model(preset("tiny-qwen3moe", layers=3, n_experts_used=4), tmp_path / "skew.gguf",
+                          progress=False, threads=1, router_skew=2.0))
+    trace, split = tmp_path / "t.jsonl", tmp_path / "split.json"
+    run_args = ["run", "-m", path, "-p", "a trace of routing decisions", "-n", "24", "--temp", "0", "--ignore-eos",
+                "-t", "1", "--json"]
+    res = CliRunner().invoke(main, [*run_args, "--trace-routing", str(trace)])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(main, ["trace", "split", str(trace), "--expert-parallel", "2", "-o", str(split)])
+    assert res.exit_code == 0, res.output
+    busiest, ranges = (float(x) for x in re.search(r"computes ([\d.]+)% .*ranges: ([\d.]+)%", res.output).groups())
+    assert 50 <= busiest < ranges
+    got = read_split(split, 2, 8, [0, 1, 2])
+    assert got.owner != ExpertSplit.ranges(2, 8, [0, 1, 2]).owner and all(len(got.owned(0, i)) == 4 for i in range(3))
+    one = json.loads(CliRunner().invoke(main, run_args).output)
+    two = CliRunner().invoke(main, [*run_args, "--expert-parallel", "2", "--expert-split", str(split)])
+    assert two.exit_code == 0, two.output
+    assert json.loads(two.output)["tokens"] == one["tokens"]

@@ -1,4 +1,5 @@
-"""`moerun trace ...`: offline analysis of routing traces (replay against cache policies)."""
+"""`moerun trace ...`: offline analysis of routing traces (replay against cache policies; split the experts over
+ranks for expert parallelism by the load the trace shows)."""
 
 from __future__ import annotations
 
@@ -180,3 +181,50 @@ def _allocate(file: Path, tr: Trace, total: int, how: str, policy: str, group: s
                    + ("" if cv_gain > 0 else "; no gain, so the trace allocation is the uniform one"))
     if write is not None:
         click.echo(f"plan written to {write} (run with --expert-cache-plan {write})")
+
+
+def split_loads(tr: Trace, phase: str) -> dict[int, list[float]]:
+    """Layer -> routed (token, choice) pairs per expert in the trace's `phase` records ("all": every record)."""
+    loads: dict[int, list[float]] = {}
+    for rec in tr.records:
+        if phase == "all" or rec.phase == phase:
+            row = loads.setdefault(rec.layer, [0.0] * tr.header.n_experts)
+            for e in rec.experts:
+                row[e] += 1
+    return loads
+
+
+def _busiest(split, loads: dict[int, list[float]]) -> float:
+    """The busiest rank's share of each layer's pairs, averaged over layers (1/N: even)."""
+    shares = []
+    for layer, load in loads.items():
+        total = sum(load) or 1.0
+        shares.append(max(sum(load[e] for e in split.owned(r, layer)) for r in range(split.ranks)) / total)
+    return sum(shares) / max(1, len(shares))
+
+
+@trace.command("split")
+@click.argument("file", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.option("--expert-parallel", "ranks", type=click.IntRange(min=2), required=True,
+              help="Ranks to split each layer's experts over.")
+@click.option("--phase", type=click.Choice(["decode", "prefill", "all"]), default="decode", show_default=True,
+              help="Which records' routing to balance.")
+@click.option("-o", "--output", type=click.Path(path_type=Path, dir_okay=False), required=True,
+              help="The split file to write (run with --expert-split FILE).")
+def split_cmd(file: Path, ranks: int, phase: str, output: Path) -> None:
+    """Split every layer's experts over ranks so that each expects the same share of FILE's routed pairs (each
+    rank holding as many experts, give or take one), for --expert-parallel N --expert-split OUTPUT."""
+    from moerun.placement.expert_split import ExpertSplit, balanced
+
+    tr = read_trace(file)
+    loads = split_loads(tr, phase)
+    if not loads:
+        raise MoerunError(f"{file}: no {phase} records to balance")
+    split = balanced(loads, ranks)
+    split.write(output)
+    ranges = ExpertSplit.ranges(ranks, tr.header.n_experts, sorted(loads))
+    click.echo(f"trace {file}: {len(loads)} layers, {tr.header.n_experts} experts, {phase} records; the busiest of "
+               f"{ranks} ranks computes {_busiest(split, loads):.1%} of a layer's pairs on average "
+               f"(contiguous ranges: {_busiest(ranges, loads):.1%}; even: {1 / ranks:.1%})")
+    click.echo(f"split written to {output} (run with --expert-parallel {ranks} --expert-split {output})")
+
