@@ -21,7 +21,7 @@ import torch
 from test_expert_parallel import PROMPT, close, model_file
 from test_pipeline_dist import HANG_GUARD_S, ends_within, finish, free_port, moerun, start
 
-from moerun.config import RuntimeConfig, SamplingParams
+from moerun.config import DraftParams, RuntimeConfig, SamplingParams
 from moerun.expert_parallel import ExpertParallelError
 from moerun.runtime import build
 
@@ -32,13 +32,13 @@ WORKER = ("import json, sys\nfrom moerun.config import RuntimeConfig\nfrom moeru
 STEP_TIMEOUT_S = 3
 
 
-def start_ranks(path: str, world: int, **kw) -> tuple[object, list[subprocess.Popen]]:
-    """(rank 0's Runtime in this process, ranks 1.. as processes)."""
+def start_ranks(path: str, world: int, rank0: dict | None = None, **kw) -> tuple[object, list[subprocess.Popen]]:
+    """(rank 0's Runtime in this process, ranks 1.. as processes); rank0: settings of rank 0's alone."""
     port = free_port()
     cfg = dict(model=path, threads=1, ep_world_size=world, master_port=port, ep_timeout=HANG_GUARD_S, **kw)
     workers = [subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(cfg | {"ep_rank": r})],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(1, world)]
-    return build(RuntimeConfig(**cfg)), workers
+    return build(RuntimeConfig(**cfg, **(rank0 or {}))), workers
 
 
 def stop(rt, workers) -> list[tuple[int, str, str]]:
@@ -108,6 +108,18 @@ def test_a_cache_per_rank_over_processes(qwen2moe):
     assert tokens == one_tokens and close(logits, one)
     assert sorted(stats) == ["rank 0 (cpu)", "rank 1"]
     assert all(s.get().misses > 0 for s in stats.values())
+
+
+def test_speculative_decoding_over_processes(qwen2moe):
+    greedy = SamplingParams.greedy(max_tokens=16, ignore_eos=True)
+    rt = build(RuntimeConfig(model=qwen2moe, threads=1))
+    want = rt.engine.generate(PROMPT * 2, greedy).run().tokens
+    for rank0 in ({"draft": DraftParams(lookup_ngram=2, adaptive=False)},
+                  {"model_draft": qwen2moe, "draft": DraftParams(draft_p_min=0.0, adaptive=False)}):
+        rt, workers = start_ranks(qwen2moe, 2, rank0)
+        gen = rt.engine.generate(PROMPT * 2, greedy).run()
+        assert all(rc == 0 for rc, _, _ in stop(rt, workers))
+        assert gen.tokens == want and gen.timings.draft_n > 0, rank0
 
 
 @pytest.fixture
