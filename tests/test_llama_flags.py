@@ -152,6 +152,9 @@ def check_n_predict(settings):
     for n in ("-1", "-2"):
         assert settings("run", "-n", n, "-p", "x").sampling.max_tokens == UNTIL_END
         assert settings("chat", "-n", n).sampling.max_tokens == UNTIL_END
+    for n in ("-1", "-2"):  # serve: requests that set no max_tokens run until the text ends or the context is full
+        assert settings("serve", "-n", n).params["max_tokens"] == UNTIL_END
+    assert settings("serve").params["max_tokens"] == UNTIL_END
     r = CliRunner().invoke(main, ["run", "-n", "0", "-p", "x"])
     assert r.exit_code == 2 and "'-n'" in r.output and "0 generates nothing" in r.output
 
