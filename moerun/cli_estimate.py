@@ -143,7 +143,7 @@ def _kv_bytes(name: str | None) -> float:
 
 
 @click.command()
-@hub_options(required=True)
+@hub_options(required=True, progress=True)
 @click.argument("model", type=click.Path(), required=False)
 @click.option("-t", "--threads", type=click.IntRange(min=1), default=None,
               help="CPU threads (default: physical cores).")
@@ -202,7 +202,7 @@ def _kv_bytes(name: str | None) -> float:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_mib, ctx_size, ram_bw, disk_bw, vram_bw, h2d_bw,
              measure, trace_path, cache_policy, cache_plan, cache_trace, n_prompt, ubatch, device, assume_gpus,
-             cache_type_k, cache_type_v, expert_parallel, link_gbps, link_latency_us, as_json):
+             cache_type_k, cache_type_v, expert_parallel, link_gbps, link_latency_us, as_json, progress):
     """Predict decode and prefill speed and memory for MODEL on this machine, without loading weights
     (`default`: the built-in model)."""
     from moerun.arch import resolve
@@ -295,7 +295,7 @@ def estimate(model, threads, gpus, batch, ram_budget, vram_budget, expert_cache_
     options = probes.RateOptions(
         threads=threads, measure=measure, ram_gbps=ram_bw, disk_gbps=disk_bw, h2d_gbps=h2d_bw, vram_gbps=vram_bw,
         model_path=str(model), reads_file=the_plan.home == "disk", qtypes=qtypes, layout=probe_layout(arch),
-        gpu=inv.gpus[0] if inv.gpus and devices != ("cpu",) else None)
+        gpu=inv.gpus[0] if inv.gpus and devices != ("cpu",) else None, progress=progress)
     rates = _gather_rates(probes, options, spec)
     used = probes.used_probes(options, rates)
     host_note, probe_warnings = probe_notes(rates, used)

@@ -306,33 +306,44 @@ def gpu_layers(ngl: int | None, device: str, devices: tuple[str, ...], device_gi
 # -- models on the Hugging Face Hub ----------------------------------------------------------------------------
 
 
-def hub_model(model: str | None, hf_repo: str | None = None, hf_file: str | None = None) -> str | None:
+def hub_model(model: str | None, hf_repo: str | None = None, hf_file: str | None = None,
+              progress: bool = False) -> str | None:
     """The local path of `-m MODEL` / `-hf REPO[:QUANT]` / `--hf-file FILE`: a hub reference downloaded (or found
     in the cache) by moerun.hub, which is imported only for one; anything else unchanged."""
     if hf_repo is None and hf_file is None and not (isinstance(model, str) and model.startswith("hf://")):
         return model
     from moerun.hub import resolve
 
-    return resolve(model, hf_repo, hf_file, progress=sys.stderr.isatty())
+    return resolve(model, hf_repo, hf_file, progress=progress)
 
 
-def hub_options(param: str = "model", required: bool = False):
+def hub_options(param: str = "model", required: bool = False, progress: bool = False):
     """llama.cpp's -hf/-hfr/--hf-repo REPO[:QUANT] and -hff/--hf-file FILE on a command whose model is the
     parameter `param` (`models`: bench's repeatable -m, which the hub's model joins); the command receives local
-    paths. required: the command needs a model (-m, MODEL or -hf)."""
+    paths. required: the command needs a model (-m, MODEL or -hf). With them, --no-progress: the download's
+    bars (and, with `progress`, the command's own: it receives `progress`, whether bars are drawn) are shown
+    only on a terminal, and never with it."""
 
     def decorate(f):
         @functools.wraps(f)
         def command(*args, **kw):
-            repo, file = kw.pop("hf_repo"), kw.pop("hf_file")
+            from moerun.progress import shown
+
+            repo, file, bars = kw.pop("hf_repo"), kw.pop("hf_file"), shown(kw.pop("no_progress"))
             if param == "models":
-                kw[param] = (*(hub_model(m) for m in kw[param]), *([hub_model(None, repo, file)] * bool(repo or file)))
+                kw[param] = (*(hub_model(m, progress=bars) for m in kw[param]),
+                             *([hub_model(None, repo, file, bars)] * bool(repo or file)))
             else:
-                kw[param] = hub_model(kw[param], repo, file)
+                kw[param] = hub_model(kw[param], repo, file, bars)
             if required and not kw[param]:
                 raise click.UsageError(f"give {'-m MODEL' if param == 'models' else 'MODEL'} or -hf REPO[:QUANT]")
+            if progress:
+                kw["progress"] = bars
             return f(*args, **kw)
 
+        command = click.option("--no-progress", is_flag=True,
+                               help="No progress bars (downloads, loading, probes); they show only on a "
+                                    "terminal anyway.")(command)
         command = click.option("-hff", "--hf-file", "hf_file", default=None, metavar="FILE",
                                help="llama.cpp's: that file of the -hf repository.")(command)
         return click.option("-hf", "-hfr", "--hf-repo", "hf_repo", default=None, metavar="REPO[:QUANT]",

@@ -215,7 +215,7 @@ RUNTIME_OPTIONS = ("model", "ctx_size", "ubatch", "threads", "dtype", "expert_ca
                    "pipeline_rank", "pipeline_world_size", "master_addr", "master_port", "pipeline_timeout",
                    "miss_path", "h2d_bw", "vram_bw", "model_draft", "lookup_ngram", "draft_max", "draft_min",
                    "draft_p_min", "draft_adaptive", "cache_type_k", "cache_type_v", "n_gpu_layers", "mlock",
-                   "expert_parallel", "ep_rank", "ep_world_size", "ep_timeout", "expert_split")
+                   "expert_parallel", "ep_rank", "ep_world_size", "ep_timeout", "expert_split", "progress")
 
 
 def gpu_devices(gpus: str) -> tuple[str, ...]:
@@ -284,7 +284,8 @@ def runtime_config(kw: dict):
             model_draft=None if o["model_draft"] is None else str(o["model_draft"]),
             cache_type_k=o["cache_type_k"], cache_type_v=o["cache_type_v"],
             draft=DraftParams(draft_max=o["draft_max"], draft_min=o["draft_min"], draft_p_min=o["draft_p_min"],
-                              lookup_ngram=o["lookup_ngram"], adaptive=o["draft_adaptive"]))
+                              lookup_ngram=o["lookup_ngram"], adaptive=o["draft_adaptive"]),
+            progress=o["progress"])
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if cfg.pipeline_rank > 0 or cfg.ep_rank > 0:
@@ -358,7 +359,7 @@ def _cache_json(rt) -> dict:
 
 
 @click.command()
-@hub_options()
+@hub_options(progress=True)
 @model_options
 @sampling_options
 @click.option("-p", "--prompt", default=None, help="Prompt text.")
@@ -470,7 +471,7 @@ class ReplyDisplay:
 
 
 @click.command()
-@hub_options()
+@hub_options(progress=True)
 @model_options
 @sampling_options
 @click.option("-sys", "--system-prompt", "--system", "system", default=None, help="System prompt.")

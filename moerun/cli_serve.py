@@ -103,7 +103,7 @@ def preflight(rcfg, parallel: int) -> None:
 
 
 @click.command()
-@hub_options()
+@hub_options(progress=True)
 @model_options
 @_serve_sampling_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")

@@ -111,7 +111,7 @@ def _fake_hub(monkeypatch) -> list[tuple]:
     """cli_flags.hub_model answering every hub reference with the built-in model; -> the references asked."""
     asked = []
 
-    def hub_model(model, hf_repo=None, hf_file=None):
+    def hub_model(model, hf_repo=None, hf_file=None, progress=False):
         if hf_repo is None and hf_file is None and not str(model).startswith("hf://"):
             return model
         asked.append((model, hf_repo, hf_file))
