@@ -27,6 +27,9 @@ With ``prefetch=True`` a guess of a layer's experts (``prefetch(layer, guessed)`
 layer ahead) is paged in by a background worker (moerun.experts.prefetch); ``fetch`` of that layer first
 waits for it, then scores it (precision/recall). A lock guards the slot tables; the worker reads into its
 slots outside the lock and only ever touches the guessed layer.
+
+`usage` counts the experts each step asks for, per layer, decayed (moerun.experts.usage): the server's live view
+colours its heat map by it.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from moerun.experts.prefetch import Prefetcher
 from moerun.experts.stats import CacheStats
 from moerun.experts.store import Expert, ExpertStore
 from moerun.experts.transfer import StreamBuffer, Transfers
+from moerun.experts.usage import ExpertUse
 from moerun.placement.planner import STREAM_CHUNK
 from moerun.quant.qtypes import QTensor
 
@@ -93,6 +97,7 @@ class ExpertCache:
         self.dev = _device.parse(device)
         self.store, self.device, self.prefill = store, self.dev.torch, prefill
         self.stats = stats or CacheStats()
+        self.usage = ExpertUse({layer: store.n_experts(layer) for layer in store.layers})
         per_layer = slots if isinstance(slots, dict) else dict.fromkeys(store.layers, slots)
         self.tables: dict[int, SlotTable] = {}
         self.buffers: dict[int, torch.Tensor] = {}
@@ -219,6 +224,7 @@ class ExpertCache:
             raise RuntimeError("fetch() is for caches whose slots are in host RAM; a device stage uses place()")
         table = self.tables.get(layer)
         t0 = time.perf_counter()
+        self.usage.record(layer, experts)
         done = None if self.prefetcher is None else self.prefetcher.wait(layer)  # never compute on a slot being written
         if done is not None:
             self.stats.record_prefetch(layer, phase, done.guessed, set(experts))
@@ -259,6 +265,7 @@ class ExpertCache:
         if unwaited is not None:  # a step failed between its page-ins and their wait (out of memory): its slots
             self.transfers.wait(unwaited, layer, phase)  # count as resident, so compute waits for them now
         table, out = self.tables.get(layer), Placement()
+        self.usage.record(layer, need)
         fetch = {e for e, n in need.items() if (table is None or table.slot_of(e) is None) and choose(e, n) == "fetch"}
         misses = [e for e in need if table is None or table.slot_of(e) is None]
         home = [e for e in misses if e not in fetch]
