@@ -128,10 +128,12 @@ def preflight(rcfg, parallel: int) -> None:
               help="Seconds between throughput lines while busy (0: none).")
 @click.option("--slot-save-path", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder for /slots/{id}?action=save|restore files (llama-server's; without it, none).")
+@click.option("--webui/--no-webui", default=True, show_default=True,
+              help="GET / serves the web page: chat, and a live view of the experts, cache and placement.")
 @reasoning_format_option
 @chat_template_options
 def serve(host, port, api_key, parallel, max_queue, alias, strict_model_name, responses_max, max_body_size, cache_prompt,
-          log_interval, slot_save_path, reasoning_format, trace_routing, verbose, **kw):
+          log_interval, slot_save_path, webui, reasoning_format, trace_routing, verbose, **kw):
     """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages (Anthropic's),
     /v1/models, llama-server's /completion, /props, /apply-template, /health, /metrics."""
     import uvicorn
@@ -155,7 +157,7 @@ def serve(host, port, api_key, parallel, max_queue, alias, strict_model_name, re
                            cache_prompt=cache_prompt, log_interval=log_interval,
                            reasoning_format=reasoning_format, slot_save_path=slot_save_path,
                            strict_model_name=strict_model_name, model_path=str(model), chat_template=template,
-                           responses_max=responses_max)
+                           responses_max=responses_max, webui=webui)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if trace_routing is not None and trace_routing.exists():
@@ -192,7 +194,8 @@ def serve(host, port, api_key, parallel, max_queue, alias, strict_model_name, re
     app = create_app(cfg, load, on_load_error=stop_on_error, trace_routing=trace_routing)
     uv = Uvicorn(uvicorn.Config(app, host=host, port=port, log_config=None, timeout_graceful_shutdown=5,
                                 timeout_keep_alive=30))
-    log.info("moerun serve: http://%s:%d (OpenAI API under /v1), loading %s", host, port, model)
+    log.info("moerun serve: http://%s:%d (OpenAI API under /v1%s), loading %s", host, port,
+             "; the web page at /" if webui else "", model)
     uv.run(sockets=socks)
     error = app.state.server.load_error or app.state.server.fatal
     if error is not None:

@@ -389,6 +389,7 @@ class ServerConfig:
     chat_template  a chat template to use instead of the model's (--chat-template, --chat-template-file); None:
                   the model's own.
     responses_max  responses /v1/responses keeps for previous_response_id (the most recently used; 0: none).
+    webui         GET / serves the web page (chat and the live view; moerun.server.routes.webui).
     """
 
     model_names: tuple[str, ...]
@@ -408,6 +409,7 @@ class ServerConfig:
     model_path: str | None = None
     chat_template: str | None = None
     responses_max: int = 1000
+    webui: bool = True
 
     def __post_init__(self) -> None:
         problems = []

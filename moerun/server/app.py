@@ -20,7 +20,7 @@ from fastapi import FastAPI
 
 from moerun.config import ServerConfig
 from moerun.server.errors import Guard, install_handlers
-from moerun.server.routes import completions, info, llama, messages, responses, slots, tokens
+from moerun.server.routes import completions, info, live, llama, messages, responses, slots, tokens, webui
 from moerun.server.state import Server
 
 if TYPE_CHECKING:
@@ -43,8 +43,9 @@ def create_app(cfg: ServerConfig, load: Callable[[], Runtime],
 
     app = FastAPI(title="moerun", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
-    app.add_middleware(Guard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, open_paths=OPEN_PATHS)
+    app.add_middleware(Guard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
+                       open_paths=OPEN_PATHS | webui.open_paths(cfg))
     install_handlers(app)
-    for family in (info, completions, messages, responses, tokens, slots, llama):
+    for family in (info, completions, messages, responses, tokens, slots, llama, live, webui):
         family.add_routes(app, server)
     return app
