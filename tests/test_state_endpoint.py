@@ -68,8 +68,8 @@ def test_expert_use_record_is_cheap():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = ServerProcess(["-c", "512", "-np", "2", "-t", "1", "--expert-cache-slots", str(SLOTS), "--log-interval", "0"],
-                      tmp_path_factory.mktemp("state") / "serve.log", key=KEY, wait=120)
+    s = ServerProcess(["-c", "512", "-np", "2", "-t", "1", "--expert-cache-slots", str(SLOTS),
+                       "--log-interval", "0"], tmp_path_factory.mktemp("state") / "serve.log", key=KEY, wait=120)
     yield s
     s.stop()
 

@@ -6,8 +6,8 @@
     use.recent(layer)                 # [decayed count per expert], 1.0 for an expert the last step used alone
 
 The decay costs nothing per step: instead of shrinking every count, each step adds a weight that grows by
-2**(1/half_life), and a reading divides by the current weight (counts are rescaled, O(experts), when the weight
-passes 2**64). Recorded from the forward thread; read from any (a reading is a copy).
+2**(1/half_life), and a reading divides by the current weight (counts are rescaled, O(experts), when the
+weight passes 2**64). Recorded from the forward thread; read from any (a reading is a copy).
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ class ExpertUse:
         return sorted(self._layers)
 
     def recent(self, layer: int) -> list[float]:
-        """Each expert's decayed count: the steps that used it, each weighted 2**(-steps since, / half_life)."""
+        """Each expert's decayed count: the steps that used it, each weighted 2**(-age / half_life) where
+        age is the steps of the layer since."""
         lay = self._layers.get(layer)
         if lay is None:
             return []

@@ -10,13 +10,13 @@ same object as a server-sent event every `interval` seconds, 0.2 to 60, default 
     experts    per layer with a cache: each expert's recent use (steps, decaying by half every `half_life`
                steps of the layer: moerun.experts.usage), its use since the start, and the experts resident
                in the cache's slots now (null without an expert cache: resident experts run in C, uncounted)
-    placement  the plan: devices (layers, dense, KV, cache bytes, expert slots), the home tier of the routed
-               experts, and the tensors by kind (`blk.N.` dropped) with the device that computes them, the tier
-               that holds them and their bytes
+    placement  the plan: devices (layers, dense, KV, cache bytes, expert slots), the home tier of the
+               routed experts, and the tensors by kind (`blk.N.` dropped) with the device that computes
+               them, the tier that holds them and their bytes
     build_ms   the time this answer took to build
 
-Everything is read from counters the server keeps anyway: the scheduler's snapshot (its expert-cache statistics
-are copied every 0.25 s), the slots, the caches' slot tables and use counts, and the plan.
+Everything is read from counters the server keeps anyway: the scheduler's snapshot (its expert-cache
+statistics are copied every 0.25 s), the slots, the caches' slot tables and use counts, and the plan.
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ def expert_layers(ready: Ready) -> dict | None:
 
 
 def placement(plan: Plan) -> dict:
-    """The plan's devices, home tier and tensors grouped by kind, device, tier and whether a cache serves them."""
+    """The plan's devices, home tier, and tensors grouped by kind, device, tier and whether a cache serves
+    them."""
     groups: dict[tuple, dict] = {}
     for name, t in plan.tensors.items():
         kind = _LAYER.sub("blk.*.", name)
@@ -93,8 +94,8 @@ def placement(plan: Plan) -> dict:
                                     "count": 0, "bytes": 0})
         g["count"] += 1
         g["bytes"] += t.nbytes
-    devices = [{"device": d.device, "layers": list(d.layers), "dense_bytes": d.dense_bytes, "kv_bytes": d.kv_bytes,
-                "cache_bytes": d.cache_bytes, "workspace_bytes": d.workspace_bytes,
+    devices = [{"device": d.device, "layers": list(d.layers), "dense_bytes": d.dense_bytes,
+                "kv_bytes": d.kv_bytes, "cache_bytes": d.cache_bytes, "workspace_bytes": d.workspace_bytes,
                 "expert_slots": list(d.expert_slots), "budget": d.budget} for d in plan.devices]
     return {"devices": devices, "home": plan.home, "ram_bytes": plan.ram_bytes, "totals": plan.totals(),
             "tensors": sorted(groups.values(), key=lambda g: (-g["bytes"], g["tensor"]))}
@@ -116,6 +117,7 @@ class LiveState:
         if self._placement is None:
             self._placement = placement(rt.plan)
         snap = sched.snapshot()
+        cache = cache_layers(snap.cache) if snap.cache is not None else [] if eng.expert_cache else None
         out = {"object": "moerun.state", "time": time.time(),
                "model": {"name": server.cfg.model_names[0], "family": spec.family, "n_layers": spec.n_layers,
                          "n_experts": spec.n_experts, "n_experts_used": spec.n_experts_used,
@@ -123,8 +125,7 @@ class LiveState:
                "tokens": {"prompt": snap.prompt_tokens, "generated": snap.generated_tokens},
                "running": snap.running, "waiting": snap.waiting, "kv_usage": snap.kv_usage,
                "slots": [slot_state(s) for s in sched.slots],
-               "cache": cache_layers(snap.cache) if snap.cache is not None else [] if eng.expert_cache else None,
-               "experts": expert_layers(ready), "placement": self._placement}
+               "cache": cache, "experts": expert_layers(ready), "placement": self._placement}
         out["build_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
         return out
 

@@ -21,11 +21,10 @@ if TYPE_CHECKING:
 
 TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
          ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
-HEADERS = {
-    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; connect-src 'self'; style-src 'self'; "
-                               "script-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'",
-    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache",
-}
+CSP = ("default-src 'self'; img-src 'self' data:; connect-src 'self'; style-src 'self'; script-src 'self'; "
+       "object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
+HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
+           "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
 
 
 def files() -> dict[str, tuple[bytes, str]]:
