@@ -174,19 +174,20 @@ const MoerunLive = (() => {
       ctx.beginPath(); ctx.moveTo(pad + 8, y); ctx.lineTo(W, y); ctx.stroke();
       ctx.fillText((top * k / 4).toFixed(top < 10 ? 1 : 0), 2, y + 3);
     }
-    const x = (i) => pad + 8 + (W - pad - 8) * i / (HISTORY - 1);
+    const span = Math.max(60, rates.length);  /* points across: a minute at least, then what there is */
+    const x = (i) => pad + 8 + (W - pad - 8) * i / (span - 1);
     const y = (v) => pad / 2 + (H - pad) * (1 - v / top);
     for (const [key, colourOf] of [["prompt", "#e3b341"], ["gen", "#50aabe"]]) {
       ctx.strokeStyle = colourOf;
       ctx.lineWidth = 2;
       ctx.beginPath();
-      const off = HISTORY - rates.length;
+      const off = span - rates.length;
       rates.forEach((r, i) => (i ? ctx.lineTo(x(off + i), y(r[key])) : ctx.moveTo(x(off + i), y(r[key]))));
       ctx.stroke();
     }
     ctx.lineWidth = 1;
     ctx.fillStyle = "#9aa3b2";
-    ctx.fillText(`last ${HISTORY} s`, W - 60, H - 4);
+    ctx.fillText(`last ${span} s`, W - 60, H - 4);
     const now = rates[rates.length - 1];
     $("rate-now").textContent = now ? `now: generation ${now.gen.toFixed(1)} tok/s, prompt ${now.prompt.toFixed(1)} tok/s` : "";
   }
