@@ -248,7 +248,7 @@ def check_inspect_counts(path, model, n_experts: int | None = None) -> dict:
 
     r = CliRunner().invoke(main, ["inspect", str(path), "--json"])
     assert r.exit_code == 0, r.output
-    d = json.loads(r.output)
+    d = json.loads(r.stdout)
     assert (d["total_params"], d["active_params"]) == independent_counts(model, n_experts)
     return d
 
@@ -387,7 +387,7 @@ def check_estimate(path: str, arch: str, tmp_path, monkeypatch) -> dict:
     res = CliRunner().invoke(main, ["estimate", path, "-t", "1", "--ram-bw", "10", "--device", "cpu",
                                     "--json", "--no-measure"])
     assert res.exit_code == 0, res.output
-    d = json.loads(res.output)
+    d = json.loads(res.stdout)
     assert d["bytes_per_token"] == pytest.approx(gguf_bytes_per_token(path, arch), abs=8)
     by_class = d["bytes_per_token_by_class"]
     assert by_class["shared_experts"] > 0 and by_class["dense_ffn"] > 0

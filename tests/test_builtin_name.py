@@ -45,10 +45,10 @@ def test_inspect_and_estimate_take_the_name(name):
     builtin = str(default_model_path())
     r = invoke("inspect", name, "--json")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["path"] == builtin
+    assert json.loads(r.stdout)["path"] == builtin
     r = invoke("estimate", name, "--json", "--device", "cpu", "--no-measure")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["model"] == builtin
+    assert json.loads(r.stdout)["model"] == builtin
 
 
 def test_bench_and_run_take_the_name():

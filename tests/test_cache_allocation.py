@@ -60,7 +60,7 @@ def test_trace_allocation_beats_uniform_and_goes_through_the_cli(tmp_path):
     r = CliRunner().invoke(main, ["trace", "simulate", str(trace), "--total-slots", "16", "--allocate", "trace",
                                   "--write-plan", str(plan), "--json"])
     assert r.exit_code == 0, r.output
-    out = json.loads(r.output)
+    out = json.loads(r.stdout)
     assert out["plans"]["trace"]["hit_rate"] > out["plans"]["uniform"]["hit_rate"]
     assert read_plan(plan) == chosen and json.loads(plan.read_text())["total_slots"] == 16
     text = CliRunner().invoke(main, ["trace", "simulate", str(trace), "--total-slots", "16"]).output
@@ -97,7 +97,7 @@ def test_the_routing_bench_model_is_built_in():
     path = model_path("routing")
     assert path.name == "routing-qwen3moe.gguf" and path.is_file()
     r = CliRunner().invoke(main, ["inspect", "routing", "--json"])
-    info = json.loads(r.output)
+    info = json.loads(r.stdout)
     assert (info["experts"], info["experts_used"], info["layers"]) == (64, 8, 8), info
     rt = build(RuntimeConfig(model="routing", threads=1, expert_cache_slots=16))
     gen = rt.engine.generate(rt.engine.tokenizer.encode("def "), SamplingParams.greedy(max_tokens=16,

@@ -72,7 +72,7 @@ def estimate(*args, probe: bool = False):
 def estimate_json(*args, probe: bool = False) -> dict:
     r = estimate(*args, "--json", probe=probe)
     assert r.exit_code == 0, r.output
-    return json.loads(r.output)
+    return json.loads(r.stdout)
 
 
 def test_bytes_per_token_and_bound(tiny, counts):

@@ -332,7 +332,7 @@ def test_cli_simulate_table_plot_and_json(trace_file, tmp_path):
     assert lines[4].startswith("| lru ") and lines[5].startswith("| belady ")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     res = CliRunner().invoke(main, ["trace", "simulate", str(trace_file), "--slots", "4", "--json"])
-    out = json.loads(res.output)
+    out = json.loads(res.stdout)
     rates = {r["policy"]: r["hit_rate"] for r in out["results"]}
     assert set(rates) == {*POLICIES, "belady"} and rates["belady"] == max(rates.values())
     assert rates["lru"] == simulate(read_trace(trace_file), 4, "lru").hit_rate()

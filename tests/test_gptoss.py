@@ -575,6 +575,6 @@ def test_estimate_bytes_per_token(preset_gguf, tmp_path, monkeypatch):
     monkeypatch.setenv("MOERUN_CACHE", str(tmp_path / "cache"))
     res = CliRunner().invoke(main, ["estimate", preset_gguf, "-t", "1", "--ram-bw", "10", "--device", "cpu", "--json"])
     assert res.exit_code == 0, res.output
-    d = json.loads(res.output)
+    d = json.loads(res.stdout)
     assert d["bytes_per_token"] == pytest.approx(gguf_bytes_per_token(preset_gguf, "gpt-oss"), abs=8)
     assert d["decode"]["expected"]["tok_s"] > 0

@@ -230,7 +230,7 @@ def hybrid_gguf(tmp_path_factory):
 def test_inspect_shows_the_layer_kinds_state_and_kv(hybrid_gguf):
     r = CliRunner().invoke(main, ["inspect", str(hybrid_gguf), "--json"])
     assert r.exit_code == 0, r.output
-    d = json.loads(r.output)
+    d = json.loads(r.stdout)
     assert d["family"] == "qwen3next" and d["layer_kinds"] == ["linear", "linear", "linear", "full"]
     assert d["linear_layers"] == 3
     assert d["linear_attention"] == {"key_heads": 2, "value_heads": 4, "key_dim": 8, "value_dim": 16,
@@ -275,7 +275,7 @@ def _estimate(path, *args) -> dict:
     r = CliRunner().invoke(main, ["estimate", str(path), "--no-measure", "--json", "--device", "cpu",
                                   "-t", "1", "--ram-bw", "10", *args])
     assert r.exit_code == 0, r.output
-    return json.loads(r.output)
+    return json.loads(r.stdout)
 
 
 def test_estimate_reads_and_writes_the_state_each_token(hybrid_gguf, cache):
