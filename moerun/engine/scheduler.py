@@ -160,6 +160,8 @@ class Snapshot:
     cache: CacheStats | None
     prefix_queries: int = 0  # prompt tokens of admitted requests, and those found in the KV cache
     prefix_hits: int = 0
+    tokens_in_flight: int = 0  # the running requests' prompt and generated tokens, and the waiting ones' prompts
+    kv_running_usage: float = 0.0  # positions the running requests' slots hold / the KV cache's (vLLM's usage)
 
 
 def _diff(after: Counters, before: Counters) -> Counters:
@@ -244,10 +246,18 @@ class Scheduler:
 
     def snapshot(self) -> Snapshot:
         alloc = self.engine.pool.allocator
-        return Snapshot(running=sum(s.req is not None for s in self.slots), waiting=len(self._waiting),
+        # each slot's request read once: the engine thread sets and clears them meanwhile
+        busy = [(s, r) for s, r in ((s, s.req) for s in self.slots) if r is not None]
+        with self._cond:
+            waiting = list(self._waiting)
+        in_flight = sum(len(r.prompt) + len(r.tokens) for _, r in busy) + sum(len(r.prompt) for r in waiting)
+        positions = alloc.n_blocks * self.engine.pool.block_size
+        return Snapshot(running=len(busy), waiting=len(waiting),
                         kv_usage=1.0 - alloc.n_free / alloc.n_blocks, kv_tokens=sum(s.kv.length for s in self.slots),
                         prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
-                        cache=self._cache_copy, prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits)
+                        cache=self._cache_copy, prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits,
+                        tokens_in_flight=in_flight,
+                        kv_running_usage=min(1.0, sum(s.kv.length for s, _ in busy) / positions) if positions else 0.0)
 
     # -- the engine thread ---------------------------------------------------------------------------
 

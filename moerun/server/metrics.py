@@ -1,6 +1,6 @@
-"""Prometheus metrics (llama.cpp's `llamacpp:*` names where they fit, `moerun:*` for the rest) and the server's
-log lines: per request llama.cpp's timing lines and the request's expert-cache figures; while busy, one
-vLLM-style throughput line every few seconds.
+"""Prometheus metrics (llama.cpp's `llamacpp:*` names where they fit, vLLM's `vllm:*` for the load gauges that
+routers read, `moerun:*` for the rest) and the server's log lines: per request llama.cpp's timing lines and the
+request's expert-cache figures; while busy, one vLLM-style throughput line every few seconds.
 
 Counters are updated from the engine thread through the scheduler's Observer calls; gauges and the expert
 cache's counters are read from the scheduler's snapshot when /metrics is scraped. One registry per server.
@@ -88,6 +88,14 @@ class Telemetry:
         gauge("llamacpp:kv_cache_usage_ratio", "KV cache blocks in use / all blocks", lambda s: s.kv_usage)
         gauge("llamacpp:kv_cache_tokens", "Positions held in the KV cache (slots keep theirs)", lambda s: s.kv_tokens)
         gauge("moerun:prefix_cache_hit_ratio", "Prompt tokens found in the KV cache / prompt tokens, since start",
+              lambda s: s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0)
+        gauge("moerun:tokens_in_flight", "Tokens of the requests running (prompt and generated) and waiting "
+              "(prompt): /get_load's figure", lambda s: s.tokens_in_flight)
+        gauge("vllm:num_requests_running", "Requests running", lambda s: s.running)
+        gauge("vllm:num_requests_waiting", "Requests waiting for a slot", lambda s: s.waiting)
+        gauge("vllm:kv_cache_usage_perc", "KV cache positions the running requests hold / all (slots' kept "
+              "prefixes left out, as vLLM leaves out its prefix cache), 1 = full", lambda s: s.kv_running_usage)
+        gauge("vllm:gpu_prefix_cache_hit_rate", "Prompt tokens found in the KV cache / prompt tokens, since start",
               lambda s: s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0)
         r.register(_CacheCollector(snapshot, device))
 
