@@ -20,7 +20,18 @@ from fastapi import FastAPI
 
 from moerun.config import ServerConfig
 from moerun.server.errors import Guard, install_handlers
-from moerun.server.routes import completions, info, live, llama, messages, responses, slots, tokens, webui
+from moerun.server.routes import (
+    completions,
+    info,
+    live,
+    llama,
+    messages,
+    responses,
+    slots,
+    tokens,
+    webui,
+    workers,
+)
 from moerun.server.state import Server
 
 if TYPE_CHECKING:
@@ -46,6 +57,6 @@ def create_app(cfg: ServerConfig, load: Callable[[], Runtime],
     app.add_middleware(Guard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes,
                        open_paths=OPEN_PATHS | webui.open_paths(cfg))
     install_handlers(app)
-    for family in (info, completions, messages, responses, tokens, slots, llama, live, webui):
+    for family in (info, completions, messages, responses, tokens, slots, llama, live, webui, workers):
         family.add_routes(app, server)
     return app

@@ -8,6 +8,7 @@
     tokens       /tokenize, /detokenize (llama-server's)
     slots        /slots, /slots/{id}?action=erase|save|restore (llama-server's)
     llama        /props, /apply-template, /completion (llama-server's)
+    workers      /get_load, /server_info, /model_info (and their /get_ forms), /version: what routers read
     live         /v1/moerun/state (the web page's live view: expert use, cache, slots, placement)
     webui        / and /webui/NAME: the web page (off with --no-webui)
 """
