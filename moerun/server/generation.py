@@ -67,6 +67,12 @@ class Generation:
         """The stop string that ended the first choice (None: another reason, or not ended yet)."""
         return None if self.last[0] is None else self.last[0].stop_word
 
+    def headers(self) -> dict[str, str]:
+        """A whole answer's headers: the request's id, and x-moerun-prefix-hit, the prompt tokens the first choice
+        found in the KV cache (timings' cache_n) for a client or router to log. A stream's headers go out before
+        its prompt runs: its last chunk's timings carry cache_n."""
+        return {"X-Request-Id": self.id, "x-moerun-prefix-hit": str(self.reqs[0].timings.cache_n)}
+
     def finals(self) -> tuple[dict, dict]:
         """usage and timings, once every choice ended."""
         req = self.reqs[0]
@@ -202,7 +208,7 @@ async def respond(gen: Generation, http: HTTPRequest) -> JSONResponse | Streamin
     out = await gen.whole(http)
     if out is None:
         return JSONResponse({}, status_code=499)  # nobody is listening
-    return JSONResponse(out, headers={"X-Request-Id": gen.id})
+    return JSONResponse(out, headers=gen.headers())
 
 
 async def generate(server: Server, http: HTTPRequest, body: ChatRequest | CompletionRequest, prompt: list[int],

@@ -144,4 +144,4 @@ def add_routes(app: FastAPI, server: Server) -> None:
         out = await gen.whole(http)
         if out is None:
             return JSONResponse({}, status_code=499)  # nobody is listening
-        return JSONResponse(native(gen, out, text), headers={"X-Request-Id": gen.id})
+        return JSONResponse(native(gen, out, text), headers=gen.headers())

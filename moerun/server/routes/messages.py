@@ -31,7 +31,7 @@ def add_routes(app: FastAPI, server: Server) -> None:
         out = await gen.whole(http)
         if out is None:
             return JSONResponse({}, status_code=499)  # nobody is listening
-        return JSONResponse(convert.to_message(out, gen.stop_word), headers={"X-Request-Id": gen.id})
+        return JSONResponse(convert.to_message(out, gen.stop_word), headers=gen.headers())
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: convert.CountTokensRequest):

@@ -56,7 +56,7 @@ def add_routes(app: FastAPI, server: Server) -> None:
         reason = "length" if choice["finish_reason"] == "length" else "stop"
         response = finished(conv, rid, model, created, output, answer["usage"], reason, reasoning_tokens(output))
         keep(conv, output, response)
-        return JSONResponse(response, headers={"X-Request-Id": gen.id})
+        return JSONResponse(response, headers=gen.headers())
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str):
