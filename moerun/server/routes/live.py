@@ -28,7 +28,7 @@ import time
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Query
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from moerun.server.errors import APIError
 
@@ -135,8 +135,8 @@ def add_routes(app: FastAPI, server: Server) -> None:
 
     @app.get("/v1/moerun/state")
     async def state(stream: bool = False, interval: float = Query(1.0, ge=0.2, le=60.0)):
-        if not stream:
-            return live.build()
+        if not stream:  # its JSON written at once (FastAPI's encoder walks every number: ms for a big model)
+            return Response(json.dumps(live.build()), media_type="application/json")
         server.require()
 
         async def events():
