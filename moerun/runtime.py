@@ -380,8 +380,7 @@ def _build_expert_parallel(cfg: RuntimeConfig, path: Path, ctx: int, the_plan: P
         model.place(lead, device_ops(lead, model.ops.name != "reference"))
     model.experts = ShardedExperts(shards, loaded.arch.spec.n_experts, lead)
     stages = [Stage(model, sh.cache, f"rank {sh.rank} ({sh.dev})") for sh in shards]
-    caches = [st for st in stages if st.cache is not None]
-    cache = StageCaches(caches) if caches else None
+    cache = StageCaches(stages, [sh.rank for sh in shards]) if any(st.cache is not None for st in stages) else None
     engine = Engine(model, Tokenizer.from_model_file(loaded.file), ctx_size=ctx, ubatch=cfg.ubatch,
                     expert_cache=cache, draft=cfg.draft, kv_types=(cfg.cache_type_k, cfg.cache_type_v))
     engine.drafter = make_drafter(cfg, engine)

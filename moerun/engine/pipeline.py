@@ -51,11 +51,14 @@ class Stage:
 
 
 class StageStats(CacheStats):
-    """Several stages' statistics read as one CacheStats (their layers are disjoint; a layer present in two
-    would be summed). Read-only: each stage's cache records into its own; `reset` resets them all."""
+    """Several stages' statistics read as one CacheStats (a layer present in two, as under expert parallelism,
+    is summed). Read-only: each stage's cache records into its own; `reset` resets them all. ranks: the
+    expert-parallel rank of each part (None: the parts are layer stages). `stats + CacheStats()` (how the scheduler
+    copies statistics for other threads) is a StageStats of copies, so each part still shows."""
 
-    def __init__(self, parts: Sequence[CacheStats]):
+    def __init__(self, parts: Sequence[CacheStats], ranks: Sequence[int] | None = None):
         self.parts = list(parts)
+        self.ranks = None if ranks is None else tuple(ranks)
 
     @property
     def _c(self) -> dict[tuple[int, str], Counters]:
@@ -72,13 +75,24 @@ class StageStats(CacheStats):
         for part in self.parts:
             part.reset()
 
+    def merge(self, other: CacheStats) -> StageStats:
+        """A StageStats of the parts' copies, `other` counted with the first part."""
+        parts = [part + CacheStats() for part in self.parts] or [CacheStats()]
+        parts[0] = parts[0] + other
+        return StageStats(parts, self.ranks if self.parts else None)
+
+    __add__ = merge
+
 
 class StageCaches:
-    """The stages' expert caches where the Engine expects one: `.stats` sums them, `.stages` lists them."""
+    """The stages' expert caches where the Engine expects one: `.stats` sums them, `.stages` lists them. ranks:
+    each stage's expert-parallel rank (None: layer stages)."""
 
-    def __init__(self, stages: Sequence[Stage]):
-        self.stages = [st for st in stages if st.cache is not None]
-        self.stats = StageStats([st.cache.stats for st in self.stages])
+    def __init__(self, stages: Sequence[Stage], ranks: Sequence[int] | None = None):
+        keep = [k for k, st in enumerate(stages) if st.cache is not None]
+        self.stages = [stages[k] for k in keep]
+        self.stats = StageStats([st.cache.stats for st in self.stages],
+                                None if ranks is None else [ranks[k] for k in keep])
 
     @property
     def prefetching(self) -> bool:

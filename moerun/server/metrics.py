@@ -35,7 +35,9 @@ _CACHE_COUNTERS = {"expert_cache_queries": "queries", "expert_cache_hits": "hits
 
 
 class _CacheCollector:
-    """moerun:expert_cache_* from the last snapshot of the cache's statistics, labelled layer, device, phase."""
+    """moerun:expert_cache_* from the last snapshot of the cache's statistics, labelled layer, device, phase and
+    rank: under expert parallelism in this process each rank's cache is a series of its own; otherwise rank is
+    "0" (across processes this process is rank 0, and its cache is the one it counts)."""
 
     def __init__(self, snapshot: Callable[[], Snapshot | None], device: Callable[[], str]):
         self.snapshot, self.device = snapshot, device
@@ -44,14 +46,15 @@ class _CacheCollector:
         snap = self.snapshot()
         stats = snap.cache if snap is not None else None
         families = {name: CounterMetricFamily(f"moerun:{name}", f"expert cache: {field.replace('_', ' ')}",
-                                              labels=["layer", "device", "phase"])
+                                              labels=["layer", "device", "phase", "rank"])
                     for name, field in _CACHE_COUNTERS.items()}
-        if stats is not None:
-            for layer in stats.layers():
+        ranks = getattr(stats, "ranks", None)
+        for rank, part in (() if stats is None else zip(ranks, stats.parts) if ranks else [(0, stats)]):
+            for layer in part.layers():
                 for phase in ("prefill", "decode"):
-                    c = stats.get(layer, phase)
+                    c = part.get(layer, phase)
                     for name, field in _CACHE_COUNTERS.items():
-                        families[name].add_metric([str(layer), self.device(), phase], getattr(c, field))
+                        families[name].add_metric([str(layer), self.device(), phase, str(rank)], getattr(c, field))
         yield from families.values()
 
     def describe(self):
