@@ -34,7 +34,9 @@ then builds the runtime as `moerun run` would (one build per test: an expert cac
 placement), and its record adds `devices`, `expert_cache_home_share` (misses computed by the CPU),
 `expert_cache_h2d_gbps` (host-to-device copies), `expert_cache_stall_s`, `expert_cache_stages` (per stage:
 hits, misses paged in, streamed and computed at home, GB/s, stall) and `estimate_ts`, what `moerun
-estimate` predicts for that placement (uniform routing), so the two can be compared row by row.
+estimate` predicts for that placement (uniform routing), so the two can be compared row by row. Over processes
+(`--ep-world-size`, `--pipeline-world-size`) every rank runs the command; moerun.bench_ranks says how, and what
+`ep_gathers` and `ep_gather_ms` (the `link ms` column: rank 0's) are.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from functools import partial
 from pathlib import Path
 from typing import TextIO
 
+from moerun.bench_ranks import across_processes, for_test, gather_fields, rank_fields, reset
 from moerun.config import DEFAULT_CACHE_POLICY
 from moerun.errors import MoerunError
 from moerun.model.timing import time_gen, time_prompt
@@ -65,9 +68,9 @@ FIELDS = [
     "expert_cache_mib", "expert_cache_hits", "expert_cache_queries", "expert_cache_hit_rate",
     "expert_cache_prefetch_precision",
     "devices", "expert_cache_home_share", "expert_cache_h2d_gbps", "expert_cache_stall_s", "expert_cache_stages",
-    "estimate_ts",
+    "estimate_ts", "ep_gathers", "ep_gather_ms",
 ]
-LIST_FIELDS = ("samples_ns", "samples_ts", "expert_cache_stages")  # in json/jsonl; left out of csv
+LIST_FIELDS = ("samples_ns", "samples_ts", "expert_cache_stages", "ep_gather_ms")  # in json/jsonl; left out of csv
 FORMATS = ("md", "json", "jsonl", "csv")
 DEFAULT_UBATCH = 512
 
@@ -282,7 +285,7 @@ def bench_record(info: ModelInfo, case: BenchCase, samples_ns: Sequence[int], dt
         "devices": None, "expert_cache_home_share": None if cache is None else cache.home_share,
         "expert_cache_h2d_gbps": None if cache is None else cache.h2d_gbps,
         "expert_cache_stall_s": None if cache is None else cache.seconds_stalled,
-        "expert_cache_stages": None, "estimate_ts": None, **(placed or {}),
+        "expert_cache_stages": None, "estimate_ts": None, "ep_gathers": None, "ep_gather_ms": None, **(placed or {}),
     }
 
 
@@ -335,7 +338,7 @@ class Printer:
         """llama-bench's column widths; negative: left-aligned."""
         return {"model": -30, "size": 10, "params": 10, "backend": -10, "threads": 7, "n_ubatch": 8,
                 "dtype": -8, "cache": 16, "test": 15, "t/s": 20, "GB/s": 8, "% of bound": 10, "devices": -16,
-                "home": 6, "h2d GB/s": 8, "est t/s": 9}[col]
+                "home": 6, "h2d GB/s": 8, "est t/s": 9, "link ms": 7}[col]
 
     def header(self) -> None:
         if self.fmt == "md":
@@ -380,6 +383,7 @@ class Printer:
             "home": _pct_cell(rec["expert_cache_home_share"]),
             "h2d GB/s": "-" if rec["expert_cache_h2d_gbps"] is None else f"{rec['expert_cache_h2d_gbps']:.1f}",
             "est t/s": "-" if rec["estimate_ts"] is None else f"{rec['estimate_ts']:.1f}",
+            "link ms": "-" if rec["ep_gather_ms"] is None else f"{rec['ep_gather_ms'][0]:.2f}",
         }[col]
 
 
@@ -406,15 +410,21 @@ def make_cache(model, mib: float, policy: str, interleave: bool = True, prefetch
                        prefetch=prefetch)
 
 
-def _placed_runtime(case: BenchCase, placement: dict, dtype: str, cache_policy: str, mmap: bool | None,
-                    repack: bool, prefetch: bool = False):
-    """The runtime `moerun run` would build for this test's placement (an expert cache size per test)."""
+def placed_config(case: BenchCase, placement: dict, dtype: str, cache_policy: str, mmap: bool | None,
+                  repack: bool, prefetch: bool = False):
+    """The RuntimeConfig `moerun run` would use for this test's placement (an expert cache size per test)."""
     from moerun.config import RuntimeConfig
+
+    return RuntimeConfig(model=case.model, threads=case.n_threads, ubatch=case.n_ubatch, dtype=dtype,
+                         ctx_size=max(case.n_prompt + case.n_gen + 16, 64), expert_cache_mib=case.cache_mib,
+                         cache_policy=cache_policy, mmap=mmap, repack=repack, prefetch=prefetch, **placement)
+
+
+def _placed_runtime(*args, **kw):
+    """The runtime of placed_config(*args, **kw), as `moerun run` builds it."""
     from moerun.runtime import build
 
-    return build(RuntimeConfig(model=case.model, threads=case.n_threads, ubatch=case.n_ubatch, dtype=dtype,
-                               ctx_size=max(case.n_prompt + case.n_gen + 16, 64), expert_cache_mib=case.cache_mib,
-                               cache_policy=cache_policy, mmap=mmap, repack=repack, prefetch=prefetch, **placement))
+    return build(placed_config(*args, **kw))
 
 
 def _placed_fields(rt, case: BenchCase, placement: dict) -> dict:
@@ -430,6 +440,8 @@ def _placed_fields(rt, case: BenchCase, placement: dict) -> dict:
         stages.append({"stage": label, "hits": c.hits, "misses": c.misses, "misses_paged": c.misses -
                        c.misses_home - c.misses_streamed, "misses_streamed": c.misses_streamed,
                        "misses_home": c.misses_home, "h2d_gbps": c.h2d_gbps, "stall_s": c.seconds_stalled})
+    if across_processes(placement):
+        return rank_fields(rt, stages)
     with open_model(case.model) as mf:
         arch = resolve(mf)
     w, rates = cm.workload(arch, rt.plan), _placement_rates(rt, arch, case.n_threads, placement)
@@ -491,7 +503,7 @@ def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[in
     bw = {t: bench_host_read(t, measure_bw, log) for t in dict.fromkeys(c.n_threads for c in cases)}
     extra = [c for c, on in (("n_ubatch", list(n_ubatch) != [DEFAULT_UBATCH]), ("dtype", dtype != "float32")) if on]
     if placement:
-        extra.append("devices")
+        extra += ["devices", "link ms"] if placement.get("ep_world_size", 1) > 1 else ["devices"]
     if any(c.cache_mib is not None for c in cases):
         extra.append("cache")
     printer = Printer(fmt, out or sys.stdout, extra)
@@ -505,15 +517,16 @@ def run_bench(models: Sequence[str], n_prompt: Sequence[int], n_gen: Sequence[in
                 + ("" if case.cache_mib is None else f"expert cache {case.cache_mib:g} MiB, ") + f"{reps} run(s)")
             loaded = pool = None
             gc.collect()
-            rt = _placed_runtime(case, placement, dtype, cache_policy, mmap, repack, prefetch and case.cache_mib is not None)
+            rt = _placed_runtime(case, for_test(placement, i), dtype, cache_policy, mmap, repack,
+                                 prefetch and case.cache_mib is not None)
             test_time = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
             try:
                 samples = run_case(rt.engine.model, rt.engine.pool, case, reps, info.vocab, warmup=warmup, log=log,
-                                   on_timed=lambda rt=rt: rt.stage_stats(reset=True))
+                                   on_timed=partial(reset, rt))
                 stats = sum((s for _, s in rt.stage_stats()), CacheStats()) if rt.cache is not None else None
                 counts = None if stats is None else stats.get(phase="decode" if case.n_gen else "prefill")
                 rec = bench_record(info, case, samples, dtype, test_time, *bw[case.n_threads], cache=counts,
-                                   placed=_placed_fields(rt, case, placement))
+                                   placed=_placed_fields(rt, case, placement) | gather_fields(rt, case, reps))
             finally:
                 rt.close()
             printer.row(rec)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -19,6 +20,23 @@ def _int_lists(ctx, param, values):
         return parse_int_lists(values)
     except ValueError as e:
         raise click.BadParameter(str(e), ctx=ctx, param=param) from None
+
+
+def _ranks(o: dict) -> dict:
+    """The placement fields of expert parallelism and of a pipeline over processes (as `moerun run` reads them:
+    under torchrun, --expert-parallel WORLD_SIZE makes its processes expert-parallel ranks); none when unused."""
+    if o["expert_parallel"] > 1 and os.environ.get("WORLD_SIZE") == str(o["expert_parallel"]) and \
+            o["ep_world_size"] == 1:
+        o["ep_rank"], o["ep_world_size"] = o["pipeline_rank"], o["pipeline_world_size"]
+        o["pipeline_rank"], o["pipeline_world_size"] = 0, 1
+    out = {}
+    if o["expert_parallel"] > 1 or o["ep_world_size"] > 1:
+        out.update((k, o[k]) for k in ("expert_parallel", "ep_rank", "ep_world_size", "ep_timeout", "expert_split"))
+    if o["pipeline_world_size"] > 1:
+        out.update((k, o[k]) for k in ("pipeline_rank", "pipeline_world_size", "pipeline_timeout"))
+    if o["ep_world_size"] > 1 or o["pipeline_world_size"] > 1:
+        out.update(master_addr=o["master_addr"], master_port=o["master_port"])
+    return out
 
 
 def _cache_sizes(ctx, param, values):
@@ -87,9 +105,30 @@ def _cache_sizes(ctx, param, values):
               help="Placement: host-to-GPU GB/s for the cost model (default: measured).")
 @click.option("--vram-bw", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Placement: GPU memory GB/s for the cost model (default: NVML's).")
+@click.option("--expert-parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Ranks sharing each MoE layer's routed experts: devices of this process (--devices, one per rank; "
+                   "else N CPUs) or processes (--ep-world-size; under torchrun, N = WORLD_SIZE).")
+@click.option("--ep-rank", type=click.IntRange(min=0), default=0, show_default=True,
+              help="This process's rank in expert parallelism over processes (0 runs the tests and prints them).")
+@click.option("--ep-world-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Processes in expert parallelism, each running this command with its --ep-rank.")
+@click.option("--ep-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
+              help="Seconds to wait for the other expert-parallel ranks to join, or to answer a step.")
+@click.option("--expert-split", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Which rank owns which expert (a split file; default: contiguous ranges).")
+@click.option("--pipeline-rank", type=click.IntRange(min=0), default=0, envvar="RANK", show_default=True,
+              help="This process's stage in a pipeline over processes (torchrun's RANK).")
+@click.option("--pipeline-world-size", type=click.IntRange(min=1), default=1, envvar="WORLD_SIZE",
+              show_default=True, help="Processes in the pipeline, one stage each (torchrun's WORLD_SIZE).")
+@click.option("--master-addr", default="127.0.0.1", envvar="MASTER_ADDR", show_default=True,
+              help="Rank 0's host (torchrun's MASTER_ADDR).")
+@click.option("--master-port", type=click.IntRange(1, 65535), default=29500, envvar="MASTER_PORT",
+              show_default=True, help="Rank 0's port for the first test; test k uses this port + k - 1.")
+@click.option("--pipeline-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0,
+              show_default=True, help="Seconds to wait for the other pipeline ranks to join, or to answer a step.")
 def bench(models, n_prompt, n_gen, threads, ubatch, repetitions, fmt, dtype, measure_bw, no_warmup, cache_mib,
           cache_policy, prefetch, mmap, repack, trace_routing, gpus, devices, tensor_split, vram_budget, n_cpu_moe, miss_path,
-          h2d_bw, vram_bw):
+          h2d_bw, vram_bw, **ranks):
     """Measure prompt processing (ppN) and generation (tgN) speed, llama-bench style.
 
     Integer options take comma lists and ranges: -p 128,512  -t 1-2  -p 64-512*2  -n 0-128+32.
@@ -98,6 +137,9 @@ def bench(models, n_prompt, n_gen, threads, ubatch, repetitions, fmt, dtype, mea
     --expert-cache-mib sweeps add the cache size and its hit rate over the timed runs. With a placement
     (--gpus, --devices, ...) each test runs as `moerun run` places it and also reports the share of misses
     computed on the CPU, host-to-GPU GB/s, each stage's counters and the estimate for that placement.
+    Over processes (--ep-world-size N, --pipeline-world-size N, or torchrun) every rank runs the same command
+    with its own rank; rank 0 prints the results, and expert-parallel tests add the milliseconds a step spent
+    in the all-gathers (link ms).
     """
     import psutil
 
@@ -125,10 +167,27 @@ def bench(models, n_prompt, n_gen, threads, ubatch, repetitions, fmt, dtype, mea
                                    "place the model on devices: give --gpus or --devices too")
         placement.update(n_cpu_moe=n_cpu_moe, miss_path=miss_path, h2d_gbps=h2d_bw, vram_gbps=vram_bw)
 
+    placement.update(_ranks(ranks))
     models = [str(model_path(m)) for m in models]
     threads = threads or [psutil.cpu_count(logical=False) or 1]
     if any(t < 1 for t in threads) or any(u < 1 for u in (ubatch or [])):
         raise click.BadParameter("thread counts and ubatch sizes must be at least 1")
+    if placement:
+        from moerun.config import RuntimeConfig
+
+        try:
+            RuntimeConfig(model=models[0], **placement)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+    if placement.get("ep_rank") or placement.get("pipeline_rank"):
+        from moerun.bench import expand_cases, placed_config
+        from moerun.bench_ranks import serve_tests
+
+        cases = expand_cases(models, n_prompt if n_prompt is not None else [512],
+                             n_gen if n_gen is not None else [128], ubatch or [DEFAULT_UBATCH], threads,
+                             cache_mib or [None])
+        return serve_tests(cases, placement, lambda case, p: placed_config(
+            case, p, dtype, cache_policy, mmap, repack, prefetch and case.cache_mib is not None))
     run_bench(models, n_prompt if n_prompt is not None else [512], n_gen if n_gen is not None else [128],
               threads, ubatch or [DEFAULT_UBATCH], reps=repetitions, dtype=dtype, measure_bw=measure_bw,
               warmup=not no_warmup, fmt=fmt, log=lambda s: click.echo(f"bench: {s}", err=True),

@@ -21,6 +21,7 @@ with a PipelineError naming it.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -95,11 +96,14 @@ class Step:
 class Link:
     """Tensors between this rank and the others, point to point or all-gathered, every wait bounded and its
     failure named. name: the group's kind in messages ("pipeline", "expert-parallel"); error: what they raise.
-    backend: gloo on CPUs; with GPUs "cpu:gloo,cuda:nccl" (each tensor goes by its device)."""
+    backend: gloo on CPUs; with GPUs "cpu:gloo,cuda:nccl" (each tensor goes by its device). gathers / gather_s:
+    the all-gathers this rank took part in and the seconds it spent in them (waiting for the slowest rank's part
+    included), since it joined or `gathers_reset`."""
 
     def __init__(self, rank: int, world: int, timeout: float, addr: str, port: int, backend: str = "gloo",
                  name: str = "pipeline", error: type[MoerunError] = PipelineError):
         self.rank, self.world, self.name, self.error = rank, world, name, error
+        self.gathers, self.gather_s = 0, 0.0
         self.timeout = timedelta(seconds=timeout)
         try:
             dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
@@ -141,11 +145,19 @@ class Link:
     def all_gather(self, t: torch.Tensor, what: str) -> list[torch.Tensor]:
         """Every rank's `t` (one shape on all), in rank order."""
         parts = [torch.empty_like(t) for _ in range(self.world)]
+        t0 = time.perf_counter()
         try:
             dist.all_gather(parts, t.contiguous(), async_op=True).wait(self.timeout)
         except RuntimeError as e:
             raise self._fail(e, 1 - self.rank if self.world == 2 else None, what, self.timeout) from None
+        self.gathers, self.gather_s = self.gathers + 1, self.gather_s + time.perf_counter() - t0
         return parts
+
+    def gathers_reset(self) -> tuple[int, float]:
+        """(gathers, gather_s) so far; both start again from zero."""
+        out = self.gathers, self.gather_s
+        self.gathers, self.gather_s = 0, 0.0
+        return out
 
     def bounds(self, mine: list[int], what: str = "agreeing on the layer split") -> list[int]:
         """Rank 0's `mine` (the same length on every rank), e.g. its layer boundaries (world + 1 of them), so

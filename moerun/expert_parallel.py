@@ -14,7 +14,9 @@ additions:
     payload  [copies, (src, dst) per copied block..., the step's tokens..., per group as distributed.Step]
 
 Every wait is bounded by `ep_timeout` except a worker's wait for its next step, which idles as long as rank 0
-does; a rank that exits or crashes ends the others' waits with an ExpertParallelError naming it.
+does; a rank that exits or crashes ends the others' waits with an ExpertParallelError naming it. Besides steps,
+stop and statistics (distributed.py's), rank 0 may ask a rank for its all-gathers' count and seconds (OP_GATHERS,
+header[1] = 1 to start them again; the answer: [gathers, nanoseconds]).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ from moerun.model.model import MoEModel
 from moerun.model.shards import shard_weights
 from moerun.placement.expert_split import ExpertSplit, read_split
 from moerun.weights.loader import interleave_for_kernels, load_weights
+
+OP_GATHERS = 3
 
 
 class ExpertParallelError(PeerLostError):
@@ -147,6 +151,16 @@ class ExpertParallelModel(PipelineModel):
     def rank_label(self, r: int, plan) -> str:
         return f"rank {r}"
 
+    def gathers(self, reset: bool = False) -> list[tuple[int, float]]:
+        """Every rank's (all-gathers, seconds in them) in rank order (Link.gathers); reset: all start again."""
+        out = [self.link.gathers_reset() if reset else (self.link.gathers, self.link.gather_s)]
+        for r in range(1, self.link.world):
+            self.link.send(torch.tensor([OP_GATHERS, int(reset), *[0] * (HEADER - 2)], dtype=torch.int64), r,
+                           "asking for all-gather times")
+            n, ns = self.link.recv(torch.zeros(2, dtype=torch.int64), r, "waiting for all-gather times").tolist()
+            out.append((n, ns / 1e9))
+        return out
+
     def forward(self, tokens: torch.Tensor, kv: SeqKV | None = None, last_only: bool = False,
                 phase: str | None = None) -> torch.Tensor:
         """As MoEModel.forward."""
@@ -191,6 +205,10 @@ def serve_rank(link: Link, model: MoEModel, stage: Stage) -> None:
             return
         if op == OP_STATS:
             send_stats(link, stage.cache, bool(header[1]))
+            continue
+        if op == OP_GATHERS:
+            n, s = link.gathers_reset() if header[1] else (link.gathers, link.gather_s)
+            link.send(torch.tensor([n, round(s * 1e9)], dtype=torch.int64), 0, "sending all-gather times")
             continue
         payload = link.recv(torch.zeros(int(header[6]), dtype=torch.int64), 0, "receiving a step")
         n_copies, n_tokens = int(payload[0]), int(header[7])

@@ -44,7 +44,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("probes", ("moerun.placement.probes", "moerun.placement.layer_probe")),
     # what walks the chain for a configuration, and what measures or builds whole models
     ("runtime", ("moerun.runtime", "moerun.runtime_device", "moerun.loading", "moerun.distributed",
-                 "moerun.expert_parallel", "moerun.bench", "moerun.gpu_counts", "moerun.tools")),
+                 "moerun.expert_parallel", "moerun.bench", "moerun.bench_ranks", "moerun.gpu_counts",
+                 "moerun.tools")),
     ("server/cli", ("moerun.server", "moerun.cli", "moerun.cli_bench", "moerun.cli_estimate", "moerun.cli_flags",
                     "moerun.cli_generate", "moerun.cli_serve", "moerun.__main__")),
 ]
