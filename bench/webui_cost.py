@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 from toolkit import (
     ServerProcess,
     add,
@@ -146,6 +147,35 @@ def endpoint_cost(server: ServerProcess, n: int, calls: int = 100) -> dict:
             for name, (b, t, size) in (("idle", idle), ("decoding", busy))}
 
 
+def cpu_ms_per_s(procs: list, seconds: float) -> float:
+    """CPU time (user + system) the processes take over `seconds`, in ms per second."""
+    def total() -> float:
+        t = 0.0
+        for proc in procs:
+            try:
+                c = proc.cpu_times()
+                t += c.user + c.system
+            except psutil.NoSuchProcess:
+                pass
+        return t
+
+    t0 = total()
+    time.sleep(seconds)
+    return (total() - t0) / seconds * 1e3
+
+
+def page_cpu(server: ServerProcess, browser: Browser, seconds: float = 20.0) -> dict:
+    """With the server idle: CPU ms per second of the server with no page, then of the server and of Chromium's
+    processes with the page open on its live view."""
+    srv = psutil.Process(server.proc.pid)
+    closed = cpu_ms_per_s([srv], seconds)
+    browser.open(server.url)
+    chromium = [c for c in psutil.Process().children(recursive=True) if "chrom" in c.name().lower()]
+    both = [cpu_ms_per_s([srv], seconds / 2), cpu_ms_per_s(chromium, seconds / 2)]
+    browser.close_page()
+    return {"server_closed": closed, "server_open": both[0], "chromium_open": both[1]}
+
+
 def screenshots(server: ServerProcess, browser: Browser, out: Path) -> None:
     """The chat after two replies, and the live view after them."""
     out.mkdir(parents=True, exist_ok=True)
@@ -179,7 +209,7 @@ def screenshots(server: ServerProcess, browser: Browser, out: Path) -> None:
         print(f"wrote {out / name} ({(out / name).stat().st_size} bytes)", file=sys.stderr)
 
 
-def report(args, mib: float, res: dict, cost: dict) -> str:
+def report(args, mib: float, res: dict, cost: dict, cpu: dict) -> str:
     s = res["samples"]
     rows = [(r + 1, f"{s['closed'][r]:.2f}", f"{s['open'][r]:.2f}", f"{s['open'][r] / s['closed'][r]:.3f}")
             for r in range(args.rounds)]
@@ -199,10 +229,13 @@ def report(args, mib: float, res: dict, cost: dict) -> str:
             f"1-minute load average {min(loads):.2f}-{max(loads):.2f} over the runs.")
     state = "; ".join(f"{k}: built in {v['build_ms']:.3f} ms, round trip {v['round_trip_ms']:.2f} ms, "
                       f"{v['bytes']} bytes" for k, v in cost.items())
+    use = (f"CPU with the server idle: the server {cpu['server_closed']:.1f} ms per second with no page, "
+           f"{cpu['server_open']:.1f} ms per second with the page open on its live view, and Chromium's "
+           f"processes {cpu['chromium_open']:.1f} ms per second.")
     lines = [dated_heading(f"the web page open and polling against closed: decode tok/s, {name} (issue 42)"), "",
              machine_header(args.threads, sys.argv), "", how, "",
              md_table(["round", "closed, tok/s", "open, tok/s", "open / closed"], rows), "", sums, "",
-             f"GET /v1/moerun/state, medians of 100 answers: {state}."]
+             f"GET /v1/moerun/state, medians of 100 answers: {state}.", "", use]
     return "\n".join(lines) + "\n"
 
 
@@ -227,10 +260,11 @@ def main() -> None:
             return
         res = ab(server, browser, args.rounds, args.n, args.requests)
         cost = endpoint_cost(server, args.n)
+        cpu = page_cpu(server, browser)
     finally:
         browser.stop()
         server.stop()
-    publish(report(args, mib, res, cost), args.append)
+    publish(report(args, mib, res, cost, cpu), args.append)
 
 
 if __name__ == "__main__":
