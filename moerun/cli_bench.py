@@ -24,7 +24,9 @@ def _int_lists(ctx, param, values):
 
 def _ranks(o: dict) -> dict:
     """The placement fields of expert parallelism and of a pipeline over processes (as `moerun run` reads them:
-    under torchrun, --expert-parallel WORLD_SIZE makes its processes expert-parallel ranks); none when unused."""
+    under torchrun, --expert-parallel WORLD_SIZE makes its processes expert-parallel ranks); none when unused.
+    Under torchrun its agent's store holds MASTER_PORT, and a group joined there cannot be joined afresh for the
+    next test: the tests' groups are rank 0's own, from MASTER_PORT + 1."""
     if o["expert_parallel"] > 1 and os.environ.get("WORLD_SIZE") == str(o["expert_parallel"]) and \
             o["ep_world_size"] == 1:
         o["ep_rank"], o["ep_world_size"] = o["pipeline_rank"], o["pipeline_world_size"]
@@ -35,7 +37,8 @@ def _ranks(o: dict) -> dict:
     if o["pipeline_world_size"] > 1:
         out.update((k, o[k]) for k in ("pipeline_rank", "pipeline_world_size", "pipeline_timeout"))
     if o["ep_world_size"] > 1 or o["pipeline_world_size"] > 1:
-        out.update(master_addr=o["master_addr"], master_port=o["master_port"])
+        agent = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None) is not None
+        out.update(master_addr=o["master_addr"], master_port=o["master_port"] + agent)
     return out
 
 
@@ -123,7 +126,8 @@ def _cache_sizes(ctx, param, values):
 @click.option("--master-addr", default="127.0.0.1", envvar="MASTER_ADDR", show_default=True,
               help="Rank 0's host (torchrun's MASTER_ADDR).")
 @click.option("--master-port", type=click.IntRange(1, 65535), default=29500, envvar="MASTER_PORT",
-              show_default=True, help="Rank 0's port for the first test; test k uses this port + k - 1.")
+              show_default=True, help="Rank 0's port for the first test; test k uses this port + k - 1 (under "
+                   "torchrun, MASTER_PORT + k).")
 @click.option("--pipeline-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0,
               show_default=True, help="Seconds to wait for the other pipeline ranks to join, or to answer a step.")
 def bench(models, n_prompt, n_gen, threads, ubatch, repetitions, fmt, dtype, measure_bw, no_warmup, cache_mib,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 
 import pytest
 from test_expert_parallel import model_file
@@ -95,10 +96,22 @@ def test_torchrun_variables_make_the_processes_expert_parallel_ranks(monkeypatch
     got = _ranks(dict(base))
     assert got == {"expert_parallel": 2, "ep_rank": 1, "ep_world_size": 2, "ep_timeout": 5.0, "expert_split": None,
                    "master_addr": "10.0.0.1", "master_port": 29400}
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # torchrun's store holds MASTER_PORT
+    assert _ranks(dict(base))["master_port"] == 29401
     assert _ranks(dict(base, expert_parallel=1))["pipeline_rank"] == 1  # without --expert-parallel: a pipeline
     monkeypatch.delenv("WORLD_SIZE")
     assert _ranks(dict(base, pipeline_rank=0, pipeline_world_size=1)) == {
         "expert_parallel": 2, "ep_rank": 0, "ep_world_size": 1, "ep_timeout": 5.0, "expert_split": None}
+
+
+@pytest.mark.slow
+def test_bench_under_torchrun(tiny):
+    port = free_ports(3)  # torchrun's store, then the two tests' groups
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+           "-m", "moerun", *BENCH, "-m", tiny, "--expert-parallel", "2", "--ep-timeout", str(HANG_GUARD_S)]
+    rc, out, err = finish(start(cmd))
+    assert rc == 0, err[-2000:]
+    assert [(r["n_prompt"], r["n_gen"], r["ep_gathers"]) for r in records(out)] == [(12, 0, 3), (0, 4, 3)]
 
 
 def test_a_bad_rank_setting_is_one_usage_line(tiny):
