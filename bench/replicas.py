@@ -493,7 +493,7 @@ def kill_text(args, header: str, res: dict, loads: list[str]) -> str:
             f"{args.kill_after} finished turns the last replica got SIGKILL as soon as it was serving a request, the "
             f"workload went on 10 s more. Load "
             f"average before, after: {', '.join(loads)}.\n\n"
-            f"- in flight on the killed replica (its /get_load just before): {inf['num_reqs']} requests "
+            f"- requests in flight on the killed replica (its /get_load just before): {inf['num_reqs']} "
             f"({inf['num_waiting_reqs']} waiting), {inf['num_tokens']} tokens\n"
             f"- failed: {len(res['failed'])} ({res['failed_started_before']} started before the kill, "
             f"{res['failed_started_after']} after)\n"
