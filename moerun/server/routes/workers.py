@@ -1,6 +1,6 @@
 """What a router in front of several replicas reads from each one (README, "Several replicas"): its load, what it
 serves and its version, in the shapes the routers parse (checked against vllm-router 0.1.17, sglang-router 0.3.2
-and the SGLang Model Gateway, smg 1.13, and their sources).
+and the Shepherd Model Gateway, smg 1.13, where sglang-router's code went on, and their sources).
 
     /get_load                        {"load": tokens in flight, "num_reqs", "num_waiting_reqs", "num_tokens",
                                      "dp_rank": 0}: vllm-router's power_of_two reads "load"
