@@ -121,6 +121,8 @@ def preflight(rcfg, parallel: int) -> None:
                    "model answers any name, as llama-server does.")
 @click.option("--responses-max", type=click.IntRange(min=0), default=1000, show_default=True,
               help="Responses /v1/responses keeps for previous_response_id (the most recently used; 0: none).")
+@click.option("--load-form", type=click.Choice(["object", "array"]), default="object", show_default=True,
+              help="/get_load's shape for a router's power_of_two: object (vllm-router) or array (sglang-router).")
 @click.option("--max-body-size", default="16MiB", show_default=True, help="Largest request body, e.g. 1MiB.")
 @click.option("--cache-prompt/--no-cache-prompt", default=True, show_default=True,
               help="Slots keep their KV cache after a request, so a request sharing a prefix skips it.")
@@ -132,8 +134,8 @@ def preflight(rcfg, parallel: int) -> None:
               help="GET / serves the web page: chat, and a live view of the experts, cache and placement.")
 @reasoning_format_option
 @chat_template_options
-def serve(host, port, api_key, parallel, max_queue, alias, strict_model_name, responses_max, max_body_size, cache_prompt,
-          log_interval, slot_save_path, webui, reasoning_format, trace_routing, verbose, **kw):
+def serve(host, port, api_key, parallel, max_queue, alias, strict_model_name, responses_max, load_form, max_body_size,
+          cache_prompt, log_interval, slot_save_path, webui, reasoning_format, trace_routing, verbose, **kw):
     """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages (Anthropic's),
     /v1/models, llama-server's /completion, /props, /apply-template, /health, /metrics."""
     import uvicorn
@@ -157,7 +159,7 @@ def serve(host, port, api_key, parallel, max_queue, alias, strict_model_name, re
                            cache_prompt=cache_prompt, log_interval=log_interval,
                            reasoning_format=reasoning_format, slot_save_path=slot_save_path,
                            strict_model_name=strict_model_name, model_path=str(model), chat_template=template,
-                           responses_max=responses_max, webui=webui)
+                           responses_max=responses_max, load_form=load_form, webui=webui)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if trace_routing is not None and trace_routing.exists():

@@ -389,6 +389,7 @@ class ServerConfig:
     chat_template  a chat template to use instead of the model's (--chat-template, --chat-template-file); None:
                   the model's own.
     responses_max  responses /v1/responses keeps for previous_response_id (the most recently used; 0: none).
+    load_form     /get_load's shape without ?form=: "object" (vllm-router's) or "array" (sglang-router's).
     webui         GET / serves the web page (chat and the live view; moerun.server.routes.webui).
     """
 
@@ -409,6 +410,7 @@ class ServerConfig:
     model_path: str | None = None
     chat_template: str | None = None
     responses_max: int = 1000
+    load_form: str = "object"
     webui: bool = True
 
     def __post_init__(self) -> None:
@@ -438,6 +440,8 @@ class ServerConfig:
             problems.append(f"log_interval must be >= 0 seconds, got {self.log_interval!r}")
         if self.chat_template is not None and not (isinstance(self.chat_template, str) and self.chat_template):
             problems.append("chat_template must be None or a template's text")
+        if self.load_form not in ("object", "array"):
+            problems.append(f"load_form must be 'object' or 'array', got {self.load_form!r}")
         if self.reasoning_format not in REASONING_FORMATS:
             problems.append(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, got "
                             f"{self.reasoning_format!r}")

@@ -173,3 +173,29 @@ def test_consistent_hash_keeps_a_session_on_one_replica(replicas, tmp_path):
             assert len(seen) == 1, how
     finally:
         router.stop()
+
+
+def test_load_form_sets_get_loads_default_shape():
+    """serve --load-form array: sglang-router's power_of_two (which cannot ask for a form) reads the array."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from moerun.config import ServerConfig
+    from moerun.server.routes import workers
+    from moerun.server.state import Server as State
+
+    snap = SimpleNamespace(running=1, waiting=2, tokens_in_flight=30)
+    entry = {"dp_rank": 0, "num_reqs": 3, "num_waiting_reqs": 2, "num_tokens": 30}
+    for form, want in (("object", {"load": 30, **entry}), ("array", [entry])):
+        state = State(ServerConfig(model_names=("m",), load_form=form), load=lambda: None)
+        state.ready = SimpleNamespace(scheduler=SimpleNamespace(snapshot=lambda: snap))
+        app = FastAPI()
+        workers.add_routes(app, state)
+        http = TestClient(app)
+        assert http.get("/get_load").json() == want
+        assert http.get("/get_load?form=object").json() == {"load": 30, **entry}  # asked for: as asked
+        assert http.get("/get_load?form=array").json() == [entry]
+    with pytest.raises(ValueError, match="load_form"):
+        ServerConfig(model_names=("m",), load_form="list")

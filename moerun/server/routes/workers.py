@@ -4,7 +4,7 @@ and the Shepherd Model Gateway, smg 1.13, where sglang-router's code went on, an
 
     /get_load                        {"load": tokens in flight, "num_reqs", "num_waiting_reqs", "num_tokens",
                                      "dp_rank": 0}: vllm-router's power_of_two reads "load"
-    /get_load?form=array             SGLang's form, one entry per data-parallel rank: [{"dp_rank": 0, "num_reqs",
+    /get_load?form=array             SGLang's form (the default with serve --load-form array), one entry per data-parallel rank: [{"dp_rank": 0, "num_reqs",
                                      "num_waiting_reqs", "num_tokens"}] (sglang-router's power_of_two sums
                                      "num_tokens")
     /server_info, /get_server_info   SGLang's field names: model_path, served_model_name, context_length,
@@ -55,9 +55,10 @@ def model_info(server: Server) -> dict:
 
 def add_routes(app: FastAPI, server: Server) -> None:
     @app.get("/get_load")
-    async def get_load(form: Literal["object", "array"] = "object"):
+    async def get_load(form: Literal["object", "array"] | None = None):
+        """The load in the form asked for, else serve's --load-form."""
         entry = load(server)
-        return [entry] if form == "array" else {"load": entry["num_tokens"], **entry}
+        return [entry] if (form or server.cfg.load_form) == "array" else {"load": entry["num_tokens"], **entry}
 
     @app.get("/server_info")
     @app.get("/get_server_info")
