@@ -1,4 +1,5 @@
-/* The live view: GET /v1/moerun/state once a second while the page is visible, drawn as a heat map of the
+/* The live view: GET /v1/moerun/state once a second while it is shown (every 5 s behind the chat, for the
+   tok/s history; not while the page is hidden), drawn as a heat map of the
    experts (layers x experts, by recent use, cache residents marked), the expert-cache hit rate per layer for
    prefill and decode, tokens per second over time, the slots and the placement. */
 "use strict";
@@ -6,11 +7,12 @@
 const MoerunLive = (() => {
   const $ = (id) => document.getElementById(id);
   const PERIOD_MS = 1000;
-  const HISTORY = 180;  /* samples of the tok/s chart */
+  const HIDDEN_PERIOD_MS = 5000;  /* while the chat is shown: the tok/s history only */
+  const HISTORY = 180;  /* seconds of the tok/s chart */
   const RAMP = [[24, 28, 52], [44, 92, 170], [80, 170, 190], [230, 180, 60], [228, 80, 56]];
   let timer = null, started = false, shown = false, last = null, heat = null;
-  const samples = [];  /* {t, prompt, generated} */
-  const rates = [];  /* {t, prompt, gen} tok/s between samples */
+  let prev = null;  /* the last sample: {t, prompt, generated} */
+  const rates = [];  /* {t, prompt, gen}: tok/s since the sample before */
 
   function fmtBytes(n) {
     const units = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -149,13 +151,11 @@ const MoerunLive = (() => {
   function record(state) {
     const t = state.time;
     const s = {t, prompt: state.tokens.prompt, generated: state.tokens.generated};
-    const prev = samples[samples.length - 1];
-    samples.push(s);
-    if (samples.length > HISTORY + 1) samples.shift();
     if (prev && t > prev.t) {
       rates.push({t, prompt: (s.prompt - prev.prompt) / (t - prev.t), gen: (s.generated - prev.generated) / (t - prev.t)});
-      if (rates.length > HISTORY) rates.shift();
+      while (t - rates[0].t > HISTORY) rates.shift();
     }
+    prev = s;
   }
 
   function drawRates() {
@@ -174,22 +174,23 @@ const MoerunLive = (() => {
       ctx.beginPath(); ctx.moveTo(pad + 8, y); ctx.lineTo(W, y); ctx.stroke();
       ctx.fillText((top * k / 4).toFixed(top < 10 ? 1 : 0), 2, y + 3);
     }
-    const span = Math.max(60, rates.length);  /* points across: a minute at least, then what there is */
-    const x = (i) => pad + 8 + (W - pad - 8) * i / (span - 1);
+    const now = rates.length ? rates[rates.length - 1].t : 0;
+    const span = Math.round(Math.min(HISTORY, Math.max(60, rates.length ? now - rates[0].t : 0)));  /* seconds */
+    const x = (t) => pad + 8 + (W - pad - 8) * (1 - (now - t) / span);
     const y = (v) => pad / 2 + (H - pad) * (1 - v / top);
     for (const [key, colourOf] of [["prompt", "#e3b341"], ["gen", "#50aabe"]]) {
       ctx.strokeStyle = colourOf;
       ctx.lineWidth = 2;
       ctx.beginPath();
-      const off = span - rates.length;
-      rates.forEach((r, i) => (i ? ctx.lineTo(x(off + i), y(r[key])) : ctx.moveTo(x(off + i), y(r[key]))));
+      rates.forEach((r, i) => (i ? ctx.lineTo(x(r.t), y(r[key])) : ctx.moveTo(x(r.t), y(r[key]))));
       ctx.stroke();
     }
     ctx.lineWidth = 1;
     ctx.fillStyle = "#9aa3b2";
     ctx.fillText(`last ${span} s`, W - 60, H - 4);
-    const now = rates[rates.length - 1];
-    $("rate-now").textContent = now ? `now: generation ${now.gen.toFixed(1)} tok/s, prompt ${now.prompt.toFixed(1)} tok/s` : "";
+    const latest = rates[rates.length - 1];
+    $("rate-now").textContent = latest ? `now: generation ${latest.gen.toFixed(1)} tok/s, prompt `
+      + `${latest.prompt.toFixed(1)} tok/s` : "";
   }
 
   /* ---------------------------------------------------------------- slots, placement */
@@ -233,13 +234,22 @@ const MoerunLive = (() => {
 
   /* ---------------------------------------------------------------- polling */
 
+  const drawn = {};  /* part -> the JSON it was last drawn from: an unchanged part is not drawn again */
+
+  function redraw(part, data, fn) {
+    const key = JSON.stringify(data === undefined ? null : data);
+    if (drawn[part] === key) return;
+    drawn[part] = key;
+    fn(data);
+  }
+
   function render() {
     if (!shown || !last) return;
-    drawHeat(last.experts);
-    drawHits(last.cache);
+    redraw("heat", last.experts, drawHeat);
+    redraw("hits", last.cache, drawHits);
     drawRates();
-    drawSlots(last.slots);
-    drawPlacement(last.placement);
+    redraw("slots", last.slots, drawSlots);
+    redraw("placement", last.placement, drawPlacement);
   }
 
   function draw(state) {
@@ -258,7 +268,7 @@ const MoerunLive = (() => {
         if (e.status === 401) return;  /* the key dialog is open: boot() starts again */
       }
     }
-    timer = setTimeout(poll, PERIOD_MS);
+    timer = setTimeout(poll, shown ? PERIOD_MS : HIDDEN_PERIOD_MS);
   }
 
   function start() {
@@ -269,7 +279,12 @@ const MoerunLive = (() => {
 
   function visible(on) {
     shown = on;
+    if (on) for (const part of Object.keys(drawn)) delete drawn[part];  /* sizes may have changed meanwhile */
     render();
+    if (on && started && timer !== null) {  /* back from the chat: poll now, not at the slow pace */
+      clearTimeout(timer);
+      poll();
+    }
   }
 
   document.addEventListener("DOMContentLoaded", () => {
