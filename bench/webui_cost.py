@@ -2,7 +2,7 @@
 Chromium on its live view (polling GET /v1/moerun/state every second and drawing it) against no page open,
 A/B alternating in one window, medians of the rounds; and what one /v1/moerun/state answer costs.
 
-    python bench/webui_cost.py ~/.cache/moerun/bench-models/a3b-L4-Q4_K_M.gguf -t 2 --rounds 5 [--append]
+    python bench/webui_cost.py ~/.cache/moerun/bench-models/a3b-L4-Q4_K_M.gguf -t 2 --rounds 10 [--append]
     python bench/webui_cost.py ~/.cache/moerun/bench-models/a3b-L4-Q4_K_M.gguf --screenshots docs
 
 The expert cache holds --cache-frac (default 0.25) of the model's routed experts (--expert-cache-mib). A
@@ -39,6 +39,11 @@ from toolkit import (
 
 PROMPT = "Write a Python function that merges two sorted lists, then explain it."
 SETTINGS = ("closed", "open")
+
+
+def ctx_size(n: int) -> int:
+    """The server's context: the prompt and n tokens, and the screenshots' conversation."""
+    return max(1024, n + 256)
 
 
 def expert_bytes(model: str) -> int:
@@ -217,7 +222,7 @@ def report(args, mib: float, res: dict, cost: dict, cpu: dict) -> str:
     polls = [p / t for p, t in res["polls"]]
     closed, opened = statistics.median(s["closed"]), statistics.median(s["open"])
     name = Path(args.model).name
-    how = (f"`moerun serve -m {name} -t {args.threads} -c 1024 -np 1 --expert-cache-mib {mib:.2f}` "
+    how = (f"`moerun serve -m {name} -t {args.threads} -c {ctx_size(args.n)} -np 1 --expert-cache-mib {mib:.2f}` "
            f"({100 * args.cache_frac:.0f} % of the routed experts); per setting and round the median of "
            f"{args.requests} greedy chat completions of {args.n} tokens (ignore_eos), the server's decode "
            f"tok/s; \"open\": headless Chromium on the page's live view, polling every second "
@@ -241,16 +246,16 @@ def report(args, mib: float, res: dict, cost: dict, cpu: dict) -> str:
 
 def main() -> None:
     p = parser(__doc__, "paragraph")
-    add(p, "model", "threads", "rounds", "append", rounds=5)
-    p.add_argument("-n", type=int, default=512, help="tokens per completion (default 512)")
-    p.add_argument("--requests", type=int, default=3, help="completions per setting and round (default 3)")
+    add(p, "model", "threads", "rounds", "append", rounds=10)
+    p.add_argument("-n", type=int, default=2048, help="tokens per completion (default 2048: several polls each)")
+    p.add_argument("--requests", type=int, default=1, help="completions per setting and round (default 1)")
     p.add_argument("--cache-frac", type=float, default=0.25, help="expert cache / routed experts (default 0.25)")
     p.add_argument("--chromium", default="/usr/bin/chromium")
     p.add_argument("--screenshots", type=Path, help="write the README's pictures into this folder instead")
     args = p.parse_args()
     mib = expert_bytes(args.model) * args.cache_frac / 2**20
     log = Path(tempfile.mkdtemp(prefix="webui-cost-")) / "serve.log"
-    server = ServerProcess(["-m", args.model, "-t", args.threads, "-c", "1024", "-np", "1",
+    server = ServerProcess(["-m", args.model, "-t", args.threads, "-c", ctx_size(args.n), "-np", "1",
                             "--expert-cache-mib", f"{mib:.2f}", "--log-interval", "0"], log, wait=600)
     browser = Browser(args.chromium)
     try:
