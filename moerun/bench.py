@@ -54,7 +54,7 @@ from functools import partial
 from pathlib import Path
 from typing import TextIO
 
-from moerun.bench_ranks import across_processes, for_test, gather_fields, rank_fields, reset
+from moerun.bench_ranks import across_processes, devices_label, for_test, gather_fields, rank_fields, reset
 from moerun.config import DEFAULT_CACHE_POLICY
 from moerun.errors import MoerunError
 from moerun.model.timing import time_gen, time_prompt
@@ -450,7 +450,7 @@ def _placed_fields(rt, case: BenchCase, placement: dict) -> dict:
     from moerun import device
 
     dev = device.parse(rt.plan.devices[0].device)
-    return {"devices": ",".join(d.device for d in rt.plan.devices), "expert_cache_stages": stages or None,
+    return {"devices": devices_label(rt), "expert_cache_stages": stages or None,
             "estimate_ts": est, "backends": {"cuda": "CUDA", "standin": "stand-in"}.get(dev.kind, "CPU"),
             "gpu_info": device.describe(dev)}
 

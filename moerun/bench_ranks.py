@@ -58,6 +58,12 @@ def gather_fields(rt, case, reps: int) -> dict:
     return {"ep_gathers": per_rank[0][0] / n, "ep_gather_ms": [s * 1e3 / n for _, s in per_rank]}
 
 
+def devices_label(rt) -> str:
+    """A placed test's devices in one process: its stages' (the plan's), or under expert parallelism its ranks'."""
+    shards = getattr(rt.engine.model.experts, "shards", None) if hasattr(rt.engine.model, "experts") else None
+    return ",".join(str(sh.dev) for sh in shards) if shards else ",".join(d.device for d in rt.plan.devices)
+
+
 def rank_fields(rt, stages: list[dict]) -> dict:
     """A test across processes: its devices and the ranks' cache counters; no estimate (`moerun estimate
     --expert-parallel N --link-gbps G --link-latency-us L` takes the link this command does not know)."""

@@ -49,6 +49,7 @@ def test_bench_over_ranks_in_one_process(tiny):
     pp, tg = records(out)
     assert (pp["n_prompt"], tg["n_gen"]) == (12, 4)
     for rec in (pp, tg):
+        assert rec["devices"] == "cpu,cpu"
         assert [s["stage"] for s in rec["expert_cache_stages"]] == ["rank 0 (cpu)", "rank 1 (cpu)"]
         assert all(s["misses"] > 0 for s in rec["expert_cache_stages"])
         assert rec["ep_gathers"] is None and rec["ep_gather_ms"] is None  # no all-gather between devices
