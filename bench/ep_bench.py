@@ -1,17 +1,19 @@
 """Expert parallelism on one machine (issue 40): `moerun bench` over 2 processes x 1 thread (EP over gloo on
 loopback) against 1 process x 2 threads, prefill (ppN) and decode (tgN), alternating, medians of the rounds.
 
-    python bench/ep_bench.py ~/.cache/moerun/bench-models/a3b-L12-Q4_K_M.gguf -p 128 -n 32 --rounds 3 [--out DIR]
+    python bench/ep_bench.py ~/.cache/moerun/bench-models/a3b-L12-Q4_K_M.gguf -p 128 -n 64 --rounds 4 [--out DIR]
 
 One machine shares one memory bus, so this measures what expert parallelism costs, not what it gains. Besides t/s
 each EP run reports the milliseconds a step spends in the all-gathers (bench's `ep_gather_ms`, per rank: the wait
-for the slower rank's part included), and the link is probed first: two gloo processes time a message's round
-trip, an all-gather of 8 bytes (the cost model's per-message latency), of one token's hidden state, and of
-16 MiB (the bandwidth), each call right after the last ("back to back"); and an all-gather of 8 bytes after
-each rank has computed for as long as a decode step computes between two MoE layers ("spaced": the estimate's
-EP compute time over the MoE layers), as a step's all-gathers come. On a VM a waiting process's idle vCPU is slow
-to wake, so the two differ. `moerun estimate -t 1 --expert-parallel 2 --link-gbps G --link-latency-us L` with
-each latency is the prediction set beside the EP runs. The 1-minute load is read before and after every run.
+for the slower rank's part included), and the link is probed before and after the rounds: two processes joined
+as the ranks are (moerun.distributed.Link, gloo) time a message's round trip, the runtime's all-gather
+(Link.all_gather) of 8 bytes (the cost model's per-message latency), of one token's hidden state, and of 16 MiB
+(the bandwidth), each call right after the last ("back to back"); then an all-gather of 8 bytes after each rank
+has computed for as long as a decode step computes between two MoE layers ("spaced": the estimate's EP compute
+time over the MoE layers), as a step's all-gathers come, and gloo's own all-gather collective the same way, for
+comparison. On a VM a waiting process's idle vCPU is slow to wake, so back to back and spaced differ. `moerun
+estimate -t 1 --expert-parallel 2 --link-gbps G --link-latency-us L` with each latency is the prediction set
+beside the EP runs. The 1-minute load is read before and after every run.
 
 bench/ep_netns.py runs the same pieces across two network namespaces joined by a rate-limited veth pair.
 """
@@ -27,7 +29,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from datetime import timedelta
 from pathlib import Path
 
 import toolkit as tk
@@ -40,13 +41,15 @@ PROBE_CALLS = 400  # per timed batch of the link probe; 5 batches, the median ta
 
 def probe_rank(rank: int, addr: str, port: int, hidden: int, gap_s: float) -> None:
     """One side of the link probe (`python bench/ep_bench.py probe RANK ADDR PORT HIDDEN GAP_S`); rank 0 prints
-    JSON: seconds of a round trip of 8 bytes, of an all-gather of 8 bytes, of `hidden` float32s, of 16 MiB, back to
-    back; and of an all-gather of 8 bytes and a round trip each after `gap_s` seconds of work."""
+    JSON: seconds of a round trip of 8 bytes, of Link.all_gather of 8 bytes, of `hidden` float32s, of 16 MiB, back to
+    back; and of Link.all_gather of 8 bytes, a round trip and gloo's all-gather collective each after `gap_s`
+    seconds of work."""
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
+    from moerun.distributed import Link
+
+    link = Link(rank, 2, 120.0, addr, port, "gloo", name="probe")
     word = torch.zeros(1, dtype=torch.int64)
 
     def round_trip() -> None:
@@ -58,6 +61,9 @@ def probe_rank(rank: int, addr: str, port: int, hidden: int, gap_s: float) -> No
             dist.send(word, 0)
 
     def gather(t):
+        return lambda: link.all_gather(t, "probing")
+
+    def collective(t):
         parts = [torch.empty_like(t) for _ in range(2)]
         return lambda: dist.all_gather(parts, t)
 
@@ -81,9 +87,10 @@ def probe_rank(rank: int, addr: str, port: int, hidden: int, gap_s: float) -> No
            "gather_hidden_s": per_call(gather(torch.zeros(1, hidden)), PROBE_CALLS),
            "gather_16mib_s": per_call(gather(big), 8), "hidden": hidden, "big_bytes": big.numel() * 4,
            "gap_s": gap_s, "gather_spaced_s": per_call(gather(word), PROBE_CALLS // 4, gap_s),
-           "round_trip_spaced_s": per_call(round_trip, PROBE_CALLS // 4, gap_s)}
+           "round_trip_spaced_s": per_call(round_trip, PROBE_CALLS // 4, gap_s),
+           "collective_spaced_s": per_call(collective(word), PROBE_CALLS // 4, gap_s)}
     out["gbits"] = out["big_bytes"] * 8 / (out["gather_16mib_s"] - out["gather_8b_s"]) / 1e9
-    dist.destroy_process_group()
+    link.close()
     if rank == 0:
         print(json.dumps(out))
 
@@ -204,7 +211,9 @@ def link_line(link: dict) -> str:
             f"{link['gather_8b_s'] * 1e6:.0f} us, of one token's hidden state ({link['hidden']} x 4 bytes) "
             f"{link['gather_hidden_s'] * 1e6:.0f} us, of 16 MiB {link['gather_16mib_s'] * 1e3:.1f} ms "
             f"({link['gbits']:.2f} Gbit/s); spaced by {link['gap_s'] * 1e3:.2f} ms of work: all-gather of 8 bytes "
-            f"{link['gather_spaced_s'] * 1e6:.0f} us, round trip {link['round_trip_spaced_s'] * 1e6:.0f} us")
+            f"{link['gather_spaced_s'] * 1e6:.0f} us, round trip {link['round_trip_spaced_s'] * 1e6:.0f} us"
+            + ("" if "collective_spaced_s" not in link else
+               f", gloo's all-gather collective {link['collective_spaced_s'] * 1e6:.0f} us"))
 
 
 def mean_link(probes: list[dict]) -> dict:

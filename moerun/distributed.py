@@ -44,6 +44,7 @@ from moerun.weights.loader import interleave_for_kernels, load_weights
 
 OP_STOP, OP_STEP, OP_STATS = 0, 1, 2
 HEADER = 8
+GATHER_TAG = 1  # Link.all_gather's messages between a pair of ranks (steps and statistics go with tag 0)
 IDLE = timedelta(days=365)  # a worker waiting for rank 0's next step
 
 
@@ -143,13 +144,27 @@ class Link:
         return t
 
     def all_gather(self, t: torch.Tensor, what: str) -> list[torch.Tensor]:
-        """Every rank's `t` (one shape on all), in rank order."""
+        """Every rank's `t` (one shape on all), in rank order. A CPU tensor goes to every other rank by a pair
+        exchange, the pairs in rank order, the lower rank sending first (GATHER_TAG): gloo runs a collective on
+        its worker thread, and on a busy or virtual 2-core host that hand-off costs more than a pair's send and
+        reply (bench/journal/issue-40.md: 0.9 ms against 0.2-0.35 ms between decode steps' layers); a device's
+        tensor goes by the backend's all-gather (NCCL)."""
         parts = [torch.empty_like(t) for _ in range(self.world)]
         t0 = time.perf_counter()
-        try:
-            dist.all_gather(parts, t.contiguous(), async_op=True).wait(self.timeout)
-        except RuntimeError as e:
-            raise self._fail(e, 1 - self.rank if self.world == 2 else None, what, self.timeout) from None
+        if t.device.type == "cpu":
+            parts[self.rank] = t = t.contiguous()
+            for q in (q for q in range(self.world) if q != self.rank):
+                ops = [(dist.isend, t), (dist.irecv, parts[q])]
+                try:
+                    for op, buf in ops if self.rank < q else ops[::-1]:
+                        op(buf, q, tag=GATHER_TAG).wait(self.timeout)
+                except RuntimeError as e:
+                    raise self._fail(e, q, what, self.timeout) from None
+        else:
+            try:
+                dist.all_gather(parts, t.contiguous(), async_op=True).wait(self.timeout)
+            except RuntimeError as e:
+                raise self._fail(e, 1 - self.rank if self.world == 2 else None, what, self.timeout) from None
         self.gathers, self.gather_s = self.gathers + 1, self.gather_s + time.perf_counter() - t0
         return parts
 
