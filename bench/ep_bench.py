@@ -9,9 +9,9 @@ for the slower rank's part included), and the link is probed before and after th
 as the ranks are (moerun.distributed.Link, gloo) time a message's round trip, the runtime's all-gather
 (Link.all_gather) of 8 bytes (the cost model's per-message latency), of one token's hidden state, and of 16 MiB
 (the bandwidth), each call right after the last ("back to back"); then an all-gather of 8 bytes after each rank
-has computed for as long as a decode step computes between two MoE layers ("spaced": the estimate's EP compute
-time over the MoE layers), as a step's all-gathers come, and gloo's own all-gather collective the same way, for
-comparison. On a VM a waiting process's idle vCPU is slow to wake, so back to back and spaced differ. `moerun
+has done as much work as a decode step does between two MoE layers ("spaced": matmuls that take the estimate's
+EP compute time over the MoE layers when undisturbed; a rank preempted meanwhile arrives late, as in a step), as
+a step's all-gathers come, and gloo's own all-gather collective the same way, for comparison. On a VM a waiting process's idle vCPU is slow to wake, so back to back and spaced differ. `moerun
 estimate -t 1 --expert-parallel 2 --link-gbps G --link-latency-us L` with each latency is the prediction set
 beside the EP runs. The 1-minute load is read before and after every run.
 
@@ -42,8 +42,9 @@ PROBE_CALLS = 400  # per timed batch of the link probe; 5 batches, the median ta
 def probe_rank(rank: int, addr: str, port: int, hidden: int, gap_s: float) -> None:
     """One side of the link probe (`python bench/ep_bench.py probe RANK ADDR PORT HIDDEN GAP_S`); rank 0 prints
     JSON: seconds of a round trip of 8 bytes, of Link.all_gather of 8 bytes, of `hidden` float32s, of 16 MiB, back to
-    back; and of Link.all_gather of 8 bytes, a round trip and gloo's all-gather collective each after `gap_s`
-    seconds of work."""
+    back; and of Link.all_gather of 8 bytes, a round trip and gloo's all-gather collective each after a fixed
+    amount of work (one-thread matmuls that take `gap_s` seconds undisturbed: a rank that is preempted finishes it
+    late, as a step's layer does, where a clock-bounded spin would hide that)."""
     import torch
     import torch.distributed as dist
 
@@ -67,15 +68,21 @@ def probe_rank(rank: int, addr: str, port: int, hidden: int, gap_s: float) -> No
         parts = [torch.empty_like(t) for _ in range(2)]
         return lambda: dist.all_gather(parts, t)
 
-    def per_call(fn, calls: int, gap: float = 0.0) -> float:
+    torch.set_num_threads(1)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    t0 = time.perf_counter()
+    for _ in range(50):
+        a @ b
+    work = max(1, round(gap_s / ((time.perf_counter() - t0) / 50))) if gap_s else 0  # matmuls of about gap_s
+
+    def per_call(fn, calls: int, spaced: bool = False) -> float:
         batches = []
         for _ in range(6):
             dist.barrier()
             spent = 0.0
             for _ in range(calls):
-                t0 = time.perf_counter()
-                while time.perf_counter() - t0 < gap:
-                    pass
+                for _ in range(work if spaced else 0):
+                    a @ b
                 t0 = time.perf_counter()
                 fn()
                 spent += time.perf_counter() - t0
@@ -86,9 +93,9 @@ def probe_rank(rank: int, addr: str, port: int, hidden: int, gap_s: float) -> No
     out = {"round_trip_s": per_call(round_trip, PROBE_CALLS), "gather_8b_s": per_call(gather(word), PROBE_CALLS),
            "gather_hidden_s": per_call(gather(torch.zeros(1, hidden)), PROBE_CALLS),
            "gather_16mib_s": per_call(gather(big), 8), "hidden": hidden, "big_bytes": big.numel() * 4,
-           "gap_s": gap_s, "gather_spaced_s": per_call(gather(word), PROBE_CALLS // 4, gap_s),
-           "round_trip_spaced_s": per_call(round_trip, PROBE_CALLS // 4, gap_s),
-           "collective_spaced_s": per_call(collective(word), PROBE_CALLS // 4, gap_s)}
+           "gap_s": gap_s, "gather_spaced_s": per_call(gather(word), PROBE_CALLS // 4, True),
+           "round_trip_spaced_s": per_call(round_trip, PROBE_CALLS // 4, True),
+           "collective_spaced_s": per_call(collective(word), PROBE_CALLS // 4, True)}
     out["gbits"] = out["big_bytes"] * 8 / (out["gather_16mib_s"] - out["gather_8b_s"]) / 1e9
     link.close()
     if rank == 0:
