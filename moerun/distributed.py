@@ -347,19 +347,23 @@ def send_stats(link: Link, cache, reset: bool) -> None:
         cache.stats.reset()
 
 
+def next_op(link: Link, header: torch.Tensor, stage: Stage) -> int:
+    """A worker's next message from rank 0 into `header` -> its op (OP_STOP included); OP_STATS are answered here
+    meanwhile. A worker may idle as long as rank 0 does."""
+    while True:
+        link.recv(header, 0, "waiting for the next step", timeout=IDLE)
+        op = int(header[0])
+        if op != OP_STATS:
+            return op
+        send_stats(link, stage.cache, bool(header[1]))
+
+
 def serve_stage(cfg: RuntimeConfig, link: Link, model: MoEModel, stage: Stage) -> None:
     """A worker rank's loop: run each step rank 0 sends, until it says stop (or goes away)."""
     rank, last = link.rank, link.rank == link.world - 1
     header = torch.zeros(HEADER, dtype=torch.int64)
     pool: KVPool | None = None
-    while True:
-        link.recv(header, 0, "waiting for the next step", timeout=IDLE)
-        op = int(header[0])
-        if op == OP_STOP:
-            return
-        if op == OP_STATS:
-            send_stats(link, stage.cache, bool(header[1]))
-            continue
+    while next_op(link, header, stage) != OP_STOP:
         payload = torch.zeros(int(header[6]), dtype=torch.int64)
         if payload.numel():
             link.recv(payload, 0, "receiving a step")

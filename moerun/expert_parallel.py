@@ -32,8 +32,6 @@ from moerun.arch import resolve
 from moerun.config import RuntimeConfig
 from moerun.distributed import (
     HEADER,
-    IDLE,
-    OP_STATS,
     OP_STOP,
     Group,
     Link,
@@ -41,7 +39,7 @@ from moerun.distributed import (
     Step,
     _borrowed,
     _HandedBlocks,
-    send_stats,
+    next_op,
 )
 from moerun.engine.engine import Engine
 from moerun.engine.kv_cache import KVPool, SeqKV
@@ -198,14 +196,7 @@ def serve_rank(link: Link, model: MoEModel, stage: Stage) -> None:
     """A rank other than 0: run each step rank 0 sends, until it says stop (or goes away)."""
     header = torch.zeros(HEADER, dtype=torch.int64)
     pool: KVPool | None = None
-    while True:
-        link.recv(header, 0, "waiting for the next step", timeout=IDLE)
-        op = int(header[0])
-        if op == OP_STOP:
-            return
-        if op == OP_STATS:
-            send_stats(link, stage.cache, bool(header[1]))
-            continue
+    while (op := next_op(link, header, stage)) != OP_STOP:
         if op == OP_GATHERS:
             n, s = link.gathers_reset() if header[1] else (link.gathers, link.gather_s)
             link.send(torch.tensor([n, round(s * 1e9)], dtype=torch.int64), 0, "sending all-gather times")
