@@ -10,8 +10,13 @@ Workers keep no sequence state: a step names each sequence's KV blocks as rank 0
 out, and every rank's pool has rank 0's block geometry for its own layers. So truncating, reusing or
 freeing a sequence on rank 0 needs no message. A control message is int64 words:
 
-    header  [op, phase (0 prefill, 1 decode), last_only, batched, rows, pool_tokens, payload_len, 0]
-    payload per group of rows (one sequence): [start, rows, n_blocks (-1: no cache), block ids...]
+    header   [op, phase (0 prefill, 1 decode), last_only, batched, rows, pool_tokens, payload_len, 0]
+    payload  [pool_seqs, copies, (src, dst) per copied KV block..., state copies, (src, dst) per copied state
+              slot..., then per group of rows (one sequence): start, rows, state slot (-1: none), n_blocks (-1:
+              no cache), block ids...]
+
+The copies are what rank 0's pool copied since the last step (copy on write of a shared prefix block; a linear
+layer's state into a checkpoint and back), which every rank repeats on its own layers before the step.
 
 Every wait has a limit (`pipeline_timeout`) except a worker's wait for its next step, which may idle as
 long as rank 0 does; a rank that exits or crashes closes its connections, which ends the others' waits
@@ -54,11 +59,20 @@ class PipelineError(PeerLostError):
 
 @dataclass(frozen=True)
 class Group:
-    """Rows of one step that continue one sequence: positions start.., its KV blocks (None: no cache)."""
+    """Rows of one step that continue one sequence: positions start.., its KV blocks (None: no cache) and its
+    linear layers' live state slot (-1: none)."""
 
     start: int
     rows: int
     blocks: tuple[int, ...] | None
+    state: int = -1
+
+    @classmethod
+    def of(cls, kv: SeqKV | None, start: int, rows: int) -> Group:
+        """The group of a sequence's cache (reserved for its rows)."""
+        if kv is None:
+            return cls(start, rows, None)
+        return cls(start, rows, tuple(kv.blocks), kv.state_slot if kv.pool.recurrent else -1)
 
 
 @dataclass(frozen=True)
@@ -68,30 +82,88 @@ class Step:
     batched: bool  # decode of several sequences (a cache per row) rather than one sequence's chunk
     groups: tuple[Group, ...]
     pool_tokens: int
+    pool_seqs: int = 1  # sequences the pool holds at once (its linear layers' state slots)
+    copies: tuple[tuple[int, int], ...] = ()  # KV blocks rank 0's pool copied since the last step, in order
+    state_copies: tuple[tuple[int, int], ...] = ()  # state slots it copied since the last step, in order
 
     @property
     def rows(self) -> int:
         return sum(g.rows for g in self.groups)
 
     def encode(self) -> tuple[torch.Tensor, torch.Tensor]:
-        payload = []
+        payload = [self.pool_seqs]
+        for pairs in (self.copies, self.state_copies):
+            payload += [len(pairs), *(i for pair in pairs for i in pair)]
         for g in self.groups:
-            payload += [g.start, g.rows, -1] if g.blocks is None else [g.start, g.rows, len(g.blocks), *g.blocks]
+            payload += [g.start, g.rows, g.state, -1] if g.blocks is None else \
+                [g.start, g.rows, g.state, len(g.blocks), *g.blocks]
         header = [OP_STEP, int(self.phase == "decode"), int(self.last_only), int(self.batched), self.rows,
                   self.pool_tokens, len(payload), 0]
         return torch.tensor(header, dtype=torch.int64), torch.tensor(payload, dtype=torch.int64)
 
     @classmethod
     def decode(cls, header: torch.Tensor, payload: torch.Tensor) -> Step:
-        h, p, groups, k = header.tolist(), payload.tolist(), [], 0
+        h, p, groups = header.tolist(), payload.tolist(), []
+        seqs, k, pairs = p[0], 1, []
+        for _ in range(2):
+            n = p[k]
+            pairs.append(tuple(zip(p[k + 1:k + 1 + 2 * n:2], p[k + 2:k + 2 + 2 * n:2])))
+            k += 1 + 2 * n
         while k < len(p):
-            start, rows, n = p[k:k + 3]
-            groups.append(Group(start, rows, None if n < 0 else tuple(p[k + 3:k + 3 + n])))
-            k += 3 + max(n, 0)
-        return cls("decode" if h[1] else "prefill", bool(h[2]), bool(h[3]), tuple(groups), h[5])
+            start, rows, state, n = p[k:k + 4]
+            groups.append(Group(start, rows, None if n < 0 else tuple(p[k + 4:k + 4 + n]), state))
+            k += 4 + max(n, 0)
+        return cls("decode" if h[1] else "prefill", bool(h[2]), bool(h[3]), tuple(groups), h[5], seqs, *pairs)
 
     def positions(self) -> torch.Tensor:
         return torch.cat([torch.arange(g.start, g.start + g.rows) for g in self.groups])
+
+    @classmethod
+    def told(cls, phase: str, last_only: bool, batched: bool, groups: tuple[Group, ...],
+             pool: KVPool | None) -> Step:
+        """The step rank 0 tells the others: with its pool's geometry and the copies it made since the last
+        (a MirroredPool's, taken)."""
+        if pool is None:
+            return cls(phase, last_only, batched, groups, 0)
+        copies, states = pool.take_copies() if isinstance(pool, MirroredPool) else ((), ())
+        return cls(phase, last_only, batched, groups, pool.n_slots, pool.seqs, copies, states)
+
+    def worker_pool(self, pool: KVPool | None, make) -> KVPool | None:
+        """A worker's pool for this step: `pool` while it has the step's geometry, else a new one of `make`
+        (n_tokens, seqs); rank 0's copies repeated in it."""
+        if self.pool_tokens and (pool is None or pool.n_slots != self.pool_tokens or pool.seqs != self.pool_seqs):
+            pool = None
+            pool = make(self.pool_tokens, self.pool_seqs)
+            pool.allocator = _HandedBlocks(pool.allocator.n_blocks)
+        for src, dst in self.copies:
+            pool.copy_block(src, dst)
+        for src, dst in self.state_copies:
+            pool.copy_state(src, dst)
+        return pool
+
+
+class MirroredPool(KVPool):
+    """Rank 0's KV pool when other ranks hold pools of the same geometry: the KV blocks and state slots it copies
+    (copy on write, checkpoints) are listed for them to repeat (Step.told)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.copied: list[tuple[int, int]] = []
+        self.states_copied: list[tuple[int, int]] = []
+
+    def copy_block(self, src: int, dst: int) -> None:
+        super().copy_block(src, dst)
+        self.copied.append((src, dst))
+
+    def copy_state(self, src: int, dst: int) -> None:
+        super().copy_state(src, dst)
+        self.states_copied.append((src, dst))
+
+    def take_copies(self) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+        out = tuple(self.copied), tuple(self.states_copied)
+        self.copied.clear()
+        self.states_copied.clear()
+        return out
 
 
 class Link:
@@ -217,26 +289,34 @@ def stage_weights(path: str | Path, layers: tuple[int, int], dtype: torch.dtype,
                                      layers=layers))
 
 
-def stage_pool(model: MoEModel, n_tokens: int) -> KVPool:
+def stage_pool(model: MoEModel, n_tokens: int, seqs: int = 1, cls: type[KVPool] = KVPool) -> KVPool:
     """A KV pool for the model's own layers only. Sliding-window layers keep every position here: the ranks
     share rank 0's block tables, which say nothing of windows' rings."""
-    return KVPool(model.spec, n_tokens, dtype=model.dtype, segments=[(model.first, model.stop, "cpu")],
-                  windows=False)
+    return cls(model.spec, n_tokens, dtype=model.dtype, segments=[(model.first, model.stop, "cpu")],
+               windows=False, seqs=seqs)
 
 
-class StageEngine(Engine):
-    """Rank 0's Engine: its KV pool holds rank 0's layers only."""
+class RankEngine(Engine):
+    """Rank 0's Engine when other ranks follow its steps: its KV pool is `pool(model.model, n_tokens, seqs,
+    MirroredPool)`, whose copies the steps carry."""
+
+    pool_of = staticmethod(stage_pool)
 
     def __init__(self, model: PipelineModel, *args, **kwargs):
         super().__init__(model, *args, **kwargs)
-        self.pool = None  # the full-depth pool Engine made goes before the stage's is allocated
-        self.pool = stage_pool(model.model, self.ctx_size)
+        self.pool = None  # the pool Engine made goes before this one is allocated
+        self.pool = self.pool_of(model.model, self.ctx_size, 1, MirroredPool)
 
     def resize_pool(self, n_tokens: int, seqs: int = 1) -> None:
         if self.pool.allocator.n_free != self.pool.allocator.n_blocks:
             raise RuntimeError("resize_pool with sequences still holding KV blocks")
         self.pool = None
-        self.pool = stage_pool(self.model.model, n_tokens)
+        self.pool = self.pool_of(self.model.model, n_tokens, seqs, MirroredPool)
+        self._prepare()
+
+
+class StageEngine(RankEngine):
+    """Rank 0's Engine of a pipeline: its KV pool holds rank 0's layers only."""
 
 
 class PipelineModel(StagedModel):
@@ -258,14 +338,12 @@ class PipelineModel(StagedModel):
     def _run(self, tokens, pos, kv, phase, last_only):
         m, link = self.model, self.link
         kvs = kv if isinstance(kv, list) else [kv]
-        if kv is None:
-            groups = (Group(int(pos[0]), len(pos), None),)
-        elif isinstance(kv, list):
-            groups = tuple(Group(int(p), 1, tuple(k.blocks)) for p, k in zip(pos, kv))
+        if isinstance(kv, list):
+            groups = tuple(Group.of(k, int(p), 1) for p, k in zip(pos, kv))
         else:
-            groups = (Group(int(pos[0]), len(pos), tuple(kv.blocks)),)
-        pool_tokens = 0 if kv is None else kvs[0].pool.n_slots
-        step = Step(phase, last_only and not isinstance(kv, list), isinstance(kv, list), groups, pool_tokens)
+            groups = (Group.of(kv, int(pos[0]), len(pos)),)
+        step = Step.told(phase, last_only and not isinstance(kv, list), isinstance(kv, list), groups,
+                         None if kv is None else kvs[0].pool)
         header, payload = step.encode()
         for r in range(1, link.world):
             link.send(header, r, "sending a step")
@@ -328,8 +406,11 @@ class _HandedBlocks:
 
 
 def _borrowed(pool: KVPool, g: Group) -> SeqKV:
-    """The sequence's cache on this worker: rank 0's blocks, filled up to g.start, room for g.rows more."""
+    """The sequence's cache on this worker: rank 0's blocks and state slot, filled up to g.start, room for
+    g.rows more."""
     kv = SeqKV(pool, len(g.blocks) * pool.block_size)
+    if g.state >= 0:
+        kv._state = g.state // pool.per_seq
     pool.allocator.given = list(g.blocks)
     kv.reserve(len(g.blocks) * pool.block_size)
     kv.length = g.start
@@ -368,10 +449,7 @@ def serve_stage(cfg: RuntimeConfig, link: Link, model: MoEModel, stage: Stage) -
         if payload.numel():
             link.recv(payload, 0, "receiving a step")
         step = Step.decode(header, payload)
-        if step.pool_tokens and (pool is None or pool.n_slots != step.pool_tokens):
-            pool = None
-            pool = stage_pool(model, step.pool_tokens)
-            pool.allocator = _HandedBlocks(pool.allocator.n_blocks)
+        pool = step.worker_pool(pool, lambda n, seqs: stage_pool(model, n, seqs))
         kvs = [None if g.blocks is None else _borrowed(pool, g) for g in step.groups]
         kv = kvs if step.batched else kvs[0]
         x = link.recv(torch.empty((step.rows, model.spec.hidden)), rank - 1, "waiting for the hidden state")

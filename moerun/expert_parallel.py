@@ -4,14 +4,14 @@ devices' tensors): every rank holds the dense weights and its share of each MoE 
 rank every rank's partial output, which each adds in rank order.
 
 Rank 0 runs the Engine (scheduler, sampling, server). Before each step it tells every other rank what the step
-is (a control message: the tokens, each sequence's start and KV blocks as rank 0's allocator handed them out,
-and the blocks its pool copied since the last step, copy on write); the others embed the same tokens, run the
-same layers over KV caches of their own with rank 0's block geometry (attention is replicated: every rank
-holds every layer's KV) and skip the head. A control message is int64 words, distributed.py's with two
-additions:
+is (a control message: the tokens, each sequence's start, KV blocks and state slot as rank 0's pool handed
+them out, and what its pool copied since the last step); the others embed the same tokens, run the same layers
+over KV caches and recurrent states of their own with rank 0's geometry (attention is replicated: every rank
+holds every layer's KV and state) and skip the head. A control message is int64 words, distributed.py's with
+the step's tokens after its payload:
 
     header   [op, phase (0 prefill, 1 decode), last_only, batched, rows, pool_tokens, payload_len, tokens]
-    payload  [copies, (src, dst) per copied block..., the step's tokens..., per group as distributed.Step]
+    payload  [distributed.Step's payload..., the step's tokens...]
 
 Every wait is bounded by `ep_timeout` except a worker's wait for its next step, which idles as long as rank 0
 does; a rank that exits or crashes ends the others' waits with an ExpertParallelError naming it. Besides steps,
@@ -36,12 +36,11 @@ from moerun.distributed import (
     Group,
     Link,
     PipelineModel,
+    RankEngine,
     Step,
     _borrowed,
-    _HandedBlocks,
     next_op,
 )
-from moerun.engine.engine import Engine
 from moerun.engine.kv_cache import KVPool, SeqKV
 from moerun.engine.pipeline import Stage, check_decode
 from moerun.errors import PeerLostError
@@ -101,37 +100,16 @@ def load_shard(path: str | Path, ids: dict[int, list[int]], dtype: torch.dtype, 
     return Loaded(mf, arch, model)
 
 
-class CopyingPool(KVPool):
-    """Rank 0's KV pool: the blocks it copies (copy on write) are listed for the other ranks to repeat."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.copied: list[tuple[int, int]] = []
-
-    def copy_block(self, src: int, dst: int) -> None:
-        super().copy_block(src, dst)
-        self.copied.append((src, dst))
-
-
-def rank_pool(model: MoEModel, n_tokens: int, cls: type[KVPool] = KVPool) -> KVPool:
+def rank_pool(model: MoEModel, n_tokens: int, seqs: int = 1, cls: type[KVPool] = KVPool) -> KVPool:
     """Every rank's KV pool: all layers, rank 0's geometry; sliding-window layers keep every position (the ranks
     share rank 0's block tables, which say nothing of windows' rings)."""
-    return cls(model.spec, n_tokens, dtype=model.dtype, segments=model.kv_segments, windows=False)
+    return cls(model.spec, n_tokens, dtype=model.dtype, segments=model.kv_segments, windows=False, seqs=seqs)
 
 
-class ExpertParallelEngine(Engine):
+class ExpertParallelEngine(RankEngine):
     """Rank 0's Engine: its KV pool is rank_pool's, its copies told to the other ranks."""
 
-    def __init__(self, model: ExpertParallelModel, *args, **kwargs):
-        super().__init__(model, *args, **kwargs)
-        self.pool = None  # the pool Engine made goes before this one is allocated
-        self.pool = rank_pool(model.model, self.ctx_size, CopyingPool)
-
-    def resize_pool(self, n_tokens: int, seqs: int = 1) -> None:
-        if self.pool.allocator.n_free != self.pool.allocator.n_blocks:
-            raise RuntimeError("resize_pool with sequences still holding KV blocks")
-        self.pool = None
-        self.pool = rank_pool(self.model.model, n_tokens, CopyingPool)
+    pool_of = staticmethod(rank_pool)
 
 
 class ExpertParallelModel(PipelineModel):
@@ -165,7 +143,7 @@ class ExpertParallelModel(PipelineModel):
         phase = phase or ("prefill" if len(tokens) > 1 else "decode")
         if kv is not None:
             kv.reserve(len(tokens))
-        group = Group(0 if kv is None else kv.length, len(tokens), None if kv is None else tuple(kv.blocks))
+        group = Group.of(kv, 0 if kv is None else kv.length, len(tokens))
         self._tell(tokens, (group,), phase, last_only, False, None if kv is None else kv.pool)
         return self.model.forward(tokens, kv, last_only, phase)
 
@@ -174,19 +152,14 @@ class ExpertParallelModel(PipelineModel):
         check_decode(tokens, kvs)
         for kv in kvs:
             kv.reserve(1)
-        self._tell(tokens, tuple(Group(kv.length, 1, tuple(kv.blocks)) for kv in kvs), phase, False, True,
-                   kvs[0].pool)
+        self._tell(tokens, tuple(Group.of(kv, kv.length, 1) for kv in kvs), phase, False, True, kvs[0].pool)
         return self.model.decode(tokens, kvs, phase)
 
     def _tell(self, tokens: torch.Tensor, groups: tuple[Group, ...], phase: str, last_only: bool, batched: bool,
               pool: KVPool | None) -> None:
-        copied = getattr(pool, "copied", [])
-        step = Step(phase, last_only, batched, groups, 0 if pool is None else pool.n_slots)
-        header, groups = step.encode()
-        head = torch.tensor([len(copied), *[b for pair in copied for b in pair]], dtype=torch.int64)
-        payload = torch.cat([head, tokens.to(torch.int64).cpu(), groups])
+        header, payload = Step.told(phase, last_only, batched, groups, pool).encode()
+        payload = torch.cat([payload, tokens.to(torch.int64).cpu()])
         header[6], header[7] = len(payload), len(tokens)
-        copied.clear()
         for r in range(1, self.link.world):
             self.link.send(header, r, "sending a step")
             self.link.send(payload, r, "sending a step")
@@ -202,16 +175,9 @@ def serve_rank(link: Link, model: MoEModel, stage: Stage) -> None:
             link.send(torch.tensor([n, round(s * 1e9)], dtype=torch.int64), 0, "sending all-gather times")
             continue
         payload = link.recv(torch.zeros(int(header[6]), dtype=torch.int64), 0, "receiving a step")
-        n_copies, n_tokens = int(payload[0]), int(header[7])
-        copies = payload[1:1 + 2 * n_copies].view(-1, 2).tolist()
-        tokens = payload[1 + 2 * n_copies:1 + 2 * n_copies + n_tokens]
-        step = Step.decode(header, payload[1 + 2 * n_copies + n_tokens:])
-        if step.pool_tokens and (pool is None or pool.n_slots != step.pool_tokens):
-            pool = None
-            pool = rank_pool(model, step.pool_tokens)
-            pool.allocator = _HandedBlocks(pool.allocator.n_blocks)
-        for src, dst in copies:
-            pool.copy_block(src, dst)
+        n_tokens = int(header[7])
+        tokens, step = payload[len(payload) - n_tokens:], Step.decode(header, payload[:len(payload) - n_tokens])
+        pool = step.worker_pool(pool, lambda n, seqs: rank_pool(model, n, seqs))
         kvs = [None if g.blocks is None else _borrowed(pool, g) for g in step.groups]
         with torch.inference_mode(), model.ops.step(step.rows), device.use(model.dev):
             model.run_layers(model.embed(tokens), step.positions(), kvs if step.batched else kvs[0], step.phase)

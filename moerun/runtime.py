@@ -145,10 +145,6 @@ def _prepare(cfg: RuntimeConfig) -> tuple[Path, int, Plan, str]:
     path = model_path(cfg.model)
     with open_model(path) as mf:  # metadata and tensor sizes only
         arch = resolve(mf)
-    if arch.spec.hybrid and (cfg.pipeline_world_size > 1 or cfg.ep_world_size > 1):
-        raise MoerunError(f"{path}: a model with linear-attention layers ({arch.spec.family}) cannot be split "
-                          "across processes yet (its recurrent state stays with each rank's sequences); split it "
-                          "across devices of one process (--devices) instead")
     ctx = cfg.ctx_size or min(4096, arch.spec.context_length)
     vram = cfg.vram_budget[0] if cfg.vram_budget and len(cfg.vram_budget) == 1 else cfg.vram_budget
     accel = [device.parse(d) for d in cfg.stage_devices if d != "cpu"]

@@ -63,6 +63,29 @@ def run(path: str, **kw) -> tuple[list[int], torch.Tensor, dict]:
     return gen.tokens, torch.cat(rows).cpu(), stats
 
 
+def steps(rt) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens, and the logits of: a prompt without a cache, two sequences' prompts in chunks, decode steps
+    of both together, and a sequence whose new prompt leaves off inside a block another sequence shares (its
+    pool copies that block, copy on write)."""
+    eng = rt.engine
+    eng.resize_pool(4 * eng.ctx_size, seqs=4)
+    gen = eng.generate(PROMPT, SamplingParams.greedy(max_tokens=10, ignore_eos=True)).run()
+    gen.seq.free()
+    a, b = eng.new_sequence(), eng.new_sequence()
+    rows = [eng.model.forward(torch.tensor(PROMPT[:7])), eng.model.forward(torch.tensor(PROMPT[:9]), a.kv),
+            eng.model.forward(torch.tensor(PROMPT[9:]), a.kv), eng.model.forward(torch.tensor(PROMPT[3:8]), b.kv)]
+    step = torch.tensor([rows[2][-1].argmax(), rows[3][-1].argmax()])
+    for _ in range(3):
+        rows.append(eng.model.decode(step, [a.kv, b.kv]))
+        step = rows[-1].argmax(-1)
+    long = PROMPT * 2  # 48 tokens: three blocks of 16
+    c, d = eng.new_sequence(), eng.new_sequence()
+    rows.append(eng.prefill(c, long)[0][None])
+    rows.append(eng.prefill(d, long[:40] + [7, 8, 9])[0][None])  # adopts c's first two blocks
+    rows.append(eng.prefill(d, long[:20] + [11, 12, 13, 14])[0][None])  # back inside the second: copied
+    return gen.tokens, torch.cat(rows).cpu()
+
+
 def split_file(path, ranks: int, n_experts: int, layers: list[int]) -> str:
     """A split that is not ranges: expert e to rank (e * 5) % ranks, rotated per layer."""
     ExpertSplit(ranks, {i: tuple((e * 5 + i) % ranks for e in range(n_experts)) for i in layers}).write(path)

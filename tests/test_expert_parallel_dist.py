@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from test_expert_parallel import PROMPT, close, model_file
+from test_expert_parallel import PROMPT, close, model_file, steps
 from test_pipeline_dist import HANG_GUARD_S, ends_within, finish, free_port, moerun, start
 
 from moerun.config import DraftParams, RuntimeConfig, SamplingParams
@@ -46,29 +46,6 @@ def stop(rt, workers) -> list[tuple[int, str, str]]:
     return [finish(w) for w in workers]
 
 
-def steps(rt) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens, and the logits of: a prompt without a cache, two sequences' prompts in chunks, decode steps
-    of both together, and a sequence whose new prompt leaves off inside a block another sequence shares (its
-    pool copies that block, copy on write)."""
-    eng = rt.engine
-    eng.resize_pool(4 * eng.ctx_size, seqs=4)
-    gen = eng.generate(PROMPT, SamplingParams.greedy(max_tokens=10, ignore_eos=True)).run()
-    gen.seq.free()
-    a, b = eng.new_sequence(), eng.new_sequence()
-    rows = [eng.model.forward(torch.tensor(PROMPT[:7])), eng.model.forward(torch.tensor(PROMPT[:9]), a.kv),
-            eng.model.forward(torch.tensor(PROMPT[9:]), a.kv), eng.model.forward(torch.tensor(PROMPT[3:8]), b.kv)]
-    step = torch.tensor([rows[2][-1].argmax(), rows[3][-1].argmax()])
-    for _ in range(3):
-        rows.append(eng.model.decode(step, [a.kv, b.kv]))
-        step = rows[-1].argmax(-1)
-    long = PROMPT * 2  # 48 tokens: three blocks of 16
-    c, d = eng.new_sequence(), eng.new_sequence()
-    rows.append(eng.prefill(c, long)[0][None])
-    rows.append(eng.prefill(d, long[:40] + [7, 8, 9])[0][None])  # adopts c's first two blocks
-    rows.append(eng.prefill(d, long[:20] + [11, 12, 13, 14])[0][None])  # back inside the second: copied
-    return gen.tokens, torch.cat(rows).cpu()
-
-
 @pytest.fixture(scope="module")
 def qwen2moe(tmp_path_factory):
     return model_file(tmp_path_factory, "tiny-qwen2moe")
@@ -88,7 +65,8 @@ def test_processes_equal_one_process(qwen2moe, world):
     assert close(logits, one)
 
 
-@pytest.mark.parametrize("name", ["tiny-gptoss", "tiny-deepseek2", "tiny-glm4moe", "tiny-qwen3moe"])
+@pytest.mark.parametrize("name", ["tiny-gptoss", "tiny-deepseek2", "tiny-glm4moe", "tiny-qwen3moe", "tiny-qwen3next",
+                                  "tiny-qwen35moe"])
 def test_families_over_processes(name, tmp_path_factory):
     path = model_file(tmp_path_factory, name)
     one_tokens, one = steps(build(RuntimeConfig(model=path, threads=1)))
@@ -153,12 +131,6 @@ def test_a_rank_that_stops_answering_times_out(two_ranks):
         ends_within(40 * STEP_TIMEOUT_S, rt.engine.model.forward, torch.tensor(PROMPT[:4]))
 
 
-def test_a_hybrid_model_is_refused_across_processes(tmp_path_factory):
-    path = model_file(tmp_path_factory, "tiny-qwen3next")
-    with pytest.raises(Exception, match="linear-attention layers"):
-        build(RuntimeConfig(model=path, threads=1, ep_world_size=2, master_port=free_port(), ep_timeout=5))
-
-
 def ep_args(rank: int, world: int, port: int, timeout: float = HANG_GUARD_S) -> list[str]:
     return ["--ep-rank", str(rank), "--ep-world-size", str(world), "--master-port", str(port), "--ep-timeout",
             str(timeout), "-t", "1"]
@@ -205,15 +177,18 @@ def test_a_rank_exits_when_rank0_dies(qwen2moe):
     assert rc == 1 and "rank 0 is gone" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("mode", ["devices", "processes"])
-def test_a_server_with_four_clients(qwen2moe, tmp_path, mode):
+@pytest.mark.parametrize("mode, name", [("devices", "tiny-qwen2moe"), ("processes", "tiny-qwen2moe"),
+                                        ("processes", "tiny-qwen35moe")])
+def test_a_server_with_four_clients(tmp_path_factory, tmp_path, mode, name):
     """`moerun serve -np 4` with 3 ranks (in its process, or it and two more processes) answers 4 clients at once
-    with one process's greedy texts."""
+    with one process's greedy texts (a hybrid model: each sequence's recurrent state in its slot on every rank)."""
     import openai
     from family_checks import ServerProcess
 
+    qwen2moe = model_file(tmp_path_factory, name)
     prompts = ["The experts", "Four clients at once", "Ranks add their parts", "in rank order, every step"]
     rt = build(RuntimeConfig(model=qwen2moe, threads=1))
+    rt.engine.resize_pool(4 * 256, seqs=4)
     want = [rt.engine.generate(rt.engine.tokenizer.encode(p), SamplingParams.greedy(max_tokens=12, ignore_eos=True))
             .run().text for p in prompts]
     args, workers = ["-m", qwen2moe, "-t", "1", "-c", "256", "-np", "4", "--expert-cache-slots", "2"], []
@@ -229,7 +204,8 @@ def test_a_server_with_four_clients(qwen2moe, tmp_path, mode):
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=HANG_GUARD_S)
 
         def complete(prompt: str) -> str:
-            r = client.completions.create(model="x", prompt=prompt, max_tokens=12, temperature=0)
+            r = client.completions.create(model="x", prompt=prompt, max_tokens=12, temperature=0,
+                                          extra_body={"ignore_eos": True})
             return r.choices[0].text
 
         with ThreadPoolExecutor(4) as pool:

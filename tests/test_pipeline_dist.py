@@ -156,6 +156,27 @@ def test_two_processes_logits_equal_one(rank0, tokens32):
     assert torch.equal(model.forward(tokens[10:15], a[0]), ref.forward(tokens[10:15], a[1]))
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen2moe", "tiny-qwen35moe"])
+def test_prefix_copies_and_recurrent_states_follow_rank0(name, tmp_path_factory):
+    """Steps of several sequences over two stages give one process's tokens and logits: a shared prefix block that
+    rank 0's pool copies (copy on write) is copied on rank 1 too, and a hybrid model's recurrent states (each
+    sequence's slot, checkpoints taken and restored on truncation) live on the rank holding their layers."""
+    from test_expert_parallel import close, model_file, steps
+
+    path = model_file(tmp_path_factory, name)
+    one_tokens, one = steps(build(RuntimeConfig(model=path, threads=1)))
+    port = free_port()
+    worker = start(moerun("run", "-m", path, *pipeline_args(1, port)))
+    rt = build(RuntimeConfig(model=path, threads=1, pipeline_world_size=2, master_port=port,
+                             pipeline_timeout=HANG_GUARD_S))
+    tokens, logits = steps(rt)
+    rt.close()
+    rc, out, err = finish(worker)
+    assert rc == 0 and out == "", err[-2000:]
+    print(f"{name} 2 stages: max |dlogit| {(logits - one).abs().max().item():.3g}")
+    assert tokens == one_tokens and close(logits, one)
+
+
 def test_worker_crash_is_a_clear_error(rank0, tokens32):
     rt, worker, ref = rank0
     rt.engine.model.forward(tokens32[:4] % ref.spec.vocab)
