@@ -17,6 +17,10 @@ Every wait is bounded by `ep_timeout` except a worker's wait for its next step, 
 does; a rank that exits or crashes ends the others' waits with an ExpertParallelError naming it. Besides steps,
 stop and statistics (distributed.py's), rank 0 may ask a rank for its all-gathers' count and seconds (OP_GATHERS,
 header[1] = 1 to start them again; the answer: [gathers, nanoseconds]).
+
+Rank 0's Engine sees every rank's expert cache through `RankCaches`: its own cache's statistics and the other
+ranks' as last fetched (`refresh`, which the scheduler calls where it copies statistics for other threads),
+one part per rank, so /metrics shows each rank as a series of its own.
 """
 
 from __future__ import annotations
@@ -42,8 +46,10 @@ from moerun.distributed import (
     next_op,
 )
 from moerun.engine.kv_cache import KVPool, SeqKV
-from moerun.engine.pipeline import Stage, check_decode
+from moerun.engine.pipeline import Stage, StageStats, check_decode
 from moerun.errors import PeerLostError
+from moerun.experts.cache import ExpertCache
+from moerun.experts.stats import CacheStats
 from moerun.formats import open_model
 from moerun.formats.names import CName
 from moerun.loading import Loaded, expert_reader, weights_home
@@ -163,6 +169,51 @@ class ExpertParallelModel(PipelineModel):
         for r in range(1, self.link.world):
             self.link.send(header, r, "sending a step")
             self.link.send(payload, r, "sending a step")
+
+
+class RankStats(StageStats):
+    """Every rank's expert-cache statistics, rank 0's own first, then the other ranks' as `RankCaches.refresh`
+    last fetched them; ranks 0.. in order. `reset` starts every rank counting afresh (a round trip to each: on
+    the thread that runs the model's steps only, as everything that uses the link)."""
+
+    def __init__(self, own: CacheStats, model: ExpertParallelModel):
+        super().__init__([own, *(CacheStats() for _ in range(1, model.link.world))], range(model.link.world))
+        self.model = model
+
+    def reset(self) -> None:
+        self.parts[0].reset()
+        self.model.remote_stats(reset=True)
+        self.parts[1:] = [CacheStats() for _ in self.parts[1:]]
+
+
+class RankCaches:
+    """Rank 0's expert cache where the Engine expects one, its `.stats` every rank's (RankStats). The other
+    ranks' figures are copies: `refresh` fetches them (a round trip to each rank; call it on the thread that
+    runs the model's steps, never from another: the link is not thread-safe). The rest is rank 0's cache."""
+
+    def __init__(self, cache: ExpertCache, model: ExpertParallelModel):
+        self.cache, self.model = cache, model
+        self.stats = RankStats(cache.stats, model)
+
+    def refresh(self) -> None:
+        """The other ranks' statistics as they are now (a rank without a cache counts nothing)."""
+        fetched = self.model.remote_stats()
+        self.stats.parts[1:] = [CacheStats() if s is None else s for s in fetched]
+
+    @property
+    def prefetching(self) -> bool:
+        return self.cache.prefetching
+
+    @property
+    def nbytes(self) -> int:
+        """Rank 0's cache's bytes (the other ranks' are theirs)."""
+        return self.cache.nbytes
+
+    def settle(self, wait: bool = True) -> None:
+        self.cache.settle(wait)
+
+    def close(self) -> None:
+        self.cache.close()
 
 
 def serve_rank(link: Link, model: MoEModel, stage: Stage) -> None:

@@ -409,13 +409,14 @@ def _join_experts(cfg: RuntimeConfig, the_plan: Plan, home: str):
 
 
 def _build_rank0_experts(cfg: RuntimeConfig, ctx: int, the_plan: Plan, home: str) -> Runtime:
-    from moerun.expert_parallel import ExpertParallelEngine, ExpertParallelModel
+    from moerun.expert_parallel import ExpertParallelEngine, ExpertParallelModel, RankCaches
 
     link, loaded, stage, warnings = _join_experts(cfg, the_plan, home)
     model = ExpertParallelModel(stage, link)
     atexit.register(model.close)  # the other ranks stop when this process ends, however it ends
+    caches = None if stage.cache is None else RankCaches(stage.cache, model)  # the engine's: every rank's
     engine = ExpertParallelEngine(model, Tokenizer.from_model_file(loaded.file), ctx_size=ctx, ubatch=cfg.ubatch,
-                                  expert_cache=stage.cache, draft=cfg.draft)
+                                  expert_cache=caches, draft=cfg.draft)
     engine.drafter = make_drafter(cfg, engine)
     return Runtime(engine, the_plan, stage.cache, warnings, [stage], model)
 

@@ -23,6 +23,7 @@ from test_pipeline_dist import HANG_GUARD_S, ends_within, finish, free_port, moe
 
 from moerun.config import DraftParams, RuntimeConfig, SamplingParams
 from moerun.expert_parallel import ExpertParallelError
+from moerun.experts.stats import CacheStats
 from moerun.runtime import build
 
 pytestmark = pytest.mark.slow  # process groups: `python -m pytest -m slow`, and CI
@@ -249,3 +250,64 @@ def test_a_server_that_loses_a_rank_answers_503_and_exits(qwen2moe, tmp_path):
     text = log.read_text()
     assert "error: the model cannot be used any more: expert-parallel rank 0" in text and "rank 1" in text, text
     assert "Traceback" not in text, text
+
+
+def cache_series(text: str) -> dict[tuple[str, int, str], tuple[float, float]]:
+    """/metrics' expert-cache counters: (rank, layer, phase) -> (queries, hits)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple[str, int, str], list[float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in ("moerun:expert_cache_queries_total", "moerun:expert_cache_hits_total"):
+                key = (s.labels["rank"], int(s.labels["layer"]), s.labels["phase"])
+                out.setdefault(key, [0.0, 0.0])[s.name.endswith("hits_total")] = s.value
+    return {k: (q, h) for k, (q, h) in out.items()}
+
+
+def test_metrics_show_every_process_rank(qwen2moe, tmp_path):
+    """`moerun serve` as rank 0 of 2 processes: /metrics has each rank's expert-cache counters as a series of
+    its own (rank 1's fetched from it), equal to those of the same split in one process (`--expert-parallel
+    2`, where each rank's cache is in the server's process): the same steps route to the same experts."""
+    from family_checks import ServerProcess
+
+    args = ["-m", qwen2moe, "-t", "1", "-c", "256", "-np", "1", "--expert-cache-slots", "2"]
+
+    def served(extra: list[str], log: str) -> dict:
+        server = ServerProcess(args + extra, tmp_path / log, wait=HANG_GUARD_S)
+        try:
+            for prompt in ("The experts", "Ranks add their parts in rank order"):
+                body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+                r = server.request("POST", "/v1/completions", body, timeout=HANG_GUARD_S)
+                assert r.status == 200, r.text
+            return cache_series(server.request("GET", "/metrics", timeout=HANG_GUARD_S).text)
+        finally:
+            server.stop()
+
+    port = free_port()
+    worker = start(moerun("run", "-m", qwen2moe, "--expert-cache-slots", "2", *ep_args(1, 2, port)))
+    over_processes = served(ep_args(0, 2, port), "ranks.log")
+    rc, out, err = finish(worker)
+    assert rc == 0 and out == "", err[-2000:]
+    in_process = served(["--expert-parallel", "2"], "one.log")
+    for rank in ("0", "1"):
+        mine = {k: v for k, v in over_processes.items() if k[0] == rank}
+        queries, hits = sum(q for q, _ in mine.values()), sum(h for _, h in mine.values())
+        assert queries > 0 and hits < queries, (rank, mine)  # lookups, and misses among them
+    assert over_processes == in_process
+
+
+def test_the_engines_cache_reads_and_resets_every_rank(qwen2moe):
+    """Rank 0's engine.expert_cache (RankCaches): refresh brings rank 1's statistics (what stage_stats reads
+    from it), and its stats' reset starts every rank counting afresh."""
+    rt, workers = start_ranks(qwen2moe, 2, expert_cache_slots=1)
+    steps(rt)
+    cache = rt.engine.expert_cache
+    assert cache.stats.ranks == (0, 1) and cache.stats.parts[1].get().queries == 0  # not fetched yet
+    cache.refresh()
+    fetched = [part + CacheStats() for part in cache.stats.parts]
+    assert [s for _, s in rt.stage_stats()] == fetched and all(s.get().misses > 0 for s in fetched)
+    cache.stats.reset()
+    after = [s.get().queries for _, s in rt.stage_stats()] + [p.get().queries for p in cache.stats.parts]
+    assert all(rc == 0 for rc, _, _ in stop(rt, workers))
+    assert after == [0, 0, 0, 0]

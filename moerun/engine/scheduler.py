@@ -538,10 +538,17 @@ class Scheduler:
 
     def _copy_cache_stats(self, force: bool = False) -> None:
         """A copy of the expert-cache statistics for readers on other threads: every 0.25 s, when a request
-        ends, and when idle."""
+        ends, and when idle. A cache with `refresh` (other processes' caches:
+        moerun.expert_parallel.RankCaches) fetches their figures first, here on the engine thread."""
         cache = self.engine.expert_cache
         now = time.perf_counter()
         if cache is not None and (force or now - self._copied_at > 0.25 or not self.has_work()):
+            if hasattr(cache, "refresh") and not self.peer_lost:
+                try:
+                    cache.refresh()
+                except PeerLostError as e:  # as a step's: the next step ends every request
+                    self.fault, self.peer_lost = self.fault or str(e), True
+                    log.error("reading the other processes' expert-cache statistics failed: %s", e)
             self._cache_copy, self._copied_at = cache.stats + CacheStats(), now
 
 
