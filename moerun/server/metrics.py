@@ -36,8 +36,9 @@ _CACHE_COUNTERS = {"expert_cache_queries": "queries", "expert_cache_hits": "hits
 
 class _CacheCollector:
     """moerun:expert_cache_* from the last snapshot of the cache's statistics, labelled layer, device, phase and
-    rank: under expert parallelism in this process each rank's cache is a series of its own; otherwise rank is
-    "0" (across processes this process is rank 0, and its cache is the one it counts)."""
+    rank: under expert parallelism each rank's cache is a series of its own, in this process or across
+    processes (where the snapshot holds the other ranks' counters as the engine thread last fetched them:
+    moerun.expert_parallel.RankCaches); otherwise rank is "0". device is this process's engine's."""
 
     def __init__(self, snapshot: Callable[[], Snapshot | None], device: Callable[[], str]):
         self.snapshot, self.device = snapshot, device

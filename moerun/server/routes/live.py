@@ -6,10 +6,12 @@ same object as a server-sent event every `interval` seconds, 0.2 to 60, default 
     slots      per slot: idle, prefill or decode; KV positions held; the running request's prompt, reused
                prefix (cached), generated tokens
     cache      per MoE layer and phase (prefill, decode): expert-cache hits and queries, the figures /metrics
-               reports as moerun:expert_cache_hits and _queries (null without an expert cache)
+               reports as moerun:expert_cache_hits and _queries, summed over its ranks under expert parallelism
+               (across processes too) (null without an expert cache)
     experts    per layer with a cache: each expert's recent use (steps, decaying by half every `half_life`
                steps of the layer: moerun.experts.usage), its use since the start, and the experts resident
-               in the cache's slots now (null without an expert cache: resident experts run in C, uncounted)
+               in the cache's slots now (null without an expert cache: resident experts run in C, uncounted);
+               this process's caches only (across processes, rank 0's)
     placement  the plan: devices (layers, dense, KV, cache bytes, expert slots), the home tier of the
                routed experts, and the tensors by kind (`blk.N.` dropped) with the device that computes
                them, the tier that holds them and their bytes
