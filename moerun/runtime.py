@@ -74,12 +74,15 @@ class Runtime:
             self.cache.close()
 
 
-def _cache_slots(cfg: RuntimeConfig, the_plan: Plan, store, warnings: list[str]) -> dict[int, int] | None:
+def _cache_slots(cfg: RuntimeConfig, the_plan: Plan, store, warnings: list[str],
+                 rank: int | None = None) -> dict[int, int] | None:
     """Slots per layer: the plan's (what --print-plan shows) when a cache is asked for or the experts live on
-    disk, else no cache."""
+    disk, else no cache. rank: under expert parallelism, that rank's (sized for its shard)."""
     if not cfg.cache_requested and the_plan.home != "disk":
         return None
     slots = {layer: dp.expert_slots[layer - dp.layers[0]] for dp in the_plan.devices for layer in range(*dp.layers)}
+    if rank is not None and the_plan.rank(rank) is not None:
+        slots = dict(enumerate(the_plan.rank(rank).expert_slots))
     if cfg.expert_cache_plan is not None:  # slots per layer from a trace (moerun trace simulate --write-plan)
         from moerun.experts.allocate import read_plan
 
@@ -147,12 +150,15 @@ def _prepare(cfg: RuntimeConfig) -> tuple[Path, int, Plan, str]:
         arch = resolve(mf)
     ctx = cfg.ctx_size or min(4096, arch.spec.context_length)
     vram = cfg.vram_budget[0] if cfg.vram_budget and len(cfg.vram_budget) == 1 else cfg.vram_budget
-    accel = [device.parse(d) for d in cfg.stage_devices if d != "cpu"]
+    ep = cfg.expert_parallel > 1
+    devices = cfg.ep_devices if ep else cfg.stage_devices  # under EP every rank's device is budgeted
+    accel = [device.parse(d) for d in devices if d != "cpu"]
     if not accel:
         vram = None  # no GPU to budget (build() warns)
     for dev in accel:
         device.check(dev)  # a GPU that is not there: one line, before anything is loaded
-    budgets = Budgets(devices=cfg.stage_devices, tensor_split=cfg.tensor_split, ram=cfg.ram_budget, vram=vram,
+    budgets = Budgets(devices=devices, tensor_split=None if ep else cfg.tensor_split, ram=cfg.ram_budget,
+                      vram=vram,
                       ctx_size=ctx, ubatch=cfg.ubatch, kv_contexts=cfg.kv_contexts,
                       n_cpu_moe=cfg.n_cpu_moe, override_tensor=cfg.override_tensor,
                       kv_dtype_bytes=kv_value_bytes(cfg.cache_type_k, cfg.dtype),
@@ -161,16 +167,26 @@ def _prepare(cfg: RuntimeConfig) -> tuple[Path, int, Plan, str]:
                       cache_mib=cfg.expert_cache_mib)
     inventory = detect(gpus=any(d.is_cuda for d in accel))
     if accel:
-        inventory = with_devices(inventory, cfg.stage_devices)
-    the_plan = plan(arch, inventory, budgets)
-    if cfg.expert_cache_trace is not None:
+        inventory = with_devices(inventory, devices)
+    if ep:  # each rank planned for its shard, against its own memory (moerun.placement.ep_plan)
+        from moerun.expert_parallel import expert_split
+        from moerun.placement.ep_plan import plan_ranks
+
+        the_plan = plan_ranks(arch, inventory, budgets, expert_split(cfg, arch.spec), devices,
+                              None if cfg.ep_world_size == 1 else cfg.ep_rank)
+    else:
+        the_plan = plan(arch, inventory, budgets)
+    if cfg.expert_cache_trace is not None and not ep:
         the_plan = _reshare(the_plan, cfg, arch.spec.n_experts)
     if cfg.mmap is not None:
         home = "mmap" if cfg.mmap else "ram"
     elif accel:  # a device stage's experts stay in RAM (pinned) when it fits; its cache is on the device
-        slots = [s for d in the_plan.devices for s, i in zip(d.expert_slots, range(*d.layers)) if arch.spec.moe_layers[i]]
+        held = [(s, arch.spec.n_experts) for d in the_plan.devices
+                for s, i in zip(d.expert_slots, range(*d.layers)) if arch.spec.moe_layers[i]]
+        if the_plan.ranks:
+            held = [(s, n) for r in the_plan.ranks for s, n in zip(r.expert_slots, r.owned) if n]
         # experts that all go to the devices are copied there from the file's map, not through RAM first
-        resident = bool(slots) and all(s >= arch.spec.n_experts for s in slots)
+        resident = bool(held) and all(s >= n for s, n in held)
         home = "mmap" if the_plan.home == "disk" or resident else "ram"
     else:
         home = "mmap" if cfg.cache_requested or the_plan.home == "disk" else "ram"
@@ -341,14 +357,27 @@ def _rank_shard(cfg: RuntimeConfig, rank: int, ids: dict[int, list[int]], store,
         if exp_b is not None:
             cut[i] = tuple(device.to_device(b[ids[i]], dev) for b in exp_b)
     if dev.accelerator:
-        dp = the_plan.devices[0]
+        rp, dp = the_plan.rank(rank), the_plan.devices[0]
         ops = device_ops(dev, kernels)
-        experts, cache = device_experts(cfg, dev, ops, kernels, store, dict(zip(range(*dp.layers), dp.expert_slots)),
-                                        home_layers(the_plan, store), arch)
+        mine = dict(enumerate(rp.expert_slots)) if rp else dict(zip(range(*dp.layers), dp.expert_slots))
+        experts, cache = device_experts(cfg, dev, ops, kernels, store, mine, home_layers(the_plan, store),
+                                        arch)
     else:
         ops = model.ops
-        experts, cache = cpu_experts(cfg, store, slots, kernels, prefetch=False)
+        experts, cache = cpu_experts(cfg, store, slots, kernels)
     return Shard(rank, ids, store, experts, cache, dev, ops, cut)
+
+
+def _prefetch_warning(cfg: RuntimeConfig, the_plan: Plan, warnings: list[str]) -> None:
+    """Under expert parallelism each rank's CPU cache prefetches its own experts of the guess
+    (ShardedExperts); device ranks and ranks without a cache do not."""
+    if not cfg.prefetch:
+        return
+    if any(d != "cpu" for d in cfg.ep_devices):
+        warnings.append("prefetch is not implemented for device stages yet; ignored")
+    elif not cfg.cache_requested and the_plan.home != "disk":
+        warnings.append("prefetch needs an expert cache (--expert-cache-slots or --expert-cache-mib); "
+                        "ignored")
 
 
 def _build_expert_parallel(cfg: RuntimeConfig, path: Path, ctx: int, the_plan: Plan, home: str) -> Runtime:
@@ -365,12 +394,11 @@ def _build_expert_parallel(cfg: RuntimeConfig, path: Path, ctx: int, the_plan: P
                         progress=cfg.progress)
     warnings: list[str] = []
     _check_kernels(loaded, warnings)
-    slots = _cache_slots(cfg, the_plan, loaded.model.store, warnings)
-    if cfg.prefetch:
-        warnings.append("prefetch is not implemented for expert parallelism yet; ignored")
+    _prefetch_warning(cfg, the_plan, warnings)
     model, split = loaded.model, expert_split(cfg, loaded.arch.spec)
     shards = [_rank_shard(cfg, r, split.shard(r), model.store.shard(split.shard(r)), model, the_plan, loaded.arch,
-                          slots, True) for r in range(cfg.expert_parallel)]
+                          _cache_slots(cfg, the_plan, model.store, warnings if r == 0 else [], r), True)
+              for r in range(cfg.expert_parallel)]
     lead = device.parse(cfg.ep_devices[0])
     if lead.accelerator:
         model.place(lead, device_ops(lead, model.ops.name != "reference"))
@@ -399,7 +427,8 @@ def _join_experts(cfg: RuntimeConfig, the_plan: Plan, home: str):
     warnings: list[str] = []
     _check_kernels(loaded, warnings)
     model = loaded.model
-    slots = _cache_slots(cfg, the_plan, model.store, warnings)
+    _prefetch_warning(cfg, the_plan, warnings)
+    slots = _cache_slots(cfg, the_plan, model.store, warnings, cfg.ep_rank)
     shard = _rank_shard(cfg, cfg.ep_rank, ids, model.store, model, the_plan, loaded.arch, slots, False)
     if shard.dev.accelerator:
         model.place(shard.dev, device_ops(shard.dev, model.ops.name != "reference"))

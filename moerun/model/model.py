@@ -396,7 +396,10 @@ class MoEModel:
             self.on_route(i, phase, pos, ids, w)
         stacks = self.store.stacks(i) if self._direct() else None  # experts read where they are stored
         if hasattr(self.experts, "run"):  # a device stage's (offload.py), or the ranks' under expert parallelism (shards.py)
-            out = self.experts.run(i, x, ids, w, phase, fn)
+            if resid is not None and phase == "decode" and getattr(self.experts, "prefetching", False):
+                out = self.experts.run(i, x, ids, w, phase, fn, ahead=lambda: self._prefetch_next(i, resid))
+            else:
+                out = self.experts.run(i, x, ids, w, phase, fn)
         elif stacks is None or (out := ops.moe_stacked(x, ids, w, stacks, fn=fn)) is None:
             experts = self.experts.fetch(i, sorted(set(ids.view(-1).tolist())), phase)
             if resid is not None and phase == "decode" and getattr(self.experts, "prefetching", False):

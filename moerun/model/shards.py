@@ -13,6 +13,11 @@ through the rank's own cache, or on the rank's device through its own DeviceExpe
 Every rank adds the same parts in the same order, so all ranks go on with the same bits and the sum never
 depends on timing. The shared expert is added once, after the sum, by the model.
 
+Prefetch (DESIGN decision 6) splits too: the model guesses the next MoE layer's experts by its ids once
+(every rank routes alike), and `ShardedExperts.prefetch` hands each rank's cache its own experts of the guess
+in its own numbering, so a rank pages in only what it owns and scores the guess against its own fetches. The
+guess is made once this process's first rank has fetched the current layer (`run`'s `ahead`), as one cache's.
+
 Whole layers in one C call (`FusedAttention.decode_layers`) cannot stop for the sum: a model whose experts are
 not read where they are stored (`MoEModel._direct`) takes the per-layer path, the mixer and routing in C, then
 `MoEModel.moe`.
@@ -71,9 +76,10 @@ class Shard:
         return table
 
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, phase: str, fn: ExpertFn,
-            lead: device.Device) -> torch.Tensor:
+            lead: device.Device, ahead: Callable[[], None] | None = None) -> torch.Tensor:
         """This rank's part of the layer's routed output: x [T, H], ids [T, k] in its own numbering (-1: another
-        rank's pair), w [T, k], all on the `lead` device (where the dense part runs) -> [T, H] there."""
+        rank's pair), w [T, k], all on the `lead` device (where the dense part runs) -> [T, H] there. ahead:
+        called once this rank has its experts, before it computes (the next layer's prefetch)."""
         if layer in self.biases and fn.biases is not None:
             fn = replace(fn, biases=self.biases[layer])
         away = self.dev != lead
@@ -83,15 +89,18 @@ class Shard:
             if hasattr(self.experts, "run"):  # a device's DeviceExperts (moerun.model.offload)
                 out = self.experts.run(layer, x, ids, w, phase, fn)
             else:
-                out = self._on_cpu(layer, x, ids, w, phase, fn)
+                out = self._on_cpu(layer, x, ids, w, phase, fn, ahead)
         return device.move(out, lead) if away else out
 
-    def _on_cpu(self, layer, x, ids, w, phase, fn) -> torch.Tensor:
+    def _on_cpu(self, layer, x, ids, w, phase, fn, ahead=None) -> torch.Tensor:
         stacks = self.store.stacks(layer) if isinstance(self.experts, ResidentExperts) else None
         if stacks is not None and (out := self.ops.moe_stacked(x, ids, w, stacks, fn=fn)) is not None:
             return out
         wanted = sorted(set(ids.reshape(-1).tolist()) - {-1})
-        return self.ops.moe(x, ids, w, self.experts.fetch(layer, wanted, phase), fn=fn)
+        experts = self.experts.fetch(layer, wanted, phase)
+        if ahead is not None:
+            ahead()  # after this layer's fetch, so the prefetch never competes with its loads
+        return self.ops.moe(x, ids, w, experts, fn=fn)
 
 
 class ShardedExperts:
@@ -100,8 +109,6 @@ class ShardedExperts:
     shards: this process's ranks, in rank order; dev: the device the model's dense part runs on; gather(part,
     layer): across processes, this process's one part -> every rank's, in rank order (None: every rank is
     here)."""
-
-    prefetching = False  # guesses of the next layer's experts are not split over ranks yet
 
     def __init__(self, shards: list[Shard], n_experts: int, dev: device.Device = device.CPU,
                  gather: Callable[[torch.Tensor, int], list[torch.Tensor]] | None = None):
@@ -114,12 +121,28 @@ class ShardedExperts:
     def caches(self) -> list[ExpertCache]:
         return [sh.cache for sh in self.shards if sh.cache is not None]
 
+    @property
+    def prefetching(self) -> bool:
+        """Whether the model should guess layers ahead: every rank here computes on the CPU behind a cache
+        that prefetches (a device rank's DeviceExperts does not)."""
+        return all(sh.cache is not None and sh.cache.prefetching and sh.dev.kind == "cpu"
+                   for sh in self.shards)
+
+    def prefetch(self, layer: int, guessed: list[int]) -> None:
+        """A guess of `layer`'s experts by the model's ids (most likely first) -> each rank's cache pages in
+        its own, in its own numbering."""
+        for sh in self.shards:
+            if sh.cache is not None:
+                table = self._number(sh, layer).tolist()
+                sh.cache.prefetch(layer, [table[e] for e in guessed if table[e] >= 0])
+
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, phase: str,
-            fn: ExpertFn = PLAIN) -> torch.Tensor:
+            fn: ExpertFn = PLAIN, ahead: Callable[[], None] | None = None) -> torch.Tensor:
         """x [T, H], ids / w [T, k] (the model's expert ids) -> the routed experts' output [T, H], summed over
-        every rank in rank order."""
-        parts = [sh.run(layer, x, self._number(sh, layer)[ids], w, phase, fn, self.dev)
-                 for sh in self.shards]  # [T, H] each
+        every rank in rank order. ahead: the model's prefetch of the next layer, made once the first rank here
+        has its experts."""
+        parts = [sh.run(layer, x, self._number(sh, layer)[ids], w, phase, fn, self.dev,
+                        ahead if k == 0 else None) for k, sh in enumerate(self.shards)]  # [T, H] each
         if self.gather is not None:
             parts = self.gather(parts[0], layer)
         out = parts[0]

@@ -182,6 +182,27 @@ class TensorPlan:
 
 
 @dataclass(frozen=True)
+class RankPlan:
+    """One expert-parallel rank's figures (moerun.placement.ep_plan): what it holds and its cache, sized from
+    its own memory. owned / expert_slots: per layer of the model (0 where a layer has no routed experts);
+    budget: its device's memory, or on the CPU its RAM (in one process, its share of the host's); dense_bytes /
+    kv_bytes: 0 for a rank in one process whose device holds only experts."""
+
+    rank: int
+    device: str
+    owned: tuple[int, ...]
+    expert_bytes: int
+    expert_slots: tuple[int, ...]
+    cache_bytes: int
+    home: str
+    budget: int
+    dense_bytes: int = 0
+    kv_bytes: int = 0
+    workspace_bytes: int = 0
+    ram_bytes: int = 0  # host RAM it holds: its experts when home is ram, its CPU cache, CPU dense and KV
+
+
+@dataclass(frozen=True)
 class Plan:
     devices: tuple[DevicePlan, ...]
     home: str  # home tier of the routed experts: "ram" or "disk"
@@ -191,6 +212,10 @@ class Plan:
     ctx_size: int = 0
     kv_bytes_per_token: int = 0  # one context's attention KV per position (windows averaged over ctx_size)
     state_bytes_per_seq: int = 0  # one context's recurrent state, STATE_COPIES of it (fixed: any ctx_size)
+    ranks: tuple[RankPlan, ...] = ()  # expert parallelism: the ranks this process plans (the plan: the first's)
+
+    def rank(self, r: int) -> RankPlan | None:
+        return next((rp for rp in self.ranks if rp.rank == r), None)
 
     def context_bytes(self, ctx: int | None = None) -> int:
         """KV and recurrent state one context of `ctx` positions (default: ctx_size) holds."""
@@ -216,6 +241,8 @@ class Plan:
                 "home": self.home, "ram_budget": self.ram_budget, "ram_bytes": self.ram_bytes,
                 "ctx_size": self.ctx_size, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "state_bytes_per_seq": self.state_bytes_per_seq,
+                "ranks": [{**r.__dict__, "owned": list(r.owned), "expert_slots": list(r.expert_slots)}
+                          for r in self.ranks],
                 "tensors": {n: dict(t.__dict__) for n, t in sorted(self.tensors.items())},
                 "totals": self.totals()}
 
@@ -225,7 +252,9 @@ class Plan:
                      for x in d["devices"])
         return cls(devs, d["home"], d["ram_budget"], d["ram_bytes"],
                    {n: TensorPlan(**t) for n, t in d["tensors"].items()}, d["ctx_size"],
-                   d["kv_bytes_per_token"], d.get("state_bytes_per_seq", 0))
+                   d["kv_bytes_per_token"], d.get("state_bytes_per_seq", 0),
+                   tuple(RankPlan(**{**r, "owned": tuple(r["owned"]),
+                                     "expert_slots": tuple(r["expert_slots"])}) for r in d.get("ranks", ())))
 
     def table(self) -> str:
         rows = [("device", "layers", "dense", "KV", "expert slots", "cache", "workspace", "budget")]
@@ -239,10 +268,25 @@ class Plan:
         home = sum(t.nbytes for t in self.tensors.values() if t.tier == self.home and t.tier != "vram")
         rows.append((f"home ({self.home})", "", "", "", "", format_size(home), "", format_size(self.ram_budget)
                      if self.home == "ram" else "mmap"))
-        w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = [" | ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in rows]
-        lines.insert(1, "-+-".join("-" * x for x in w))
+        lines = _grid(rows)
+        if self.ranks:  # expert parallelism: each rank's share, cache and home, from its own memory
+            rows = [("rank", "device", "experts", "expert bytes", "expert slots", "cache", "home", "budget")]
+            for r in self.ranks:
+                slots = sorted({s for s, n in zip(r.expert_slots, r.owned) if n})
+                per = "/".join(map(str, sorted(set(r.owned) - {0})))
+                rows.append((str(r.rank), r.device, f"{sum(r.owned)} ({per} per layer)", format_size(r.expert_bytes),
+                             "-" if slots in ([], [0]) else "/".join(map(str, slots)) + " per layer",
+                             format_size(r.cache_bytes), "mmap" if r.home == "disk" else r.home,
+                             format_size(r.budget)))
+            lines += [""] + _grid(rows)
         return "\n".join(lines)
+
+
+def _grid(rows: list[tuple[str, ...]]) -> list[str]:
+    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [" | ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in rows]
+    lines.insert(1, "-+-".join("-" * x for x in w))
+    return lines
 
 
 def _split_layers(n: int, weights: list[float]) -> list[tuple[int, int]]:
@@ -255,15 +299,22 @@ def _split_layers(n: int, weights: list[float]) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1]) for i in range(len(weights))]
 
 
-def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
+def plan(arch, inventory: Inventory, budgets: Budgets, owned: dict[int, int] | None = None,
+         dense: bool = True) -> Plan:
+    """owned: MoE layer -> how many of its routed experts this plan holds (an expert-parallel rank's shard,
+    moerun.placement.ep_plan; None: all); a layer's cache never has more slots than it holds. dense: False for
+    a rank that holds only its experts (in one process, rank 0's device holds the dense part and the KV)."""
     spec, devs = arch.spec, budgets.devices
     L, E = spec.n_layers, spec.n_experts
+    held = [E if owned is None else owned.get(i, E) for i in range(L)]
     overrides = list(budgets.override_tensor)
     if devs != ("cpu",):
         overrides += [(rf"^blk\.{i}\.ffn_(up|down|gate)_exps", "cpu") for i in range(min(budgets.n_cpu_moe, L))]
     # KV bytes of one context, per layer (spec.kv_layout: what each layer's cache holds; windows capped); a
     # linear layer's: STATE_COPIES of its recurrent state, whatever the context
     kv_layer, state_layer = _context_bytes(spec, budgets)
+    if not dense:
+        kv_layer, state_layer = [0] * L, [0] * L
     ram_budget = inventory.ram_available if budgets.ram is None else budgets.ram
 
     # every tensor: bytes, class, override
@@ -272,17 +323,22 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
         name = cn.gguf
         ov = next((d for p, d in overrides if re.search(p, name)), None)
         nbytes = tensor_bytes(src.records[0].qtype, source_shape(src))
-        info[name] = (cn.layer, tensor_class(cn.kind) == "routed_experts", nbytes, ov, cn.kind)
+        is_exp = tensor_class(cn.kind) == "routed_experts"
+        if is_exp and E and cn.layer is not None:
+            nbytes = nbytes // E * held[cn.layer]  # the shard's experts
+        elif not is_exp and not dense:
+            nbytes = 0
+        info[name] = (cn.layer, is_exp, nbytes, ov, cn.kind)
     exp_bytes = [0] * L  # routed expert bytes per layer, counted only where served by a cache
     cached_layer = [False] * L
     for i in range(L):  # a slot holds an expert's matrices; their biases (gpt-oss) stay with the layer
         names = [n for n, v in info.items() if v[0] == i and v[1] and v[4].endswith(".weight")]
         cached_layer[i] = bool(names) and all(info[n][3] is None for n in names)
         exp_bytes[i] = sum(info[n][2] for n in names) if cached_layer[i] else 0
-    slot_b = [b // E if E else 0 for b in exp_bytes]
+    slot_b = [b // h if h else 0 for b, h in zip(exp_bytes, held)]
 
     if set(devs) == {"cpu"}:
-        return _plan_cpu(spec, info, budgets, ram_budget, kv_layer, state_layer, slot_b)
+        return _plan_cpu(spec, info, budgets, ram_budget, kv_layer, state_layer, slot_b, held)
 
     phys = list(dict.fromkeys(devs))  # a device named twice holds two stages sharing its budget
     try:
@@ -353,7 +409,7 @@ def plan(arch, inventory: Inventory, budgets: Budgets) -> Plan:
                 f"{format_size(budget[d])}: about {fit} of its {r[1] - r[0]} layers would fit; try "
                 "-ot/--override-tensor to keep tensors on the CPU, a smaller --ctx-size or -ub, a larger "
                 "--vram-budget, more --gpus or --device cpu")
-        sl = tuple(slots if cached_layer[i] else 0 for i in range(*r))
+        sl = tuple(min(slots, held[i]) if cached_layer[i] else 0 for i in range(*r))
         stages.append(DevicePlan(d, r, budget[d], dense, kv, sl, sum(s * slot_b[i] for s, i in zip(sl, range(*r))),
                                  work, budgets.kv_contexts * sum(state_layer[r[0]:r[1]])))
     for d in phys:  # memory honesty: what the plan takes must be free on the device, whatever the budget says
@@ -426,7 +482,7 @@ def _overflow(spec, d: str, mine: list[DevicePlan], used: int, free: int, budget
 
 
 def _plan_cpu(spec, info, budgets: Budgets, ram_budget: int, kv_layer: list[int], state_layer: list[int],
-              slot_b: list[int]) -> Plan:
+              slot_b: list[int], held: list[int]) -> Plan:
     """CPU only: dense + KV in RAM; experts in RAM when the whole model fits and no cache is asked for, else
     mmap + a RAM cache (of the size asked for, or what the budget leaves).
     Several cpu stages split the layers (equally, or by tensor_split) and share the RAM budget; each stage's
@@ -451,11 +507,12 @@ def _plan_cpu(spec, info, budgets: Budgets, ram_budget: int, kv_layer: list[int]
             slots = min(E, int(budgets.cache_mib * MiB // per)) if per else 0
         else:
             slots = min(E, left // per) if per else 0
-        if slots * per > left:
-            raise PlanError(f"an expert cache of {slots} slots per layer needs {format_size(slots * per)} but only "
+        need = sum(min(slots, h) * b for h, b in zip(held, slot_b))
+        if need > left:
+            raise PlanError(f"an expert cache of {slots} slots per layer needs {format_size(need)} but only "
                             f"{format_size(left)} of the RAM budget is left after the dense weights and KV; "
                             f"at most {left // per} slots per layer fit")
-    sl = tuple(slots if slot_b[i] else 0 for i in range(L))
+    sl = tuple(min(slots, held[i]) if slot_b[i] else 0 for i in range(L))
     cache = sum(s * b for s, b in zip(sl, slot_b))
     n = len(budgets.devices)
     ranges = _split_layers(L, list(budgets.tensor_split or [1.0] * n))
