@@ -65,3 +65,29 @@ def test_a_copy_of_stage_stats_keeps_each_rank():
     assert isinstance(copy, StageStats) and copy.ranks == (0, 1)
     assert [p.get().hits for p in copy.parts] == [3, 1] and copy.get().queries == 6
     assert (CacheStats() + live).get().hits == 9  # a plain sum stays a CacheStats
+
+
+def test_the_periodic_log_line_gives_each_ranks_hit_rate(caplog):
+    """vLLM's periodic line: the expert cache's hit rate since the last line, then each rank's in parentheses."""
+    import logging
+    from types import SimpleNamespace
+
+    from moerun.server.metrics import ThroughputLog
+
+    a, b = CacheStats(), CacheStats()
+    a.record_step(0, "decode", hits=3, misses=1)
+    b.record_step(0, "decode", hits=1, misses=1)
+    snaps = []
+
+    def snap():
+        return SimpleNamespace(prompt_tokens=0, generated_tokens=len(snaps), running=1, waiting=0, kv_usage=0.1,
+                               cache=StageStats([a, b], ranks=[0, 1]) + CacheStats())
+
+    tick = ThroughputLog(lambda: snaps.append(snap()) or snaps[-1], interval=1e-9)
+    tick.tick()  # the first snapshot: nothing to compare with yet
+    a.record_step(0, "decode", hits=9, misses=1)  # rank 0: 9 of 10 since
+    b.record_step(0, "decode", hits=1, misses=3)  # rank 1: 1 of 4
+    with caplog.at_level(logging.INFO, logger="moerun.server"):
+        tick.tick()
+    line = caplog.records[-1].getMessage()
+    assert "Expert cache hit rate: 71.4% (rank 0 90.0%, rank 1 25.0%), paged in" in line, line

@@ -148,10 +148,24 @@ def request_log_lines(req: Request) -> list[str]:
     return lines
 
 
+def _by_rank(now, before) -> str:
+    """Each expert-parallel rank's hit rate between two snapshots' statistics (StageStats with ranks), e.g.
+    `` (rank 0 75.1%, rank 1 78.9%)``; nothing without ranks."""
+    ranks = getattr(now, "ranks", None)
+    if not ranks:
+        return ""
+    olds = before.parts if getattr(before, "ranks", None) == ranks else [None] * len(ranks)
+    rates = []
+    for r, part, old in zip(ranks, now.parts, olds):
+        a, b = part.get(), old.get() if old is not None else None
+        rates.append(f"rank {r} {_pct(a.hits - (b.hits if b else 0), a.queries - (b.queries if b else 0))}")
+    return f" ({', '.join(rates)})"
+
+
 class ThroughputLog:
     """vLLM's periodic line, e.g. ``Avg prompt throughput: 120.0 tokens/s, Avg generation throughput: 41.3
     tokens/s, Running: 3 reqs, Waiting: 0 reqs, KV cache usage: 4.2%, Expert cache hit rate: 77.0%,
-    paged in: 12.5 MB/s``. `tick()` after each engine step; it writes when `interval` seconds have passed
+    paged in: 12.5 MB/s`` (under expert parallelism each rank's rate after the total's, in parentheses). `tick()` after each engine step; it writes when `interval` seconds have passed
     and there was work since the last line."""
 
     def __init__(self, snapshot: Callable[[], Snapshot | None], interval: float):
@@ -181,7 +195,8 @@ class ThroughputLog:
             b = last.cache.get() if last.cache is not None else None
             hits, queries = a.hits - (b.hits if b else 0), a.queries - (b.queries if b else 0)
             paged = a.bytes_paged_in - (b.bytes_paged_in if b else 0)
-            line += f", Expert cache hit rate: {_pct(hits, queries)}, paged in: {paged / dt / 1e6:.1f} MB/s"
+            line += f", Expert cache hit rate: {_pct(hits, queries)}{_by_rank(snap.cache, last.cache)}, " \
+                    f"paged in: {paged / dt / 1e6:.1f} MB/s"
         log.info(line)
         if snap.cache is not None and log.isEnabledFor(logging.DEBUG):  # -v: per layer, since the start
             for layer_line in snap.cache.per_layer_lines():
