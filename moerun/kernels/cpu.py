@@ -212,8 +212,8 @@ _KEEP_GGUF = {"neon": frozenset({QType.Q6_K, QType.IQ4_XS})}
 
 
 def can_interleave(w: QTensor) -> bool:
-    """Whether `interleave` takes w: a CPU Q4_K, Q6_K, Q8_0, MXFP4 or IQ4_XS matrix (or stack of them) in GGUF's
-    layout, rows a multiple of 8 (Q6_K and IQ4_XS only where the kernels have a vectorized interleaved dot: x86)."""
+    """Whether `interleave` takes w: a CPU Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS or Q5_0 matrix (or stack of them) in
+    GGUF's layout, rows a multiple of 8 (Q6_K and IQ4_XS only where the kernels have a vectorized interleaved dot: x86)."""
     return (_cpu is not None and isinstance(w, QTensor) and 8 in INTERLEAVABLE.get(w.qtype, ())
             and w.qtype not in _KEEP_GGUF.get(_DEFAULT_ISA, ())
             and w.interleave == 1 and len(w.shape) in (2, 3) and w.shape[-2] % 8 == 0 and w.data.is_cpu)
@@ -225,7 +225,8 @@ def interleave(w: QTensor) -> QTensor:
     bounds it (bench/RESULTS.md). Only these kernels read it; `deinterleave` (and QTensor.dequantize) undo it."""
     _need()
     if not can_interleave(w):
-        raise ValueError(f"cannot interleave {w.qtype.name}{tuple(w.shape)} (want a CPU Q4_K, Q6_K, Q8_0, MXFP4 or IQ4_XS matrix, "
+        raise ValueError(f"cannot interleave {w.qtype.name}{tuple(w.shape)} (want a CPU Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, "
+                         "IQ4_XS or Q5_0 matrix, "
                          "rows a multiple of 8, in GGUF's layout)")
     return _relayout(_cpu.repack, w, 8)
 

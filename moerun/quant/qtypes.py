@@ -15,7 +15,7 @@ __all__ = ["FLOAT_QTYPES", "SUPPORTED", "QTensor", "QType", "bits_per_weight", "
 FLOAT_QTYPES = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
 # qtype -> row groups of the CPU kernels' interleaved layouts
 INTERLEAVABLE = {QType.Q4_K: (8,), QType.Q5_K: (8,), QType.Q6_K: (8,), QType.Q8_0: (8,), QType.MXFP4: (8,),
-                 QType.IQ4_XS: (8,)}
+                 QType.IQ4_XS: (8,), QType.Q5_0: (8,)}
 
 # An interleaved QTensor -> its GGUF-layout copy. Set by moerun.kernels.cpu when it is imported: only it makes
 # interleaved tensors (quant sits below the kernels, so it cannot import them).
@@ -36,7 +36,8 @@ class QTensor:
     so every weight has one representation; `dequantize()` is the torch reference.
 
     interleave: 1 for the bytes as GGUF stores them; 8 for the CPU kernels' interleaved layout (rows in
-    groups of 8, same bytes per group; made at load time by moerun.kernels.cpu.interleave; Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS).
+    groups of 8, same bytes per group; made at load time by moerun.kernels.cpu.interleave;
+    Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS, Q5_0).
     An interleaved matrix's rows cannot be sliced out; its experts (outer dimensions) can.
     """
 

@@ -28,6 +28,7 @@ const qtype_info QK_TYPES[QT_COUNT] = {
     [QT_IQ4_XS_R8] = {GGML_IQ4_XS_R8, "IQ4_XS_R8", 256, 8 * 136, ACT_Q8_0, 8, 8},
     [QT_Q5_K_R8] = {GGML_Q5_K_R8, "Q5_K_R8", 256, 8 * 176, ACT_Q8K, 8, 4},
     [QT_Q5_0] = {GGML_Q5_0, "Q5_0", 32, 22, ACT_Q8_0, 1, 4},
+    [QT_Q5_0_R8] = {GGML_Q5_0_R8, "Q5_0_R8", 32, 8 * 22, ACT_Q8_0, 8, 8},
 };
 
 int qk_qtype_index(int ggml) {
@@ -252,7 +253,8 @@ static const kernel_set SCALAR = {
      [QT_IQ4_XS] = qk_dot_scalar_iq4_xs, [QT_Q4_K_R8] = qk_dot_scalar_q4_k_r8,
      [QT_Q8_0_R8] = qk_dot_scalar_q8_0_r8, [QT_MXFP4_R8] = qk_dot_scalar_mxfp4_r8,
      [QT_Q6_K_R8] = qk_dot_scalar_q6_k_r8, [QT_IQ4_XS_R8] = qk_dot_scalar_iq4_xs_r8,
-     [QT_Q5_K_R8] = qk_dot_scalar_q5_k_r8, [QT_Q5_0] = qk_dot_scalar_q5_0},
+     [QT_Q5_K_R8] = qk_dot_scalar_q5_k_r8, [QT_Q5_0] = qk_dot_scalar_q5_0,
+     [QT_Q5_0_R8] = qk_dot_scalar_q5_0_r8},
     {NULL},
 };
 
@@ -265,7 +267,8 @@ static const kernel_set SCALAR = {
       [QT_IQ4_XS] = qk_dot_iq4_xs##SUFFIX, [QT_Q4_K_R8] = qk_dot_q4_k_r8##SUFFIX,                \
       [QT_Q8_0_R8] = qk_dot_q8_0_r8##SUFFIX, [QT_MXFP4_R8] = qk_dot_mxfp4_r8##SUFFIX,               \
       [QT_Q6_K_R8] = qk_dot_q6_k_r8##SUFFIX, [QT_IQ4_XS_R8] = qk_dot_iq4_xs_r8##SUFFIX,              \
-      [QT_Q5_K_R8] = qk_dot_q5_k_r8##SUFFIX, [QT_Q5_0] = qk_dot_q5_0##SUFFIX},                       \
+      [QT_Q5_K_R8] = qk_dot_q5_k_r8##SUFFIX, [QT_Q5_0] = qk_dot_q5_0##SUFFIX,                        \
+      [QT_Q5_0_R8] = qk_dot_q5_0_r8##SUFFIX},                                                       \
      {__VA_ARGS__}}
 static const kernel_set AVX2 = X86_SET("avx2", _avx2, NULL);
 static const kernel_set VNNI = X86_SET("avx512vnni", _vnni, [QT_Q8_0_R8] = qk_dot16_q8_0_r8_vnni,
@@ -293,7 +296,7 @@ static const kernel_set NEON = {
      [QT_IQ4_XS] = qk_dot_scalar_iq4_xs, [QT_Q4_K_R8] = qk_dot_q4_k_r8_neon, [QT_Q8_0_R8] = qk_dot_q8_0_r8_neon,
      [QT_MXFP4_R8] = qk_dot_scalar_mxfp4_r8, [QT_Q6_K_R8] = qk_dot_scalar_q6_k_r8,
      [QT_IQ4_XS_R8] = qk_dot_scalar_iq4_xs_r8, [QT_Q5_K_R8] = qk_dot_scalar_q5_k_r8,
-     [QT_Q5_0] = qk_dot_scalar_q5_0},
+     [QT_Q5_0] = qk_dot_scalar_q5_0, [QT_Q5_0_R8] = qk_dot_scalar_q5_0_r8},
     {NULL},
 };
 

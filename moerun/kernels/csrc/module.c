@@ -416,7 +416,7 @@ static PyObject *py_attn_prompt(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"features", py_features, METH_NOARGS, "Kernel sets this CPU runs, the best one, thread pool settings."},
     {"qtypes", py_qtypes, METH_NOARGS, "ggml type ids (GGUF layouts) with kernels."},
-    {"repack", py_repack, METH_VARARGS, "repack(to, src, dst, N, K): GGUF rows (Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS) into an interleaved layout."},
+    {"repack", py_repack, METH_VARARGS, "repack(to, src, dst, N, K): GGUF rows (Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS, Q5_0) into an interleaved layout."},
     {"unpack", py_unpack, METH_VARARGS, "unpack(from, src, dst, N, K): an interleaved layout back to GGUF rows."},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n, spin_us=-1): size the thread pool."},
     {"set_prefetch", py_set_prefetch, METH_VARARGS,
