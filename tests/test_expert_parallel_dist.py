@@ -66,8 +66,8 @@ def test_processes_equal_one_process(qwen2moe, world):
     assert close(logits, one)
 
 
-@pytest.mark.parametrize("name", ["tiny-gptoss", "tiny-deepseek2", "tiny-glm4moe", "tiny-qwen3moe", "tiny-qwen3next",
-                                  "tiny-qwen35moe"])
+@pytest.mark.parametrize("name", ["tiny-gptoss", "tiny-deepseek2", "tiny-deepseek3", "tiny-glm4moe", "tiny-qwen3moe",
+                                  "tiny-mixtral", "tiny-olmoe", "tiny-qwen3next", "tiny-qwen35moe"])
 def test_families_over_processes(name, tmp_path_factory):
     path = model_file(tmp_path_factory, name)
     one_tokens, one = steps(build(RuntimeConfig(model=path, threads=1)))
