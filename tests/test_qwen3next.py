@@ -328,13 +328,6 @@ def test_standin_device(hybrid, tokens):
     rt.close()
 
 
-def test_split_across_processes_is_one_clear_error(hybrid):
-    from moerun.errors import MoerunError
-
-    with pytest.raises(MoerunError, match="cannot be split across processes yet"):
-        build_runtime(RuntimeConfig(model=hybrid[3], pipeline_world_size=2, pipeline_rank=0))
-
-
 def test_decode_in_c_and_in_torch_agree(hybrid, tokens, tmp_path):
     """Q8_0 (a type the expert kernels take): the whole step in one C call (moerun.kernels.layer: gated attention,
     partial rotary, DeltaNet, shared experts with their gate) and the torch layer loop over the same kernels give
