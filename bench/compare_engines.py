@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from toolkit import add, alternate, medians, moerun_cmd, parser, ratio, run_json
+from toolkit import add, alternate, cpu_ids, cpu_model, medians, moerun_cmd, parser, ratio, run_json
 
 
 def moerun_round(model: str, args) -> dict:
@@ -55,8 +55,12 @@ def main() -> None:
     header = (f"| file | test | {' | '.join(engines)} | moerun / llama.cpp |"
               + (" moerun / ik | ik / llama.cpp |" if args.ik_bin else "") + " GB/s moerun |")
     rows = [header, "|---|---|" + "---:|" * (len(engines) + (3 if args.ik_bin else 1) + 1)]
+    rounds = []  # every round's t/s, for the record beside the medians
     for model in args.models:
         got = alternate(list(engines), args.rounds, lambda name, _r, m=model: engines[name](m))
+        for kind in ("pp", "tg"):
+            rounds.append(f"{Path(model).name} {kind}: " + "; ".join(
+                f"{e} " + ", ".join(f"{g[kind]:.1f}" for g in gs if kind in g) for e, gs in got.items()))
         bpt = next((g["bytes_per_token"] for g in reversed(got["moerun"]) if "bytes_per_token" in g), 0)
         for kind, n in (("pp", args.n_prompt), ("tg", args.n_gen)):
             med = medians({e: [g[kind] for g in gs] for e, gs in got.items()})
@@ -66,8 +70,10 @@ def main() -> None:
                 cells += [ratio(med["moerun"], med["ik_llama.cpp"]), ratio(med["ik_llama.cpp"], med["llama.cpp"])]
             cells.append(f"{bpt * med['moerun'] / 1e9:.1f}" if kind == "tg" else "-")
             rows.append("| " + " | ".join(cells) + " |")
-    print(f"{args.rounds} alternating rounds, medians, {args.threads} threads, load {os.getloadavg()[0]:.2f} at the end")
+    print(f"{cpu_model()} ({cpu_ids()}); {args.rounds} alternating rounds, medians, {args.threads} threads, "
+          f"load {os.getloadavg()[0]:.2f} at the end")
     print("\n".join(rows))
+    print("\nRounds (t/s, in order):\n" + "\n".join(rounds))
 
 
 if __name__ == "__main__":
