@@ -178,12 +178,32 @@ def test_prefetch_changes_no_result(qt, T, default_prefetch):
             assert torch.equal(cpu.matmul(x, w, isa=isa), gguf_base), (isa, nbytes)
 
 
-def _cpu_vendor() -> str:
+def _cpuinfo(key: str) -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(key)), "")
     except OSError:
         return ""
+
+
+# The measured defaults (pool.c's table): Intel T1 2 KB; AMD Zen 5 (family 26) NTA 2 KB; Zen 4 and older none.
+PREFETCH_DEFAULTS = {("GenuineIntel", 6): (2048, "t1"), ("AuthenticAMD", 26): (2048, "nta"),
+                     ("AuthenticAMD", 27): (2048, "nta"), ("AuthenticAMD", 25): (0, "t1"),
+                     ("AuthenticAMD", 23): (0, "t1"), ("HygonGenuine", 24): (0, "t1"), ("", 0): (0, "t1")}
+
+
+def expected_default(vendor: str, family: int) -> tuple[int, str]:
+    if vendor == "GenuineIntel":
+        return 2048, "t1"
+    return (2048, "nta") if vendor == "AuthenticAMD" and family >= 26 else (0, "t1")
+
+
+def test_prefetch_defaults_per_vendor_and_family():
+    """Every row of the table, whatever CPU runs the test (an Intel machine reads AMD's rows and the other way round):
+    the distance and hint each vendor's measurements chose."""
+    for (vendor, family), want in PREFETCH_DEFAULTS.items():
+        nbytes, hint = cpu._cpu.prefetch_default(vendor, family)
+        assert (nbytes, cpu.PREFETCH_HINTS[hint]) == want == expected_default(vendor, family), (vendor, family)
 
 
 def test_set_prefetch_checks_its_distance(default_prefetch):
@@ -192,8 +212,11 @@ def test_set_prefetch_checks_its_distance(default_prefetch):
             cpu.set_prefetch(bad)
     cpu.set_prefetch(0)
     assert cpu.features()["prefetch"] == 0
-    cpu.set_prefetch()  # the CPU's default: 2048 on Intel, none elsewhere
-    assert cpu.features()["prefetch"] == (2048 if _cpu_vendor() == "GenuineIntel" else 0)
+    cpu.set_prefetch()  # this CPU's default, from the table
+    cpu.set_prefetch_hint()
+    family = int(_cpuinfo("cpu family") or 0)
+    assert (cpu.features()["prefetch"], cpu.features()["prefetch_hint"]) == expected_default(_cpuinfo("vendor_id"),
+                                                                                            family)
 
 
 # ------------------------------------------------------------------------------------------ moe_ffn

@@ -96,6 +96,16 @@ static PyObject *py_set_prefetch_hint(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* prefetch_default(vendor, family) -> (bytes, hint): pool.c's table for that CPU (tests read every row). */
+static PyObject *py_prefetch_default(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *vendor;
+    int family, hint = 0;
+    if (!PyArg_ParseTuple(args, "si", &vendor, &family)) return NULL;
+    const int bytes = qk_prefetch_default(vendor, family, &hint);
+    return Py_BuildValue("(ii)", bytes, hint);
+}
+
 static PyObject *py_set_active(PyObject *self, PyObject *args) {
     (void)self;
     int n;
@@ -421,6 +431,8 @@ static PyMethodDef methods[] = {
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n, spin_us=-1): size the thread pool."},
     {"set_prefetch", py_set_prefetch, METH_VARARGS,
      "set_prefetch(bytes): the interleaved kernels' one-token prefetch distance (-1: the CPU's default, 0: none)."},
+    {"prefetch_default", py_prefetch_default, METH_VARARGS,
+     "prefetch_default(vendor, family): the default (bytes, hint) of the CPUs of that CPUID vendor and family."},
     {"set_prefetch_hint", py_set_prefetch_hint, METH_VARARGS,
      "set_prefetch_hint(hint): the interleaved kernels' prefetch hint, 0..3 = T0, T1, T2, NTA (-1: the CPU's default)."},
     {"get_threads", py_get_threads, METH_NOARGS, "Threads of the pool (caller included)."},

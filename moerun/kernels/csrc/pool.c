@@ -225,21 +225,34 @@ int qk_pool_run(qk_task fn, void *ctx) {
     return rc;
 }
 
-/* The CPU's default prefetch distance and hint, by CPUID vendor (others: the last row); bench/prefetch_sweep.py
- * measures every hint x distance on a model. Intel: bench/RESULTS.md "issue 21 on an Intel machine" (T1 2 KB, a3b
- * decode +6-36%). AMD: none, RESULTS.md "issue 36": on Zen 4 no hint gained at any distance (64-8192 B; 0.96-0.99x
- * at 64-256 B, T1 2 KB 0.57-0.60x on an a3b-L12 decode). */
+/* The CPU's default prefetch distance and hint, by CPUID vendor and family (the first row whose vendor matches and
+ * whose family the CPU's reaches; others: the last row); bench/prefetch_sweep.py measures every hint x distance on a
+ * model. Intel: bench/RESULTS.md "issue 21 on an Intel machine" (T1 2 KB, a3b decode +6-36%). AMD Zen 5 (family 26):
+ * NTA 2 KB, bench/journal/issue-36.md "prefetch on Zen 5" (full-depth qwen3moe and qwen35moe decode in one process,
+ * every setting each round: 1.089x and 1.086x, above 1 in 14 of 14 and 12 of 12 rounds; T1 2 KB 1.049x / 1.050x).
+ * Zen 4 (family 25) and older: none, RESULTS.md "issue 36": no hint gained at any distance (64-8192 B; 0.96-0.99x at
+ * 64-256 B, T1 2 KB 0.57-0.60x on an a3b-L12 decode). */
 static const struct {
     const char *vendor; /* CPUID leaf 0's 12 characters */
+    int family;         /* the lowest family the row is for */
     int bytes, hint;
 } PF_DEFAULTS[] = {
-    {"GenuineIntel", 2048, QK_PF_T1},
-    {"AuthenticAMD", 0, QK_PF_T1},
-    {"", 0, QK_PF_T1},
+    {"GenuineIntel", 0, 2048, QK_PF_T1},
+    {"AuthenticAMD", 26, 2048, QK_PF_NTA},
+    {"AuthenticAMD", 0, 0, QK_PF_T1},
+    {"", 0, 0, QK_PF_T1},
 };
+
+int qk_prefetch_default(const char *vendor, int family, int *hint) {
+    int i = 0;
+    while (PF_DEFAULTS[i].vendor[0] && (strcmp(PF_DEFAULTS[i].vendor, vendor) || family < PF_DEFAULTS[i].family)) i++;
+    if (hint) *hint = PF_DEFAULTS[i].hint;
+    return PF_DEFAULTS[i].bytes;
+}
 
 static int default_prefetch(int *hint) {
     char vendor[13] = "";
+    int family = 0;
 #if defined(__x86_64__) || defined(__i386__)
     unsigned a, b, c, d;
     if (__get_cpuid(0, &a, &b, &c, &d)) {
@@ -247,11 +260,12 @@ static int default_prefetch(int *hint) {
         memcpy(vendor + 4, &d, 4);
         memcpy(vendor + 8, &c, 4);
     }
+    if (__get_cpuid(1, &a, &b, &c, &d)) { /* the displayed family: base, plus the extended one where base is 15 */
+        family = (int)(a >> 8 & 15);
+        if (family == 15) family += (int)(a >> 20 & 255);
+    }
 #endif
-    int i = 0;
-    while (PF_DEFAULTS[i].vendor[0] && strcmp(PF_DEFAULTS[i].vendor, vendor)) i++;
-    if (hint) *hint = PF_DEFAULTS[i].hint;
-    return PF_DEFAULTS[i].bytes;
+    return qk_prefetch_default(vendor, family, hint);
 }
 
 int qk_set_prefetch(int bytes) {

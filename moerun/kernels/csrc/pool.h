@@ -22,19 +22,21 @@ int qk_pool_active(void); /* the last set_active's n */
 int qk_pool_spin_us(void);
 /* How far ahead (bytes) the interleaved-layout kernels prefetch weights on passes of one token (8-row kernels) or up to
  * 8 (16-row kernels), 0 for not at all, and with which hint (qk_set_prefetch_hint). -1 sets the CPU's default (pool.c's
- * table per vendor): 2048 on Intel, where a core's demand stream alone leaves memory idle (an a3b decode token +6-36%),
- * 0 elsewhere (on Zen 4 the hardware prefetchers keep up and a T0 prefetch cost 8%). While it is > 0 the GGUF-layout
+ * table per vendor and family): 2048 on Intel, where a core's demand stream alone leaves memory idle (an a3b decode
+ * token +6-36%), and on AMD Zen 5 (NTA: +9% on full-depth decode), 0 elsewhere (on Zen 4 the hardware prefetchers keep
+ * up and a T0 prefetch cost 8%). While it is > 0 the GGUF-layout
  * kernels' one-token prefetch (2 KB ahead) goes to L2 rather than L1. Results do not depend on it. Returns 0, or -1
  * when bytes is not -1 or a multiple of 64 in 0..65536. */
 int qk_set_prefetch(int bytes);
 int qk_prefetch(void);
 /* The interleaved kernels' prefetch hint: where the lines go (_mm_prefetch's T0: every cache level, T1: L2 and out,
  * T2: L3 and out, NTA: non-temporal, close to the core and first out, as Intel describes them; each CPU decides).
- * -1 sets the CPU's default (T1 on every vendor in the table so far). Returns 0, or -1 when hint is not -1 or a
- * QK_PF_* value. */
+ * -1 sets the CPU's default (the table's: T1, NTA on Zen 5). Returns 0, or -1 when hint is not -1 or a QK_PF_* value. */
 enum { QK_PF_T0 = 0, QK_PF_T1 = 1, QK_PF_T2 = 2, QK_PF_NTA = 3, QK_PF_HINTS = 4 };
 int qk_set_prefetch_hint(int hint);
 int qk_prefetch_hint(void);
+/* The table's default distance (and *hint) for a CPU of this CPUID vendor string and family. */
+int qk_prefetch_default(const char *vendor, int family, int *hint);
 /* Returns 0, or -1 when worker threads could not be created (the job then ran on the caller). */
 int qk_pool_run(qk_task fn, void *ctx);
 
