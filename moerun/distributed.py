@@ -410,7 +410,7 @@ def _borrowed(pool: KVPool, g: Group) -> SeqKV:
     g.rows more."""
     kv = SeqKV(pool, len(g.blocks) * pool.block_size)
     if g.state >= 0:
-        kv._state = g.state // pool.per_seq
+        kv.hold_state(g.state)
     pool.allocator.given = list(g.blocks)
     kv.reserve(len(g.blocks) * pool.block_size)
     kv.length = g.start

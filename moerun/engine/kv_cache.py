@@ -307,6 +307,11 @@ class SeqKV:
         self._hashes = self._hashes[:length // bs]
         return length
 
+    def hold_state(self, slot: int) -> None:
+        """Keep the linear layers' state in live slot `slot`, which another pool handed out (a worker rank repeats
+        rank 0's steps), rather than take one from this pool."""
+        self._state = slot // self.pool.per_seq
+
     @property
     def state_slot(self) -> int:
         """The linear layers' live state slot of this sequence (reserve() takes one)."""
