@@ -26,10 +26,10 @@ from collections.abc import Mapping
 import torch
 
 from moerun.quant import qtypes
-from moerun.quant.qtypes import INTERLEAVABLE, QTensor, QType
+from moerun.quant.qtypes import INTERLEAVABLE, QTensor, QType, block_size
 
-__all__ = ["attend_prompt", "available", "can_interleave", "deinterleave", "dequant_rows", "features", "get_threads",
-           "glu_down", "interleave", "matmul", "moe_ffn", "moe_ffn_experts", "set_prefetch", "set_prefetch_hint",
+__all__ = ["attend_prompt", "available", "can_interleave", "deinterleave", "deq_dot", "dequant_rows", "features",
+           "get_threads", "glu_down", "has_deq_dot", "interleave", "matmul", "moe_ffn", "moe_ffn_experts", "set_prefetch", "set_prefetch_hint",
            "set_threads", "supports"]
 
 MODE = os.environ.get("MOERUN_KERNELS", "").strip().lower()  # "" / "auto", "scalar", "off"
@@ -335,6 +335,30 @@ def matmuls(x: torch.Tensor, ws: list, *, isa: str | None = None) -> list[torch.
     if T:
         _cpu.matmuls(isa_id, x.data_ptr(), T, K, tuple(mats))
     return outs
+
+
+def has_deq_dot(qtype: QType, isa: str | None = None) -> bool:
+    """Whether deq_dot (and the fused MLA's W_UK / W_UV in their file's type) has a kernel for qtype here."""
+    if qtype not in _SUPPORTED:
+        return False
+    elems = block_size(qtype)[0]
+    return bool(_cpu.deq_dot(_isa(isa), int(qtype), 0, 0, elems, 0, 0))
+
+
+def deq_dot(w: QTensor, x: torch.Tensor, isa: str | None = None) -> torch.Tensor | None:
+    """w [N, K] (GGUF's layout) times float32 x [K] -> [N], each row dequantized in registers and dotted as the fused
+    path's float kernel dots float rows (the same bits as that kernel on dequant_rows' values), or None where this
+    CPU or kernel set has no such kernel for w's type (AVX-512 only; MLA's W_UK / W_UV then stay float32)."""
+    i = _isa(isa)
+    _check_q(w, "w", 2)
+    if w.interleave != 1:
+        raise ValueError("deq_dot reads GGUF's layout; this matrix is interleaved")
+    N, K = w.shape
+    if not (isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.is_cpu and x.is_contiguous()
+            and tuple(x.shape) == (K,)):
+        raise ValueError(f"x must be a contiguous float32 CPU vector of {K} values")
+    out = torch.empty(N, dtype=torch.float32)
+    return out if _cpu.deq_dot(i, int(w.qtype), w.data.data_ptr(), N, K, x.data_ptr(), out.data_ptr()) else None
 
 
 def dequant_rows(w: QTensor, rows: torch.Tensor) -> torch.Tensor:

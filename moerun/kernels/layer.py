@@ -63,7 +63,7 @@ class LatentAttention:
     """DeepSeek's multi-head latent attention (attn.h's kind 2, absorbed): heads of nope + rope query dimensions;
     wq [heads * (nope + rope), hidden], or with wq_a ([q_rank, hidden]) and q_a_norm wq [.., q_rank]; wkv_a
     [rank + rope, hidden] and kv_a_norm [rank] make the cached latent; wk_b [heads, rank, nope] and wv_b [heads,
-    v_dim, rank] float32; wo [hidden, heads * v_dim]; scale: the softmax's (0: (nope + rope) ** -0.5)."""
+    v_dim, rank] float32, or QTensors in GGUF's layout of a type cpu.has_deq_dot takes; wo [hidden, heads * v_dim]; scale: the softmax's (0: (nope + rope) ** -0.5)."""
 
     n_heads: int
     nope: int
@@ -73,8 +73,8 @@ class LatentAttention:
     wq: object
     wkv_a: object
     kv_a_norm: torch.Tensor
-    wk_b: torch.Tensor
-    wv_b: torch.Tensor
+    wk_b: object
+    wv_b: object
     wo: object
     wq_a: object = None
     q_a_norm: torch.Tensor | None = None
@@ -186,10 +186,18 @@ class Layer:
             raise ValueError("a latent attention layer's shapes are not supported")
         f = {"kind": 2, "n_heads": a.n_heads, "n_kv_heads": 1, "head_dim": hd, "rope_dim": a.rope,
              "neox": int(a.rope_style == "neox"), "mla_rank": a.rank, "mla_v": a.v_dim, "q_rank": qr}
-        for name, t, n in (("kv_a_norm", a.kv_a_norm, a.rank), ("q_a_norm", a.q_a_norm, qr or None),
-                           ("wk_b", a.wk_b.reshape(-1), a.n_heads * a.rank * a.nope),
-                           ("wv_b", a.wv_b.reshape(-1), a.n_heads * a.v_dim * a.rank)):
+        for name, t, n in (("kv_a_norm", a.kv_a_norm, a.rank), ("q_a_norm", a.q_a_norm, qr or None)):
             f[name] = self._vector(name, t, n)
+        for name, w, shape in (("wk_b", a.wk_b, (a.n_heads, a.rank, a.nope)),
+                               ("wv_b", a.wv_b, (a.n_heads, a.v_dim, a.rank))):
+            if isinstance(w, QTensor):
+                _check_q(w, name, 3)
+                if tuple(w.shape) != shape or w.interleave != 1:
+                    raise ValueError(f"{name} must be {shape} in GGUF's layout, got {w.qtype.name}{tuple(w.shape)}")
+                self._keep.append(w.data)
+                f[name], f[name + "_type"] = w.data.data_ptr(), int(w.qtype)
+            else:
+                f[name] = self._vector(name, w.reshape(-1), shape[0] * shape[1] * shape[2])
         mats = [("wq", a.wq, (a.n_heads * hd, qr or hidden)), ("wkv_a", a.wkv_a, (L, hidden)),
                 ("wo", a.wo, (hidden, a.n_heads * a.v_dim))] + ([("wq_a", a.wq_a, (qr, hidden))] if qr else [])
         for name, w, shape in mats:

@@ -22,6 +22,7 @@ import torch
 from moerun.arch.spec import RING_ROWS, ModelSpec
 from moerun.model.layers import rope_tables
 from moerun.model.ops import ExpertFn
+from moerun.quant.qtypes import FLOAT_QTYPES, QTensor
 
 if TYPE_CHECKING:
     from moerun.engine.kv_cache import SeqKV
@@ -43,6 +44,16 @@ class Model(Protocol):
     dtype: torch.dtype
 
 
+def _latent_map(cpu, stored: QTensor | None, floats: torch.Tensor):
+    """MLA's W_UK or W_UV for the fused decode: the file's quantized bytes where this CPU dequantizes that type in
+    registers (cpu.deq_dot: the float32 copy's products bit for bit, a quarter to an eighth of the bytes read),
+    else the float32 copy the layer loop multiplies."""
+    if (isinstance(stored, QTensor) and stored.qtype not in FLOAT_QTYPES and stored.interleave == 1
+            and stored.data.is_cpu and cpu.has_deq_dot(stored.qtype)):
+        return stored
+    return floats.contiguous()
+
+
 class FusedAttention:
     # above this (prefill chunks) torch's attention and GEMM paths are faster; a windowed layer's ring leaves room
     # for this many positions of one sequence written before they are attended to
@@ -61,8 +72,8 @@ class FusedAttention:
             elif s.attention == "mla":
                 mixer = {"attention": kl.LatentAttention(
                     n_heads=s.n_heads, nope=s.qk_nope_dim, rope=s.qk_rope_dim, rank=s.kv_lora_rank,
-                    v_dim=s.v_head_dim, wq=lw.wq, wkv_a=lw.wkv_a, kv_a_norm=lw.kv_a_norm, wk_b=lw.wk_b.contiguous(),
-                    wv_b=lw.wv_b.contiguous(), wo=lw.wo, wq_a=lw.wq_a, q_a_norm=lw.q_a_norm,
+                    v_dim=s.v_head_dim, wq=lw.wq, wkv_a=lw.wkv_a, kv_a_norm=lw.kv_a_norm,
+                    wk_b=_latent_map(cpu, lw.wk_b_q, lw.wk_b), wv_b=_latent_map(cpu, lw.wv_b_q, lw.wv_b), wo=lw.wo, wq_a=lw.wq_a, q_a_norm=lw.q_a_norm,
                     rope_style=s.rope_style, scale=s.softmax_scale)}
             else:
                 mixer = {"attention": kl.Attention(

@@ -49,6 +49,8 @@ class LayerWeights:
     kv_a_norm: torch.Tensor | None = None
     wk_b: torch.Tensor | None = None  # MLA: [heads, kv_lora_rank, nope], the latent -> each head's key
     wv_b: torch.Tensor | None = None  # MLA: [heads, v_head_dim, kv_lora_rank], the latent -> each value
+    wk_b_q: QTensor | None = None  # MLA: wk_b and wv_b as the file stores them (the fused decode reads these bytes)
+    wv_b_q: QTensor | None = None
     router: Weight | None = None  # MoE layers
     router_b: torch.Tensor | None = None  # the router's bias
     exp_b: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # routed experts' biases by expert id
@@ -114,6 +116,7 @@ class MoEModel:
                 wq_a=mat("attn_q_a.weight", i), q_a_norm=vec("attn_q_a_norm.weight", i),
                 wkv_a=mat("attn_kv_a_mqa.weight", i), kv_a_norm=vec("attn_kv_a_norm.weight", i),
                 wk_b=vec("attn_k_b.weight", i), wv_b=vec("attn_v_b.weight", i),  # floats: multiplied per head
+                wk_b_q=weights.get(CName("attn_k_b.weight", i)), wv_b_q=weights.get(CName("attn_v_b.weight", i)),
                 wqkv=mat("attn_qkv.weight", i), wz=mat("attn_gate.weight", i), wba=mat("ssm_ba.weight", i),
                 wbeta=mat("ssm_beta.weight", i), walpha=mat("ssm_alpha.weight", i), ssm_out=mat("ssm_out.weight", i),
                 conv=f32("ssm_conv1d.weight", i), ssm_a=f32("ssm_a", i), ssm_dt=f32("ssm_dt.bias", i),

@@ -130,13 +130,17 @@ def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False,
     return {cn: out[cn] for cn in arch.sources}
 
 
+# read a row at a time in the file's layout, never by the interleaved kernels: the embeddings (a row a token) and
+# MLA's W_UK / W_UV (a head's rows, dequantized in registers by the fused decode, or float32 copies)
+GGUF_LAYOUT_ONLY = ("token_embd.weight", "attn_k_b.weight", "attn_v_b.weight")
+
+
 def interleave_for_kernels(weights: dict[CName, QTensor], experts: bool,
                            keep: Callable[[CName], bool] | None = None,
                            progress: Callable[[int], None] | None = None) -> int:
     """Rewrite, in `weights`, every matrix the CPU kernels multiply and can read faster interleaved (Q4_K,
     rows a multiple of 8) into that layout -> bytes rewritten. One tensor at a time, each original dropped as
-    its copy replaces it, so memory grows by one tensor at most. Never the token embeddings (looked up by
-    row); routed experts only with `experts` (when they are memory moerun owns, not views of a file map: a
+    its copy replaces it, so memory grows by one tensor at most. Never GGUF_LAYOUT_ONLY's (read by row); routed experts only with `experts` (when they are memory moerun owns, not views of a file map: a
     copy would read the whole file into RAM). keep: only the tensors it accepts (e.g. what stays on the CPU
     when other stages run on a device, whose kernels read the file's layout). progress: called with each
     rewritten tensor's bytes."""
@@ -167,5 +171,5 @@ def interleavable(weights: dict[CName, QTensor], experts: bool,
     if not cpu.available():
         return []
     return [cn for cn, t in weights.items()
-            if cn.kind != "token_embd.weight" and cpu.can_interleave(t) and (keep is None or keep(cn))
+            if cn.kind not in GGUF_LAYOUT_ONLY and cpu.can_interleave(t) and (keep is None or keep(cn))
             and (experts or tensor_class(cn.kind) != "routed_experts")]

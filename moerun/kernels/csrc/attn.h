@@ -36,9 +36,10 @@
  * dimensions (the last rope_dim rotated); q = xn wq ([n_heads * head_dim, hidden]), or with q_rank > 0 q =
  * q_a_norm(xn wq_a) wq (wq_a [q_rank, hidden], wq [n_heads * head_dim, q_rank]); the latent [mla_rank + rope_dim]
  * = [kv_a_norm(c), rope(k_pe)] for [c, k_pe] = xn wkv_a, stored in the cache (kc: [slots, mla_rank + rope_dim]; vc
- * is not read). Each head's query enters the latent space through wk_b [n_heads, mla_rank, nope] (float32),
- * attends over the latents (keys: the whole latent; values: its first mla_rank values), and leaves through wv_b
- * [n_heads, mla_v, mla_rank] (float32); x += o wo ([hidden, n_heads * mla_v]). */
+ * is not read). Each head's query enters the latent space through wk_b [n_heads, mla_rank, nope], attends over the
+ * latents (keys: the whole latent; values: its first mla_rank values), and leaves through wv_b [n_heads, mla_v,
+ * mla_rank]; x += o wo ([hidden, n_heads * mla_v]). wk_b and wv_b are float32 (type 0) or quantized in GGUF's layout
+ * (their ggml types): either way each product is the float one of the dequantized weights (deqdot.c). */
 #define QK_ATTN_FIELDS(X)                                                                          \
     X(hidden) X(n_heads) X(n_kv_heads) X(head_dim) X(qk_norm) X(neox)                               \
     X(attn_norm) X(ffn_norm) X(q_norm) X(k_norm) X(bq) X(bk) X(bv)                                  \
@@ -54,7 +55,7 @@
     X(ssm_beta_type) X(ssm_alpha) X(ssm_alpha_type) X(ssm_out) X(ssm_out_type) X(ssm_conv) X(ssm_k)  \
     X(ssm_nk) X(ssm_nv) X(ssm_dk) X(ssm_dv) X(ssm_tiled) X(ssm_a) X(ssm_dt) X(ssm_norm)              \
     X(mla_rank) X(mla_v) X(q_rank) X(wq_a) X(wq_a_type) X(q_a_norm) X(wkv_a) X(wkv_a_type) X(kv_a_norm) \
-    X(wk_b) X(wv_b)
+    X(wk_b) X(wk_b_type) X(wv_b) X(wv_b_type)
 
 enum { QK_MIX_ATTN = 0, QK_MIX_DELTA = 1, QK_MIX_MLA = 2 };
 

@@ -3,7 +3,9 @@
  *
  * The projections go through qk_matmuls; then one pool job with an item per (row, head): the head's query into
  * the latent space (wk_b), scores over the latents, the softmax, the weighted latent, and out through wv_b. Each
- * value is computed by one thread in a fixed order, so results do not depend on the thread count. */
+ * value is computed by one thread in a fixed order, so results do not depend on the thread count. W_UK and W_UV may
+ * stay in the file's quantized types: a row is then dequantized in registers (deqdot.c) or into a row of scratch,
+ * and dotted in the float kernel's order, so the results are those of the float32 weights, bit for bit. */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -15,30 +17,51 @@
 #include "pool.h"
 #include "qk.h"
 
+/* W_UK or W_UV: rows of K weights, float32 (deq NULL, bytes 4 K) or of a quantized type (bytes a row). */
+typedef struct {
+    const uint8_t *w;
+    int type;
+    int64_t K, N, bytes;
+    deq_dot_fn deq;
+} mla_w;
+
 typedef struct {
     const attn_kernels *k;
     dot_fn dot;
+    mla_w wk, wv;
     int64_t nh, rank, R, nope, dv, maxkeys, items, row;
     int kind;
     const uint8_t *cache;
-    const float *q, *wk_b, *wv_b;
-    float *qlat, *lat, *o, *scores, scale;
+    const float *q;
+    float *qlat, *lat, *o, *scores, *rows, scale;
     const int64_t *const *slots;
     const int64_t *pos;
     atomic_long next;
 } mla_ctx;
 
+/* out = row `row` of m dotted with x (buf: K floats of scratch where a row is dequantized first). */
+static void mla_dot(const mla_ctx *c, const mla_w *m, int64_t row, const float *x, float *buf, float *out) {
+    const void *xs = x;
+    if (m->type == GGML_F32) {
+        c->dot(m->K, m->w + row * m->bytes, &xs, 1, out);
+    } else if (m->deq) {
+        m->deq(m->K, m->w + row * m->bytes, x, out);
+    } else {
+        qk_dequant_rows(m->type, m->w, m->N, m->K, &row, 1, buf);
+        c->dot(m->K, (const uint8_t *)buf, &xs, 1, out);
+    }
+}
+
 static void mla_task(void *p, int tid, int nth) {
     mla_ctx *c = p;
-    (void)tid, (void)nth;
+    (void)nth;
+    float *buf = c->rows + tid * (c->rank > c->nope ? c->rank : c->nope);
     const int64_t hd = c->nope + c->R, L = c->rank + c->R;
     for (int64_t it; (it = atomic_fetch_add(&c->next, 1)) < c->items;) {
         const int64_t r = it / c->nh, h = it % c->nh, n = c->pos[r] + 1;
         const float *qh = c->q + it * hd;         /* [nope, rope], rotated */
         float *ql = c->qlat + it * L, *s = c->scores + it * c->maxkeys, *lt = c->lat + it * c->rank;
-        const float *wk = c->wk_b + h * c->rank * c->nope, *wv = c->wv_b + h * c->dv * c->rank;
-        const void *xq = qh, *xl = lt;
-        for (int64_t i = 0; i < c->rank; i++) c->dot(c->nope, (const uint8_t *)(wk + i * c->nope), &xq, 1, ql + i);
+        for (int64_t i = 0; i < c->rank; i++) mla_dot(c, &c->wk, h * c->rank + i, qh, buf, ql + i);
         memcpy(ql + c->rank, qh + c->nope, (size_t)c->R * sizeof(float));
         c->k->scores[c->kind](s, ql, n, c->cache, c->slots[r], c->row, L, c->scale);
         float max = -INFINITY;
@@ -46,12 +69,22 @@ static void mla_task(void *p, int tid, int nth) {
         const float inv = 1.0f / c->k->exp_sum(s, n, max);
         for (int64_t j = 0; j < n; j++) s[j] *= inv;
         c->k->wsum[c->kind](lt, s, n, c->cache, c->slots[r], c->row, c->rank);
-        for (int64_t v = 0; v < c->dv; v++) c->dot(c->rank, (const uint8_t *)(wv + v * c->rank), &xl, 1,
-                                                   c->o + it * c->dv + v);
+        for (int64_t v = 0; v < c->dv; v++) mla_dot(c, &c->wv, h * c->dv + v, lt, buf, c->o + it * c->dv + v);
     }
 }
 
 static const float *fptr(int64_t a) { return (const float *)(uintptr_t)a; }
+
+/* W_UK / W_UV [n rows of K]: its bytes a row by type, its kernel; 0 when the type or the row's length will not do. */
+static int mla_wmat(int isa, int64_t w, int64_t type, int64_t N, int64_t K, mla_w *m) {
+    *m = (mla_w){.w = (const uint8_t *)(uintptr_t)w, .type = (int)type, .K = K, .N = N, .bytes = 4 * K};
+    if (type == GGML_F32) return 1;
+    const int qt = qk_qtype_index((int)type);
+    if (qt < 0 || QK_TYPES[qt].rows != 1 || K % QK_TYPES[qt].blk_elems) return 0;
+    m->bytes = K / QK_TYPES[qt].blk_elems * QK_TYPES[qt].blk_bytes;
+    m->deq = qk_deq_fdot(isa, (int)type);
+    return 1;
+}
 
 static qk_wmat wmat(int64_t w, int64_t type, int64_t rows) {
     return (qk_wmat){(const uint8_t *)(uintptr_t)w, (int)type, rows};
@@ -67,6 +100,10 @@ int qk_mla_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_
         !d->wv_b || !d->wkv_a || !d->kv_a_norm || (qr && (!d->wq_a || !d->q_a_norm)))
         return QK_ESHAPE;
     if (kind < 0 || !dot) return QK_ETYPE;
+    mla_w wk, wv;
+    if (!mla_wmat(isa, d->wk_b, d->wk_b_type, nh * rank, nope, &wk) ||
+        !mla_wmat(isa, d->wv_b, d->wv_b_type, nh * dv, rank, &wv))
+        return QK_ETYPE;
     if (kind == KV_Q8_0 && (rank % 32 || R % 32)) return QK_ESHAPE; /* the values are the latent's whole blocks */
     const int64_t row = qk_kind_bytes(kind, L);
     int64_t maxkeys = 1;
@@ -74,11 +111,13 @@ int qk_mla_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_
         if (pos[r] < 0) return QK_ESHAPE;
         maxkeys = pos[r] + 1 > maxkeys ? pos[r] + 1 : maxkeys;
     }
-    const int64_t nfloat = B * (H + qr + qd + L + nh * (L + rank + dv + maxkeys) + H);
+    const int64_t nfloat = B * (H + qr + qd + L + nh * (L + rank + dv + maxkeys) + H) +
+                           (int64_t)qk_pool_threads() * (rank > nope ? rank : nope);
     float *mem = malloc((size_t)nfloat * sizeof(float));
     if (!mem) return QK_ENOMEM;
     float *xn = mem, *qa = xn + B * H, *q = qa + B * qr, *kv = q + B * qd, *qlat = kv + B * L;
     float *lat = qlat + B * nh * L, *o = lat + B * nh * rank, *scores = o + B * nh * dv, *out = scores + B * nh * maxkeys;
+    float *rows = out + B * H; /* a dequantized row per thread */
 
     for (int64_t r = 0; r < B; r++) qk_rms_norm(x + r * H, fptr(d->attn_norm), H, eps, xn + r * H);
     int rc;
@@ -106,9 +145,9 @@ int qk_mla_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_
         const float scale = fptr(d->fparams) && fptr(d->fparams)[1] > 0.0f ? fptr(d->fparams)[1]
                                                                             : (float)(1.0 / sqrt((double)hd));
         mla_ctx c = {.k = qk_attn_kernels(isa), .dot = dot, .nh = nh, .rank = rank, .R = R, .nope = nope, .dv = dv,
-                     .maxkeys = maxkeys, .items = B * nh, .row = row, .kind = kind, .cache = kc, .q = q,
-                     .wk_b = fptr(d->wk_b), .wv_b = fptr(d->wv_b), .qlat = qlat, .lat = lat, .o = o,
-                     .scores = scores, .scale = scale, .slots = slots, .pos = pos};
+                     .maxkeys = maxkeys, .items = B * nh, .row = row, .kind = kind, .cache = kc, .q = q, .wk = wk,
+                     .wv = wv, .qlat = qlat, .lat = lat, .o = o, .scores = scores, .rows = rows, .scale = scale,
+                     .slots = slots, .pos = pos};
         atomic_init(&c.next, 0);
         qk_pool_run(mla_task, &c);
         const qk_wmat wo = wmat(d->wo, d->wo_type, H);

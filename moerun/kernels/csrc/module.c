@@ -268,6 +268,24 @@ static PyObject *py_dequant_rows(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS return raise_code(rc);
 }
 
+/* deq_dot(isa, ggml, w, N, K, x, out): out[N] = the rows of W[N, K] (GGUF's layout) dotted with float x [K] as
+ * the float kernel dots them dequantized (deqdot.c) -> True, or False (nothing written) where there is no kernel. */
+static PyObject *py_deq_dot(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa, ggml;
+    unsigned long long w, x, out;
+    long long N, K;
+    if (!PyArg_ParseTuple(args, "iiKLLKK", &isa, &ggml, &w, &N, &K, &x, &out)) return NULL;
+    const deq_dot_fn f = qk_deq_fdot(isa, ggml);
+    const int qt = qk_qtype_index(ggml);
+    if (!f) Py_RETURN_FALSE;
+    if (qt < 0 || N < 0 || K < 1 || K % QK_TYPES[qt].blk_elems) return raise_code(QK_ESHAPE);
+    const int64_t row = K / QK_TYPES[qt].blk_elems * QK_TYPES[qt].blk_bytes;
+    Py_BEGIN_ALLOW_THREADS for (int64_t r = 0; r < N; r++)
+        f(K, (const uint8_t *)(uintptr_t)w + r * row, (const float *)(uintptr_t)x, (float *)(uintptr_t)out + r);
+    Py_END_ALLOW_THREADS Py_RETURN_TRUE;
+}
+
 static PyObject *repack_call(PyObject *args, int (*fn)(int, const uint8_t *, uint8_t *, int64_t, int64_t)) {
     int type;
     unsigned long long src, dst;
@@ -449,6 +467,7 @@ static PyMethodDef methods[] = {
      "moe_ffn(isa, x, T, H, ids, wts, k, gate, gate_stride, gate_type, up, up_stride, up_type, down, "
      "down_stride, down_type, E, I, out, pairs=0, act=0, alpha=0, limit=0, gate_b=0, up_b=0, down_b=0)"},
     {"dequant_rows", py_dequant_rows, METH_VARARGS, "dequant_rows(ggml, w, N, K, rows, n, out)"},
+    {"deq_dot", py_deq_dot, METH_VARARGS, "deq_dot(isa, ggml, w, N, K, x, out) -> whether this CPU has the kernel"},
     {"attn_fields", py_attn_fields, METH_NOARGS, "Field names of the attention block's layer descriptor."},
     {"attn_block", py_attn_block, METH_VARARGS,
      "attn_block(isa, desc, x, B, slots, pos, kc, vc, cos, sin, eps, clip, xn_out, ids_out, w_out, moe=0, ktype=0, "

@@ -165,6 +165,11 @@ const char *qk_isa_name(int isa);
  * row's length), or NULL for other types (fdot.c). */
 dot_fn qk_fdot(int isa, int ggml);
 
+/* out = dot(a quantized row of n weights in GGUF's layout, float x) with the bits qk_fdot's kernel gives for the row
+ * dequantized (deqdot.c), or NULL where this ISA and type have no such kernel. */
+typedef void (*deq_dot_fn)(int64_t n, const uint8_t *w, const float *x, float *out);
+deq_dot_fn qk_deq_fdot(int isa, int ggml);
+
 /* Portable kernels (dot_scalar.c); x86 ones (quant_avx2.c, dot_avx2.c, dot_vnni.c). */
 void qk_quant_q8k_scalar(const float *x, void *out, int64_t k);
 void qk_quant_q8_0_scalar(const float *x, void *out, int64_t k);
