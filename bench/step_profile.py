@@ -19,13 +19,17 @@ from collections import defaultdict
 import torch
 from toolkit import add, cpu_model, parser
 
+from moerun.kernels import cpu
+
 
 def layer_bytes(model, i: int) -> tuple[str, int]:
     """(kind, bytes one token reads) of layer i: its dense weights, n_used routed experts, a DeltaNet state read and
     written."""
     s, lw = model.spec, model.layers[i]
+    mla = [q if q is not None and cpu.has_deq_dot(q.qtype) else f  # MLA's W_UK / W_UV as the fused path reads them
+           for q, f in ((lw.wk_b_q, lw.wk_b), (lw.wv_b_q, lw.wv_b))]
     mats = [lw.wq, lw.wk, lw.wv, lw.wo, lw.router, lw.wqkv, lw.wz, lw.wba, lw.wbeta, lw.walpha, lw.ssm_out,
-            lw.shexp_gate, lw.wq_a, lw.wkv_a, lw.wk_b, lw.wv_b, *(lw.shexp or ()), *(lw.ffn or ())]
+            lw.shexp_gate, lw.wq_a, lw.wkv_a, *mla, *(lw.shexp or ()), *(lw.ffn or ())]
     n = sum(getattr(m, "nbytes", 0) for m in mats if m is not None)
     if lw.router is not None:
         n += sum(t.nbytes for t in model.store.stacks(i)) * s.n_experts_used // s.n_experts
