@@ -18,9 +18,9 @@ known. A step whose cut the shortcut cannot certify (a tie at the cut, top-p's s
 threshold) goes the plain way. Every truncation off needs no shortcut: the draw sorts nothing. On a 2-core
 Zen 5 (one torch thread) at vocabulary 248,320, per token (bench figures in the commit messages): top-p 0.95
 without top-k 0.7-1.4 ms on flat logits where the exponential race took 1.9-4.0 ms (min-p 0.05 or 0), every
-truncation off 0.3 ms for 0.95 ms, top-k 40 0.28 ms (0.24 before) and greedy 0.13 ms. With two torch threads on a machine where another process
-is running, the chain took 150-230 ms (each parallel region waits for the thread the other process holds up),
-so `sample` runs the chain on one torch thread.
+truncation off 0.3 ms for 0.95 ms, top-k 40 0.28 ms (0.24 before) and greedy 0.13 ms. With two torch threads
+on a machine where another process is running, the chain took 150-230 ms (each parallel region waits for the
+thread the other process holds up), so `sample` runs the chain on one torch thread.
 """
 
 from __future__ import annotations
