@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import moerun.engine.sampler as sampler_mod
+import moerun.kernels.sample as sample_mod
 from moerun.config import SamplingParams
 from moerun.engine.sampler import Sampler
 
@@ -50,7 +50,7 @@ class Spy:
 
     def __init__(self, sampler: Sampler):
         self.steps = self.undecided = 0
-        inner = sampler._fast_candidates
+        inner = sampler._fast_cut
 
         def wrapped(vals):
             got = inner(vals)
@@ -58,7 +58,7 @@ class Spy:
             self.undecided += got is None
             return got
 
-        sampler._fast_candidates = wrapped
+        sampler._fast_cut = wrapped
 
 
 def same_tokens(params: SamplingParams, x: torch.Tensor, n: int, history=NO_HISTORY, shortcut: bool = True) -> Spy:
@@ -117,9 +117,9 @@ def test_other_vocabularies(vocab):
 
 
 def test_undecided_steps_leave_the_generator_as_it_was(monkeypatch):
-    """With every top-p cut called a rounding, each step goes the plain way: the tokens and the generator still
-    follow the plain chain."""
-    monkeypatch.setattr(sampler_mod, "_near_rounding", lambda d, slack: True)
+    """With every cut left undecided, each step goes the plain way: the tokens and the generator still follow the
+    plain chain."""
+    monkeypatch.setattr(sample_mod, "cut", lambda *a: None)
     for kw in (TRUNCATED[0], TRUNCATED[3]):
         spy = same_tokens(SamplingParams(seed=4, **kw), logits("flat"), 2)
         assert spy.undecided == spy.steps == 2
