@@ -284,3 +284,32 @@ def test_stop_at_start_and_after_stop():
     assert feed_all(StopChecker([]), ["no", " stops"]) == (["no", " stops"], False)
     with pytest.raises(ValueError):
         StopChecker([""])
+
+
+def test_draw_across_blocks_matches_truncated_softmax():
+    """The draw sums weights per block of 256 tokens: over 700 tokens (three blocks, the last part-full), with
+    top-p and min-p dropping some, the frequencies follow softmax of the kept scaled logits (chi-square)."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(700, generator=g) * 1.5
+    params = SamplingParams(seed=99, temperature=0.8, top_k=0, top_p=0.9, min_p=0.01)
+    sampler = Sampler(params, 700)
+    want = sampler.probs(logits, NO_HISTORY).double()
+    assert close(want.tolist(), reference_probs(logits.tolist(), [], params), 1e-5)
+    n = 40_000
+    got = torch.bincount(torch.stack([sampler.sample(logits, NO_HISTORY) for _ in range(n)]), minlength=700)
+    assert int(got[want == 0].sum()) == 0  # nothing dropped is drawn
+    # pool the kept tokens into classes of expected count >= 20 (in token order) for the chi-square
+    kept = torch.nonzero(want > 0).squeeze(1).tolist()
+    classes, obs, exp = [], 0, 0.0
+    for i in kept:
+        obs, exp = obs + int(got[i]), exp + n * float(want[i])
+        if exp >= 20:
+            classes.append((obs, exp))
+            obs, exp = 0, 0.0
+    if exp > 0:
+        o, e = classes.pop()
+        classes.append((o + obs, e + exp))
+    chi2 = sum((o - e) ** 2 / e for o, e in classes)
+    df = len(classes) - 1
+    bound = df * (1 - 2 / (9 * df) + 3.09 * math.sqrt(2 / (9 * df))) ** 3  # Wilson-Hilferty, p = 0.001
+    assert df >= 20 and chi2 < bound, (chi2, df, bound)

@@ -1,13 +1,14 @@
 """The sampler's CPU shortcut at a real vocabulary (248,320, Qwen3.5's): the same tokens, drawn from the same
-random numbers, as the plain chain (Sampler(fast=False)), for top-p / min-p without top-k and with every
-truncation off; the undecided cases go the plain way with the generator as it was. No timing is asserted."""
+random numbers, as the plain chain (Sampler(fast=False)), for top-p / min-p without top-k; with every truncation
+off there is no shortcut (the chain sorts nothing). The undecided cases go the plain way with the generator as it
+was. No timing is asserted."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import moerun.engine.sampler as sampler_mod
+import moerun.kernels.sample as sample_mod
 from moerun.config import SamplingParams
 from moerun.engine.sampler import Sampler
 
@@ -49,7 +50,7 @@ class Spy:
 
     def __init__(self, sampler: Sampler):
         self.steps = self.undecided = 0
-        inner = sampler._fast_sample
+        inner = sampler._fast_cut
 
         def wrapped(vals):
             got = inner(vals)
@@ -57,14 +58,14 @@ class Spy:
             self.undecided += got is None
             return got
 
-        sampler._fast_sample = wrapped
+        sampler._fast_cut = wrapped
 
 
-def same_tokens(params: SamplingParams, x: torch.Tensor, n: int, history=NO_HISTORY) -> Spy:
+def same_tokens(params: SamplingParams, x: torch.Tensor, n: int, history=NO_HISTORY, shortcut: bool = True) -> Spy:
     """n tokens from the shortcut and from the plain chain, same seed: equal tokens and generator states."""
     fast = Sampler(params, x.numel())
     plain = Sampler(params, x.numel(), fast=False)
-    assert fast._fast and not plain._fast
+    assert fast._fast == shortcut and not plain._fast
     spy = Spy(fast)
     for step in range(n):
         a, b = fast.sample(x, history), plain.sample(x, history)
@@ -93,9 +94,10 @@ def test_top_p_and_min_p_without_top_k_draw_the_plain_chains_tokens(kind):
 
 
 @pytest.mark.parametrize("kind", ["flat", "peaked", "masked"])
-def test_every_truncation_off_draws_the_plain_chains_tokens(kind):
-    spy = same_tokens(SamplingParams(seed=3, temperature=0.7, top_k=0, top_p=1.0, min_p=0.0), logits(kind), 8)
-    assert spy.undecided <= 2
+def test_every_truncation_off_needs_no_shortcut(kind):
+    spy = same_tokens(SamplingParams(seed=3, temperature=0.7, top_k=0, top_p=1.0, min_p=0.0), logits(kind), 8,
+                      shortcut=False)
+    assert spy.steps == 0
 
 
 def test_penalties_then_the_shortcut():
@@ -110,15 +112,15 @@ def test_penalties_then_the_shortcut():
 @pytest.mark.parametrize("vocab", [151936, 100003, 32768])  # blocks and buckets that end part-way
 def test_other_vocabularies(vocab):
     x = logits("flat", vocab, seed=2)
-    for kw in (TRUNCATED[0], {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "min_p": 0.0}):
+    for kw in TRUNCATED:
         same_tokens(SamplingParams(seed=9, **kw), x, 3)
 
 
 def test_undecided_steps_leave_the_generator_as_it_was(monkeypatch):
-    """With every race called a near-tie, each step goes the plain way after the shortcut drew its numbers:
-    the tokens and the generator still follow the plain chain."""
-    monkeypatch.setattr(sampler_mod, "_TOL", 1e9)
-    for kw in (TRUNCATED[0], {"temperature": 0.8, "top_k": 0, "top_p": 1.0, "min_p": 0.0}):
+    """With every cut left undecided, each step goes the plain way: the tokens and the generator still follow the
+    plain chain."""
+    monkeypatch.setattr(sample_mod, "cut", lambda *a: None)
+    for kw in (TRUNCATED[0], TRUNCATED[3]):
         spy = same_tokens(SamplingParams(seed=4, **kw), logits("flat"), 2)
         assert spy.undecided == spy.steps == 2
 
@@ -135,6 +137,7 @@ def test_ties_and_non_finite_logits_go_the_plain_way():
 
 def test_the_shortcut_applies_only_where_it_is_exact():
     assert not Sampler(SamplingParams(top_k=40), V)._fast  # top-k: one small topk already
+    assert not Sampler(SamplingParams(top_k=0, top_p=1.0, min_p=0.0), V)._fast  # nothing to sort
     assert not Sampler(SamplingParams.greedy(), V)._fast
     assert not Sampler(SamplingParams(top_k=0), 32767)._fast  # small vocabularies: sorting is cheap
     assert Sampler(SamplingParams(top_k=0), 32768)._fast

@@ -12,6 +12,7 @@
 #include "matmul.h"
 #include "pool.h"
 #include "qk.h"
+#include "sample.h"
 #include "sysload.h"
 
 static PyObject *raise_code(int rc) {
@@ -441,6 +442,68 @@ static PyObject *py_attn_prompt(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS return raise_code(rc);
 }
 
+static PyObject *py_sample_draw(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa;
+    unsigned long long x;
+    long long n;
+    float t, cut;
+    double u;
+    if (!PyArg_ParseTuple(args, "iKLffd", &isa, &x, &n, &t, &cut, &u)) return NULL;
+    const int64_t j = samp_draw(isa, (const float *)(uintptr_t)x, n, t, cut, u);
+    if (j == -2) return PyErr_NoMemory();
+    return PyLong_FromLongLong(j);
+}
+
+static PyObject *py_sample_norm(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa;
+    unsigned long long x;
+    long long n;
+    float mx;
+    if (!PyArg_ParseTuple(args, "iKLf", &isa, &x, &n, &mx)) return NULL;
+    return PyFloat_FromDouble(samp_norm(isa, (const float *)(uintptr_t)x, n, mx));
+}
+
+static PyObject *py_sample_cut(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa, use_tp, use_mp;
+    unsigned long long x, hist, keys;
+    long long n, cap;
+    float tp, lmp, cut;
+    if (!PyArg_ParseTuple(args, "iKLfifiKKL", &isa, &x, &n, &tp, &use_tp, &lmp, &use_mp, &hist, &keys, &cap))
+        return NULL;
+    if (!samp_cut(isa, (const float *)(uintptr_t)x, n, tp, use_tp, lmp, use_mp, (double *)(uintptr_t)hist,
+                  (uint32_t *)(uintptr_t)keys, cap, &cut))
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble(cut);
+}
+
+static PyObject *py_sample_topk(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa, use_tp, use_mp;
+    unsigned long long vals, ids, sv, sid;
+    long long k;
+    float t, tp, lmp;
+    double u;
+    if (!PyArg_ParseTuple(args, "iKKLffifidKK", &isa, &vals, &ids, &k, &t, &tp, &use_tp, &lmp, &use_mp, &u, &sv, &sid))
+        return NULL;
+    const int64_t j = samp_topk(isa, (const float *)(uintptr_t)vals, (const int64_t *)(uintptr_t)ids, k, t, tp, use_tp,
+                                lmp, use_mp, u, (float *)(uintptr_t)sv, (int64_t *)(uintptr_t)sid);
+    if (j == -2) return PyErr_NoMemory();
+    return PyLong_FromLongLong(j);
+}
+
+static PyObject *py_sample_exp(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa;
+    unsigned long long x, out;
+    long long n;
+    if (!PyArg_ParseTuple(args, "iKLK", &isa, &x, &n, &out)) return NULL;
+    samp_exp(isa, (const float *)(uintptr_t)x, n, (float *)(uintptr_t)out);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"features", py_features, METH_NOARGS, "Kernel sets this CPU runs, the best one, thread pool settings."},
     {"qtypes", py_qtypes, METH_NOARGS, "ggml type ids (GGUF layouts) with kernels."},
@@ -481,6 +544,13 @@ static PyMethodDef methods[] = {
      "decode_layers(isa, n, descs, x, B, slots, wslots, pos, kcs, vcs, cos, sin, eps, clip, xn_out, ids_out, w_out, "
      "out_norm, head, head_type, head_rows, logits, ktype, vtype, nslots, nwslots, embd, embd_type, embd_rows, tokens, "
      "active, sslots=0, nstates=0)"},
+    {"sample_draw", py_sample_draw, METH_VARARGS, "sample_draw(isa, x, n, t, cut, u): the inverse-CDF draw (sample.c)."},
+    {"sample_norm", py_sample_norm, METH_VARARGS, "sample_norm(isa, x, n, mx): sum of exp32(x - mx), block by block."},
+    {"sample_cut", py_sample_cut, METH_VARARGS,
+     "sample_cut(isa, x, n, top_p, use_top_p, log_min_p, use_min_p, hist, keys, cap): the smallest kept logit or None."},
+    {"sample_topk", py_sample_topk, METH_VARARGS,
+     "sample_topk(isa, vals, ids, k, t, top_p, use_top_p, log_min_p, use_min_p, u, sv, sid): top-p, min-p, draw."},
+    {"sample_exp", py_sample_exp, METH_VARARGS, "sample_exp(isa, x, n, out): exp32 (sample.c), for tests."},
     {NULL, NULL, 0, NULL},
 };
 
