@@ -18,7 +18,8 @@ from moerun.formats.names import CName
 from moerun.formats.records import ModelFile
 from moerun.model.model import MoEModel
 from moerun.progress import bar
-from moerun.weights.loader import interleavable, interleave_for_kernels, load_weights, source_bytes
+from moerun.weights.loader import (interleavable, interleave_for_kernels, interleave_on_read, load_weights,
+                                   source_bytes)
 
 
 @dataclass
@@ -80,10 +81,11 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, kernels: bo
     mf = open_model(path)
     arch = resolve(mf)
     in_ram = weights_home(mf, home) == "ram"
+    keep = None if interleave is True else interleave
+    on_read = interleave_on_read(in_ram, keep) if kernels and interleave else None
     with bar(progress, "loading", sum(map(source_bytes, arch.sources.values()))) as placed:
-        weights = load_weights(mf, arch, copy_experts=in_ram, progress=placed)
+        weights = load_weights(mf, arch, copy_experts=in_ram, progress=placed, interleave=on_read)
     if kernels and interleave:
-        keep = None if interleave is True else interleave
         todo = sum(weights[cn].nbytes for cn in interleavable(weights, in_ram, keep))
         with bar(progress, "repacking", todo) as repacked:
             interleave_for_kernels(weights, experts=in_ram, keep=keep, progress=repacked)

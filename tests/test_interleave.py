@@ -121,6 +121,28 @@ def test_what_cannot_be_interleaved():
         cpu.dequant_rows(il, torch.tensor([0]))
 
 
+@QTYPES
+@pytest.mark.parametrize("scratch_rows", [8, 24, 1000])
+def test_read_interleaved_equals_interleave_of_the_read_bytes(tmp_path, qt, scratch_rows):
+    """Read a scratch's worth of groups at a time (one group, several and a remainder, all at once), from an offset in
+    a file: the same bytes as interleave() of the tensor; a file that ends early gives None, too small a scratch and an
+    unreadable descriptor raise."""
+    w = q4k(16, 512, seed=4, lead=(5,), qt=qt)
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"x" * 77 + w.data.numpy().tobytes())
+    rb = w.data.shape[-1]
+    with open(path, "rb", buffering=0) as f:
+        got = cpu.read_interleaved(f.fileno(), 77, qt, w.shape, torch.empty(scratch_rows * rb, dtype=torch.uint8))
+        assert got.interleave == 8 and got.shape == w.shape and torch.equal(got.data, cpu.interleave(w).data)
+        assert cpu.read_interleaved(f.fileno(), 77 + rb, qt, w.shape, torch.empty(8 * rb, dtype=torch.uint8)) is None
+        with pytest.raises(ValueError):
+            cpu.read_interleaved(f.fileno(), 77, qt, w.shape, torch.empty(8 * rb - 1, dtype=torch.uint8))
+    with pytest.raises(ValueError):
+        cpu.read_interleaved(0, 0, qt, (12, 512), torch.empty(8 * rb, dtype=torch.uint8))
+    with open(path, "wb") as f, pytest.raises(OSError):  # write-only: reads fail
+        cpu.read_interleaved(f.fileno(), 0, qt, w.shape, torch.empty(8 * rb, dtype=torch.uint8))
+
+
 # ------------------------------------------------------------------------------------------- matmul
 
 

@@ -19,6 +19,7 @@ the physical cores this process may run on); idle workers sleep after a short sp
 
 from __future__ import annotations
 
+import math
 import os
 from array import array
 from collections.abc import Mapping
@@ -26,11 +27,11 @@ from collections.abc import Mapping
 import torch
 
 from moerun.quant import qtypes
-from moerun.quant.qtypes import INTERLEAVABLE, QTensor, QType, block_size
+from moerun.quant.qtypes import INTERLEAVABLE, QTensor, QType, block_size, row_bytes
 
-__all__ = ["attend_prompt", "available", "can_interleave", "deinterleave", "deq_dot", "dequant_rows", "features",
-           "get_threads", "glu_down", "has_deq_dot", "interleave", "matmul", "moe_ffn", "moe_ffn_experts", "set_prefetch", "set_prefetch_hint",
-           "set_threads", "supports"]
+__all__ = ["attend_prompt", "available", "can_interleave", "can_interleave_stored", "deinterleave", "deq_dot",
+           "dequant_rows", "features", "get_threads", "glu_down", "has_deq_dot", "interleave", "matmul", "moe_ffn",
+           "moe_ffn_experts", "read_interleaved", "set_prefetch", "set_prefetch_hint", "set_threads", "supports"]
 
 MODE = os.environ.get("MOERUN_KERNELS", "").strip().lower()  # "" / "auto", "scalar", "off"
 
@@ -214,9 +215,33 @@ _KEEP_GGUF = {"neon": frozenset({QType.Q6_K, QType.IQ4_XS})}
 def can_interleave(w: QTensor) -> bool:
     """Whether `interleave` takes w: a CPU Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS or Q5_0 matrix (or stack of them) in
     GGUF's layout, rows a multiple of 8 (Q6_K and IQ4_XS only where the kernels have a vectorized interleaved dot: x86)."""
-    return (_cpu is not None and isinstance(w, QTensor) and 8 in INTERLEAVABLE.get(w.qtype, ())
-            and w.qtype not in _KEEP_GGUF.get(_DEFAULT_ISA, ())
-            and w.interleave == 1 and len(w.shape) in (2, 3) and w.shape[-2] % 8 == 0 and w.data.is_cpu)
+    return (isinstance(w, QTensor) and w.interleave == 1 and w.data.is_cpu
+            and can_interleave_stored(w.qtype, w.shape))
+
+
+def can_interleave_stored(qtype: QType, shape: tuple[int, ...]) -> bool:
+    """`can_interleave` for a tensor of that type and shape still in a file (GGUF's layout): what `read_interleaved`
+    takes."""
+    return (_cpu is not None and 8 in INTERLEAVABLE.get(qtype, ()) and qtype not in _KEEP_GGUF.get(_DEFAULT_ISA, ())
+            and len(shape) in (2, 3) and shape[-2] % 8 == 0)
+
+
+def read_interleaved(fd: int, offset: int, qtype: QType, shape: tuple[int, ...],
+                     scratch: torch.Tensor) -> QTensor | None:
+    """`interleave` of the GGUF-layout tensor at `offset` of the open file `fd`, read a `scratch` at a time (a
+    contiguous CPU uint8 buffer of at least 8 rows; a few hundred KiB keeps it in L2) and repacked from there on this
+    thread: the GGUF-layout bytes never take memory of the tensor's size. None when the file ends first; OSError when
+    a read fails."""
+    _need()
+    from moerun.hostmem import host_empty
+
+    if not can_interleave_stored(qtype, shape):
+        raise ValueError(f"cannot interleave {qtype.name}{tuple(shape)}")
+    rows, rb = math.prod(shape[:-1]), row_bytes(qtype, shape[-1])
+    dst = host_empty(rows * rb)
+    got = _cpu.read_repack(fd, offset, int(qtype) + QK_R8, dst.data_ptr(), rows, shape[-1], scratch.data_ptr(),
+                           scratch.numel())
+    return QTensor(dst.view(*shape[:-1], rb), qtype, tuple(shape), 8) if got == rows * rb else None
 
 
 def interleave(w: QTensor) -> QTensor:

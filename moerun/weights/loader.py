@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 
 import torch
 
 from moerun.arch import Arch, Source
 from moerun.arch.tensors import VALUE_MAPS
+from moerun.errors import ModelFormatError
 from moerun.formats.names import CName, tensor_class
-from moerun.formats.records import ModelFile
+from moerun.formats.records import ModelFile, TensorRecord
 from moerun.hostmem import host_empty
 from moerun.quant.qtypes import FLOAT_QTYPES, QTensor, QType, row_bytes
 from moerun.quant.quantize import mxfp4_from_hf
+
+SCRATCH_BYTES = 512 << 10  # a reading thread's buffer for the tensors repacked as read: L2-sized
 
 
 def _permute_rows(raw: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -102,12 +107,16 @@ def source_bytes(src: Source) -> int:
 
 
 def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False,
-                 progress: Callable[[int], None] | None = None) -> dict[CName, QTensor]:
+                 progress: Callable[[int], None] | None = None,
+                 interleave: Callable[[CName, TensorRecord], bool] | None = None) -> dict[CName, QTensor]:
     """Every canonical tensor of the model as stored (quantized stays quantized).
 
     Dense tensors are copied into memory moerun owns. Routed experts stay views of the memory map (their
     home tier: the kernel may drop those pages and fault them back in from disk) unless copy_experts.
     progress: called with each tensor's stored bytes once it is placed (from the reading threads too).
+    interleave: the copied tensors to read straight into the CPU kernels' interleaved layout (see
+    `interleave_on_read`): the bytes a read and a later `interleave_for_kernels` give, in one pass and no buffer
+    of GGUF-layout bytes.
     """
     out = {}
     reads = {}
@@ -118,16 +127,50 @@ def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False,
         else:
             out[cn] = materialize(mf, src)
             done(source_bytes(src))
+    fused = {cn for cn, rec in reads.items() if interleave is not None and interleave(cn, rec)}
+    scratch = threading.local()
 
-    def read(rec) -> QTensor:
-        t = QTensor.from_bytes(mf.read(rec), rec.qtype, rec.shape)
+    def read(cn: CName, rec: TensorRecord, fd: int) -> QTensor:
+        t = _read_interleaved(rec, fd, scratch) if cn in fused else QTensor.from_bytes(mf.read(rec), rec.qtype,
+                                                                                          rec.shape)
         done(rec.nbytes)
         return t
 
-    # positioned reads release the GIL: a few at once keep the copies (and the new pages' faults) on every core
-    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        out.update(zip(reads, pool.map(read, reads.values())))
+    # positioned reads (and the repacks) release the GIL: a few at once keep the copies, the repacks and the new
+    # pages' faults on every core
+    with ExitStack() as files, ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        fds = {}
+        for rec in (reads[cn] for cn in fused):
+            if rec.file not in fds:
+                fds[rec.file] = _open(files, rec.file)
+        out.update(zip(reads, pool.map(read, reads, reads.values(),
+                                       [fds.get(rec.file, -1) for rec in reads.values()])))
     return {cn: out[cn] for cn in arch.sources}
+
+
+def _open(files: ExitStack, path) -> int:
+    try:
+        return files.enter_context(open(path, "rb", buffering=0)).fileno()
+    except OSError as e:
+        raise ModelFormatError(path, f"cannot open: {e.strerror or e}") from None
+
+
+def _read_interleaved(rec: TensorRecord, fd: int, scratch: threading.local) -> QTensor:
+    """The record read through this thread's scratch buffer into the interleaved layout."""
+    from moerun.kernels import cpu
+
+    need = max(SCRATCH_BYTES, 8 * row_bytes(rec.qtype, rec.shape[-1]))
+    buf = getattr(scratch, "buf", None)
+    if buf is None or buf.numel() < need:
+        buf = scratch.buf = torch.empty(need, dtype=torch.uint8)
+    try:
+        t = cpu.read_interleaved(fd, rec.offset, rec.qtype, rec.shape, buf)
+    except OSError as e:
+        raise ModelFormatError(rec.file, f"cannot read tensor '{rec.name}': {e.strerror or e}") from None
+    if t is None:
+        raise ModelFormatError(rec.file, f"truncated: tensor '{rec.name}' needs bytes "
+                                         f"{rec.offset}..{rec.offset + rec.nbytes} (changed on disk?)")
+    return t
 
 
 # read a row at a time in the file's layout, never by the interleaved kernels: the embeddings (a row a token) and
@@ -159,6 +202,23 @@ def interleave_for_kernels(weights: dict[CName, QTensor], experts: bool,
             progress(t.nbytes)
         del t
     return done
+
+
+def interleave_on_read(experts: bool, keep: Callable[[CName], bool] | None = None
+                       ) -> Callable[[CName, TensorRecord], bool] | None:
+    """load_weights' `interleave`: the records interleave_for_kernels(weights, experts, keep) would rewrite once read
+    (None without the CPU kernels)."""
+    try:
+        from moerun.kernels import cpu
+    except ImportError:
+        return None
+    if not cpu.available():
+        return None
+
+    def take(cn: CName, rec: TensorRecord) -> bool:
+        return (cn.kind not in GGUF_LAYOUT_ONLY and cpu.can_interleave_stored(rec.qtype, rec.shape)
+                and (keep is None or keep(cn)) and (experts or tensor_class(cn.kind) != "routed_experts"))
+    return take
 
 
 def interleavable(weights: dict[CName, QTensor], experts: bool,

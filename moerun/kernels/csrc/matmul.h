@@ -54,6 +54,11 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
  * (qk_unpack, `from` the interleaved type). src and dst must not overlap; same byte count both ways (r8.c). */
 int qk_repack(int to, const uint8_t *src, uint8_t *dst, int64_t N, int64_t K);
 int qk_unpack(int from, const uint8_t *src, uint8_t *dst, int64_t N, int64_t K);
+/* The same repack of N rows read from file `fd` at `offset`, a scratch buffer's worth at a time on the calling
+ * thread (scratch_bytes >= 8 rows): -> the bytes read (N rows' worth unless the file ends first), a QK_E* code, or
+ * -1000 - errno when a read fails. */
+int64_t qk_read_repack(int fd, int64_t offset, int to, uint8_t *dst, int64_t N, int64_t K, uint8_t *scratch,
+                       int64_t scratch_bytes);
 
 /* out[n, K] = rows[i] of W[N, K] (ggml type `ggml`) as floats, the values gguf.quants gives. */
 int qk_dequant_rows(int ggml, const uint8_t *w, int64_t N, int64_t K, const int64_t *rows, int64_t n, float *out);

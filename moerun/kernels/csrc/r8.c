@@ -3,8 +3,11 @@
  *
  * qk_repack and qk_unpack are exact inverses on any bytes (the 12-byte packed scales map one to one onto
  * the 6-bit values), so a repacked tensor holds the file's weights, only in another order. */
+#define _POSIX_C_SOURCE 200809L /* pread, off_t under -std=c11 */
+#include <errno.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "matmul.h"
 #include "pool.h"
@@ -327,6 +330,32 @@ int qk_repack(int to, const uint8_t *src, uint8_t *dst, int64_t N, int64_t K) {
 
 int qk_unpack(int from, const uint8_t *src, uint8_t *dst, int64_t N, int64_t K) {
     return relayout(from, src, dst, N, K, 0);
+}
+
+/* Groups of 8 rows read into `scratch` (an L2-sized buffer the caller keeps) and repacked from there on the calling
+ * thread, so the GGUF-layout bytes never take a buffer of the tensor's size: one pass over the file's bytes where a
+ * read and a repack make two, and callers on several threads share the cores. */
+int64_t qk_read_repack(int fd, int64_t offset, int to, uint8_t *dst, int64_t N, int64_t K, uint8_t *scratch,
+                       int64_t scratch_bytes) {
+    const relayout_kind *k = kind_of(to);
+    if (!k) return QK_ETYPE;
+    if (N < 8 || N % 8 || K < k->blk_elems || K % k->blk_elems) return QK_ESHAPE;
+    const int64_t nb = K / k->blk_elems, group = 8 * nb * k->blk_bytes, groups = N / 8;
+    if (scratch_bytes < group) return QK_ESHAPE;
+    const int64_t per = scratch_bytes / group;
+    for (int64_t g0 = 0; g0 < groups; g0 += per) {
+        const int64_t n = g0 + per < groups ? per : groups - g0, want = n * group;
+        for (int64_t got = 0; got < want;) {
+            const ssize_t r = pread(fd, scratch + got, (size_t)(want - got), (off_t)(offset + g0 * group + got));
+            if (r < 0 && errno == EINTR) continue;
+            if (r < 0) return -(int64_t)errno - 1000;
+            if (r == 0) return g0 * group + got;
+            got += r;
+        }
+        relayout_ctx c = {k, scratch, dst + g0 * group, n, nb, 1, 0};
+        relayout_task(&c, 0, 1);
+    }
+    return groups * group;
 }
 
 /* Portable dot of 8 interleaved Q4_K (hb = 0) or Q5_K rows: out[8t + r] = sum_i y.d * (d_r * sum_s sc * (q . y)_s -
