@@ -45,7 +45,7 @@ from moerun.experts.stats import CacheStats
 from moerun.formats import open_model
 from moerun.loading import Loaded, expert_reader, weights_home
 from moerun.model.model import MoEModel
-from moerun.weights.loader import interleave_for_kernels, load_weights
+from moerun.weights.loader import interleave_for_kernels, interleave_on_read, load_weights
 
 OP_STOP, OP_STEP, OP_STATS = 0, 1, 2
 HEADER = 8
@@ -281,7 +281,8 @@ def stage_weights(path: str | Path, layers: tuple[int, int], dtype: torch.dtype,
 
     mine = Arch(arch.family, spec, {cn: src for cn, src in arch.sources.items() if keep(cn)})
     in_ram = weights_home(mf, home) == "ram"
-    weights = load_weights(mf, mine, copy_experts=in_ram)
+    weights = load_weights(mf, mine, copy_experts=in_ram,
+                           interleave=interleave_on_read(in_ram) if kernels and interleave else None)
     if kernels and interleave:
         interleave_for_kernels(weights, experts=in_ram)
     reader = None if in_ram else expert_reader(arch)

@@ -56,7 +56,7 @@ from moerun.loading import Loaded, expert_reader, weights_home
 from moerun.model.model import MoEModel
 from moerun.model.shards import shard_weights
 from moerun.placement.expert_split import ExpertSplit, read_split
-from moerun.weights.loader import interleave_for_kernels, load_weights
+from moerun.weights.loader import interleave_for_kernels, interleave_on_read, load_weights
 
 OP_GATHERS = 3
 
@@ -96,10 +96,12 @@ def load_shard(path: str | Path, ids: dict[int, list[int]], dtype: torch.dtype, 
     mf = open_model(path)
     arch = resolve(mf)
     in_ram = weights_home(mf, home) == "ram"
-    weights = load_weights(mf, arch, copy_experts=False)
+    keep = None if interleave is True else interleave
+    weights = load_weights(mf, arch, copy_experts=False,
+                           interleave=interleave_on_read(in_ram, keep) if interleave else None)
     shard_weights(weights, ids, own=in_ram)
     if interleave:
-        interleave_for_kernels(weights, experts=in_ram, keep=None if interleave is True else interleave)
+        interleave_for_kernels(weights, experts=in_ram, keep=keep)
     reader = None if in_ram else expert_reader(arch)
     model = MoEModel(arch.spec, weights, dtype=dtype, expert_reader=None if reader is None else reader.shard(ids))
     gc.freeze()  # as load_model: the model's objects live as long as the process
