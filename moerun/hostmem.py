@@ -13,6 +13,7 @@ free: Linux gives huge pages to anonymous private memory that is advised so (`tr
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -29,8 +30,22 @@ def host_empty(nbytes: int) -> torch.Tensor:
     boundary; pages are only faulted in when written, so the alignment slack costs address space, not
     memory. The mapping is unmapped when the last tensor viewing it is freed.
     """
+    buf = _mapped(nbytes)
+    return torch.empty(nbytes, dtype=torch.uint8) if buf is None else buf
+
+
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor (e.g. a KV cache): from 2 MiB up, host_empty's own mapping, whose pages read as zeros
+    and are only faulted in when first written, so the pages a run never touches cost neither time nor memory."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    buf = _mapped(nbytes)
+    return torch.zeros(shape, dtype=dtype) if buf is None else buf.view(dtype).view(shape)
+
+
+def _mapped(nbytes: int) -> torch.Tensor | None:
+    """host_empty's mapping (zero-filled, as every new anonymous mapping), or None under 2 MiB or without madvise."""
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE") or not hasattr(mmap, "MAP_PRIVATE"):
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return None
     try:
         m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError as e:

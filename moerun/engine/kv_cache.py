@@ -34,8 +34,16 @@ from moerun import device as _device
 from moerun.arch.spec import ModelSpec
 from moerun.engine.blocks import BlockAllocator, ContextOverflowError, block_hashes
 from moerun.engine.kv_types import kv_type
+from moerun.hostmem import host_zeros
 
 __all__ = ["BlockAllocator", "ContextOverflowError", "KVPool", "SeqKV"]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype | None, dev) -> torch.Tensor:
+    """torch.zeros; on the CPU a mapping whose pages are zeroed when first written (the positions a run never reaches
+    are never touched)."""
+    dtype = dtype or torch.get_default_dtype()
+    return host_zeros(shape, dtype) if torch.device(dev).type == "cpu" else torch.zeros(shape, dtype=dtype, device=dev)
 
 
 class KVPool:
@@ -83,7 +91,7 @@ class KVPool:
                 st = spec.state_layout(i)
                 if st is not None:
                     n = seqs * self.per_seq
-                    self.states[i] = (torch.zeros((n, *st.conv), device=dev), torch.zeros((n, *st.ssm), device=dev))
+                    self.states[i] = (_zeros((n, *st.conv), None, dev), _zeros((n, *st.ssm), None, dev))
         self._free_states = list(range(seqs - 1, -1, -1)) if self.states else []
         for a, b, dev in segments:
             start = a
@@ -103,8 +111,8 @@ class KVPool:
                                          "stage's cache takes f32, f16 or bf16")
                     kshape, kdt = self.k_type.storage(lay.k, dtype)
                     vshape, vdt = self.v_type.storage(lay.v, dtype) if lay.v else ((0,), dtype)
-                    k = torch.zeros((i - start, slots, *kshape), dtype=kdt, device=dev)
-                    v = torch.zeros((i - start, slots, *vshape), dtype=vdt, device=dev)
+                    k = _zeros((i - start, slots, *kshape), kdt, dev)
+                    v = _zeros((i - start, slots, *vshape), vdt, dev)
                     self.shapes |= {j: (lay.k, lay.v) for j in range(start, i)}
                     self.segments.append((start, i, k, v))
                     start = i
