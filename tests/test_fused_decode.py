@@ -31,7 +31,7 @@ def attn_layer(**fields) -> kl.Layer:
     att = {k: fields.pop(k) for k in list(fields) if k in ATTENTION_FIELDS}
     return kl.Layer(attention=kl.Attention(**att), **fields)
 
-DEQUANT_TYPES = ("Q4_0", "Q8_0", "MXFP4", "IQ4_XS", "Q4_K", "Q5_K", "Q6_K")
+DEQUANT_TYPES = ("Q4_0", "Q5_0", "Q8_0", "MXFP4", "IQ4_XS", "Q4_K", "Q5_K", "Q6_K")
 
 
 @pytest.mark.parametrize("qtype", DEQUANT_TYPES)
@@ -46,6 +46,22 @@ def test_dequant_rows_equals_gguf_quants(qtype):
         ref = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), QType[qtype].value).astype(np.float32))[rows]
     assert torch.equal(got.isnan(), ref.isnan())
     assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(ref))
+
+
+@pytest.mark.parametrize("qtype", DEQUANT_TYPES)
+def test_kernel_ops_floats_are_the_reference_values(qtype):
+    """A weight used as floats (MLA's per-head matrices): the C dequantizer gives QTensor.dequantize's values, for a
+    stack and for an interleaved one too."""
+    from moerun.model.ops import KernelOps
+
+    g = torch.Generator().manual_seed(2)
+    raw = torch.randint(0, 256, (3, 8, row_bytes(QType[qtype], 512)), dtype=torch.uint8, generator=g)
+    w = QTensor(raw, QType[qtype], (3, 8, 512))
+    ref = w.dequantize(torch.float32)
+    for t in (w, cpu.interleave(w)) if cpu.can_interleave(w) else (w,):
+        got = KernelOps().floats(t)
+        assert got.shape == ref.shape and torch.equal(got.isnan(), ref.isnan())
+        assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(ref))
 
 
 def test_dequant_rows_rejects_out_of_range_rows():

@@ -95,7 +95,7 @@ class MoEModel:
 
         def vec(kind: str, layer: int | None = None) -> torch.Tensor | None:
             t = weights.get(CName(kind, layer))
-            return None if t is None else t.dequantize(torch.float32).to(dtype)
+            return None if t is None else self.ops.floats(t).to(dtype)
 
         def f32(kind: str, layer: int) -> torch.Tensor | None:  # the recurrent state's inputs: float32 always
             t = weights.get(CName(kind, layer))
