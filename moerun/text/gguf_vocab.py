@@ -101,13 +101,19 @@ def _unique_vocab(tokens: list[str]) -> dict[str, int]:
     return vocab
 
 
-def _added_tokens(tokens: list[str], types: list[int]) -> list[AddedToken]:
-    """Control (and unknown) tokens as special added tokens, user-defined ones as plain added tokens."""
-    out = []
-    for t, ty in zip(tokens, types):
-        if ty in (CONTROL, UNKNOWN, USER_DEFINED) and t:
-            out.append(AddedToken(t, special=ty != USER_DEFINED, normalized=False))
-    return out
+def _add_tokens(tok: HFTokenizer, tokens: list[str], types: list[int], vocab: dict[str, int]
+                ) -> dict[int, tuple[str, bool]] | None:
+    """Control (and unknown) tokens as special added tokens, user-defined ones as plain added tokens -> the added
+    tokens by id, (text, special) as tok.get_added_tokens_decoder() has them (None: ask it, when a text repeats).
+    One call (each rebuilds the matcher over every added token); all special: as strings, which add_special_tokens
+    makes the same AddedToken(t, special=True, normalized=False) without a Python object each (files with 10^5)."""
+    added = [(t, ty != USER_DEFINED) for t, ty in zip(tokens, types) if ty in (CONTROL, UNKNOWN, USER_DEFINED) and t]
+    if all(special for _, special in added):
+        tok.add_special_tokens([t for t, _ in added])
+    else:
+        tok.add_tokens([AddedToken(t, special=special, normalized=False) for t, special in added])
+    by_id = {vocab[t]: (t, special) for t, special in added}
+    return by_id if len(by_id) == len(added) else None
 
 
 def _split_merge(m: str) -> tuple[str, str] | None:
@@ -115,8 +121,9 @@ def _split_merge(m: str) -> tuple[str, str] | None:
     return (m[:i], m[i + 1:]) if i > 0 else None
 
 
-def build_bpe(tokens: list[str], types: list[int], merges: list[str], pre: PreTokenizer) -> HFTokenizer:
-    """Byte-level BPE ("gpt2") from tokens in ByteLevel form and merges "a b"."""
+def build_bpe(tokens: list[str], types: list[int], merges: list[str], pre: PreTokenizer
+              ) -> tuple[HFTokenizer, dict[int, tuple[str, bool]] | None]:
+    """Byte-level BPE ("gpt2") from tokens in ByteLevel form and merges "a b" (and its added tokens, _add_tokens)."""
     vocab = _unique_vocab(tokens)
     pairs, dropped = [], 0
     for m in merges:
@@ -132,8 +139,7 @@ def build_bpe(tokens: list[str], types: list[int], merges: list[str], pre: PreTo
     tok.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False,
                                                                                     use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    tok.add_tokens(_added_tokens(tokens, types))
-    return tok
+    return tok, _add_tokens(tok, tokens, types, vocab)
 
 
 def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
@@ -153,8 +159,8 @@ def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list
 
 
 def build_spm(tokens: list[str], scores: list[float], types: list[int], unk_id: int | None,
-              add_space_prefix: bool) -> HFTokenizer:
-    """SentencePiece-style BPE ("llama"): ▁ for space, byte fallback to <0xXX> tokens."""
+              add_space_prefix: bool) -> tuple[HFTokenizer, dict[int, tuple[str, bool]] | None]:
+    """SentencePiece-style BPE ("llama"): ▁ for space, byte fallback to <0xXX> tokens (and its added tokens)."""
     vocab = _unique_vocab(tokens)
     unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
     model = models.BPE(vocab=vocab, merges=spm_merges(tokens, scores, types), unk_token=unk, fuse_unk=True,
@@ -164,8 +170,7 @@ def build_spm(tokens: list[str], scores: list[float], types: list[int], unk_id: 
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), replace]) if add_space_prefix else replace
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if add_space_prefix else steps)
-    tok.add_tokens(_added_tokens(tokens, types))
-    return tok
+    return tok, _add_tokens(tok, tokens, types, vocab)
 
 
 def _int_or_none(meta: dict[str, Any], key: str, n: int) -> int | None:
@@ -191,6 +196,7 @@ class GGUFVocab(NamedTuple):
     extra_eos: tuple[int, ...]   # tokenizer.ggml.eot_token_id / eom_token_id
     add_bos: bool
     add_eos: bool
+    added: dict[int, tuple[str, bool]] | None = None  # the added tokens by id (_add_tokens)
 
 
 def build_from_metadata(meta: dict[str, Any], model: str) -> GGUFVocab:
@@ -210,14 +216,14 @@ def build_from_metadata(meta: dict[str, Any], model: str) -> GGUFVocab:
         if merges is None:
             raise ValueError("tokenizer.ggml.merges is missing (a gpt2 vocabulary needs its merges)")
         pre = pre_tokenizer_for(meta.get("tokenizer.ggml.pre"))
-        tok, kind, add_bos_default = build_bpe(tokens, types, merges, pre), "byte_level", pre.add_bos
+        (tok, added), kind, add_bos_default = build_bpe(tokens, types, merges, pre), "byte_level", pre.add_bos
     else:
         scores = meta.get("tokenizer.ggml.scores") or [0.0] * n
         if len(scores) != n:
             raise ValueError(f"tokenizer.ggml.scores has {len(scores)} entries for {n} tokens")
         unk = _int_or_none(meta, "tokenizer.ggml.unknown_token_id", n)
         space = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-        tok, kind, add_bos_default = build_spm(tokens, scores, types, 0 if unk is None else unk, space), \
+        (tok, added), kind, add_bos_default = build_spm(tokens, scores, types, 0 if unk is None else unk, space), \
             "sentencepiece", True
         for key, default in (("bos", 1), ("eos", 2)):  # llama.cpp's defaults for SPM vocabularies
             if ids[key] is None and default < n:
@@ -225,4 +231,4 @@ def build_from_metadata(meta: dict[str, Any], model: str) -> GGUFVocab:
     extra = tuple(i for i in (ids["eot"], ids["eom"]) if i is not None)
     return GGUFVocab(tok, kind, n, types, ids["bos"], ids["eos"], extra,
                      bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)),
-                     bool(meta.get("tokenizer.ggml.add_eos_token", False)))
+                     bool(meta.get("tokenizer.ggml.add_eos_token", False)), added)

@@ -54,7 +54,8 @@ class Tokenizer:
 
     def __init__(self, backend: HFTokenizer, *, kind: str, vocab_size: int, bos_id: int | None,
                  eos_id: int | None, eos_ids: Iterable[int] = (), add_bos: bool = False, add_eos: bool = False,
-                 special_tokens: dict[str, str] | None = None, chat_templates: dict[str, str] | None = None):
+                 special_tokens: dict[str, str] | None = None, chat_templates: dict[str, str] | None = None,
+                 added: dict[int, tuple[str, bool]] | None = None):
         self._tok = backend
         self.kind = kind  # "byte_level", "sentencepiece" or "other": how a token maps to bytes
         self.vocab_size = vocab_size
@@ -65,7 +66,8 @@ class Tokenizer:
         self.add_eos = add_eos and eos_id is not None
         self.special_tokens = dict(special_tokens or {})  # bos_token, eos_token, ... as text (for chat templates)
         self.chat_templates = dict(chat_templates or {})  # "default" and named ones ("tool_use", ...)
-        self._added = {i: (t.content, t.special) for i, t in backend.get_added_tokens_decoder().items()}
+        self._added = added if added is not None else {  # id -> (text, special); given: the backend's, known
+            i: (t.content, t.special) for i, t in backend.get_added_tokens_decoder().items()}
         self._rendered = frozenset(i for i in _harmony_markers(backend) if self._added.get(i, ("", False))[1])
         self._byte_of = _gpt2_byte_decoder() if kind == "byte_level" else {}
 
@@ -103,7 +105,7 @@ class Tokenizer:
             templates["default"] = metadata["tokenizer.chat_template"]
         return cls(v.tokenizer, kind=v.kind, vocab_size=v.n_tokens, bos_id=v.bos_id, eos_id=v.eos_id,
                    eos_ids=(*v.extra_eos, *eot), add_bos=v.add_bos, add_eos=v.add_eos, special_tokens=specials,
-                   chat_templates=templates)
+                   chat_templates=templates, added=v.added)
 
     @classmethod
     def from_hf_dir(cls, folder: str | Path) -> Tokenizer:
