@@ -306,7 +306,10 @@ class MoEModel:
                 conv0, ssm0 = conv_all[kv.state_slot], ssm_all[kv.state_slot]
             y, conv1 = deltanet.conv_prompt(qkv, lw.conv, conv0)
             q, k, v = (t.reshape(T, -1, d) for t, d in zip(y.split(split, dim=-1), (dk, dk, dv)))
-            if T <= deltanet.STEP_T:  # a few positions: the recurrence itself (the chunked form pads to 64)
+            if self._delta_c(y, g if ssm0 is None else ssm0):  # the recurrence in C, the state updated in place
+                ssm1 = torch.zeros((nv, dk, dv)) if ssm0 is None else ssm0  # [nv, dk, dv]
+                o = self._delta_kernels.delta_prompt(q, k, v, g, beta, ssm1, s.ssm_v_order)  # [T, nv, dv]
+            elif T <= deltanet.STEP_T:  # a few positions: the recurrence itself (the chunked form pads to 64)
                 o, ssm1 = deltanet.delta_steps(q, k, v, g, beta, ssm0, s.ssm_v_order)
             else:
                 o, ssm1 = deltanet.delta_chunked(q, k, v, g, beta, ssm0, s.ssm_v_order)
@@ -347,7 +350,8 @@ class MoEModel:
         return form(q_nope, q_pe, latent, lw.wk_b, lw.wv_b, pos, k_pos, self.spec.softmax_scale, q_start=start)
 
     def _delta_c(self, qkv: torch.Tensor, state: torch.Tensor) -> bool:
-        """Whether decode steps' recurrence runs in C (moerun.kernels.delta): the kernels built, float32 on the CPU."""
+        """Whether the recurrence runs in C (moerun.kernels.delta: decode steps, prompt chunks): the kernels built,
+        float32 on the CPU."""
         if not hasattr(self, "_delta_kernels"):
             try:
                 from moerun.kernels import delta
