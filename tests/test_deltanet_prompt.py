@@ -126,3 +126,63 @@ def test_zero_positions():
     q, k, v, g, beta, state = inputs(0)
     s = state.clone()
     assert delta.delta_prompt(q, k, v, g, beta, s).shape == (0, 4, 32) and torch.equal(s, state)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("T", [1, 9, 70])
+def test_gated_output_equals_the_torch_gated_norm(isa, T):
+    from moerun.kernels import delta
+
+    q, k, v, g, beta, state = inputs(T, 2, 4, 16, 48, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    z, norm = torch.randn(T, 4 * 48, generator=gen), 0.5 + torch.rand(48, generator=gen)
+    o_ref, s_ref = deltanet.delta_steps(q, k, v, g, beta, state.clone(), "tiled")
+    want = deltanet.gated_norm(o_ref, norm, z.view(T, 4, 48), 1e-6)
+    s = state.clone()
+    got = delta.delta_prompt(q, k, v, g, beta, s, "tiled", (z.view(T, 4, 48), norm, 1e-6), isa=isa)
+    assert (got - want).abs().max() < 1e-5 and (s - s_ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_conv_over_chunks_equals_the_torch_conv(K):
+    """The conv1d (+ SiLU) over a prompt in chunks of 1, 2, 3, 7 and 70 positions (shorter and longer than the
+    window), from zeros and carrying the window: the torch form's outputs and windows; rows of a wider tensor."""
+    from moerun.kernels import delta
+
+    C, T = 300, 83
+    gen = torch.Generator().manual_seed(9)
+    x, w = torch.randn(T, C + 5, generator=gen)[:, 2:C + 2], torch.randn(C, K, generator=gen)
+    state, ref_state = torch.zeros(C, K - 1), None
+    for a, b in ((0, 1), (1, 3), (3, 6), (6, 13), (13, 83)):
+        want, ref_state = deltanet.conv_prompt(x[a:b], w, ref_state)
+        got = delta.conv_prompt(x[a:b], w, state)
+        assert (got - want).abs().max() < 1e-5 and torch.equal(state, ref_state)
+
+
+def test_conv_bad_shapes_are_errors():
+    from moerun.kernels import delta
+
+    x, w = torch.randn(5, 8), torch.randn(8, 4)
+    for args in ((x, w, torch.zeros(8, 2)), (x, w[:7], torch.zeros(7, 3)), (x[0], w, torch.zeros(8, 3)),
+                 (x.double(), w, torch.zeros(8, 3)), (x, torch.randn(8, 17), torch.zeros(8, 16))):
+        with pytest.raises(ValueError):
+            delta.conv_prompt(*args)
+
+
+def test_conv_and_gate_do_not_depend_on_the_thread_count():
+    from moerun.kernels import delta
+
+    q, k, v, g, beta, state = inputs(40, 2, 4, 16, 64, seed=10)
+    gen = torch.Generator().manual_seed(11)
+    x, w, z, norm = torch.randn(40, 700, generator=gen), torch.randn(700, 4, generator=gen), \
+        torch.randn(40, 4, 64, generator=gen), torch.rand(64, generator=gen)
+    before, outs = cpu.get_threads(), []
+    try:
+        for n in (1, 2, 3):
+            cpu.set_threads(n)
+            cs, s = torch.ones(700, 3), state.clone()
+            outs.append((delta.conv_prompt(x, w, cs), cs, delta.delta_prompt(q, k, v, g, beta, s, gate=(z, norm, 1e-6))))
+    finally:
+        cpu.set_threads(before)
+    for got in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, outs[0]))

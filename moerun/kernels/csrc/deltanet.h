@@ -38,9 +38,18 @@ typedef struct {
     const float *v;                  /* [T, nv, dv] rows sv apart */
     const float *g, *beta;           /* [T, nv] the log decay, beta after its sigmoid */
     float *state;                    /* [nv, dk, dv] */
+    const float *z;                  /* [T, nv, dv] rows sz apart: the output gate; NULL: out is S^T q itself */
+    int64_t sz;
+    const float *norm;               /* [dv] with z: out = norm * rms_norm(S^T q, eps) * silu(z) per head */
+    float eps;
     float *out;                      /* [T, nv, dv] */
 } qk_delta_prompt_args;
 
 int qk_delta_prompt(const qk_delta_prompt_args *args);
+
+/* The causal depthwise conv1d (then SiLU) over T >= 1 positions of one sequence (deltanet.py's conv_prompt): x [T, C]
+ * rows sx apart, w [C, K] (K <= 16), state [C, K - 1] the inputs before x, replaced by the last K - 1 -> y [T, C]. */
+int qk_delta_conv_prompt(int64_t T, int64_t C, int64_t K, const float *x, int64_t sx, const float *w, float *state,
+                         float *y);
 
 #endif
