@@ -7,7 +7,10 @@
  *
  * the last two accumulated while each row of S is written. q and k enter raw: their L2 norms (and dk^-1/2) scale
  * delta and o per position instead. Each item is computed by one thread in a fixed order, so results do not depend
- * on the thread count. The AVX-512 and AVX2 sets use FMA; the portable set separate products and sums. */
+ * on the thread count. The AVX-512 and AVX2 sets use FMA; the portable set separate products and sums.
+ *
+ * With the output gate, a second pass RMS-norms each head's output and multiplies it by silu(z) (gated_norm). The
+ * prompt's conv1d (+ SiLU) is here too: work items are blocks of channels, each run through the T positions. */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
