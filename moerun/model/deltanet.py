@@ -10,7 +10,9 @@ g = ssm_a * softplus(alpha + dt_bias) (ssm_a = -exp(A_log) < 0) and beta = sigmo
 then o is RMS-normed per head, times silu(z), and projected out. Decode steps run the rule token by token
 (`delta_step`, any number of sequences at once); prompt chunks run its chunked form (`delta_chunked`: 64
 positions at a time, within a chunk a triangular solve and matrix products, across chunks the state), which
-computes the same values up to rounding. The state is float32 whatever the compute type.
+computes the same values up to rounding. On the CPU with the kernels built, prompt chunks run the conv1d, the
+recurrence and the gated norm in C instead (moerun.kernels.delta: conv_prompt, delta_prompt; tested against
+`conv_prompt`, `delta_steps` and `gated_norm`). The state is float32 whatever the compute type.
 """
 
 from __future__ import annotations

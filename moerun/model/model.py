@@ -307,16 +307,27 @@ class MoEModel:
             if kv is not None and kv.length > 0:
                 conv_all, ssm_all = kv.pool.state(i)
                 conv0, ssm0 = conv_all[kv.state_slot], ssm_all[kv.state_slot]
-            y, conv1 = deltanet.conv_prompt(qkv, lw.conv, conv0)
-            q, k, v = (t.reshape(T, -1, d) for t, d in zip(y.split(split, dim=-1), (dk, dk, dv)))
-            if T <= deltanet.STEP_T:  # a few positions: the recurrence itself (the chunked form pads to 64)
-                o, ssm1 = deltanet.delta_steps(q, k, v, g, beta, ssm0, s.ssm_v_order)
+            if self._delta_c(qkv, g if ssm0 is None else ssm0):  # conv1d, delta rule, gated norm in C, states in place
+                conv1 = torch.zeros((qkv.shape[1], lw.conv.shape[1] - 1)) if conv0 is None else conv0  # [C, K-1]
+                ssm1 = torch.zeros((nv, dk, dv)) if ssm0 is None else ssm0  # [nv, dk, dv]
+                y = self._delta_kernels.conv_prompt(qkv, lw.conv.float(), conv1)  # [T, C]
+                q, k, v = (t.reshape(T, -1, d) for t, d in zip(y.split(split, dim=-1), (dk, dk, dv)))
+                out = self._delta_kernels.delta_prompt(q, k, v, g, beta, ssm1, s.ssm_v_order,
+                                                       (z, lw.ssm_norm.float(), s.rms_eps))  # [T, nv, dv]
             else:
-                o, ssm1 = deltanet.delta_chunked(q, k, v, g, beta, ssm0, s.ssm_v_order)
+                y, conv1 = deltanet.conv_prompt(qkv, lw.conv, conv0)
+                q, k, v = (t.reshape(T, -1, d) for t, d in zip(y.split(split, dim=-1), (dk, dk, dv)))
+                if T <= deltanet.STEP_T:  # a few positions: the recurrence itself (the chunked form pads to 64)
+                    o, ssm1 = deltanet.delta_steps(q, k, v, g, beta, ssm0, s.ssm_v_order)
+                else:
+                    o, ssm1 = deltanet.delta_chunked(q, k, v, g, beta, ssm0, s.ssm_v_order)
+                out = None
             if kv is not None:
                 conv_all, ssm_all = kv.pool.state(i)
                 conv_all[kv.state_slot] = conv1
                 ssm_all[kv.state_slot] = ssm1
+            if out is not None:
+                return mm(out.to(x.dtype).reshape(T, nv * dv), lw.ssm_out)  # [T, H]
         out = deltanet.gated_norm(o, lw.ssm_norm, z, s.rms_eps).to(x.dtype)  # [T, nv, dv]
         return mm(out.reshape(T, nv * dv), lw.ssm_out)  # [T, H]
 
@@ -350,7 +361,8 @@ class MoEModel:
         return form(q_nope, q_pe, latent, lw.wk_b, lw.wv_b, pos, k_pos, self.spec.softmax_scale, q_start=start)
 
     def _delta_c(self, qkv: torch.Tensor, state: torch.Tensor) -> bool:
-        """Whether decode steps' recurrence runs in C (moerun.kernels.delta): the kernels built, float32 on the CPU."""
+        """Whether the recurrence runs in C (moerun.kernels.delta: decode steps, prompt chunks): the kernels built,
+        float32 on the CPU."""
         if not hasattr(self, "_delta_kernels"):
             try:
                 from moerun.kernels import delta

@@ -160,6 +160,39 @@ static PyObject *py_delta_step(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* delta_prompt(isa, T, nk, nv, dk, dv, sq, sk, sv, tiled, q, k, v, g, beta, state, z, sz, norm, eps, out): the delta
+ * rule over one sequence's T positions, gated and normed where z is not 0 (deltanet.h); buffers as addresses. */
+static PyObject *py_delta_prompt(PyObject *self, PyObject *args) {
+    (void)self;
+    qk_delta_prompt_args a;
+    unsigned long long p[9];
+    int rc;
+    if (!PyArg_ParseTuple(args, "iLLLLLLLLiKKKKKKKLKfK", &a.isa, &a.T, &a.nk, &a.nv, &a.dk, &a.dv, &a.sq, &a.sk, &a.sv,
+                          &a.tiled, &p[0], &p[1], &p[2], &p[3], &p[4], &p[5], &p[6], &a.sz, &p[7], &a.eps, &p[8]))
+        return NULL;
+    a.q = (const float *)(uintptr_t)p[0], a.k = (const float *)(uintptr_t)p[1], a.v = (const float *)(uintptr_t)p[2];
+    a.g = (const float *)(uintptr_t)p[3], a.beta = (const float *)(uintptr_t)p[4];
+    a.state = (float *)(uintptr_t)p[5], a.z = (const float *)(uintptr_t)p[6], a.norm = (const float *)(uintptr_t)p[7];
+    a.out = (float *)(uintptr_t)p[8];
+    Py_BEGIN_ALLOW_THREADS rc = qk_delta_prompt(&a);
+    Py_END_ALLOW_THREADS if (rc) return raise_code(rc);
+    Py_RETURN_NONE;
+}
+
+/* delta_conv_prompt(T, C, K, x, sx, w, state, y): the conv1d (+ SiLU) over one sequence's T positions. */
+static PyObject *py_delta_conv_prompt(PyObject *self, PyObject *args) {
+    (void)self;
+    long long T, C, K, sx;
+    unsigned long long x, w, state, y;
+    int rc;
+    if (!PyArg_ParseTuple(args, "LLLKLKKK", &T, &C, &K, &x, &sx, &w, &state, &y)) return NULL;
+    Py_BEGIN_ALLOW_THREADS rc = qk_delta_conv_prompt(T, C, K, (const float *)(uintptr_t)x, sx,
+                                                     (const float *)(uintptr_t)w, (float *)(uintptr_t)state,
+                                                     (float *)(uintptr_t)y);
+    Py_END_ALLOW_THREADS if (rc) return raise_code(rc);
+    Py_RETURN_NONE;
+}
+
 /* act_row_bytes(ggml, K): bytes of one quantized activation row paired with that weight type. */
 static PyObject *py_act_row_bytes(PyObject *self, PyObject *args) {
     (void)self;
@@ -541,6 +574,11 @@ static PyMethodDef methods[] = {
     {"delta_step", py_delta_step, METH_VARARGS,
      "delta_step(B, C, K, nk, nv, dk, dv, tiled, qkv, z, beta, alpha, conv, ssm, slots, fresh, w, a, dt, norm, eps, "
      "y, out): gated DeltaNet's decode step."},
+    {"delta_prompt", py_delta_prompt, METH_VARARGS,
+     "delta_prompt(isa, T, nk, nv, dk, dv, sq, sk, sv, tiled, q, k, v, g, beta, state, z, sz, norm, eps, out): the "
+     "delta rule over one sequence's prompt chunk (gated and normed where z is not 0)."},
+    {"delta_conv_prompt", py_delta_conv_prompt, METH_VARARGS,
+     "delta_conv_prompt(T, C, K, x, sx, w, state, y): the conv1d (+ SiLU) over one sequence's prompt chunk."},
     {"read_bw", py_read_bw, METH_VARARGS, "read_bw(buf, nbytes, streams, prefetch): the read-bandwidth probe."},
     {"quantize_act", py_quantize_act, METH_VARARGS, "quantize_act(isa, ggml, x, T, K, out)"},
     {"matmul", py_matmul, METH_VARARGS, "matmul(isa, ggml, w, N, K, x, T, out)"},
