@@ -8,14 +8,13 @@
 #include <Python.h>
 
 #include "attn.h"
-#include "deltanet.h"
 #include "matmul.h"
+#include "module.h"
 #include "pool.h"
 #include "qk.h"
-#include "sample.h"
 #include "sysload.h"
 
-static PyObject *raise_code(int rc) {
+PyObject *qk_raise(int rc) {
     switch (rc) {
     case QK_ENOMEM: return PyErr_NoMemory();
     case QK_EISA: PyErr_SetString(PyExc_ValueError, "kernel set not available on this CPU"); return NULL;
@@ -132,65 +131,8 @@ static PyObject *py_read_bw(PyObject *self, PyObject *args) {
     uint64_t x = 0;
     if (!PyArg_ParseTuple(args, "KLiL", &buf, &n, &streams, &prefetch)) return NULL;
     Py_BEGIN_ALLOW_THREADS rc = qk_read_bw((const uint8_t *)(uintptr_t)buf, n, streams, prefetch, &x);
-    Py_END_ALLOW_THREADS if (rc) return raise_code(rc);
+    Py_END_ALLOW_THREADS if (rc) return qk_raise(rc);
     return PyLong_FromUnsignedLongLong(x);
-}
-
-/* delta_step(B, C, K, nk, nv, dk, dv, tiled, qkv, z, beta, alpha, conv, ssm, slots, fresh, w, a, dt, norm, eps, y,
- * out): gated DeltaNet's decode step for B sequences (deltanet.h); buffers as addresses. */
-static PyObject *py_delta_step(PyObject *self, PyObject *args) {
-    (void)self;
-    qk_delta_args a;
-    unsigned long long p[15];
-    int tiled, rc;
-    if (!PyArg_ParseTuple(args, "LLLLLLLiKKKKKKKKKKKKfKK", &a.B, &a.C, &a.K, &a.nk, &a.nv, &a.dk, &a.dv, &tiled,
-                          &p[0], &p[1], &p[2], &p[3], &p[4], &p[5], &p[6], &p[7], &p[8], &p[9], &p[10], &p[11],
-                          &a.eps, &p[12], &p[13]))
-        return NULL;
-    a.tiled = tiled;
-    a.qkv = (const float *)(uintptr_t)p[0], a.z = (const float *)(uintptr_t)p[1];
-    a.beta = (const float *)(uintptr_t)p[2], a.alpha = (const float *)(uintptr_t)p[3];
-    a.conv = (float *)(uintptr_t)p[4], a.ssm = (float *)(uintptr_t)p[5];
-    a.slots = (const int64_t *)(uintptr_t)p[6], a.fresh = (const uint8_t *)(uintptr_t)p[7];
-    a.w = (const float *)(uintptr_t)p[8], a.a = (const float *)(uintptr_t)p[9];
-    a.dt = (const float *)(uintptr_t)p[10], a.norm = (const float *)(uintptr_t)p[11];
-    a.y = (float *)(uintptr_t)p[12], a.out = (float *)(uintptr_t)p[13];
-    Py_BEGIN_ALLOW_THREADS rc = qk_delta_step(&a);
-    Py_END_ALLOW_THREADS if (rc) return raise_code(rc);
-    Py_RETURN_NONE;
-}
-
-/* delta_prompt(isa, T, nk, nv, dk, dv, sq, sk, sv, tiled, q, k, v, g, beta, state, z, sz, norm, eps, out): the delta
- * rule over one sequence's T positions, gated and normed where z is not 0 (deltanet.h); buffers as addresses. */
-static PyObject *py_delta_prompt(PyObject *self, PyObject *args) {
-    (void)self;
-    qk_delta_prompt_args a;
-    unsigned long long p[9];
-    int rc;
-    if (!PyArg_ParseTuple(args, "iLLLLLLLLiKKKKKKKLKfK", &a.isa, &a.T, &a.nk, &a.nv, &a.dk, &a.dv, &a.sq, &a.sk, &a.sv,
-                          &a.tiled, &p[0], &p[1], &p[2], &p[3], &p[4], &p[5], &p[6], &a.sz, &p[7], &a.eps, &p[8]))
-        return NULL;
-    a.q = (const float *)(uintptr_t)p[0], a.k = (const float *)(uintptr_t)p[1], a.v = (const float *)(uintptr_t)p[2];
-    a.g = (const float *)(uintptr_t)p[3], a.beta = (const float *)(uintptr_t)p[4];
-    a.state = (float *)(uintptr_t)p[5], a.z = (const float *)(uintptr_t)p[6], a.norm = (const float *)(uintptr_t)p[7];
-    a.out = (float *)(uintptr_t)p[8];
-    Py_BEGIN_ALLOW_THREADS rc = qk_delta_prompt(&a);
-    Py_END_ALLOW_THREADS if (rc) return raise_code(rc);
-    Py_RETURN_NONE;
-}
-
-/* delta_conv_prompt(T, C, K, x, sx, w, state, y): the conv1d (+ SiLU) over one sequence's T positions. */
-static PyObject *py_delta_conv_prompt(PyObject *self, PyObject *args) {
-    (void)self;
-    long long T, C, K, sx;
-    unsigned long long x, w, state, y;
-    int rc;
-    if (!PyArg_ParseTuple(args, "LLLKLKKK", &T, &C, &K, &x, &sx, &w, &state, &y)) return NULL;
-    Py_BEGIN_ALLOW_THREADS rc = qk_delta_conv_prompt(T, C, K, (const float *)(uintptr_t)x, sx,
-                                                     (const float *)(uintptr_t)w, (float *)(uintptr_t)state,
-                                                     (float *)(uintptr_t)y);
-    Py_END_ALLOW_THREADS if (rc) return raise_code(rc);
-    Py_RETURN_NONE;
 }
 
 /* act_row_bytes(ggml, K): bytes of one quantized activation row paired with that weight type. */
@@ -200,9 +142,9 @@ static PyObject *py_act_row_bytes(PyObject *self, PyObject *args) {
     long long K;
     if (!PyArg_ParseTuple(args, "iL", &ggml, &K)) return NULL;
     const int qt = qk_qtype_index(ggml);
-    if (qt < 0) return raise_code(QK_ETYPE);
+    if (qt < 0) return qk_raise(QK_ETYPE);
     const int act = QK_TYPES[qt].act;
-    if (K < 1 || K % qk_act_elems(act)) return raise_code(QK_ESHAPE);
+    if (K < 1 || K % qk_act_elems(act)) return qk_raise(QK_ESHAPE);
     return PyLong_FromLongLong(K / qk_act_elems(act) * qk_act_bytes(act));
 }
 
@@ -215,10 +157,10 @@ static PyObject *py_quantize_act(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iiKLLK", &isa, &ggml, &x, &T, &K, &out)) return NULL;
     const kernel_set *ks = qk_kernels(isa);
     const int qt = qk_qtype_index(ggml);
-    if (!ks) return raise_code(QK_EISA);
-    if (qt < 0) return raise_code(QK_ETYPE);
+    if (!ks) return qk_raise(QK_EISA);
+    if (qt < 0) return qk_raise(QK_ETYPE);
     const int act = QK_TYPES[qt].act;
-    if (T < 1 || K < 1 || K % qk_act_elems(act)) return raise_code(QK_ESHAPE);
+    if (T < 1 || K < 1 || K % qk_act_elems(act)) return qk_raise(QK_ESHAPE);
     const int64_t row = K / qk_act_elems(act) * qk_act_bytes(act);
     Py_BEGIN_ALLOW_THREADS for (long long t = 0; t < T; t++)
         ks->quant[act]((const float *)(uintptr_t)x + t * K, (uint8_t *)(uintptr_t)out + t * row, K);
@@ -235,7 +177,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = qk_matmul(isa, ggml, (const uint8_t *)(uintptr_t)w, N, K,
                                           (const float *)(uintptr_t)x, T, (float *)(uintptr_t)out);
-    Py_END_ALLOW_THREADS return raise_code(rc);
+    Py_END_ALLOW_THREADS return qk_raise(rc);
 }
 
 /* matmuls(isa, x, T, K, ((w, ggml, N, out), ...)): up to QK_MM_MAX matrices (quantized, or F32 / F16 rows) over
@@ -248,7 +190,7 @@ static PyObject *py_matmuls(PyObject *self, PyObject *args) {
     PyObject *mats;
     if (!PyArg_ParseTuple(args, "iKLLO!", &isa, &x, &T, &K, &PyTuple_Type, &mats)) return NULL;
     const Py_ssize_t n = PyTuple_GET_SIZE(mats);
-    if (n < 1 || n > QK_MM_MAX) return raise_code(QK_ESHAPE);
+    if (n < 1 || n > QK_MM_MAX) return qk_raise(QK_ESHAPE);
     qk_wmat w[QK_MM_MAX];
     float *out[QK_MM_MAX];
     for (Py_ssize_t j = 0; j < n; j++) {
@@ -261,7 +203,7 @@ static PyObject *py_matmuls(PyObject *self, PyObject *args) {
     }
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = qk_matmuls(isa, (int)n, w, K, (const float *)(uintptr_t)x, T, out);
-    Py_END_ALLOW_THREADS return raise_code(rc);
+    Py_END_ALLOW_THREADS return qk_raise(rc);
 }
 
 /* moe_ffn(isa, x, T, H, ids, wts, k, gate, gate_stride, gate_type, up, up_stride, up_type, down, down_stride,
@@ -276,7 +218,7 @@ static PyObject *py_moe_ffn(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iKLLKKiKLiKLiKLiLLK|iiffKKK", &isa, &x, &T, &H, &ids, &wts, &k, &gate, &gs, &gt,
                           &up, &us, &ut, &down, &ds, &dt, &E, &I, &out, &pairs, &act, &alpha, &limit, &gb, &ub, &db))
         return NULL;
-    if (gs < 0 || us < 0 || ds < 0 || (act != QK_ACT_SWIGLU && act != QK_ACT_SWIGLU_OAI)) return raise_code(QK_ESHAPE);
+    if (gs < 0 || us < 0 || ds < 0 || (act != QK_ACT_SWIGLU && act != QK_ACT_SWIGLU_OAI)) return qk_raise(QK_ESHAPE);
     const qk_expert_mats g = {(const uint8_t *)(uintptr_t)gate, gs, gt};
     const qk_expert_mats u = {(const uint8_t *)(uintptr_t)up, us, ut};
     const qk_expert_mats d = {(const uint8_t *)(uintptr_t)down, ds, dt};
@@ -286,7 +228,7 @@ static PyObject *py_moe_ffn(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS rc = qk_moe_ffn(isa, (const float *)(uintptr_t)x, T, H, (const int32_t *)(uintptr_t)ids,
                                           (const float *)(uintptr_t)wts, k, g, u, d, E, I, (float *)(uintptr_t)out,
                                           pairs, &fn);
-    Py_END_ALLOW_THREADS return raise_code(rc);
+    Py_END_ALLOW_THREADS return qk_raise(rc);
 }
 
 /* dequant_rows(ggml, w, N, K, rows, n, out): out[n, K] = rows of W[N, K] as floats. */
@@ -299,7 +241,7 @@ static PyObject *py_dequant_rows(PyObject *self, PyObject *args) {
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = qk_dequant_rows(ggml, (const uint8_t *)(uintptr_t)w, N, K,
                                                 (const int64_t *)(uintptr_t)rows, n, (float *)(uintptr_t)out);
-    Py_END_ALLOW_THREADS return raise_code(rc);
+    Py_END_ALLOW_THREADS return qk_raise(rc);
 }
 
 /* deq_dot(isa, ggml, w, N, K, x, out): out[N] = the rows of W[N, K] (GGUF's layout) dotted with float x [K] as
@@ -313,7 +255,7 @@ static PyObject *py_deq_dot(PyObject *self, PyObject *args) {
     const deq_dot_fn f = qk_deq_fdot(isa, ggml);
     const int qt = qk_qtype_index(ggml);
     if (!f) Py_RETURN_FALSE;
-    if (qt < 0 || N < 0 || K < 1 || K % QK_TYPES[qt].blk_elems) return raise_code(QK_ESHAPE);
+    if (qt < 0 || N < 0 || K < 1 || K % QK_TYPES[qt].blk_elems) return qk_raise(QK_ESHAPE);
     const int64_t row = K / QK_TYPES[qt].blk_elems * QK_TYPES[qt].blk_bytes;
     Py_BEGIN_ALLOW_THREADS for (int64_t r = 0; r < N; r++)
         f(K, (const uint8_t *)(uintptr_t)w + r * row, (const float *)(uintptr_t)x, (float *)(uintptr_t)out + r);
@@ -327,7 +269,7 @@ static PyObject *repack_call(PyObject *args, int (*fn)(int, const uint8_t *, uin
     if (!PyArg_ParseTuple(args, "iKKLL", &type, &src, &dst, &N, &K)) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = fn(type, (const uint8_t *)(uintptr_t)src, (uint8_t *)(uintptr_t)dst, N, K);
-    Py_END_ALLOW_THREADS return raise_code(rc);
+    Py_END_ALLOW_THREADS return qk_raise(rc);
 }
 
 static PyObject *py_repack(PyObject *self, PyObject *args) {
@@ -353,7 +295,7 @@ static PyObject *py_read_repack(PyObject *self, PyObject *args) {
         errno = (int)(-1000 - rc);
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    if (rc < 0) return raise_code((int)rc);
+    if (rc < 0) return qk_raise((int)rc);
     return PyLong_FromLongLong(rc);
 }
 
@@ -396,7 +338,7 @@ static PyObject *py_attn_block(PyObject *self, PyObject *args) {
         (void *)(uintptr_t)vc, (const float *)(uintptr_t)cs, (const float *)(uintptr_t)sn, eps, clip,
         (float *)(uintptr_t)xn, (int64_t *)(uintptr_t)ids, (float *)(uintptr_t)w, moe, ktype, vtype,
         (const int64_t *)(uintptr_t)sslots, nstates);
-    Py_END_ALLOW_THREADS return raise_code(rc);
+    Py_END_ALLOW_THREADS return qk_raise(rc);
 }
 
 /* glu_down(isa, g, u, B, F, H, down, down_type, gl, out): see qk_glu_down; gl 0: no gate. */
@@ -410,7 +352,7 @@ static PyObject *py_glu_down(PyObject *self, PyObject *args) {
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = qk_glu_down(isa, (float *)(uintptr_t)g, (const float *)(uintptr_t)u, B, F, H, &wd,
                                             (const float *)(uintptr_t)gl, (float *)(uintptr_t)out);
-    Py_END_ALLOW_THREADS return raise_code(rc);
+    Py_END_ALLOW_THREADS return qk_raise(rc);
 }
 
 /* decode_layers(isa, n, descs, x, B, slots, wslots, pos, kcs, vcs, cos, sin, eps, clip, xn_out, ids_out, w_out,
@@ -448,7 +390,7 @@ static PyObject *py_decode_layers(PyObject *self, PyObject *args) {
         (const int64_t *)(uintptr_t)sslots, nstates);
     if (active > 0) qk_pool_set_active(before);
     Py_END_ALLOW_THREADS;
-    return raise_code(rc);
+    return qk_raise(rc);
 }
 
 /* others_runnable() -> runnable threads of other processes (qk_others_runnable), or -1 where /proc cannot tell. */
@@ -472,7 +414,7 @@ static PyObject *py_head(PyObject *self, PyObject *args) {
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = qk_head(isa, (const float *)(uintptr_t)x, B, H, (const float *)(uintptr_t)norm, eps, &hw,
                                         (float *)(uintptr_t)xn, (float *)(uintptr_t)logits);
-    Py_END_ALLOW_THREADS return raise_code(rc);
+    Py_END_ALLOW_THREADS return qk_raise(rc);
 }
 
 static PyObject *py_attn_prompt(PyObject *self, PyObject *args) {
@@ -489,69 +431,7 @@ static PyObject *py_attn_prompt(PyObject *self, PyObject *args) {
         isa, (const float *)(uintptr_t)q, T, nh, D, (const float *)(uintptr_t)k, (const float *)(uintptr_t)v, S, nkv,
         Dv, (const int64_t *)(uintptr_t)qp, (const int64_t *)(uintptr_t)kp, scale, window,
         (const float *)(uintptr_t)sinks, (float *)(uintptr_t)out);
-    Py_END_ALLOW_THREADS return raise_code(rc);
-}
-
-static PyObject *py_sample_draw(PyObject *self, PyObject *args) {
-    (void)self;
-    int isa;
-    unsigned long long x;
-    long long n;
-    float t, cut;
-    double u;
-    if (!PyArg_ParseTuple(args, "iKLffd", &isa, &x, &n, &t, &cut, &u)) return NULL;
-    const int64_t j = samp_draw(isa, (const float *)(uintptr_t)x, n, t, cut, u);
-    if (j == -2) return PyErr_NoMemory();
-    return PyLong_FromLongLong(j);
-}
-
-static PyObject *py_sample_norm(PyObject *self, PyObject *args) {
-    (void)self;
-    int isa;
-    unsigned long long x;
-    long long n;
-    float mx;
-    if (!PyArg_ParseTuple(args, "iKLf", &isa, &x, &n, &mx)) return NULL;
-    return PyFloat_FromDouble(samp_norm(isa, (const float *)(uintptr_t)x, n, mx));
-}
-
-static PyObject *py_sample_cut(PyObject *self, PyObject *args) {
-    (void)self;
-    int isa, use_tp, use_mp;
-    unsigned long long x, hist, keys;
-    long long n, cap;
-    float tp, lmp, cut;
-    if (!PyArg_ParseTuple(args, "iKLfifiKKL", &isa, &x, &n, &tp, &use_tp, &lmp, &use_mp, &hist, &keys, &cap))
-        return NULL;
-    if (!samp_cut(isa, (const float *)(uintptr_t)x, n, tp, use_tp, lmp, use_mp, (double *)(uintptr_t)hist,
-                  (uint32_t *)(uintptr_t)keys, cap, &cut))
-        Py_RETURN_NONE;
-    return PyFloat_FromDouble(cut);
-}
-
-static PyObject *py_sample_topk(PyObject *self, PyObject *args) {
-    (void)self;
-    int isa, use_tp, use_mp;
-    unsigned long long vals, ids, sv, sid;
-    long long k;
-    float t, tp, lmp;
-    double u;
-    if (!PyArg_ParseTuple(args, "iKKLffifidKK", &isa, &vals, &ids, &k, &t, &tp, &use_tp, &lmp, &use_mp, &u, &sv, &sid))
-        return NULL;
-    const int64_t j = samp_topk(isa, (const float *)(uintptr_t)vals, (const int64_t *)(uintptr_t)ids, k, t, tp, use_tp,
-                                lmp, use_mp, u, (float *)(uintptr_t)sv, (int64_t *)(uintptr_t)sid);
-    if (j == -2) return PyErr_NoMemory();
-    return PyLong_FromLongLong(j);
-}
-
-static PyObject *py_sample_exp(PyObject *self, PyObject *args) {
-    (void)self;
-    int isa;
-    unsigned long long x, out;
-    long long n;
-    if (!PyArg_ParseTuple(args, "iKLK", &isa, &x, &n, &out)) return NULL;
-    samp_exp(isa, (const float *)(uintptr_t)x, n, (float *)(uintptr_t)out);
-    Py_RETURN_NONE;
+    Py_END_ALLOW_THREADS return qk_raise(rc);
 }
 
 static PyMethodDef methods[] = {
@@ -571,14 +451,6 @@ static PyMethodDef methods[] = {
     {"get_threads", py_get_threads, METH_NOARGS, "Threads of the pool (caller included)."},
     {"set_active", py_set_active, METH_VARARGS, "set_active(n): jobs run on min(n, threads) threads (0: all)."},
     {"act_row_bytes", py_act_row_bytes, METH_VARARGS, "act_row_bytes(ggml, K)"},
-    {"delta_step", py_delta_step, METH_VARARGS,
-     "delta_step(B, C, K, nk, nv, dk, dv, tiled, qkv, z, beta, alpha, conv, ssm, slots, fresh, w, a, dt, norm, eps, "
-     "y, out): gated DeltaNet's decode step."},
-    {"delta_prompt", py_delta_prompt, METH_VARARGS,
-     "delta_prompt(isa, T, nk, nv, dk, dv, sq, sk, sv, tiled, q, k, v, g, beta, state, z, sz, norm, eps, out): the "
-     "delta rule over one sequence's prompt chunk (gated and normed where z is not 0)."},
-    {"delta_conv_prompt", py_delta_conv_prompt, METH_VARARGS,
-     "delta_conv_prompt(T, C, K, x, sx, w, state, y): the conv1d (+ SiLU) over one sequence's prompt chunk."},
     {"read_bw", py_read_bw, METH_VARARGS, "read_bw(buf, nbytes, streams, prefetch): the read-bandwidth probe."},
     {"quantize_act", py_quantize_act, METH_VARARGS, "quantize_act(isa, ggml, x, T, K, out)"},
     {"matmul", py_matmul, METH_VARARGS, "matmul(isa, ggml, w, N, K, x, T, out)"},
@@ -601,13 +473,6 @@ static PyMethodDef methods[] = {
      "decode_layers(isa, n, descs, x, B, slots, wslots, pos, kcs, vcs, cos, sin, eps, clip, xn_out, ids_out, w_out, "
      "out_norm, head, head_type, head_rows, logits, ktype, vtype, nslots, nwslots, embd, embd_type, embd_rows, tokens, "
      "active, sslots=0, nstates=0)"},
-    {"sample_draw", py_sample_draw, METH_VARARGS, "sample_draw(isa, x, n, t, cut, u): the inverse-CDF draw (sample.c)."},
-    {"sample_norm", py_sample_norm, METH_VARARGS, "sample_norm(isa, x, n, mx): sum of exp32(x - mx), block by block."},
-    {"sample_cut", py_sample_cut, METH_VARARGS,
-     "sample_cut(isa, x, n, top_p, use_top_p, log_min_p, use_min_p, hist, keys, cap): the smallest kept logit or None."},
-    {"sample_topk", py_sample_topk, METH_VARARGS,
-     "sample_topk(isa, vals, ids, k, t, top_p, use_top_p, log_min_p, use_min_p, u, sv, sid): top-p, min-p, draw."},
-    {"sample_exp", py_sample_exp, METH_VARARGS, "sample_exp(isa, x, n, out): exp32 (sample.c), for tests."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -619,4 +484,11 @@ static struct PyModuleDef module = {
     .m_methods = methods,
 };
 
-PyMODINIT_FUNC PyInit__cpu(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__cpu(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && (PyModule_AddFunctions(m, QK_RECURRENT_METHODS) || PyModule_AddFunctions(m, QK_SAMPLE_METHODS))) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
