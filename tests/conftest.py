@@ -31,3 +31,13 @@ def hf_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tokens32():
     return torch.randint(0, 256, (32,), generator=torch.Generator().manual_seed(1234))
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread for the test (sampler timings and sorts over 250k logits: a busy machine's second thread
+    slows them), restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

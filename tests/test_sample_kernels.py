@@ -13,17 +13,10 @@ from moerun.config import SamplingParams
 from moerun.engine.sampler import Sampler
 from moerun.kernels import cpu
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU kernels not built")
+pytestmark = [pytest.mark.skipif(not cpu.available(), reason="CPU kernels not built"),
+              pytest.mark.usefixtures("one_torch_thread")]
 V = 248320
 NO_HISTORY = torch.zeros(0, dtype=torch.long)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def isas() -> list[int]:

@@ -12,17 +12,10 @@ import moerun.kernels.sample as sample_mod
 from moerun.config import SamplingParams
 from moerun.engine.sampler import Sampler
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 V = 248320
 NO_HISTORY = torch.zeros(0, dtype=torch.long)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The plain chain's sorts are slow; a busy machine's second thread slows them more."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def logits(kind: str, vocab: int = V, seed: int = 0) -> torch.Tensor:
