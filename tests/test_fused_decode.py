@@ -35,12 +35,14 @@ DEQUANT_TYPES = ("Q4_0", "Q5_0", "Q8_0", "MXFP4", "IQ4_XS", "Q4_K", "Q5_K", "Q6_
 
 
 @pytest.mark.parametrize("qtype", DEQUANT_TYPES)
-def test_dequant_rows_equals_gguf_quants(qtype):
-    """Random bytes (every scale and code pattern, NaN and inf scales included), rows gathered in any order."""
+@pytest.mark.parametrize("many", [False, True], ids=["few", "pool"])
+def test_dequant_rows_equals_gguf_quants(qtype, many):
+    """Random bytes (every scale and code pattern, NaN and inf scales included), rows gathered in any order; more
+    than 64 rows go over the thread pool."""
     g = torch.Generator().manual_seed(1)
-    N, K = 9, 512
+    N, K = (300, 256) if many else (9, 512)
     raw = torch.randint(0, 256, (N, row_bytes(QType[qtype], K)), dtype=torch.uint8, generator=g)
-    rows = torch.tensor([3, 0, 8, 3, 5])
+    rows = torch.randint(0, N, (250,), generator=g) if many else torch.tensor([3, 0, 8, 3, 5])
     got = cpu.dequant_rows(QTensor(raw, QType[qtype], (N, K)), rows)
     with np.errstate(all="ignore"):
         ref = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), QType[qtype].value).astype(np.float32))[rows]
@@ -66,8 +68,9 @@ def test_kernel_ops_floats_are_the_reference_values(qtype):
 
 def test_dequant_rows_rejects_out_of_range_rows():
     w = QTensor(torch.zeros((4, row_bytes(QType.Q8_0, 64)), dtype=torch.uint8), QType.Q8_0, (4, 64))
-    with pytest.raises(ValueError, match="out of range"):
-        cpu.dequant_rows(w, torch.tensor([4]))
+    for rows in (torch.tensor([4]), torch.tensor([0] * 99 + [-1])):  # one row, and many (the pooled path)
+        with pytest.raises(ValueError, match="out of range"):
+            cpu.dequant_rows(w, rows)
 
 
 # ------------------------------------------------------------------ the attention block kernel

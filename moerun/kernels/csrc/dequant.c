@@ -1,6 +1,9 @@
 /* Rows of a weight matrix back to floats, as gguf.quants dequantizes them (same float operations, so
  * the same values): the token embedding lookup of a quantized model, one row per token. Layouts: qk.h. */
+#include <stdatomic.h>
+
 #include "matmul.h"
+#include "pool.h"
 #include "qk.h"
 
 static void deq_q4_0(const uint8_t *b, float *y) {
@@ -93,5 +96,39 @@ int qk_dequant_rows(int ggml, const uint8_t *w, int64_t N, int64_t K, const int6
     for (int64_t i = 0; i < n; i++)
         for (int64_t blk = 0; blk < nb; blk++)
             DEQ[qt](w + rows[i] * row_bytes + blk * ti->blk_bytes, out + i * K + blk * ti->blk_elems);
+    return QK_OK;
+}
+
+/* qk_dequant_rows on the thread pool, DEQ_ROWS rows an item (each row written by one thread: the same values): for
+ * whole matrices (the float copies of MLA's W_UK / W_UV at load). Never from inside a pool job. */
+#define DEQ_ROWS 64
+
+typedef struct {
+    int ggml;
+    const uint8_t *w;
+    int64_t N, K, n;
+    const int64_t *rows;
+    float *out;
+    atomic_long next;
+} deq_ctx;
+
+static void deq_task(void *p, int tid, int nth) {
+    deq_ctx *c = p;
+    (void)tid, (void)nth;
+    for (int64_t it; (it = atomic_fetch_add(&c->next, 1)) * DEQ_ROWS < c->n;) {
+        const int64_t r0 = it * DEQ_ROWS, m = c->n - r0 < DEQ_ROWS ? c->n - r0 : DEQ_ROWS;
+        qk_dequant_rows(c->ggml, c->w, c->N, c->K, c->rows + r0, m, c->out + r0 * c->K);
+    }
+}
+
+int qk_dequant_rows_mt(int ggml, const uint8_t *w, int64_t N, int64_t K, const int64_t *rows, int64_t n, float *out) {
+    if (n <= DEQ_ROWS) return qk_dequant_rows(ggml, w, N, K, rows, n, out);
+    const int rc = qk_dequant_rows(ggml, w, N, K, rows, 0, out); /* the type and the shape */
+    if (rc) return rc;
+    for (int64_t i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= N) return QK_EIDS;
+    deq_ctx c = {.ggml = ggml, .w = w, .N = N, .K = K, .n = n, .rows = rows, .out = out};
+    atomic_init(&c.next, 0);
+    qk_pool_run(deq_task, &c);
     return QK_OK;
 }

@@ -62,6 +62,8 @@ int64_t qk_read_repack(int fd, int64_t offset, int to, uint8_t *dst, int64_t N, 
 
 /* out[n, K] = rows[i] of W[N, K] (ggml type `ggml`) as floats, the values gguf.quants gives. */
 int qk_dequant_rows(int ggml, const uint8_t *w, int64_t N, int64_t K, const int64_t *rows, int64_t n, float *out);
+/* The same on the thread pool (from Python, never from inside a pool job). */
+int qk_dequant_rows_mt(int ggml, const uint8_t *w, int64_t N, int64_t K, const int64_t *rows, int64_t n, float *out);
 
 /* The read-bandwidth probe (readbw.c): read nbytes of buf (64-byte aligned) on the kernel pool, each thread its
  * share as `streams` interleaved streams, prefetching `prefetch` bytes ahead (0: none); *xor_out: the data's xor. */

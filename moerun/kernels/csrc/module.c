@@ -239,7 +239,7 @@ static PyObject *py_dequant_rows(PyObject *self, PyObject *args) {
     long long N, K, n;
     if (!PyArg_ParseTuple(args, "iKLLKLK", &ggml, &w, &N, &K, &rows, &n, &out)) return NULL;
     int rc;
-    Py_BEGIN_ALLOW_THREADS rc = qk_dequant_rows(ggml, (const uint8_t *)(uintptr_t)w, N, K,
+    Py_BEGIN_ALLOW_THREADS rc = qk_dequant_rows_mt(ggml, (const uint8_t *)(uintptr_t)w, N, K,
                                                 (const int64_t *)(uintptr_t)rows, n, (float *)(uintptr_t)out);
     Py_END_ALLOW_THREADS return qk_raise(rc);
 }
