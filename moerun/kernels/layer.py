@@ -13,6 +13,7 @@ a shared expert beside them, or a dense FFN), each on its normed input with a re
 
 from __future__ import annotations
 
+import math
 import weakref
 from array import array
 from dataclasses import dataclass
@@ -63,7 +64,8 @@ class LatentAttention:
     """DeepSeek's multi-head latent attention (attn.h's kind 2, absorbed): heads of nope + rope query dimensions;
     wq [heads * (nope + rope), hidden], or with wq_a ([q_rank, hidden]) and q_a_norm wq [.., q_rank]; wkv_a
     [rank + rope, hidden] and kv_a_norm [rank] make the cached latent; wk_b [heads, rank, nope] and wv_b [heads,
-    v_dim, rank] float32, or QTensors in GGUF's layout of a type cpu.has_deq_dot takes; wo [hidden, heads * v_dim]; scale: the softmax's (0: (nope + rope) ** -0.5)."""
+    v_dim, rank] float32, or QTensors in GGUF's layout of a type cpu.has_deq_dot takes; wo [hidden, heads * v_dim];
+    scale: the softmax's (0: (nope + rope) ** -0.5)."""
 
     n_heads: int
     nope: int
@@ -190,14 +192,10 @@ class Layer:
             f[name] = self._vector(name, t, n)
         for name, w, shape in (("wk_b", a.wk_b, (a.n_heads, a.rank, a.nope)),
                                ("wv_b", a.wv_b, (a.n_heads, a.v_dim, a.rank))):
-            if isinstance(w, QTensor):
-                _check_q(w, name, 3)
-                if tuple(w.shape) != shape or w.interleave != 1:
-                    raise ValueError(f"{name} must be {shape} in GGUF's layout, got {w.qtype.name}{tuple(w.shape)}")
-                self._keep.append(w.data)
-                f[name], f[name + "_type"] = w.data.data_ptr(), int(w.qtype)
+            if isinstance(w, QTensor) and w.interleave == 1:  # read in its type (deqdot.c)
+                f[name], f[name + "_type"] = self._matrix(name, w, shape)
             else:
-                f[name] = self._vector(name, w.reshape(-1), shape[0] * shape[1] * shape[2])
+                f[name] = self._vector(name, w.reshape(-1) if isinstance(w, torch.Tensor) else w, math.prod(shape))
         mats = [("wq", a.wq, (a.n_heads * hd, qr or hidden)), ("wkv_a", a.wkv_a, (L, hidden)),
                 ("wo", a.wo, (hidden, a.n_heads * a.v_dim))] + ([("wq_a", a.wq_a, (qr, hidden))] if qr else [])
         for name, w, shape in mats:
@@ -275,9 +273,9 @@ class Layer:
 
 
 def _matrix_data(name: str, w, shape) -> tuple[torch.Tensor, int]:
-    """(the bytes the kernels read, their type id) of a matrix: a supported QTensor or float32 CPU tensor."""
+    """(the bytes the kernels read, their type id) of a matrix (or stack): a supported QTensor or float32 tensor."""
     if isinstance(w, QTensor):
-        _check_q(w, name, 2)
+        _check_q(w, name, len(shape))
         ok, data, ggml = tuple(w.shape) == shape, w.data, _type(w)
     else:
         ok = (isinstance(w, torch.Tensor) and w.dtype in FLOAT_TYPES and w.is_cpu and w.is_contiguous()
