@@ -106,12 +106,15 @@ INL float kept_max(const float *x, int64_t n, float cut) {
     return nan ? NAN : m;
 }
 
+#define SAMP_STACK_BLOCKS 1024
+
 INL int64_t draw_body(const float *x, int64_t n, float t, float cut, double u) {
     const float mx = kept_max(x, n, cut);
     if (!isfinite(mx)) return -1;
     const float m = mx / t;
     const int64_t nb = (n + SAMP_BLOCK - 1) / SAMP_BLOCK;
-    double *cum = malloc((size_t)(nb + 1) * sizeof *cum);
+    double stack[SAMP_STACK_BLOCKS + 1]; /* vocabularies up to 262,144 tokens: no allocation a token */
+    double *cum = nb <= SAMP_STACK_BLOCKS ? stack : malloc((size_t)(nb + 1) * sizeof *cum);
     if (!cum) return -2;
     float w[SAMP_BLOCK];
     cum[0] = 0.0;
@@ -128,7 +131,7 @@ INL int64_t draw_body(const float *x, int64_t n, float t, float cut, double u) {
     weights(x + b * SAMP_BLOCK, len, t, m, cut, w);
     double within[SAMP_BLOCK], run = 0.0;
     for (int i = 0; i < SAMP_BLOCK; i++) run += w[i], within[i] = run + cum[b];
-    free(cum);
+    if (cum != stack) free(cum);
     int64_t j = 0, cap = 0;
     for (int i = 0; i < SAMP_BLOCK; i++) j += within[i] <= target, cap += within[i] < within[SAMP_BLOCK - 1];
     return b * SAMP_BLOCK + (j < cap ? j : cap);
