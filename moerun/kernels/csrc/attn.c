@@ -383,6 +383,28 @@ static void attn_task(void *p, int tid, int nth) {
     }
 }
 
+int qk_attend_rows(int isa, const float *q, int64_t B, int64_t nh, int64_t nkv, int64_t D, const float *k,
+                   const float *v, const int64_t *const *slots, const int64_t *pos, int64_t window, const float *sinks,
+                   float scale, float *att) {
+    if (B < 1 || nh < 1 || nkv < 1 || nh % nkv || D < 1) return QK_ESHAPE;
+    int64_t maxkeys = 1;
+    for (int64_t r = 0; r < B; r++) {
+        if (pos[r] < 0) return QK_ESHAPE;
+        maxkeys = pos[r] + 1 > maxkeys ? pos[r] + 1 : maxkeys;
+    }
+    float *scores = malloc((size_t)(B * nh * maxkeys) * sizeof(float));
+    if (!scores) return QK_ENOMEM;
+    attn_ctx c = {.k = qk_attn_kernels(isa), .nh = nh, .nkv = nkv, .D = D, .maxkeys = maxkeys, .items = B * nkv,
+                  .window = window, .kkind = KV_F32, .vkind = KV_F32, .krow = 4 * nkv * D, .vrow = 4 * nkv * D,
+                  .khead = 4 * D, .vhead = 4 * D, .q = q, .kc = (const uint8_t *)k, .vc = (const uint8_t *)v, .sinks = sinks, .att = att,
+                  .scores = scores, .scale = scale > 0.0f ? scale : (float)(1.0 / sqrt((double)D)), .slots = slots,
+                  .pos = pos};
+    atomic_init(&c.next, 0);
+    qk_pool_run(attn_task, &c);
+    free(scores);
+    return QK_OK;
+}
+
 /* ------------------------------------------------------------------------- per-row pieces */
 
 static const float *fptr(int64_t a) { return (const float *)(uintptr_t)a; }
@@ -403,6 +425,20 @@ void qk_rope(float *x, const float *cos, const float *sin, int64_t R, int neox) 
         *a = x1 * cos[i] - x2 * sin[i];
         *b = x2 * cos[i] + x1 * sin[i];
     }
+}
+
+void qk_gate_mul(float *x, const float *gate, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] *= 1.0f / (1.0f + expf(-gate[i]));
+}
+
+void qk_rms_norm_rows(const float *x, const float *w, int64_t rows, int64_t n, float eps, float *out) {
+    for (int64_t r = 0; r < rows; r++) qk_rms_norm(x + r * n, w, n, eps, out + r * n);
+}
+
+void qk_rope_rows(float *x, int64_t T, int64_t heads, int64_t D, const float *cos, const float *sin, int64_t R,
+                  int neox) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < heads; h++) qk_rope(x + (t * heads + h) * D, cos + t * (R / 2), sin + t * (R / 2), R, neox);
 }
 
 /* Biases, clamp, q/k norms and RoPE (over R dims a head) for one row's q [nh * D] and k [nkv * D] (v: bias and
@@ -485,7 +521,7 @@ int qk_attn_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64
         atomic_init(&c.next, 0);
         qk_pool_run(attn_task, &c);
         if (gated)
-            for (int64_t i = 0; i < B * qd; i++) att[i] *= 1.0f / (1.0f + expf(-gate[i]));
+            qk_gate_mul(att, gate, B * qd);
         const qk_wmat wo = {(const uint8_t *)(uintptr_t)d->wo, (int)d->wo_type, H};
         rc = qk_matmuls(isa, 1, &wo, qd, att, B, &o);
     }

@@ -98,6 +98,28 @@ int qk_mla_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_
 /* out = w * (x / rms(x)) over n values, the mean of squares accumulated in double (out may be x). */
 void qk_rms_norm(const float *x, const float *w, int64_t n, float eps, float *out);
 
+/* The layer loop's per-row pieces in the arithmetic of the fused layers (moerun.kernels.rows), so that a step
+ * gives the same bits either way: RMSNorm of `rows` rows of n values; RoPE over the first R dimensions of each of
+ * `heads` heads of D values in T rows (tables [T, R / 2]); x *= sigmoid(gate) over n values; attention of B rows
+ * (q [B, nh * D]) over float32 keys and values [*, nkv * D] (row r's position p at row slots[r][p]) as the fused
+ * attention computes it (scale <= 0: D ** -0.5) -> att [B, nh * D]; a router's choice for B rows of logits [B, E]
+ * (used up) as qk_attn_block's gating says (n_used, gating, score_b, n_groups, topk_groups, group_score,
+ * norm_topk, fparams[0] the scale). */
+void qk_rms_norm_rows(const float *x, const float *w, int64_t rows, int64_t n, float eps, float *out);
+void qk_rope_rows(float *x, int64_t T, int64_t heads, int64_t D, const float *cos, const float *sin, int64_t R,
+                  int neox);
+void qk_gate_mul(float *x, const float *gate, int64_t n);
+int qk_attend_rows(int isa, const float *q, int64_t B, int64_t nh, int64_t nkv, int64_t D, const float *k,
+                   const float *v, const int64_t *const *slots, const int64_t *pos, int64_t window, const float *sinks,
+                   float scale, float *att);
+int qk_route_rows(const qk_attn_desc *d, float *logits, int64_t B, int64_t E, int64_t *ids, float *w);
+/* MLA's attention for B rows as qk_mla_mix computes it (mla.c): q [B, nh, nope + R] (rotated), float32 W_UK
+ * [nh * rank, nope] and W_UV [nh * dv, rank], the float32 latents [*, rank + R] (row r's position p at row
+ * slots[r][p]) -> o [B, nh * dv]. */
+int qk_mla_attend_rows(int isa, const float *q, int64_t B, int64_t nh, int64_t rank, int64_t R, int64_t nope,
+                       int64_t dv, const float *wk_b, const float *wv_b, const float *cache,
+                       const int64_t *const *slots, const int64_t *pos, float scale, float *o);
+
 /* out [B, H] = down(silu(g) * u) for g, u [B, F] (g is overwritten), scaled row by row by sigmoid(gl[r]) when gl
  * is given: a shared expert's or a dense FFN's second half, the same arithmetic in the fused layers and the layer
  * loop (moerun.kernels.cpu.glu_down), so where it runs never changes a bit. */

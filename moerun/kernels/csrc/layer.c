@@ -91,6 +91,17 @@ static void route(const qk_attn_desc *d, float *logits, int64_t E, float *p, flo
         for (int64_t j = 0; j < k; j++) w[j] *= scale;
 }
 
+int qk_route_rows(const qk_attn_desc *d, float *logits, int64_t B, int64_t E, int64_t *ids, float *w) {
+    if (B < 1 || E < 1 || d->n_used < 1 || d->n_used > E || d->n_groups < 1 || E % d->n_groups ||
+        d->topk_groups < 1 || d->topk_groups > d->n_groups || d->topk_groups * (E / d->n_groups) < d->n_used)
+        return QK_ESHAPE;
+    float *p = malloc((size_t)(E + d->n_groups) * sizeof(float));
+    if (!p) return QK_ENOMEM;
+    for (int64_t r = 0; r < B; r++) route(d, logits + r * E, E, p, p + E, ids + r * d->n_used, w + r * d->n_used);
+    free(p);
+    return QK_OK;
+}
+
 /* ------------------------------------------------------------------------------------ the FFN */
 
 int qk_glu_down(int isa, float *g, const float *u, int64_t B, int64_t F, int64_t H, const qk_wmat *down,

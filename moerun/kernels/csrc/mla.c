@@ -158,3 +158,31 @@ int qk_mla_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_
     free(mem);
     return rc;
 }
+
+int qk_mla_attend_rows(int isa, const float *q, int64_t B, int64_t nh, int64_t rank, int64_t R, int64_t nope,
+                       int64_t dv, const float *wk_b, const float *wv_b, const float *cache,
+                       const int64_t *const *slots, const int64_t *pos, float scale, float *o) {
+    const int64_t L = rank + R, hd = nope + R;
+    const dot_fn dot = qk_fdot(isa, 0);
+    if (B < 1 || nh < 1 || rank < 1 || R < 0 || nope < 1 || dv < 1) return QK_ESHAPE;
+    if (!dot) return QK_ETYPE;
+    int64_t maxkeys = 1;
+    for (int64_t r = 0; r < B; r++) {
+        if (pos[r] < 0) return QK_ESHAPE;
+        maxkeys = pos[r] + 1 > maxkeys ? pos[r] + 1 : maxkeys;
+    }
+    const int64_t nfloat = B * nh * (L + rank + maxkeys) + (int64_t)qk_pool_threads() * (rank > nope ? rank : nope);
+    float *mem = malloc((size_t)nfloat * sizeof(float));
+    if (!mem) return QK_ENOMEM;
+    float *qlat = mem, *lat = qlat + B * nh * L, *scores = lat + B * nh * rank, *rows = scores + B * nh * maxkeys;
+    mla_ctx c = {.k = qk_attn_kernels(isa), .dot = dot, .nh = nh, .rank = rank, .R = R, .nope = nope, .dv = dv,
+                 .maxkeys = maxkeys, .items = B * nh, .row = 4 * L, .kind = KV_F32, .cache = (const uint8_t *)cache,
+                 .q = q, .wk = {(const uint8_t *)wk_b, GGML_F32, nope, nh * rank, 4 * nope, NULL},
+                 .wv = {(const uint8_t *)wv_b, GGML_F32, rank, nh * dv, 4 * rank, NULL}, .qlat = qlat, .lat = lat,
+                 .o = o, .scores = scores, .rows = rows,
+                 .scale = scale > 0.0f ? scale : (float)(1.0 / sqrt((double)hd)), .slots = slots, .pos = pos};
+    atomic_init(&c.next, 0);
+    qk_pool_run(mla_task, &c);
+    free(mem);
+    return QK_OK;
+}

@@ -3,6 +3,7 @@
  * kernels/sample.py); each call runs with the GIL released where it may take long. */
 #include "module.h"
 
+#include "attn.h"
 #include "deltanet.h"
 #include "qk.h"
 #include "sample.h"
@@ -138,6 +139,85 @@ PyMethodDef QK_RECURRENT_METHODS[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* The layer loop's pieces in the fused layers' arithmetic (attn.h; kernels/rows.py checks the buffers). */
+static PyObject *py_rms_norm_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long x, w, out;
+    long long rows, n;
+    float eps;
+    if (!PyArg_ParseTuple(args, "KKLLfK", &x, &w, &rows, &n, &eps, &out)) return NULL;
+    qk_rms_norm_rows((const float *)(uintptr_t)x, (const float *)(uintptr_t)w, rows, n, eps, (float *)(uintptr_t)out);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_rope_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long x, cs, sn;
+    long long T, heads, D, R;
+    int neox;
+    if (!PyArg_ParseTuple(args, "KLLLKKLi", &x, &T, &heads, &D, &cs, &sn, &R, &neox)) return NULL;
+    qk_rope_rows((float *)(uintptr_t)x, T, heads, D, (const float *)(uintptr_t)cs, (const float *)(uintptr_t)sn, R, neox);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_gate_mul(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long x, g;
+    long long n;
+    if (!PyArg_ParseTuple(args, "KKL", &x, &g, &n)) return NULL;
+    qk_gate_mul((float *)(uintptr_t)x, (const float *)(uintptr_t)g, n);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_attend_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa, rc;
+    unsigned long long q, k, v, slots, pos, sinks, att;
+    long long B, nh, nkv, D, window;
+    float scale;
+    if (!PyArg_ParseTuple(args, "iKLLLLKKKKLKfK", &isa, &q, &B, &nh, &nkv, &D, &k, &v, &slots, &pos, &window, &sinks,
+                          &scale, &att))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS rc = qk_attend_rows(isa, (const float *)(uintptr_t)q, B, nh, nkv, D, (const float *)(uintptr_t)k,
+                                               (const float *)(uintptr_t)v, (const int64_t *const *)(uintptr_t)slots,
+                                               (const int64_t *)(uintptr_t)pos, window, (const float *)(uintptr_t)sinks,
+                                               scale, (float *)(uintptr_t)att);
+    Py_END_ALLOW_THREADS return qk_raise(rc);
+}
+
+static PyObject *py_mla_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa, rc;
+    unsigned long long q, wk, wv, cache, slots, pos, o;
+    long long B, nh, rank, R, nope, dv;
+    float scale;
+    if (!PyArg_ParseTuple(args, "iKLLLLLLKKKKKfK", &isa, &q, &B, &nh, &rank, &R, &nope, &dv, &wk, &wv, &cache, &slots,
+                          &pos, &scale, &o))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS rc = qk_mla_attend_rows(isa, (const float *)(uintptr_t)q, B, nh, rank, R, nope, dv,
+                                                   (const float *)(uintptr_t)wk, (const float *)(uintptr_t)wv,
+                                                   (const float *)(uintptr_t)cache,
+                                                   (const int64_t *const *)(uintptr_t)slots,
+                                                   (const int64_t *)(uintptr_t)pos, scale, (float *)(uintptr_t)o);
+    Py_END_ALLOW_THREADS return qk_raise(rc);
+}
+
+/* route_rows(logits, B, E, n_used, gating, score_b, n_groups, topk_groups, group_score, norm_topk, scale, ids, w) */
+static PyObject *py_route_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long logits, score_b, ids, w;
+    long long B, E, k, gating, groups, topk_groups, group_score, norm_topk;
+    float scale[2] = {1.0f, 0.0f};
+    if (!PyArg_ParseTuple(args, "KLLLLKLLLLfKK", &logits, &B, &E, &k, &gating, &score_b, &groups, &topk_groups,
+                          &group_score, &norm_topk, &scale[0], &ids, &w))
+        return NULL;
+    qk_attn_desc d;
+    memset(&d, 0, sizeof d);
+    d.n_used = k, d.gating = gating, d.score_b = (int64_t)score_b, d.n_groups = groups, d.topk_groups = topk_groups;
+    d.group_score = group_score, d.norm_topk = norm_topk, d.fparams = (int64_t)(uintptr_t)scale;
+    return qk_raise(qk_route_rows(&d, (float *)(uintptr_t)logits, B, E, (int64_t *)(uintptr_t)ids, (float *)(uintptr_t)w));
+}
+
 PyMethodDef QK_SAMPLE_METHODS[] = {
     {"sample_draw", py_sample_draw, METH_VARARGS, "sample_draw(isa, x, n, t, cut, u): the inverse-CDF draw (sample.c)."},
     {"sample_norm", py_sample_norm, METH_VARARGS, "sample_norm(isa, x, n, mx): sum of exp32(x - mx), block by block."},
@@ -146,5 +226,14 @@ PyMethodDef QK_SAMPLE_METHODS[] = {
     {"sample_topk", py_sample_topk, METH_VARARGS,
      "sample_topk(isa, vals, ids, k, t, top_p, use_top_p, log_min_p, use_min_p, u, sv, sid): top-p, min-p, draw."},
     {"sample_exp", py_sample_exp, METH_VARARGS, "sample_exp(isa, x, n, out): exp32 (sample.c), for tests."},
+    {"rms_norm_rows", py_rms_norm_rows, METH_VARARGS, "rms_norm_rows(x, w, rows, n, eps, out) (attn.h)"},
+    {"rope_rows", py_rope_rows, METH_VARARGS, "rope_rows(x, T, heads, D, cos, sin, R, neox) (attn.h)"},
+    {"gate_mul", py_gate_mul, METH_VARARGS, "gate_mul(x, gate, n): x *= sigmoid(gate) (attn.h)"},
+    {"attend_rows", py_attend_rows, METH_VARARGS,
+     "attend_rows(isa, q, B, nh, nkv, D, k, v, slots, pos, window, sinks, scale, att) (attn.h)"},
+    {"mla_rows", py_mla_rows, METH_VARARGS,
+     "mla_rows(isa, q, B, nh, rank, R, nope, dv, wk_b, wv_b, latents, slots, pos, scale, o) (attn.h)"},
+    {"route_rows", py_route_rows, METH_VARARGS,
+     "route_rows(logits, B, E, n_used, gating, score_b, groups, topk_groups, group_score, norm_topk, scale, ids, w)"},
     {NULL, NULL, 0, NULL},
 };

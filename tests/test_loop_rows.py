@@ -1,0 +1,108 @@
+"""The layer loop's C pieces (moerun.kernels.rows) against their torch forms (moerun.model.layers, moerun.model.moe):
+RMSNorm, RoPE, the output gate, attention with sinks and windows, MLA's absorbed attention and every router agree
+to float noise, and bad shapes are refused. (tests/test_fused_families.py checks that the loop built from these
+equals the fused layers bit for bit.)"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moerun.model import layers
+from moerun.model.moe import route
+from moerun.model.ops import ReferenceOps
+
+cpu = pytest.importorskip("moerun.kernels.cpu")
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU kernels not built")
+rows = pytest.importorskip("moerun.kernels.rows")
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_rms_norm_equals_the_torch_form():
+    g = gen(0)
+    x, w = torch.randn(5, 3, 96, generator=g) * 3, torch.randn(96, generator=g)
+    got = rows.rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(got, layers.rms_norm(x, w, 1e-6), rtol=2e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="rms_norm"):
+        rows.rms_norm(x, w[:64], 1e-6)
+
+
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+@pytest.mark.parametrize("R", [64, 32])
+def test_rope_equals_the_torch_form_partial_too(style, R):
+    g = gen(R)
+    x = torch.randn(3, 4, 64, generator=g)
+    cos, sin = layers.rope_tables(torch.tensor([0, 7, 300]), R, 10000.0)
+    got = rows.rope(x, cos, sin, style == "neox")
+    torch.testing.assert_close(got, layers.apply_rope(x, cos, sin, style), rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[..., R:], x[..., R:])  # the rest passes through
+    with pytest.raises(ValueError, match="rope"):
+        rows.rope(x, cos[:2], sin[:2], True)
+
+
+def test_gate_equals_x_times_sigmoid():
+    g = gen(1)
+    x, gate = torch.randn(4, 256, generator=g), torch.randn(4, 256, generator=g) * 4
+    torch.testing.assert_close(rows.gate_mul(x, gate), x * torch.sigmoid(gate), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="gate_mul"):
+        rows.gate_mul(x, gate[:2])
+
+
+@pytest.mark.parametrize("T, window, sinks", [(1, 0, False), (4, 0, False), (3, 8, True), (1, 5, False)])
+def test_attention_equals_the_torch_form(T, window, sinks):
+    """One sequence's T queries at the end of S keys (GQA 8 / 2 heads), causal within the step; a window's ring
+    starts later than 0, as the cache's ring hands it over."""
+    g = gen(T + window)
+    end = 20
+    k_start = max(0, end - T - window + 1) if window else 0
+    S = end - k_start
+    q = torch.randn(T, 8, 32, generator=g)
+    k, v = torch.randn(S, 2, 32, generator=g), torch.randn(S, 2, 32, generator=g)
+    sk = torch.randn(8, generator=g) if sinks else None
+    q_start = end - T
+    got = rows.attend(q, k, v, q_start, k_start, None, sk, window)
+    ref = layers.attend(q, k, v, torch.arange(q_start, end), torch.arange(k_start, end), sinks=sk, window=window,
+                        q_start=q_start)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-6)
+    with pytest.raises(ValueError, match="attend"):
+        rows.attend(q, k, v, q_start + 1, k_start, None, sk, window)  # positions that do not end together
+
+
+def test_mla_equals_the_absorbed_torch_form():
+    g = gen(5)
+    T, nh, nope, R, rank, dv, S = 2, 4, 16, 8, 32, 16, 11
+    qn, qp = torch.randn(T, nh, nope, generator=g), torch.randn(T, nh, R, generator=g)
+    lat = torch.randn(S, rank + R, generator=g)
+    wk, wv = torch.randn(nh, rank, nope, generator=g) / 4, torch.randn(nh, dv, rank, generator=g) / 6
+    got = rows.mla(qn, qp, lat, wk, wv, S - T, 0.2)
+    ref = layers.mla_absorbed(qn, qp, lat, wk, wv, torch.arange(S - T, S), torch.arange(S), 0.2, q_start=S - T)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-6)
+    with pytest.raises(ValueError, match="mla"):
+        rows.mla(qn, qp, lat[:, :rank], wk, wv, S - T, 0.2)
+
+
+ROUTERS = {
+    "softmax": dict(router="softmax", norm_topk=True),
+    "softmax groups": dict(router="softmax", norm_topk=False, n_groups=4, topk_groups=2),
+    "topk_softmax": dict(router="topk_softmax", norm_topk=False),
+    "sigmoid": dict(router="sigmoid", norm_topk=True, n_groups=4, topk_groups=2, group_score="top2", routed_scale=2.5),
+}
+
+
+@pytest.mark.parametrize("kind", list(ROUTERS))
+def test_router_equals_the_torch_form(kind):
+    g = gen(len(kind))
+    spec = SimpleNamespace(**{"n_experts_used": 4, "n_groups": 1, "topk_groups": 1, "group_score": "max",
+                              "routed_scale": 1.0, **ROUTERS[kind]})
+    logits = torch.randn(6, 32, generator=g) * 2
+    score_b = torch.randn(32, generator=g) * 0.1 if kind == "sigmoid" else None
+    lw = SimpleNamespace(router=None, router_b=None, score_b=score_b)
+    w_ref, ids_ref = route(ReferenceOps(), torch.zeros(6, 8), lw, spec, logits=logits)
+    w, ids = rows.route(logits, spec, score_b)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-7)
