@@ -3,10 +3,11 @@ the same kernels (issue 36's parity on full-depth files; tests/test_fused_famili
 
     python bench/fused_vs_loop.py MODEL.gguf [MODEL ...] [-n 16] [--prompt 24]
 
-Per file: the greedy continuation of a fixed random prompt both ways (equal or not, and where they part), the
-largest relative difference between the two paths' logits over the steps while their tokens agree, each layer
-alone against the loop's (layer_by_layer), and the median time of a decode step each way (`--rounds` alternating
-rounds of the n steps; noisy on a shared machine, a ratio rather than a speed).
+Per file: the greedy continuation of a fixed random prompt both ways (equal or not, and where they part), whether
+every step's logits are equal bit for bit, the largest relative difference between the two paths' logits over the
+steps while their tokens agree, each layer alone against the loop's (layer_by_layer), and the median time of a
+decode step each way (`--rounds` alternating rounds of the n steps; noisy on a shared machine, a ratio rather than
+a speed).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def layer_by_layer(model, T: int, tol: float = 1e-5) -> tuple[dict[str, float], 
     differ by more than `tol` with the same experts: a 1-ulp difference before an 8-bit activation rounding moves
     one value a step, ~1e-3 on a 2048-wide layer)."""
     from moerun.engine.kv_cache import KVPool, SeqKV
-    from moerun.model.layers import rms_norm, rope_tables
+    from moerun.model.layers import rope_tables
     from moerun.model.moe import route
 
     s, f = model.spec, model.fused
@@ -61,10 +62,10 @@ def layer_by_layer(model, T: int, tol: float = 1e-5) -> tuple[dict[str, float], 
             kv_t, kv_c = (SeqKV(KVPool(s, 64), 64) for _ in range(2))
             for kv in (kv_t, kv_c):
                 kv.reserve(T)
-            xn = rms_norm(x, lw.attn_norm, s.rms_eps)
+            xn = model.ops.rms_norm(x, lw.attn_norm, s.rms_eps)
             mixed = x + (model.linear_attention(i, xn, pos, kv_t) if s.linear(i) else
                          model.attention(i, xn, pos, rope, kv_t))
-            ffn_in = rms_norm(mixed, lw.ffn_norm, s.rms_eps)
+            ffn_in = model.ops.rms_norm(mixed, lw.ffn_norm, s.rms_eps)
             ref = mixed + model.ffn(i, ffn_in, "decode", pos)
             got = x.clone()
             _, ids, _ = f(i, got, f.rows([kv_c] * T, pos), *kv_c.pool.caches(i, i + 1)[0], moe=True)
@@ -88,9 +89,10 @@ def main() -> None:
     args = ap.parse_args()
     from moerun.loading import load_model
 
-    print("| file | fused path | greedy tokens equal | first difference (top-2 margin there) | max relative logit "
-          "difference | each layer alone: max relative difference (flips) | ms a step fused / loop |")
-    print("|---|---|---|---:|---:|---|---|")
+    print("| file | fused path | greedy tokens equal | logits equal bit for bit | first difference (top-2 margin "
+          "there) | max relative logit difference | each layer alone: max relative difference (flips) | "
+          "ms a step fused / loop |")
+    print("|---|---|---|---|---:|---:|---|---|")
     for path in args.models:
         model = load_model(path).model
         whole = model.fused is not None and model.fused.whole_model
@@ -112,7 +114,9 @@ def main() -> None:
         worst, flips, over = layer_by_layer(model, 1) if whole else ({}, 0, 0)
         layers = ", ".join(f"{k} {v:.1e}" for k, v in sorted(worst.items())) + f" ({flips} routing, {over} rounding)"
         ms = f"{1e3 * statistics.median(tf):.1f} / {1e3 * statistics.median(tl):.1f}"
-        print(f"| {path} | {'whole model' if whole else 'no'} | {a == b} | {where} | {err:.1e} | {layers} | {ms} |")
+        bits = len(la) == len(lb) and all(torch.equal(x, y) for x, y in zip(la, lb))
+        print(f"| {path} | {'whole model' if whole else 'no'} | {a == b} | {bits} | {where} | {err:.1e} | {layers} | "
+              f"{ms} |")
 
 
 if __name__ == "__main__":

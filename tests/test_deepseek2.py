@@ -203,6 +203,13 @@ def test_greedy_equals_transformers_generate(ds, tokens, source, monkeypatch):
             return real(q_nope, *a, **kw)
 
         monkeypatch.setattr(layers, f"mla_{name}", spy)
+    from moerun.kernels import rows  # the loop's absorbed form on the CPU: the C layers' (moerun.kernels.rows)
+
+    def spy_rows(q_nope, *a, real=rows.mla, **kw):
+        forms["absorbed"].append(q_nope.shape[0])
+        return real(q_nope, *a, **kw)
+
+    monkeypatch.setattr(rows, "mla", spy_rows)
     loaded = load_model(folder if source == "hf" else path)
     assert loaded.model.fused is not None
     for fused in (loaded.model.fused, None):  # the C layers (mla.c), then the torch layer loop
@@ -213,7 +220,7 @@ def test_greedy_equals_transformers_generate(ds, tokens, source, monkeypatch):
         gen = eng.generate(prompt, SamplingParams.greedy(max_tokens=32, ignore_eos=True)).run()
         assert gen.tokens == ref
         assert forms["expanded"] == [20] * 3  # the first chunk, in each layer
-        # the second chunk, then every decode step: absorbed in C, or in torch
+        # the second chunk, then every decode step: absorbed in the C layers, or through the loop
         assert forms["absorbed"] == ([] if fused else [12] * 3 + [1] * 31 * 3)
 
 

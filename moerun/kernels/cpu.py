@@ -313,14 +313,20 @@ def matmul(x: torch.Tensor, w: QTensor, *, isa: str | None = None) -> torch.Tens
     return out
 
 
-def glu_down(g: torch.Tensor, u: torch.Tensor, down: QTensor, gate: torch.Tensor | None = None, *,
+def glu_down(g: torch.Tensor, u: torch.Tensor, down, gate: torch.Tensor | None = None, *,
              isa: str | None = None) -> torch.Tensor:
     """down(silu(g) * u) [T, H] for g, u [T, F] float32 (g is used up), scaled row by row by sigmoid(gate [T, 1])
-    when given: a shared expert's or a dense FFN's second half, computed as the fused layers compute it."""
+    when given: a shared expert's or a dense FFN's second half, computed as the fused layers compute it. down: a
+    QTensor of a supported type or a contiguous float32 CPU matrix."""
     isa_id = _isa(isa)
     _check_x(g, "g")
     _check_x(u, "u")
-    _check_q(down, "down", 2)
+    if isinstance(down, QTensor):
+        _check_q(down, "down", 2)
+        ptr, ggml = down.data.data_ptr(), _type(down)
+    else:
+        _check_x(down, "down")
+        ptr, ggml = down.data_ptr(), 0  # GGML_F32
     T, F = g.shape
     H = down.shape[0]
     if u.shape != g.shape or down.shape[1] != F or (gate is not None and gate.numel() != T):
@@ -328,7 +334,7 @@ def glu_down(g: torch.Tensor, u: torch.Tensor, down: QTensor, gate: torch.Tensor
     gl = None if gate is None else gate.to(torch.float32).contiguous()
     out = torch.empty((T, H), dtype=torch.float32)
     if T:
-        _cpu.glu_down(isa_id, g.data_ptr(), u.data_ptr(), T, F, H, down.data.data_ptr(), _type(down),
+        _cpu.glu_down(isa_id, g.data_ptr(), u.data_ptr(), T, F, H, ptr, ggml,
                       0 if gl is None else gl.data_ptr(), out.data_ptr())
     return out
 

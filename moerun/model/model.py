@@ -19,7 +19,7 @@ from moerun.formats.names import CName
 from moerun.model import deltanet
 from moerun.model.fused import FusedAttention
 from moerun.model.gpu_decode import GpuDecode
-from moerun.model.layers import apply_rope, mla_form, rms_norm, rope_tables
+from moerun.model.layers import SMALL_T, rope_tables
 from moerun.model.moe import Experts, ResidentExperts, route
 from moerun.model.ops import ExpertFn, Weight, make_ops
 from moerun.quant.qtypes import FLOAT_QTYPES, QTensor
@@ -230,18 +230,18 @@ class MoEModel:
         if s.clip_qkv is not None:
             q, k, v = (t.clamp(-s.clip_qkv, s.clip_qkv) for t in (q, k, v))
         if s.qk_norm == "full":
-            q, k = rms_norm(q, lw.q_norm, s.rms_eps), rms_norm(k, lw.k_norm, s.rms_eps)
+            q, k = self.ops.rms_norm(q, lw.q_norm, s.rms_eps), self.ops.rms_norm(k, lw.k_norm, s.rms_eps)
         q, k, v = q.view(T, s.n_heads, s.head_dim), k.view(T, s.n_kv_heads, s.head_dim), v.view(T, -1, s.head_dim)
         if s.qk_norm == "head":
-            q, k = rms_norm(q, lw.q_norm, s.rms_eps), rms_norm(k, lw.k_norm, s.rms_eps)
-        q, k = apply_rope(q, *rope, s.rope_style), apply_rope(k, *rope, s.rope_style)
+            q, k = self.ops.rms_norm(q, lw.q_norm, s.rms_eps), self.ops.rms_norm(k, lw.k_norm, s.rms_eps)
+        q, k = self.ops.rope(q, *rope, s.rope_style), self.ops.rope(k, *rope, s.rope_style)
         if isinstance(kv, list):
             out = torch.cat([self._attend_cached(i, q[r:r + 1], k[r:r + 1], v[r:r + 1], pos[r:r + 1], kv[r])
                              for r in range(T)])
         else:
             out = self._attend_cached(i, q, k, v, pos, kv)  # [T, nh*D]
         if gate is not None:
-            out = out * torch.sigmoid(gate)
+            out = self.ops.gate(out, gate)
         return mm(out, lw.wo, lw.bo)  # [T, H]
 
     def _attend_cached(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
@@ -279,14 +279,15 @@ class MoEModel:
         else:
             qkv, z, b, a = self.ops.linears(x, [lw.wqkv, lw.wz, lw.wbeta, lw.walpha])  # b, a [T, nv]
         z = z.view(T, nv, dv)
-        rows = kv if isinstance(kv, list) else [kv] if kv is not None and T == 1 else None
-        if rows is not None and self._delta_c(qkv, rows[0].pool.state(i)[1]):  # a decode step in one C call
+        rows = kv if isinstance(kv, list) else [kv] * T if kv is not None and T <= SMALL_T else None
+        if rows is not None and self._delta_c(qkv, rows[0].pool.state(i)[1]):  # decode-sized steps in C
             conv_all, ssm_all = rows[0].pool.state(i)  # updated in place at the rows' slots
             slots = torch.tensor([r.state_slot for r in rows], dtype=torch.int64)
-            out = self._delta_kernels.delta_step(qkv.contiguous(), z.reshape(T, -1).contiguous(), b.contiguous(),
-                                                 a.contiguous(), conv_all, ssm_all, slots, pos == 0, lw.conv,
-                                                 lw.ssm_a, lw.ssm_dt, lw.ssm_norm, s.rms_eps, nk,
-                                                 s.ssm_v_order == "tiled")  # [T, nv * dv]
+            z, waves = z.reshape(T, -1), [slice(0, T)] if isinstance(kv, list) else [slice(r, r + 1) for r in range(T)]
+            out = torch.cat([self._delta_kernels.delta_step(  # one sequence's rows one after the other, as fused
+                qkv[w].contiguous(), z[w].contiguous(), b[w].contiguous(), a[w].contiguous(), conv_all, ssm_all,
+                slots[w], pos[w] == 0, lw.conv, lw.ssm_a, lw.ssm_dt, lw.ssm_norm, s.rms_eps, nk,
+                s.ssm_v_order == "tiled") for w in waves])  # [T, nv * dv]
             return mm(out.to(x.dtype), lw.ssm_out)  # [T, H]
         beta, g = torch.sigmoid(b.float()), lw.ssm_a * F.softplus(a.float() + lw.ssm_dt)  # [T, nv]
         split = (nk * dk, nk * dk, nv * dv)
@@ -338,27 +339,27 @@ class MoEModel:
         into keys and values for prompt chunks (layers.mla_form)."""
         s, lw, T = self.spec, self.layers[i - self.first], x.shape[0]
         mm = self.ops.linear
-        q = mm(x, lw.wq) if lw.wq_a is None else mm(rms_norm(mm(x, lw.wq_a), lw.q_a_norm, s.rms_eps), lw.wq)
+        q = mm(x, lw.wq) if lw.wq_a is None else mm(self.ops.rms_norm(mm(x, lw.wq_a), lw.q_a_norm, s.rms_eps), lw.wq)
         q_nope, q_pe = q.view(T, s.n_heads, s.head_dim).split((s.qk_nope_dim, s.qk_rope_dim), dim=-1)
         c, k_pe = mm(x, lw.wkv_a).split((s.kv_lora_rank, s.qk_rope_dim), dim=-1)  # [T, rank], [T, rope]
-        q_pe = apply_rope(q_pe, *rope, s.rope_style)  # [T, nh, rope]
-        latent = torch.cat((rms_norm(c, lw.kv_a_norm, s.rms_eps),
-                            apply_rope(k_pe[:, None], *rope, s.rope_style)[:, 0]), dim=-1)  # [T, rank + rope]
+        q_pe = self.ops.rope(q_pe, *rope, s.rope_style)  # [T, nh, rope]
+        latent = torch.cat((self.ops.rms_norm(c, lw.kv_a_norm, s.rms_eps),
+                            self.ops.rope(k_pe[:, None], *rope, s.rope_style)[:, 0]), dim=-1)  # [T, rank + rope]
         if isinstance(kv, list):  # one row per sequence, projected together above
-            out = torch.cat([self._latent_cached(i, mla_form(1), q_nope[r:r + 1], q_pe[r:r + 1], latent[r:r + 1],
-                                                 pos[r:r + 1], kv[r]) for r in range(T)])
+            out = torch.cat([self._latent_cached(i, q_nope[r:r + 1], q_pe[r:r + 1], latent[r:r + 1], pos[r:r + 1],
+                                                 kv[r]) for r in range(T)])
         else:
-            out = self._latent_cached(i, mla_form(T), q_nope, q_pe, latent, pos, kv)  # [T, nh * v]
+            out = self._latent_cached(i, q_nope, q_pe, latent, pos, kv)  # [T, nh * v]
         return mm(out, lw.wo)  # [T, H]
 
-    def _latent_cached(self, i: int, form, q_nope, q_pe, latent, pos, kv: SeqKV | None) -> torch.Tensor:
+    def _latent_cached(self, i: int, q_nope, q_pe, latent, pos, kv: SeqKV | None) -> torch.Tensor:
         lw, k_pos, start = self.layers[i - self.first], pos, None
         if kv is not None:
             start = kv.length
             kv.write(i, start, latent)
             latent = kv.read(i, start + latent.shape[0])[0]  # [S, rank + rope]
             k_pos = torch.arange(latent.shape[0], device=latent.device)
-        return form(q_nope, q_pe, latent, lw.wk_b, lw.wv_b, pos, k_pos, self.spec.softmax_scale, q_start=start)
+        return self.ops.mla(q_nope, q_pe, latent, lw.wk_b, lw.wv_b, pos, k_pos, self.spec.softmax_scale, q_start=start)
 
     def _delta_c(self, qkv: torch.Tensor, state: torch.Tensor) -> bool:
         """Whether the recurrence runs in C (moerun.kernels.delta: decode steps, prompt chunks): the kernels built,
@@ -379,7 +380,7 @@ class MoEModel:
         if j is None:
             return
         s, lw = self.spec, self.layers[j - self.first]
-        p, ids = route(self.ops, rms_norm(resid, lw.ffn_norm, s.rms_eps), lw, s, raw=True)
+        p, ids = route(self.ops, self.ops.rms_norm(resid, lw.ffn_norm, s.rms_eps), lw, s, raw=True)
         self.experts.prefetch(j, guess_ids(p, ids))
 
     def ffn(self, i: int, x: torch.Tensor, phase: str, pos: torch.Tensor,
@@ -479,7 +480,7 @@ class MoEModel:
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None and self.fused.head is not None and x.dtype == torch.float32 and x.is_cpu:
             return self.fused.head_logits(x)  # what a whole decode step ends with, so both paths agree exactly
-        return self.ops.linear(rms_norm(x, self.out_norm, self.spec.rms_eps), self.head).float()
+        return self.ops.linear(self.ops.rms_norm(x, self.out_norm, self.spec.rms_eps), self.head).float()
 
     def run_layers(self, x: torch.Tensor, pos: torch.Tensor, kv: SeqKV | list[SeqKV] | None, phase: str,
                    layers: tuple[int, int] | None = None) -> torch.Tensor:
@@ -499,12 +500,12 @@ class MoEModel:
         cos, sin = rope_tables(pos, self.spec.rotary_dim, self.spec.rope_theta, self.spec.yarn)
         for i in span:
             lw = self.layers[i - self.first]
-            xn = rms_norm(x, lw.attn_norm, self.spec.rms_eps)
+            xn = self.ops.rms_norm(x, lw.attn_norm, self.spec.rms_eps)
             if self.spec.linear(i):
                 x = x + self.linear_attention(i, xn, pos, kv)
             else:
                 x = x + self.attention(i, xn, pos, (cos, sin), kv)
-            x = x + self.ffn(i, rms_norm(x, lw.ffn_norm, self.spec.rms_eps), phase, pos, resid=x)
+            x = x + self.ffn(i, self.ops.rms_norm(x, lw.ffn_norm, self.spec.rms_eps), phase, pos, resid=x)
         return x
 
     def forward(self, tokens: torch.Tensor, kv: SeqKV | None = None, last_only: bool = False,

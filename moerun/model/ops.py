@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from moerun.experts.store import Expert
-from moerun.model.layers import SMALL_T, attend
+from moerun.model.layers import SMALL_T, apply_rope, attend, mla_form, rms_norm
 from moerun.quant.qtypes import FLOAT_QTYPES, QTensor
 
 Weight = torch.Tensor | QTensor
@@ -86,6 +86,26 @@ class ReferenceOps:
         """moerun.model.layers.attend (causal GQA attention) -> [T, nh * Dv]. q_start: the first query's position as a
         host integer, where queries and keys are consecutive and end together (no position is read back then)."""
         return attend(q, k, v, q_pos, k_pos, scale=scale, sinks=sinks, window=window, q_start=q_start)
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """moerun.model.layers.rms_norm over x's last dimension."""
+        return rms_norm(x, w, eps)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
+        """moerun.model.layers.apply_rope: x [T, heads, D], tables [T, R / 2]."""
+        return apply_rope(x, cos, sin, style)
+
+    def gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x * sigmoid(gate): gated attention's output gate."""
+        return x * torch.sigmoid(gate)
+
+    def mla(self, q_nope, q_pe, latent, wk_b, wv_b, q_pos, k_pos, scale, q_start=None) -> torch.Tensor:
+        """MLA's attention over the latents (moerun.model.layers.mla_form for T = q_nope.shape[0] queries)."""
+        return mla_form(q_nope.shape[0])(q_nope, q_pe, latent, wk_b, wv_b, q_pos, k_pos, scale, q_start=q_start)
+
+    def route(self, logits: torch.Tensor, spec, score_b: torch.Tensor | None):
+        """The router's (weights, ids) from float32 logits [T, E] (bias added), or None: moerun.model.moe.route's
+        torch form then."""
 
     def swiglu(self, x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor:
         """down(silu(gate x) * up x). x [T, H] -> [T, H]."""
@@ -168,10 +188,10 @@ class KernelOps(ReferenceOps):
     DECODE_TOKENS = 16
 
     def __init__(self):
-        from moerun.kernels import cpu
+        from moerun.kernels import cpu, rows
 
         super().__init__()
-        self.cpu = cpu
+        self.cpu, self.rows = cpu, rows
         self.c_attention = cpu.features()["isa"] == "avx512vnni"  # prompt attention in C: its AVX-512 set only
 
     def step(self, n_tokens: int, c_only: bool = False):
@@ -210,18 +230,50 @@ class KernelOps(ReferenceOps):
                 torch.float32 and q.is_cpu and q.shape[-1] <= 256 and v.shape[-1] % 16 == 0):
             return self.cpu.attend_prompt(q, k, v, q_pos, k_pos, q.shape[-1] ** -0.5 if scale is None else scale,
                                           sinks, window)
+        if q_start is not None and k.shape == v.shape and k.shape[-1] == q.shape[-1] and self._rows(q, k, v):
+            return self.rows.attend(q, k, v, q_start, q_start + q.shape[0] - k.shape[0], scale, sinks, window)
         return super().attend(q, k, v, q_pos, k_pos, scale, sinks, window, q_start)
+
+    def _rows(self, *ts: torch.Tensor) -> bool:
+        """A decode-sized step's float32 CPU tensors (the rows the fused layers take): the loop's norms, RoPE,
+        output gate, attention and routing in their arithmetic (moerun.kernels.rows), so a step gives the same
+        bits through the loop as through one C call."""
+        return ts[0].shape[0] <= SMALL_T and all(t.is_cpu and t.dtype == torch.float32 for t in ts)
+
+    def rms_norm(self, x, w, eps):
+        return self.rows.rms_norm(x, w, eps) if self._rows(x, w) else super().rms_norm(x, w, eps)
+
+    def rope(self, x, cos, sin, style):
+        return self.rows.rope(x, cos, sin, style == "neox") if self._rows(x, cos, sin) else super().rope(x, cos, sin,
+                                                                                                          style)
+
+    def gate(self, x, gate):
+        return self.rows.gate_mul(x, gate) if self._rows(x, gate) else super().gate(x, gate)
+
+    def mla(self, q_nope, q_pe, latent, wk_b, wv_b, q_pos, k_pos, scale, q_start=None):
+        if q_start is not None and self._rows(q_nope, q_pe, latent, wk_b, wv_b):
+            return self.rows.mla(q_nope, q_pe, latent, wk_b, wv_b, q_start, scale)
+        return super().mla(q_nope, q_pe, latent, wk_b, wv_b, q_pos, k_pos, scale, q_start)
+
+    def route(self, logits, spec, score_b):
+        if self._rows(logits, *([] if score_b is None else [score_b])):
+            return self.rows.route(logits, spec, score_b)
+        return None
 
     def linear(self, x, w, b=None):
         if isinstance(w, QTensor) and self._ok(x, w.qtype):
             y = self.cpu.matmul(x.contiguous(), w)
+            return y if b is None else y + b
+        if isinstance(w, torch.Tensor) and w.dtype == torch.float32 and self._rows(x, w):  # a router: the float kernel
+            y = self.linears(x, [w])[0]
             return y if b is None else y + b
         return super().linear(x, w, b)
 
     def glu_down(self, g, u, down, gate=None):
         """In C where the down projection's type has a kernel: the fused layers' arithmetic, so a layer run in the
         loop (an expert cache, a routing hook) equals the same layer run whole, bit for bit."""
-        if isinstance(down, QTensor) and self._ok(g, down.qtype) and g.is_contiguous() and u.is_contiguous():
+        if ((self._ok(g, down.qtype) if isinstance(down, QTensor) else self._rows(g, down) and down.is_contiguous())
+                and g.is_contiguous() and u.is_contiguous()):
             return self.cpu.glu_down(g, u, down, gate)
         return super().glu_down(g, u, down, gate)
 
