@@ -70,15 +70,16 @@ def expert_reader(arch: Arch) -> ExpertReader | None:
     return ExpertReader(spans) if spans else None
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, kernels: bool = True,
+def load_model(path: str | Path | ModelFile, dtype: torch.dtype = torch.float32, kernels: bool = True,
                home: str = "auto", interleave: bool | Callable[[CName], bool] = True,
                progress: bool = False) -> Loaded:
     """kernels=False runs quantized weights through the torch reference (dequantize per use).
     home: "auto", "ram" (llama.cpp's --no-mmap) or "mmap" (see weights_home).
     interleave: with the CPU kernels, rewrite the Q4_K matrices moerun owns into their faster interleaved
     layout (experts too when home is RAM; see interleave_for_kernels); a function of the canonical name
-    chooses which. progress: bars on stderr for the bytes placed and repacked (moerun.progress)."""
-    mf = open_model(path)
+    chooses which. progress: bars on stderr for the bytes placed and repacked (moerun.progress). path may be a
+    ModelFile already opened (its maps are then the loaded model's)."""
+    mf = path if isinstance(path, ModelFile) else open_model(path)
     arch = resolve(mf)
     in_ram = weights_home(mf, home) == "ram"
     keep = None if interleave is True else interleave
