@@ -18,6 +18,14 @@ class PeerLostError(MoerunError):
     stopped or did not answer in time: the model cannot run any more."""
 
 
+class ModelOutputError(MoerunError):
+    """The model computed logits a token cannot be chosen from (NaN): its weights are likely corrupt."""
+
+
+NAN_LOGITS = ("the model's logits hold NaN (not a number), so no token can be chosen: its weights are likely "
+              "corrupt or out of range for their type (check the file, e.g. against its published checksum)")
+
+
 class ModelFormatError(MoerunError):
     """A model file is unreadable: truncated, corrupt, or of a kind moerun does not support."""
 

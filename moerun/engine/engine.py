@@ -15,9 +15,10 @@ import torch
 
 from moerun.config import DraftParams, SamplingParams
 from moerun.engine.kv_cache import ContextOverflowError, KVPool, SeqKV
-from moerun.engine.sampler import Sampler, StopChecker
+from moerun.engine.sampler import NAN_TOKEN, Sampler, StopChecker
 from moerun.engine.speculative import Drafter, DraftLength, Speculation, bytes_cost
 from moerun.engine.timings import Timings
+from moerun.errors import NAN_LOGITS, ModelOutputError
 from moerun.experts.cache import ExpertCache
 from moerun.model.model import MoEModel
 from moerun.text.tokenizer import Tokenizer
@@ -199,6 +200,8 @@ class Generation:
                     self.finish_reason = "cancelled"
                     break
                 nxt = int(self.sampler.sample(rows.pop(0), history))
+                if nxt == NAN_TOKEN:
+                    raise ModelOutputError(NAN_LOGITS)
                 if nxt in tok.eos_ids and not p.ignore_eos:
                     self.finish_reason = "stop"
                     break

@@ -32,6 +32,7 @@ from moerun.config import SamplingParams
 from moerun.kernels import sample as samp
 
 NO_HISTORY = torch.zeros(0, dtype=torch.long)
+NAN_TOKEN = -1  # sample()'s id for logits that hold a NaN
 
 # Vocabularies under _FAST_VOCAB tokens go the plain way without top-k: sorting them is cheap. The plain chain's
 # first head holds _FIRST_HEAD tokens.
@@ -146,17 +147,20 @@ class Sampler:
     # -- results -----------------------------------------------------------------------------------
 
     def sample(self, logits: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
-        """logits [V], history [n] (prompt + generated ids) -> next token id, 0-d long on logits' device. On the CPU
-        the chain runs on one torch thread: a vector of 250k is no work to split, and with more threads each parallel
-        region waits for any thread another process holds up (150-230 ms a token seen on 2 busy cores)."""
+        """logits [V], history [n] (prompt + generated ids) -> next token id, 0-d long on logits' device; NAN_TOKEN
+        where the logits hold a NaN (a broken model: every path would pick some token, none meaningful), which the
+        caller reports (errors.NAN_LOGITS) when it reads the id back. On the CPU the chain runs on one torch thread: a
+        vector of 250k is no work to split, and with more threads each parallel region waits for any thread another
+        process holds up (150-230 ms a token seen on 2 busy cores)."""
         n = torch.get_num_threads() if logits.device.type == "cpu" else 1
-        if n == 1:
-            return self._sample(logits, history)
-        torch.set_num_threads(1)
+        if n != 1:
+            torch.set_num_threads(1)
         try:
-            return self._sample(logits, history)
+            tok = self._sample(logits, history)
+            return torch.where(logits.max().isnan(), NAN_TOKEN, tok)  # max keeps a NaN; no read back here (a sync)
         finally:
-            torch.set_num_threads(n)
+            if n != 1:
+                torch.set_num_threads(n)
 
     def _uniform(self) -> torch.Tensor:
         """The draw's one uniform double, [1] on the sampler's device."""

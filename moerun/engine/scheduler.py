@@ -33,9 +33,9 @@ from moerun import device
 from moerun.config import DraftParams, SamplingParams
 from moerun.engine.engine import Engine, Sequence, common_prefix
 from moerun.engine.kv_cache import ContextOverflowError, SeqKV
-from moerun.engine.sampler import Sampler, StopChecker
+from moerun.engine.sampler import NAN_TOKEN, Sampler, StopChecker
 from moerun.engine.timings import Timings
-from moerun.errors import ModelFormatError, MoerunError, PeerLostError
+from moerun.errors import NAN_LOGITS, ModelFormatError, MoerunError, PeerLostError
 from moerun.experts.stats import PHASES, CacheStats, Counters
 
 log = logging.getLogger(__name__)
@@ -468,6 +468,9 @@ class Scheduler:
         return slot.sampler.sample(logits, slot.history[:slot.n_history]), lp
 
     def _accept(self, slot: Slot, tok: int, lp: torch.Tensor | None) -> None:
+        if tok == NAN_TOKEN:  # a broken model's logits: this request fails with the reason, the server goes on
+            self._finish(slot, "error", NAN_LOGITS)
+            return
         req, p = slot.req, slot.req.params
         now = time.perf_counter()
         first = req.t_first is None
