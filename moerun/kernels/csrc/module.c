@@ -486,7 +486,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__cpu(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m && (PyModule_AddFunctions(m, QK_RECURRENT_METHODS) || PyModule_AddFunctions(m, QK_SAMPLE_METHODS))) {
+    if (m && (PyModule_AddFunctions(m, QK_RECURRENT_METHODS) || PyModule_AddFunctions(m, QK_STEP_METHODS))) {
         Py_DECREF(m);
         return NULL;
     }

@@ -11,6 +11,6 @@ PyObject *qk_raise(int rc);
 
 /* Gated DeltaNet's steps (decode and prompt) and the sampler's passes over the logits. */
 extern PyMethodDef QK_RECURRENT_METHODS[];
-extern PyMethodDef QK_SAMPLE_METHODS[];
+extern PyMethodDef QK_STEP_METHODS[];
 
 #endif

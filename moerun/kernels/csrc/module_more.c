@@ -1,6 +1,7 @@
-/* moerun.kernels._cpu, continued (module.c has the rest): gated DeltaNet's recurrent steps and the sampler's passes
- * over a step's logits. Buffers come in as addresses, checked by the Python wrappers (kernels/delta.py,
- * kernels/sample.py); each call runs with the GIL released where it may take long. */
+/* moerun.kernels._cpu, continued (module.c has the rest): gated DeltaNet's recurrent steps, the sampler's passes
+ * over a step's logits, and the layer loop's per-row pieces in the fused layers' arithmetic. Buffers come in as
+ * addresses, checked by the Python wrappers (kernels/delta.py, kernels/sample.py, kernels/rows.py); each call runs
+ * with the GIL released where it may take long. */
 #include "module.h"
 
 #include "attn.h"
@@ -218,7 +219,7 @@ static PyObject *py_route_rows(PyObject *self, PyObject *args) {
     return qk_raise(qk_route_rows(&d, (float *)(uintptr_t)logits, B, E, (int64_t *)(uintptr_t)ids, (float *)(uintptr_t)w));
 }
 
-PyMethodDef QK_SAMPLE_METHODS[] = {
+PyMethodDef QK_STEP_METHODS[] = {
     {"sample_draw", py_sample_draw, METH_VARARGS, "sample_draw(isa, x, n, t, cut, u): the inverse-CDF draw (sample.c)."},
     {"sample_norm", py_sample_norm, METH_VARARGS, "sample_norm(isa, x, n, mx): sum of exp32(x - mx), block by block."},
     {"sample_cut", py_sample_cut, METH_VARARGS,
