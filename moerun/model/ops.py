@@ -244,8 +244,9 @@ class KernelOps(ReferenceOps):
         return self.rows.rms_norm(x, w, eps) if self._rows(x, w) else super().rms_norm(x, w, eps)
 
     def rope(self, x, cos, sin, style):
-        return self.rows.rope(x, cos, sin, style == "neox") if self._rows(x, cos, sin) else super().rope(x, cos, sin,
-                                                                                                          style)
+        if self._rows(x, cos, sin):
+            return self.rows.rope(x, cos, sin, style == "neox")
+        return super().rope(x, cos, sin, style)
 
     def gate(self, x, gate):
         return self.rows.gate_mul(x, gate) if self._rows(x, gate) else super().gate(x, gate)
