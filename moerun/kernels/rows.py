@@ -9,16 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from moerun.kernels.cpu import _cpu, _isa, available
+from moerun.kernels.cpu import _cpu, _isa
+from moerun.kernels.layer import GATINGS, GROUP_SCORES
 
-__all__ = ["attend", "gate_mul", "mla", "rms_norm", "rope", "route", "usable"]
-
-GATING = {"softmax": 0, "topk_softmax": 1, "sigmoid": 2}
-
-
-def usable(*tensors: torch.Tensor) -> bool:
-    """Built, and every tensor a float32 CPU one."""
-    return available() and all(t.is_cpu and t.dtype == torch.float32 for t in tensors)
+__all__ = ["attend", "gate_mul", "mla", "rms_norm", "rope", "route"]
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -108,7 +102,7 @@ def route(logits: torch.Tensor, spec, score_b: torch.Tensor | None) -> tuple[tor
     x = logits.float().contiguous().clone()  # used up
     sb = None if score_b is None else _f32(score_b)
     ids, w = torch.empty(T, k, dtype=torch.int64), torch.empty(T, k)
-    _cpu.route_rows(x.data_ptr(), T, E, k, GATING[spec.router], 0 if sb is None else sb.data_ptr(),
-                    max(1, spec.n_groups), max(1, spec.topk_groups), int(spec.group_score != "max"),
+    _cpu.route_rows(x.data_ptr(), T, E, k, GATINGS[spec.router], 0 if sb is None else sb.data_ptr(),
+                    max(1, spec.n_groups), max(1, spec.topk_groups), GROUP_SCORES[spec.group_score],
                     int(bool(spec.norm_topk)), float(spec.routed_scale), ids.data_ptr(), w.data_ptr())
     return w, ids
