@@ -208,16 +208,16 @@ def _cpuinfo(key: str) -> str:
         return ""
 
 
-# The measured defaults (pool.c's table): Intel T1 2 KB; AMD Zen 5 (family 26) NTA 2 KB; Zen 4 and older none.
-PREFETCH_DEFAULTS = {("GenuineIntel", 6): (2048, "t1"), ("AuthenticAMD", 26): (2048, "nta"),
-                     ("AuthenticAMD", 27): (2048, "nta"), ("AuthenticAMD", 25): (0, "t1"),
+# The measured defaults (pool.c's table): Intel T1 2 KB; AMD Zen 5 (family 26) NTA 4 KB; Zen 4 and older none.
+PREFETCH_DEFAULTS = {("GenuineIntel", 6): (2048, "t1"), ("AuthenticAMD", 26): (4096, "nta"),
+                     ("AuthenticAMD", 27): (4096, "nta"), ("AuthenticAMD", 25): (0, "t1"),
                      ("AuthenticAMD", 23): (0, "t1"), ("HygonGenuine", 24): (0, "t1"), ("", 0): (0, "t1")}
 
 
 def expected_default(vendor: str, family: int) -> tuple[int, str]:
     if vendor == "GenuineIntel":
         return 2048, "t1"
-    return (2048, "nta") if vendor == "AuthenticAMD" and family >= 26 else (0, "t1")
+    return (4096, "nta") if vendor == "AuthenticAMD" and family >= 26 else (0, "t1")
 
 
 def test_prefetch_defaults_per_vendor_and_family():

@@ -154,7 +154,7 @@ def set_threads(n: int, spin_us: int | None = None) -> None:
 def set_prefetch(nbytes: int | None = None) -> None:
     """How far ahead (bytes, a multiple of 64 up to 65536; 0: not at all) the interleaved-layout kernels prefetch
     weight rows (into L2 by default: set_prefetch_hint) when they multiply one token (or up to 8 with AVX-512
-    VNNI). None: the CPU's default (2048 on Intel and AMD Zen 5, 0 elsewhere; the environment's MOERUN_PREFETCH overrides it at
+    VNNI). None: the CPU's default (2048 on Intel, 4096 on AMD Zen 5, 0 elsewhere; the environment's MOERUN_PREFETCH overrides it at
     import); while it is not 0 the GGUF-layout kernels' own one-token prefetch goes to L2 as well. Results do not
     depend on it, only speed."""
     _need()

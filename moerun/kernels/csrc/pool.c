@@ -228,8 +228,10 @@ int qk_pool_run(qk_task fn, void *ctx) {
 /* The CPU's default prefetch distance and hint, by CPUID vendor and family (the first row whose vendor matches and
  * whose family the CPU's reaches; others: the last row); bench/prefetch_sweep.py measures every hint x distance on a
  * model. Intel: bench/RESULTS.md "issue 21 on an Intel machine" (T1 2 KB, a3b decode +6-36%). AMD Zen 5 (family 26):
- * NTA 2 KB, bench/journal/issue-36.md "prefetch on Zen 5" (full-depth qwen3moe and qwen35moe decode in one process,
- * every setting each round: 1.089x and 1.086x, above 1 in 14 of 14 and 12 of 12 rounds; T1 2 KB 1.049x / 1.050x).
+ * NTA 4 KB, bench/journal/issue-36.md "prefetch on Zen 5" (NTA 2 KB against none, full-depth qwen3moe and qwen35moe
+ * decode in one process, every setting each round: 1.089x and 1.086x, above 1 in 14 of 14 and 12 of 12 rounds) and
+ * "the read probe beside each step" (4 KB against 2 KB: one 1 GB matrix 80-83 against 75-79 GB/s with the memory in its
+ * fast state, level in its slow one; the five full-depth files' decode, with matmul.c's run heads, +1.7-4.2 %).
  * Zen 4 (family 25) and older: none, RESULTS.md "issue 36": no hint gained at any distance (64-8192 B; 0.96-0.99x at
  * 64-256 B, T1 2 KB 0.57-0.60x on an a3b-L12 decode). */
 static const struct {
@@ -238,7 +240,7 @@ static const struct {
     int bytes, hint;
 } PF_DEFAULTS[] = {
     {"GenuineIntel", 0, 2048, QK_PF_T1},
-    {"AuthenticAMD", 26, 2048, QK_PF_NTA},
+    {"AuthenticAMD", 26, 4096, QK_PF_NTA},
     {"AuthenticAMD", 0, 0, QK_PF_T1},
     {"", 0, 0, QK_PF_T1},
 };

@@ -23,7 +23,7 @@ int qk_pool_spin_us(void);
 /* How far ahead (bytes) the interleaved-layout kernels prefetch weights on passes of one token (8-row kernels) or up to
  * 8 (16-row kernels), 0 for not at all, and with which hint (qk_set_prefetch_hint). -1 sets the CPU's default (pool.c's
  * table per vendor and family): 2048 on Intel, where a core's demand stream alone leaves memory idle (an a3b decode
- * token +6-36%), and on AMD Zen 5 (NTA: +9% on full-depth decode), 0 elsewhere (on Zen 4 the hardware prefetchers keep
+ * token +6-36%), 4096 on AMD Zen 5 (NTA: +9% on full-depth decode at 2 KB, 2-4% more at 4 KB), 0 elsewhere (on Zen 4 the hardware prefetchers keep
  * up and a T0 prefetch cost 8%). While it is > 0 the GGUF-layout
  * kernels' one-token prefetch (2 KB ahead) goes to L2 rather than L1. Results do not depend on it. Returns 0, or -1
  * when bytes is not -1 or a multiple of 64 in 0..65536. */
