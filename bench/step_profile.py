@@ -4,7 +4,9 @@
 
 Prefills `--prompt` tokens, then times `--steps` one-token steps layer by layer (each layer whole in C, as
 `decode_tokens` runs it, with a timer around each call) and the head, and the whole step in one call for
-comparison. Per layer kind (attention or DeltaNet mixer, with a routed or a dense FFN) it prints the median time
+comparison: `--rounds` rounds of `--steps` steps each, the cache wound back to the prompt after each, each round
+between two passes of the read probe, so that a round's rate is set against the memory's rate of that moment (a shared
+host's memory can read 50 or 85 GB/s by the minute). The rounds are listed with their ratios under the table. Per layer kind (attention or DeltaNet mixer, with a routed or a dense FFN) it prints the median time
 per token, the weight (and recurrent-state) bytes read, and the GB/s that makes, beside the read-bandwidth probe's
 GB/s for the same threads. The head's row is the output projection over the vocabulary. The argmax (greedy) and
 the sampler chain (temperature 0.8, top-k 40, top-p 0.95; and top-k off) over the step's logits are timed too.
@@ -40,10 +42,19 @@ def layer_bytes(model, i: int) -> tuple[str, int]:
     return kind, n
 
 
+def quick_probe(threads: int) -> float:
+    """The read probe in one quick pass (its 1 GiB, one run of each pattern, the best), between rounds of steps (a
+    256 MiB pass read 10-15 % faster than the 1 GiB one beside it)."""
+    from moerun.placement.bandwidth import measure_host_read_bandwidth
+
+    return measure_host_read_bandwidth(threads, runs=1)["gbps"]
+
+
 def main() -> None:
     ap = add(parser(__doc__, "all"), "model", "threads")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of whole steps, each between two probe passes")
     args = ap.parse_args()
 
     from moerun.engine.kv_cache import KVPool, SeqKV
@@ -89,11 +100,17 @@ def main() -> None:
             t0 = time.perf_counter()
             tok = int(logits[-1].argmax())
             times["argmax"].append(time.perf_counter() - t0)
-        for _ in range(args.steps):  # the whole step in one call
-            t0 = time.perf_counter()
-            logits = model.decode(torch.tensor([tok]), [kv])
-            times["whole step"].append(time.perf_counter() - t0)
-            tok = int(logits[-1].argmax())
+        start, rounds = kv.length, []
+        for _ in range(args.rounds):  # the whole step in one call, between two passes of the probe
+            before, steps = quick_probe(args.threads), []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                logits = model.decode(torch.tensor([tok]), [kv])
+                steps.append(time.perf_counter() - t0)
+                tok = int(logits[-1].argmax())
+            kv.length = start
+            rounds.append((statistics.median(steps), before, quick_probe(args.threads)))
+            times["whole step"] += steps
         for name, params in (("sampler k40 p0.95 t0.8", SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=0)),
                              ("sampler p0.95 t0.8 (top-k off)", SamplingParams(temperature=0.8, top_k=0, top_p=0.95, seed=0))):
             sampler = Sampler(params, s.vocab)
@@ -126,6 +143,11 @@ def main() -> None:
         print(f"| {k} | | {ms:.3f} | {ms / step / 10:.2f} | | | |")
     print(f"| whole step (one call) | {s.n_layers} | {step * 1e3:.2f} | 100 | {total_bytes / 1e6:.0f} | "
           f"{total_bytes / step / 1e9:.1f} | {100 * total_bytes / step / 1e9 / bw:.0f} |")
+    ratios = [total_bytes / t / 1e9 / ((a + b) / 2) for t, a, b in rounds]
+    print(f"\nwhole step by round (ms, GB/s, probe GB/s before / after, % of their mean): " + "; ".join(
+        f"{t * 1e3:.2f}, {total_bytes / t / 1e9:.1f}, {a:.1f} / {b:.1f}, {100 * r:.0f}"
+        for (t, a, b), r in zip(rounds, ratios)))
+    print(f"median over rounds: {100 * statistics.median(ratios):.0f} % of the probe beside it")
 
 
 if __name__ == "__main__":
