@@ -8,6 +8,10 @@
 
 Prints GB/s of weight bytes (median of --reps passes) per case, and the ratios within each row, so a noisy
 machine is compared with itself. Run it with nothing else busy.
+
+Then one core's kernel alone, from L1, L2 and memory: one-token passes on the calling thread with nothing between
+them (the kernels' `dot_passes`), where the table above pays Python's and the pool's set-up for every call (a
+295 KB matrix: about a quarter of its time; issue 36).
 """
 
 from __future__ import annotations
@@ -41,6 +45,28 @@ def gbps(w: QTensor, T: int, reps: int) -> float:
     return w.nbytes / median_time(lambda _: cpu.matmul(x, w), reps, calls) / 1e9
 
 
+def kernel_alone(K: int, qtype: QType, reps: int) -> None:
+    """GB/s of one core's one-token passes (`_cpu.dot_passes`) over the interleaved layout on huge pages."""
+    print(f"\none core, the kernel alone ({qtype.name} interleaved, huge pages, K = {K}):")
+    print("| weights | prefetch as set | prefetch off |")
+    print("| --- | ---: | ---: |")
+    dram = 524288 * 2048 // K // 1024 * 1024
+    isa = cpu._isa(None)
+    for name, rows in (("L1", 8), ("L2", 256), ("DRAM", dram)):
+        w = weights(rows, K, "r8", "huge", qtype)
+        x, out = torch.randn(K), torch.empty(rows)
+        passes = max(1, (256 << 20) // w.nbytes)
+        r = []
+        for pf in (None, 0):
+            cpu.set_prefetch(pf)
+            r.append(w.nbytes * passes / median_time(
+                lambda _: _cpu.dot_passes(isa, cpu._type(w), w.data.data_ptr(), rows, K, x.data_ptr(), passes,
+                                          out.data_ptr()), reps) / 1e9)
+        cpu.set_prefetch(None)
+        print(f"| {name} ({w.nbytes / 1e3:.0f} KB) | {r[0]:.1f} | {r[1]:.1f} |", flush=True)
+        del w
+
+
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--threads", default="1,2")
@@ -67,6 +93,7 @@ def main() -> None:
                 del w
             print(f"| {th} | {name} | {T} | " + " | ".join(f"{v:.1f}" for v in r) + f" | {r[3] / r[0]:.2f} |",
                   flush=True)
+    kernel_alone(K, qtype, a.reps)
 
 
 if __name__ == "__main__":

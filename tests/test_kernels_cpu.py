@@ -137,6 +137,29 @@ def test_q8_0_weights_of_minus_128():
         assert rel_err(cpu.matmul(x, w, isa=isa), ref) < 1e-5
 
 
+@pytest.mark.parametrize("qtype", [QType.Q4_K, QType.Q6_K, QType.Q8_0, QType.MXFP4])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_dot_passes_give_the_matmul_products(qtype, interleaved):
+    """The kernel-rate probe (readbw.c's qk_dot_passes, bench/gemv_layouts.py) runs the very products of a
+    one-token matmul, and refuses what it cannot run."""
+    from moerun.kernels import _cpu
+
+    w = weight(qtype, 64, 2048)
+    if interleaved:
+        if not cpu.can_interleave(w):
+            pytest.skip(f"{qtype.name} has no interleaved layout")
+        w = cpu.interleave(w)
+    x = torch.randn(1, 2048)
+    out = torch.empty(64)
+    _cpu.dot_passes(cpu._isa(None), cpu._type(w), w.data.data_ptr(), 64, 2048, x.data_ptr(), 3, out.data_ptr())
+    assert torch.equal(out, cpu.matmul(x, w)[0])
+    with pytest.raises(ValueError):
+        _cpu.dot_passes(cpu._isa(None), cpu._type(w), w.data.data_ptr(), 64, 2048 + 7, x.data_ptr(), 1,
+                        out.data_ptr())
+    with pytest.raises(ValueError):
+        _cpu.dot_passes(cpu._isa(None), 9999, w.data.data_ptr(), 64, 2048, x.data_ptr(), 1, out.data_ptr())
+
+
 def test_matmul_zero_rows_and_no_tokens():
     w = weight(QType.Q4_K, 7, 512)
     x = torch.zeros(3, 512)

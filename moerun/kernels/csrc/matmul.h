@@ -68,5 +68,9 @@ int qk_dequant_rows_mt(int ggml, const uint8_t *w, int64_t N, int64_t K, const i
 /* The read-bandwidth probe (readbw.c): read nbytes of buf (64-byte aligned) on the kernel pool, each thread its
  * share as `streams` interleaved streams, prefetching `prefetch` bytes ahead (0: none); *xor_out: the data's xor. */
 int qk_read_bw(const uint8_t *buf, int64_t nbytes, int streams, int64_t prefetch, uint64_t *xor_out);
+/* reps one-token passes of W [N, K] (ggml type; whole blocks, N a multiple of its rows per call) against x [K] on the
+ * calling thread, nothing else between them (readbw.c); out[N]: the products, what qk_matmul gives for that row. */
+int qk_dot_passes(int isa, int ggml, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t reps,
+                  float *out);
 
 #endif

@@ -180,6 +180,19 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS return qk_raise(rc);
 }
 
+/* dot_passes(isa, ggml, w, N, K, x, reps, out): see qk_dot_passes. */
+static PyObject *py_dot_passes(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa, ggml;
+    unsigned long long w, x, out;
+    long long N, K, reps;
+    if (!PyArg_ParseTuple(args, "iiKLLKLK", &isa, &ggml, &w, &N, &K, &x, &reps, &out)) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = qk_dot_passes(isa, ggml, (const uint8_t *)(uintptr_t)w, N, K,
+                                              (const float *)(uintptr_t)x, reps, (float *)(uintptr_t)out);
+    Py_END_ALLOW_THREADS return qk_raise(rc);
+}
+
 /* matmuls(isa, x, T, K, ((w, ggml, N, out), ...)): up to QK_MM_MAX matrices (quantized, or F32 / F16 rows) over
  * the same x [T, K] in one call of the pool, the activations quantized once per type. */
 static PyObject *py_matmuls(PyObject *self, PyObject *args) {
@@ -454,6 +467,7 @@ static PyMethodDef methods[] = {
     {"read_bw", py_read_bw, METH_VARARGS, "read_bw(buf, nbytes, streams, prefetch): the read-bandwidth probe."},
     {"quantize_act", py_quantize_act, METH_VARARGS, "quantize_act(isa, ggml, x, T, K, out)"},
     {"matmul", py_matmul, METH_VARARGS, "matmul(isa, ggml, w, N, K, x, T, out)"},
+    {"dot_passes", py_dot_passes, METH_VARARGS, "dot_passes(isa, ggml, w, N, K, x, reps, out): a kernel's passes alone."},
     {"matmuls", py_matmuls, METH_VARARGS, "matmuls(isa, x, T, K, ((w, ggml, N, out), ...))"},
     {"moe_ffn", py_moe_ffn, METH_VARARGS,
      "moe_ffn(isa, x, T, H, ids, wts, k, gate, gate_stride, gate_type, up, up_stride, up_type, down, "

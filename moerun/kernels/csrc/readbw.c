@@ -4,8 +4,14 @@
  * qk_read_bw reads `nbytes` of `buf` on the kernel pool: each thread takes its own contiguous share and reads it
  * as `streams` interleaved sequential streams (the share cut into `streams` parts, one 64-byte line of each in
  * turn), with 32-byte loads folded into xor accumulators (integer, no float dependency chains), optionally with
- * a software prefetch `prefetch` bytes ahead in each stream. The result (xor of everything) keeps the loads. */
+ * a software prefetch `prefetch` bytes ahead in each stream. The result (xor of everything) keeps the loads.
+ *
+ * qk_dot_passes is its counterpart for a kernel: one-token passes over a matrix on the calling thread alone, with no
+ * pool and no Python between them, so that a matrix held in L1 or L2 shows what a core computes (issue 36: through
+ * Python and the pool each 295 KB call paid its set-up, and the one-token Q4_K_R8 kernel looked compute-bound at
+ * 38-40 GB/s where it computes 61-68). */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "matmul.h"
@@ -84,4 +90,23 @@ int qk_read_bw(const uint8_t *buf, int64_t nbytes, int streams, int64_t prefetch
     for (int i = 0; i < 64; i++) x ^= c.xors[i];
     *xor_out = x;
     return rc ? QK_ENOMEM : 0;
+}
+
+int qk_dot_passes(int isa, int ggml, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t reps,
+                  float *out) {
+    const kernel_set *ks = qk_kernels(isa);
+    const int qt = qk_qtype_index(ggml);
+    if (!ks) return QK_EISA;
+    if (qt < 0) return QK_ETYPE;
+    const qtype_info *ti = &QK_TYPES[qt];
+    if (N < 1 || K < 1 || reps < 1 || K % ti->blk_elems || N % ti->rows) return QK_ESHAPE;
+    const int64_t nb = K / ti->blk_elems, group = nb * ti->blk_bytes;
+    uint8_t *xq = malloc((size_t)(K / qk_act_elems(ti->act) * qk_act_bytes(ti->act)));
+    if (!xq) return QK_ENOMEM;
+    ks->quant[ti->act](x, xq, K);
+    const void *xs[1] = {xq};
+    for (int64_t r = 0; r < reps; r++)
+        for (int64_t g = 0; g < N / ti->rows; g++) ks->dot[qt](nb, w + g * group, xs, 1, out + g * ti->rows);
+    free(xq);
+    return QK_OK;
 }
