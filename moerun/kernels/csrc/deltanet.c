@@ -39,6 +39,20 @@ VECTOR_CLONES static void conv_task(void *p, int tid, int nth) {
         const int64_t b = it / per, c0 = it % per * CONV_ITEM, c1 = c0 + CONV_ITEM < a->C ? c0 + CONV_ITEM : a->C;
         float *st = a->conv + a->slots[b] * a->C * K1;
         const float *x = a->qkv + b * a->C;
+        if (K1 == 3 && !a->fresh[b]) { /* a window of 4 (Qwen3-Next, Qwen3.5): the loop below, unrolled, no calls */
+            for (int64_t c = c0; c < c1; c++) {
+                float *s = st + c * 3;
+                const float *w = a->w + c * 4, s0 = s[0], s1 = s[1], s2 = s[2], xc = x[c];
+                float acc = 0.0f;
+                acc += s0 * w[0];
+                acc += s1 * w[1];
+                acc += s2 * w[2];
+                acc += xc * w[3];
+                a->y[b * a->C + c] = silu(acc);
+                s[0] = s1, s[1] = s2, s[2] = xc;
+            }
+            continue;
+        }
         for (int64_t c = c0; c < c1; c++) {
             float *s = st + c * K1;
             if (a->fresh[b]) memset(s, 0, (size_t)K1 * sizeof(float));
