@@ -13,6 +13,7 @@
 #include "matmul.h"
 
 #define CONV_ITEM 256 /* channels per conv1d work item */
+#define DELTA_AHEAD 16 /* state rows prefetched ahead of the first pass over S */
 
 /* The loops over a state row are plain C for the compiler to vectorise; on x86-64 each task is built for
  * AVX-512, AVX2 and the baseline, the best one chosen at load (ifunc). */
@@ -83,6 +84,12 @@ VECTOR_CLONES static void head_task(void *p, int tid, int nth) {
     float q[1024], k[1024], kv[1024], o[1024];
     for (int64_t it; (it = atomic_fetch_add(&j->next, 1)) < j->items;) {
         const int64_t b = it / a->nv, h = it % a->nv, kh = a->tiled ? h % a->nk : h / r;
+        float *S = a->ssm + (a->slots[b] * a->nv + h) * dk * dv;
+        /* S's rows are read DELTA_AHEAD ahead of the first pass (8 KB of a 128 x 128 state; the first ones while q
+         * and k are normed): the state comes from memory each step, and a pass that waits on it lost 18 % (journal,
+         * issue 36) */
+        for (int64_t i = 0; i < DELTA_AHEAD && i < dk; i++)
+            for (int64_t c = 0; c < dv; c += 16) __builtin_prefetch(S + i * dv + c, 0, 3);
         const float *y = a->y + b * a->C;
         const float *qs = y + kh * dk, *ks = y + a->nk * dk + kh * dk, *v = y + 2 * a->nk * dk + h * dv;
         const float qn = inv_norm(qs, dk) / sqrtf((float)dk), kn = inv_norm(ks, dk);
@@ -90,11 +97,12 @@ VECTOR_CLONES static void head_task(void *p, int tid, int nth) {
         const float al = a->alpha[b * a->nv + h] + a->dt[h];
         const float sp = al > 20.0f ? al : log1pf(expf(al));
         const float decay = expf(a->a[h] * sp), beta = 1.0f / (1.0f + expf(-a->beta[b * a->nv + h]));
-        float *S = a->ssm + (a->slots[b] * a->nv + h) * dk * dv;
         if (a->fresh[b]) memset(S, 0, (size_t)(dk * dv) * sizeof(float));
         for (int64_t c = 0; c < dv; c++) kv[c] = 0.0f, o[c] = 0.0f;
         for (int64_t i = 0; i < dk; i++) {
             const float ki = k[i], *Si = S + i * dv;
+            if (i + DELTA_AHEAD < dk)
+                for (int64_t c = 0; c < dv; c += 16) __builtin_prefetch(Si + DELTA_AHEAD * dv + c, 0, 3);
             for (int64_t c = 0; c < dv; c++) kv[c] += Si[c] * ki;
         }
         for (int64_t c = 0; c < dv; c++) kv[c] = (v[c] - kv[c] * decay) * beta; /* delta */
