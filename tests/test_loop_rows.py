@@ -73,6 +73,24 @@ def test_attention_equals_the_torch_form(T, window, sinks):
         rows.attend(q, k, v, q_start + 1, k_start, None, sk, window)  # positions that do not end together
 
 
+@pytest.mark.parametrize("nh, nkv, D", [(32, 4, 128), (12, 1, 64), (4, 4, 48), (24, 2, 32), (16, 2, 256), (6, 2, 40)])
+@pytest.mark.parametrize("isa", cpu.features()["isas"] if cpu.available() else [])
+def test_decode_attention_of_every_group_shape(nh, nkv, D, isa):
+    """One query over 1-300 keys with sinks: groups of 1 to 12 heads a key head (the AVX-512 group kernel takes 8 at a
+    time, the rest padded), head sizes in 16s and not (40: the per-head loops), every kernel set against the torch
+    form; more keys than the group kernel prefetches ahead."""
+    g = gen(nh * D)
+    for S in (1, 9, 300):
+        q = torch.randn(1, nh, D, generator=g)
+        k, v = torch.randn(S, nkv, D, generator=g) * 2, torch.randn(S, nkv, D, generator=g)
+        sk = torch.randn(nh, generator=g)
+        for sinks in (None, sk):
+            got = rows.attend(q, k, v, S - 1, 0, None, sinks, 0, isa=isa)
+            ref = layers.attend(q, k, v, torch.arange(S - 1, S), torch.arange(S), sinks=sinks, window=0,
+                                q_start=S - 1)
+            torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-6)
+
+
 def test_mla_equals_the_absorbed_torch_form():
     g = gen(5)
     T, nh, nope, R, rank, dv, S = 2, 4, 16, 8, 32, 16, 11

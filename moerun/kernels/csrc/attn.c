@@ -139,7 +139,7 @@ static void wsum_q8_scalar(float *out, const float *p, int64_t n, const uint8_t 
 }
 
 static const attn_kernels ATTN_SCALAR = {{scores_scalar, scores_f16_scalar, scores_q8_scalar}, exp_sum_scalar,
-                                         {wsum_scalar, wsum_f16_scalar, wsum_q8_scalar}};
+                                         {wsum_scalar, wsum_f16_scalar, wsum_q8_scalar}, NULL};
 
 #if QK_X86
 #include "x86_common.h"
@@ -161,24 +161,6 @@ static QK_AVX2 void scores_avx2(float *s, const float *q, int64_t n, const uint8
         for (; i < D; i++) acc += q[i] * k[i];
         s[j] = acc * scale;
     }
-}
-
-/* exp on 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial), within
- * 2 ulp of expf on the softmax's inputs (<= 0); below -87.3 it flushes towards 0. */
-QK_AVX2_INLINE __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
 static QK_AVX2 float exp_sum_avx2(float *s, int64_t n, float max) {
@@ -316,11 +298,14 @@ static QK_AVX2 void wsum_q8_avx2(float *out, const float *p, int64_t n, const ui
 }
 
 static const attn_kernels ATTN_AVX2 = {{scores_avx2, scores_f16_avx2, scores_q8_avx2}, exp_sum_avx2,
-                                       {wsum_avx2, wsum_f16_avx2, wsum_q8_avx2}};
+                                       {wsum_avx2, wsum_f16_avx2, wsum_q8_avx2}, NULL};
+static const attn_kernels ATTN_VNNI = {{scores_avx2, scores_f16_avx2, scores_q8_avx2}, exp_sum_avx2,
+                                       {wsum_avx2, wsum_f16_avx2, wsum_q8_avx2}, qk_attn_group_vnni};
 #endif
 
 const attn_kernels *qk_attn_kernels(int isa) {
 #if QK_X86
+    if (isa == ISA_VNNI && qk_kernels(ISA_VNNI)) return &ATTN_VNNI;
     if (isa != ISA_SCALAR) return &ATTN_AVX2;
 #endif
     (void)isa;
@@ -360,12 +345,20 @@ static void attn_task(void *p, int tid, int nth) {
         const int64_t n = c->pos[r] + 1 - first;
         const int64_t *slot = c->slots[r] + first;
         /* every key and value row of this head at once: the misses overlap instead of coming one row at a time
-         * (the cache is cold after a decode step's weights streamed through; 10% off the attention) */
-        for (int64_t j = 0; j < n; j++) {
+         * (the cache is cold after a decode step's weights streamed through; 10% off the attention); the group
+         * kernel prefetches AG_AHEAD rows ahead itself, so only its first rows here */
+        const int group = c->k->group && c->kkind != KV_Q8_0 && c->vkind != KV_Q8_0 && c->D % 16 == 0;
+        for (int64_t j = 0; j < (group && n > AG_AHEAD ? AG_AHEAD : n); j++) {
             const char *kp = (const char *)c->kc + h * c->khead + slot[j] * c->krow;
             const char *vp = (const char *)c->vc + h * c->vhead + slot[j] * c->vrow;
             for (int64_t o = 0; o < c->khead; o += 64) __builtin_prefetch(kp + o, 0, 2);
             for (int64_t o = 0; o < c->vhead; o += 64) __builtin_prefetch(vp + o, 0, 2);
+        }
+        if (group) {
+            c->k->group(c->att + r * qd + h * g * c->D, c->q + r * qd + h * g * c->D, g, n, c->kc + h * c->khead,
+                        c->vc + h * c->vhead, slot, c->krow, c->vrow, c->D, c->kkind, c->vkind, c->scale,
+                        c->sinks ? c->sinks + h * g : NULL, c->scores + (r * c->nkv + h) * (g < 8 ? 8 : g) * c->maxkeys);
+            continue;
         }
         for (int64_t gi = 0; gi < g; gi++) {
             const int64_t head = h * g + gi;
@@ -392,7 +385,7 @@ int qk_attend_rows(int isa, const float *q, int64_t B, int64_t nh, int64_t nkv, 
         if (pos[r] < 0) return QK_ESHAPE;
         maxkeys = pos[r] + 1 > maxkeys ? pos[r] + 1 : maxkeys;
     }
-    float *scores = malloc((size_t)(B * nh * maxkeys) * sizeof(float));
+    float *scores = malloc((size_t)(B * qk_score_floats(nh, nkv, maxkeys)) * sizeof(float));
     if (!scores) return QK_ENOMEM;
     attn_ctx c = {.k = qk_attn_kernels(isa), .nh = nh, .nkv = nkv, .D = D, .maxkeys = maxkeys, .items = B * nkv,
                   .window = window, .kkind = KV_F32, .vkind = KV_F32, .krow = 4 * nkv * D, .vrow = 4 * nkv * D,
@@ -487,7 +480,7 @@ int qk_attn_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64
         if (pos[r] < 0) return QK_ESHAPE;
         maxkeys = pos[r] + 1 > maxkeys ? pos[r] + 1 : maxkeys;
     }
-    const int64_t nfloat = B * (H + (2 + 2 * gated) * qd + 2 * kd + H + nh * maxkeys);
+    const int64_t nfloat = B * (H + (2 + 2 * gated) * qd + 2 * kd + H + qk_score_floats(nh, nkv, maxkeys));
     float *mem = malloc((size_t)nfloat * sizeof(float));
     if (!mem) return QK_ENOMEM;
     /* q: [B, nh * D], or with the gate [B, nh * 2D] as wq gives it, then split into q and gate */

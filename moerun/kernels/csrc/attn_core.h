@@ -17,13 +17,33 @@ typedef float (*softmax_fn)(float *s, int64_t n, float max);
 typedef void (*wsum_fn)(float *out, const float *p, int64_t n, const uint8_t *vbase, const int64_t *slot,
                         int64_t stride, int64_t D);
 
+/* One GQA group: out[i * D ..] = softmax(scale * q_i . k_j (+ the sink sinks[i] in the sum))_j . v_j for the g heads
+ * q[i * D ..] that share a key/value head, over n keys of kind kkind and values of kind vkind (KV_F32 or KV_F16,
+ * D % 16 == 0); s: scratch of 8 * n floats. */
+#define AG_AHEAD 8 /* rows the group kernel prefetches ahead of the key and value rows it reads */
+typedef void (*group_fn)(float *out, const float *q, int64_t g, int64_t n, const uint8_t *kbase, const uint8_t *vbase,
+                         const int64_t *slot, int64_t kstride, int64_t vstride, int64_t D, int kkind, int vkind,
+                         float scale, const float *sinks, float *s);
+
 typedef struct {
     scores_fn scores[KV_KINDS];
     softmax_fn exp_sum;
     wsum_fn wsum[KV_KINDS];
+    group_fn group; /* or NULL: the per-head loops */
 } attn_kernels;
 
-/* The loops for an ISA (AVX2 on x86 unless scalar is asked for). */
+void qk_attn_group_vnni(float *out, const float *q, int64_t g, int64_t n, const uint8_t *kbase, const uint8_t *vbase,
+                        const int64_t *slot, int64_t kstride, int64_t vstride, int64_t D, int kkind, int vkind,
+                        float scale, const float *sinks, float *s);
+
+/* Floats of scores scratch the attention job needs per query row (attn_task: each item's at least 8 keys' worth a
+ * head). */
+static inline int64_t qk_score_floats(int64_t nh, int64_t nkv, int64_t maxkeys) {
+    const int64_t g = nh / nkv;
+    return nkv * (g < 8 ? 8 : g) * maxkeys;
+}
+
+/* The loops for an ISA (AVX2 on x86 unless scalar is asked for; with AVX-512 VNNI, the group kernel too). */
 const attn_kernels *qk_attn_kernels(int isa);
 
 /* ggml's type id of a cache (0 F32, 1 F16, 8 Q8_0) -> its kind, or -1; bytes of n values of a kind (n a multiple

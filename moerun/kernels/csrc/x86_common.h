@@ -35,6 +35,24 @@ QK_AVX2_INLINE __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
 #endif
 }
 
+/* exp on 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial), within
+ * 2 ulp of expf on the softmax's inputs (<= 0); below -87.3 it flushes towards 0. */
+QK_AVX2_INLINE __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
 /* Weight rows stream from DRAM: prefetch this many bytes ahead of the block being read (about the
  * memory latency times one core's bandwidth; measured best among 0.5-4 KB on Zen 4, where it lifts a
  * T = 1 Q4_K GEMV from ~11 to ~16 GB/s per thread). Past the end of a row it fetches the next row,
