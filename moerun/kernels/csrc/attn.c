@@ -347,7 +347,7 @@ static void attn_task(void *p, int tid, int nth) {
         /* every key and value row of this head at once: the misses overlap instead of coming one row at a time
          * (the cache is cold after a decode step's weights streamed through; 10% off the attention); the group
          * kernel prefetches AG_AHEAD rows ahead itself, so only its first rows here */
-        const int group = c->k->group && c->kkind != KV_Q8_0 && c->vkind != KV_Q8_0 && c->D % 16 == 0;
+        const int group = c->k->group && c->D % 16 == 0;
         for (int64_t j = 0; j < (group && n > AG_AHEAD ? AG_AHEAD : n); j++) {
             const char *kp = (const char *)c->kc + h * c->khead + slot[j] * c->krow;
             const char *vp = (const char *)c->vc + h * c->vhead + slot[j] * c->vrow;

@@ -18,8 +18,8 @@ typedef void (*wsum_fn)(float *out, const float *p, int64_t n, const uint8_t *vb
                         int64_t stride, int64_t D);
 
 /* One GQA group: out[i * D ..] = softmax(scale * q_i . k_j (+ the sink sinks[i] in the sum))_j . v_j for the g heads
- * q[i * D ..] that share a key/value head, over n keys of kind kkind and values of kind vkind (KV_F32 or KV_F16,
- * D % 16 == 0); s: scratch of 8 * n floats. */
+ * q[i * D ..] that share a key/value head, over n keys of kind kkind and values of kind vkind (D % 16 == 0; a Q8_0
+ * head is whole blocks); s: scratch of 8 * n floats. */
 #define AG_AHEAD 8 /* rows the group kernel prefetches ahead of the key and value rows it reads */
 typedef void (*group_fn)(float *out, const float *q, int64_t g, int64_t n, const uint8_t *kbase, const uint8_t *vbase,
                          const int64_t *slot, int64_t kstride, int64_t vstride, int64_t D, int kkind, int vkind,

@@ -5,7 +5,8 @@
  * Scores: per key, eight zmm accumulators (one per head) over the row's 16-value chunks, then one 8-way reduction,
  * stored key-major (s[j * 8 + head]); the softmax runs on those rows with one lane per head; the weighted sum takes
  * 32 output values of all eight heads per pass over the values (16 accumulators). Heads past g in the last eight
- * repeat head 0 and are not written. The sums run in a different order from the per-head loops (a few ulp apart). */
+ * repeat head 0 and are not written. The sums run in a different order from the per-head loops (a few ulp apart).
+ * Caches of float32, float16 or Q8_0 (each 16 values scaled as they load). */
 #define QK_VNNI 1
 #include "x86_common.h"
 
@@ -15,9 +16,13 @@
 
 #if QK_X86
 
-/* 16 values of a cache row: float32 or float16. */
-QK_AVX2_INLINE __m512 ag_load(const uint8_t *p, int f16) {
-    return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps((const float *)p);
+/* Values c..c+15 of a cache row of kind `kind` (a Q8_0 row: blocks of an f16 scale and 32 int8, c a multiple of 16). */
+QK_AVX2_INLINE __m512 ag_load(const uint8_t *row, int64_t c, int kind) {
+    if (kind == KV_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * c)));
+    if (kind == KV_F32) return _mm512_loadu_ps((const float *)row + c);
+    const uint8_t *b = row + c / 32 * 34;
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + c % 32))));
+    return _mm512_mul_ps(v, _mm512_set1_ps(qk_f16_at(b)));
 }
 
 /* The sums of eight zmm, lane i the sum of a[i]. */
@@ -38,18 +43,18 @@ QK_AVX2_INLINE void ag_ahead(const uint8_t *row, int64_t bytes) {
 }
 
 QK_AVX2_INLINE __m256 ag_softmax(float *s, const float *q, int hc, int64_t n, const uint8_t *kbase, const int64_t *slot,
-                                 int64_t stride, int64_t D, int f16, float scale, const float *sinks) {
+                                 int64_t stride, int64_t D, int kind, float scale, const float *sinks) {
     const float *qh[8];
     for (int i = 0; i < 8; i++) qh[i] = q + (i < hc ? i : 0) * D;
-    const int64_t eb = f16 ? 2 : 4;
+    const int64_t rb = qk_kind_bytes(kind, D);
     __m256 m = _mm256_set1_ps(-INFINITY);
     for (int64_t j = 0; j < n; j++) {
         const uint8_t *k = kbase + slot[j] * stride;
-        if (j + AG_AHEAD < n) ag_ahead(kbase + slot[j + AG_AHEAD] * stride, D * eb);
+        if (j + AG_AHEAD < n) ag_ahead(kbase + slot[j + AG_AHEAD] * stride, rb);
         __m512 a[8];
         for (int i = 0; i < 8; i++) a[i] = _mm512_setzero_ps();
         for (int64_t c = 0; c < D; c += 16) {
-            const __m512 kv = ag_load(k + c * eb, f16);
+            const __m512 kv = ag_load(k, c, kind);
             for (int i = 0; i < 8; i++) a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qh[i] + c), kv, a[i]);
         }
         const __m256 sj = _mm256_mul_ps(ag_sum8(a), _mm256_set1_ps(scale));
@@ -78,8 +83,8 @@ QK_AVX2_INLINE __m256 ag_softmax(float *s, const float *q, int hc, int64_t n, co
 /* out[i * D ..] = inv_i * sum_j p[j * 8 + i] v_j for i < hc, 32 values at a time (D % 16 == 0: the last pass may take
  * 16). */
 QK_AVX2_INLINE void ag_wsum(float *out, const float *p, __m256 inv, int hc, int64_t n, const uint8_t *vbase,
-                            const int64_t *slot, int64_t stride, int64_t D, int f16) {
-    const int64_t eb = f16 ? 2 : 4;
+                            const int64_t *slot, int64_t stride, int64_t D, int kind) {
+    const int64_t rb = qk_kind_bytes(kind, D);
     float iv[8];
     _mm256_storeu_ps(iv, inv);
     for (int64_t d = 0; d < D; d += 32) {
@@ -87,9 +92,9 @@ QK_AVX2_INLINE void ag_wsum(float *out, const float *p, __m256 inv, int hc, int6
         __m512 a[8][2];
         for (int i = 0; i < 8; i++) a[i][0] = a[i][1] = _mm512_setzero_ps();
         for (int64_t j = 0; j < n; j++) {
-            const uint8_t *v = vbase + slot[j] * stride + d * eb;
-            if (d == 0 && j + AG_AHEAD < n) ag_ahead(vbase + slot[j + AG_AHEAD] * stride, D * eb);
-            const __m512 v0 = ag_load(v, f16), v1 = two ? ag_load(v + 16 * eb, f16) : _mm512_setzero_ps();
+            const uint8_t *v = vbase + slot[j] * stride;
+            if (d == 0 && j + AG_AHEAD < n) ag_ahead(vbase + slot[j + AG_AHEAD] * stride, rb);
+            const __m512 v0 = ag_load(v, d, kind), v1 = two ? ag_load(v, d + 16, kind) : _mm512_setzero_ps();
             for (int i = 0; i < 8; i++) {
                 const __m512 b = _mm512_set1_ps(p[8 * j + i]);
                 a[i][0] = _mm512_fmadd_ps(b, v0, a[i][0]);
@@ -111,9 +116,9 @@ __attribute__((target(QK_TARGET))) void qk_attn_group_vnni(float *out, const flo
                                                              const float *sinks, float *s) {
     for (int64_t h0 = 0; h0 < g; h0 += 8) {
         const int hc = g - h0 < 8 ? (int)(g - h0) : 8;
-        const __m256 inv = ag_softmax(s, q + h0 * D, hc, n, kbase, slot, kstride, D, kkind == KV_F16, scale,
+        const __m256 inv = ag_softmax(s, q + h0 * D, hc, n, kbase, slot, kstride, D, kkind, scale,
                                       sinks ? sinks + h0 : NULL);
-        ag_wsum(out + h0 * D, s, inv, hc, n, vbase, slot, vstride, D, vkind == KV_F16);
+        ag_wsum(out + h0 * D, s, inv, hc, n, vbase, slot, vstride, D, vkind);
     }
 }
 
