@@ -17,13 +17,14 @@ typedef float (*softmax_fn)(float *s, int64_t n, float max);
 typedef void (*wsum_fn)(float *out, const float *p, int64_t n, const uint8_t *vbase, const int64_t *slot,
                         int64_t stride, int64_t D);
 
-/* One GQA group: out[i * D ..] = softmax(scale * q_i . k_j (+ the sink sinks[i] in the sum))_j . v_j for the g heads
- * q[i * D ..] that share a key/value head, over n keys of kind kkind and values of kind vkind (D % 16 == 0; a Q8_0
- * head is whole blocks); s: scratch of 8 * n floats. */
+/* One GQA group: out[i * Dv ..] = softmax(scale * q_i . k_j (+ the sink sinks[i] in the sum))_j . v_j for the g heads
+ * q[i * D ..] that share a key/value head, over n keys of D values and kind kkind and values of kind vkind, the first
+ * Dv values of their rows (D, Dv % 16 == 0; a Q8_0 head is whole blocks; vbase == kbase: the values are the keys' own
+ * rows, as MLA's latents); s: scratch of 8 * n floats. */
 #define AG_AHEAD 8 /* rows the group kernel prefetches ahead of the key and value rows it reads */
 typedef void (*group_fn)(float *out, const float *q, int64_t g, int64_t n, const uint8_t *kbase, const uint8_t *vbase,
-                         const int64_t *slot, int64_t kstride, int64_t vstride, int64_t D, int kkind, int vkind,
-                         float scale, const float *sinks, float *s);
+                         const int64_t *slot, int64_t kstride, int64_t vstride, int64_t D, int64_t Dv, int kkind,
+                         int vkind, float scale, const float *sinks, float *s);
 
 typedef struct {
     scores_fn scores[KV_KINDS];
@@ -33,8 +34,8 @@ typedef struct {
 } attn_kernels;
 
 void qk_attn_group_vnni(float *out, const float *q, int64_t g, int64_t n, const uint8_t *kbase, const uint8_t *vbase,
-                        const int64_t *slot, int64_t kstride, int64_t vstride, int64_t D, int kkind, int vkind,
-                        float scale, const float *sinks, float *s);
+                        const int64_t *slot, int64_t kstride, int64_t vstride, int64_t D, int64_t Dv, int kkind,
+                        int vkind, float scale, const float *sinks, float *s);
 
 /* Floats of scores scratch the attention job needs per query row (attn_task: each item's at least 8 keys' worth a
  * head). */

@@ -80,11 +80,10 @@ QK_AVX2_INLINE __m256 ag_softmax(float *s, const float *q, int hc, int64_t n, co
     return _mm256_loadu_ps(sm);
 }
 
-/* out[i * D ..] = inv_i * sum_j p[j * 8 + i] v_j for i < hc, 32 values at a time (D % 16 == 0: the last pass may take
- * 16). */
+/* out[i * D ..] = inv_i * sum_j p[j * 8 + i] v_j (the first D values of each row, a row rb bytes) for i < hc, 32
+ * values at a time (D % 16 == 0: the last pass may take 16). */
 QK_AVX2_INLINE void ag_wsum(float *out, const float *p, __m256 inv, int hc, int64_t n, const uint8_t *vbase,
-                            const int64_t *slot, int64_t stride, int64_t D, int kind) {
-    const int64_t rb = qk_kind_bytes(kind, D);
+                            const int64_t *slot, int64_t stride, int64_t D, int64_t rb, int kind) {
     float iv[8];
     _mm256_storeu_ps(iv, inv);
     for (int64_t d = 0; d < D; d += 32) {
@@ -112,13 +111,13 @@ QK_AVX2_INLINE void ag_wsum(float *out, const float *p, __m256 inv, int hc, int6
 __attribute__((target(QK_TARGET))) void qk_attn_group_vnni(float *out, const float *q, int64_t g, int64_t n,
                                                              const uint8_t *kbase, const uint8_t *vbase,
                                                              const int64_t *slot, int64_t kstride, int64_t vstride,
-                                                             int64_t D, int kkind, int vkind, float scale,
-                                                             const float *sinks, float *s) {
+                                                             int64_t D, int64_t Dv, int kkind, int vkind,
+                                                             float scale, const float *sinks, float *s) {
     for (int64_t h0 = 0; h0 < g; h0 += 8) {
         const int hc = g - h0 < 8 ? (int)(g - h0) : 8;
         const __m256 inv = ag_softmax(s, q + h0 * D, hc, n, kbase, slot, kstride, D, kkind, scale,
                                       sinks ? sinks + h0 : NULL);
-        ag_wsum(out + h0 * D, s, inv, hc, n, vbase, slot, vstride, D, vkind);
+        ag_wsum(out + h0 * Dv, s, inv, hc, n, vbase, slot, vstride, Dv, qk_kind_bytes(vkind, Dv), vkind);
     }
 }
 

@@ -30,7 +30,7 @@ typedef struct {
     dot_fn dot;
     mla_w wk, wv;
     int64_t nh, rank, R, nope, dv, maxkeys, items, row;
-    int kind;
+    int kind, group; /* group: items of eight heads through k->group */
     const uint8_t *cache;
     const float *q;
     float *qlat, *lat, *o, *scores, *rows, scale;
@@ -52,12 +52,34 @@ static void mla_dot(const mla_ctx *c, const mla_w *m, int64_t row, const float *
     }
 }
 
+/* With the group kernel (c->group): an item is a row's eight heads (or the last few), their queries into the latent
+ * space, then their attention over the latents together, then out through W_UV. */
+static void mla_group_item(const mla_ctx *c, int64_t it, float *buf) {
+    const int64_t chunks = (c->nh + 7) / 8, r = it / chunks, h0 = it % chunks * 8, n = c->pos[r] + 1;
+    const int64_t hc = c->nh - h0 < 8 ? c->nh - h0 : 8, hd = c->nope + c->R, L = c->rank + c->R, i0 = r * c->nh + h0;
+    for (int64_t h = h0; h < h0 + hc; h++) {
+        const float *qh = c->q + (r * c->nh + h) * hd;
+        float *ql = c->qlat + (r * c->nh + h) * L;
+        for (int64_t i = 0; i < c->rank; i++) mla_dot(c, &c->wk, h * c->rank + i, qh, buf, ql + i);
+        memcpy(ql + c->rank, qh + c->nope, (size_t)c->R * sizeof(float));
+    }
+    c->k->group(c->lat + i0 * c->rank, c->qlat + i0 * L, hc, n, c->cache, c->cache, c->slots[r], c->row, c->row, L,
+                c->rank, c->kind, c->kind, c->scale, NULL, c->scores + it * 8 * c->maxkeys);
+    for (int64_t h = h0; h < h0 + hc; h++)
+        for (int64_t v = 0; v < c->dv; v++)
+            mla_dot(c, &c->wv, h * c->dv + v, c->lat + (r * c->nh + h) * c->rank, buf, c->o + (r * c->nh + h) * c->dv + v);
+}
+
 static void mla_task(void *p, int tid, int nth) {
     mla_ctx *c = p;
     (void)nth;
     float *buf = c->rows + tid * (c->rank > c->nope ? c->rank : c->nope);
     const int64_t hd = c->nope + c->R, L = c->rank + c->R;
     for (int64_t it; (it = atomic_fetch_add(&c->next, 1)) < c->items;) {
+        if (c->group) {
+            mla_group_item(c, it, buf);
+            continue;
+        }
         const int64_t r = it / c->nh, h = it % c->nh, n = c->pos[r] + 1;
         const float *qh = c->q + it * hd;         /* [nope, rope], rotated */
         float *ql = c->qlat + it * L, *s = c->scores + it * c->maxkeys, *lt = c->lat + it * c->rank;
@@ -71,6 +93,12 @@ static void mla_task(void *p, int tid, int nth) {
         c->k->wsum[c->kind](lt, s, n, c->cache, c->slots[r], c->row, c->rank);
         for (int64_t v = 0; v < c->dv; v++) mla_dot(c, &c->wv, h * c->dv + v, lt, buf, c->o + it * c->dv + v);
     }
+}
+
+/* Items of eight heads through the group kernel where the kernel set has it and the latent's lengths allow. */
+static void mla_use_group(mla_ctx *c, int64_t B) {
+    c->group = c->k->group && (c->rank + c->R) % 16 == 0 && c->rank % 16 == 0;
+    if (c->group) c->items = B * ((c->nh + 7) / 8);
 }
 
 static const float *fptr(int64_t a) { return (const float *)(uintptr_t)a; }
@@ -111,12 +139,13 @@ int qk_mla_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_
         if (pos[r] < 0) return QK_ESHAPE;
         maxkeys = pos[r] + 1 > maxkeys ? pos[r] + 1 : maxkeys;
     }
-    const int64_t nfloat = B * (H + qr + qd + L + nh * (L + rank + dv + maxkeys) + H) +
+    const int64_t nfloat = B * (H + qr + qd + L + nh * (L + rank + dv) + (nh + 7) * maxkeys + H) +
                            (int64_t)qk_pool_threads() * (rank > nope ? rank : nope);
     float *mem = malloc((size_t)nfloat * sizeof(float));
     if (!mem) return QK_ENOMEM;
     float *xn = mem, *qa = xn + B * H, *q = qa + B * qr, *kv = q + B * qd, *qlat = kv + B * L;
-    float *lat = qlat + B * nh * L, *o = lat + B * nh * rank, *scores = o + B * nh * dv, *out = scores + B * nh * maxkeys;
+    float *lat = qlat + B * nh * L, *o = lat + B * nh * rank, *scores = o + B * nh * dv;
+    float *out = scores + B * (nh + 7) * maxkeys; /* scores: a head's, or eight heads' an item (mla_group_item) */
     float *rows = out + B * H; /* a dequantized row per thread */
 
     for (int64_t r = 0; r < B; r++) qk_rms_norm(x + r * H, fptr(d->attn_norm), H, eps, xn + r * H);
@@ -148,6 +177,7 @@ int qk_mla_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_
                      .maxkeys = maxkeys, .items = B * nh, .row = row, .kind = kind, .cache = kc, .q = q, .wk = wk,
                      .wv = wv, .qlat = qlat, .lat = lat, .o = o, .scores = scores, .rows = rows, .scale = scale,
                      .slots = slots, .pos = pos};
+        mla_use_group(&c, B);
         atomic_init(&c.next, 0);
         qk_pool_run(mla_task, &c);
         const qk_wmat wo = wmat(d->wo, d->wo_type, H);
@@ -171,16 +201,19 @@ int qk_mla_attend_rows(int isa, const float *q, int64_t B, int64_t nh, int64_t r
         if (pos[r] < 0) return QK_ESHAPE;
         maxkeys = pos[r] + 1 > maxkeys ? pos[r] + 1 : maxkeys;
     }
-    const int64_t nfloat = B * nh * (L + rank + maxkeys) + (int64_t)qk_pool_threads() * (rank > nope ? rank : nope);
+    const int64_t nfloat = B * (nh * (L + rank) + (nh + 7) * maxkeys) +
+                           (int64_t)qk_pool_threads() * (rank > nope ? rank : nope);
     float *mem = malloc((size_t)nfloat * sizeof(float));
     if (!mem) return QK_ENOMEM;
-    float *qlat = mem, *lat = qlat + B * nh * L, *scores = lat + B * nh * rank, *rows = scores + B * nh * maxkeys;
+    float *qlat = mem, *lat = qlat + B * nh * L, *scores = lat + B * nh * rank;
+    float *rows = scores + B * (nh + 7) * maxkeys;
     mla_ctx c = {.k = qk_attn_kernels(isa), .dot = dot, .nh = nh, .rank = rank, .R = R, .nope = nope, .dv = dv,
                  .maxkeys = maxkeys, .items = B * nh, .row = 4 * L, .kind = KV_F32, .cache = (const uint8_t *)cache,
                  .q = q, .wk = {(const uint8_t *)wk_b, GGML_F32, nope, nh * rank, 4 * nope, NULL},
                  .wv = {(const uint8_t *)wv_b, GGML_F32, rank, nh * dv, 4 * rank, NULL}, .qlat = qlat, .lat = lat,
                  .o = o, .scores = scores, .rows = rows,
                  .scale = scale > 0.0f ? scale : (float)(1.0 / sqrt((double)hd)), .slots = slots, .pos = pos};
+    mla_use_group(&c, B);
     atomic_init(&c.next, 0);
     qk_pool_run(mla_task, &c);
     free(mem);
