@@ -8,11 +8,19 @@ llama.cpp's `llama-bench -p P -n N -r 1 -o json` and, when --ik-bin is given, ik
 table has each engine's median t/s over the rounds and the ratios; GB/s is moerun's count of weight bytes per
 generated token times the t/s. Build the two llama-bench binaries yourself (cmake, -DGGML_NATIVE=ON); this script
 does not build them.
+
+--probe: the read probe (bench/step_profile.py's quick_probe, in a process of its own) before every run. A VM's memory
+may read at one of two rates by the minute (issue 36: ~52 or ~85 GB/s on a 2-core Zen 5), so a median over rounds
+can set one engine's fast runs against the other's slow ones; the decode ratios are then also given within each
+state (a run is "fast" when its probe reaches 80 % of the highest probe of the file's rounds).
 """
 
 from __future__ import annotations
 
 import os
+import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 from toolkit import add, alternate, cpu_ids, cpu_model, medians, moerun_cmd, parser, ratio, run_json
@@ -27,6 +35,30 @@ def moerun_round(model: str, args) -> dict:
         if kind == "tg":
             out["bytes_per_token"] = rec["bytes_per_token"]
     return out
+
+
+def probe_gbps(threads: int) -> float:
+    """The quick read probe, in a process of its own (its 1 GiB freed before the engine's run)."""
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from step_profile import quick_probe; "
+            f"print(quick_probe({int(threads)}))")
+    return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+def by_state(got: dict, kind: str, a: str, b: str) -> str:
+    """a's and b's `kind` t/s compared within each memory state (probe >= 80 % of the highest: fast): 'fast 1.30x
+    (2 runs of a, 1 of b), slow ...', or '' without probes."""
+    runs = [g for gs in got.values() for g in gs]
+    if not all("probe" in g for g in runs):
+        return ""
+    top = max(g["probe"] for g in runs)
+    parts = []
+    for state, keep in (("fast", lambda p: p >= 0.8 * top), ("slow", lambda p: p < 0.8 * top)):
+        xa = [g[kind] for g in got[a] if kind in g and keep(g["probe"])]
+        xb = [g[kind] for g in got[b] if kind in g and keep(g["probe"])]
+        if xa and xb:
+            parts.append(f"{state} {ratio(statistics.median(xa), statistics.median(xb))}x ({len(xa)} runs of {a}, "
+                         f"{len(xb)} of {b})")
+    return "; ".join(parts)
 
 
 def llama_bench_round(binary: Path, model: str, args, extra: list[str]) -> dict:
@@ -46,6 +78,7 @@ def main() -> None:
     ap.add_argument("-p", "--n-prompt", type=int, default=512)
     ap.add_argument("-n", "--n-gen", type=int, default=128)
     add(ap, "--rounds")
+    ap.add_argument("--probe", action="store_true", help="the read probe before every run, decode ratios by memory state")
     args = ap.parse_args()
     engines = {"moerun": lambda m: moerun_round(m, args),
                "llama.cpp": lambda m: llama_bench_round(args.llama_bin, m, args, [])}
@@ -57,10 +90,18 @@ def main() -> None:
     rows = [header, "|---|---|" + "---:|" * (len(engines) + (3 if args.ik_bin else 1) + 1)]
     rounds = []  # every round's t/s, for the record beside the medians
     for model in args.models:
-        got = alternate(list(engines), args.rounds, lambda name, _r, m=model: engines[name](m))
+        def run(name, _r, m=model):
+            probe = probe_gbps(args.threads) if args.probe else None
+            out = engines[name](m)
+            return out if probe is None else {**out, "probe": probe}
+
+        got = alternate(list(engines), args.rounds, run)
         for kind in ("pp", "tg"):
             rounds.append(f"{Path(model).name} {kind}: " + "; ".join(
-                f"{e} " + ", ".join(f"{g[kind]:.1f}" for g in gs if kind in g) for e, gs in got.items()))
+                f"{e} " + ", ".join(f"{g[kind]:.1f}" + (f" (probe {g['probe']:.0f})" if "probe" in g else "")
+                                    for g in gs if kind in g) for e, gs in got.items()))
+        if args.ik_bin and (states := by_state(got, "tg", "moerun", "ik_llama.cpp")):
+            rounds.append(f"{Path(model).name} tg, moerun / ik_llama.cpp within a memory state: {states}")
         bpt = next((g["bytes_per_token"] for g in reversed(got["moerun"]) if "bytes_per_token" in g), 0)
         for kind, n in (("pp", args.n_prompt), ("tg", args.n_gen)):
             med = medians({e: [g[kind] for g in gs] for e, gs in got.items()})

@@ -202,3 +202,24 @@ def test_server_process_waits_for_health_and_stops_by_pid(tmp_path):
 def test_a_server_that_exits_is_reported_with_its_log(tmp_path):
     with pytest.raises(RuntimeError, match="did not start(.|\n)*boom"):
         tk.ServerProcess([], tmp_path / "serve.log", launcher=("-c", "print('boom')"), wait=60)
+
+
+def test_compare_engines_sets_runs_against_each_other_within_a_memory_state():
+    """compare_engines --probe: a median over rounds set one engine's fast-memory runs against the other's slow ones
+    (issue 36); by_state compares within each state, a run fast when its probe reaches 80 % of the highest."""
+    import compare_engines as ce
+
+    got = {"moerun": [{"tg": 26.4, "probe": 54.3}, {"tg": 26.7, "probe": 55.0}, {"tg": 37.1, "probe": 84.1}],
+           "ik_llama.cpp": [{"tg": 22.7, "probe": 54.2}, {"tg": 28.7, "probe": 83.8}, {"tg": 28.0, "probe": 84.7}]}
+    got["moerun"][0]["pp"] = 140.0  # another test's number is not mixed in
+    line = ce.by_state(got, "tg", "moerun", "ik_llama.cpp")
+    assert line.startswith("fast ") and "; slow " in line
+    fast, slow = line.split("; ")
+    assert ce.ratio(37.1, (28.7 + 28.0) / 2) in fast and "(1 runs of moerun, 2 of ik_llama.cpp)" in fast
+    assert ce.ratio(26.55, 22.7) in slow and "(2 runs of moerun, 1 of ik_llama.cpp)" in slow
+    # the overall medians would say 26.7 / 28.0: moerun behind, though ahead in both states
+    assert float(ce.ratio(26.7, 28.0).rstrip("x")) < 1 < float(fast.split()[1].rstrip("x"))
+    # one state only: one part; no probes: nothing
+    assert ce.by_state({"a": [{"tg": 2.0, "probe": 80.0}], "b": [{"tg": 1.0, "probe": 79.0}]}, "tg", "a", "b") \
+        .startswith("fast 2.00")
+    assert ce.by_state({"a": [{"tg": 2.0}], "b": [{"tg": 1.0}]}, "tg", "a", "b") == ""
