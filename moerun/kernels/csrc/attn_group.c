@@ -36,12 +36,13 @@ QK_AVX2_INLINE __m256 ag_sum8(const __m512 *a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* Heads q[i * D ..] for i < hc (<= 8) over n keys: s[j * 8 + i] = exp(scale * q_i . k_j - max_i); returns each
- * head's 1 / sum (the sink's share in the sum where sinks is given). */
+/* A row AG_AHEAD keys ahead, into L1. */
 QK_AVX2_INLINE void ag_ahead(const uint8_t *row, int64_t bytes) {
     for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)row + o, _MM_HINT_T0);
 }
 
+/* Heads q[i * D ..] for i < hc (<= 8) over n keys: s[j * 8 + i] = exp(scale * q_i . k_j - max_i); returns each
+ * head's 1 / sum (the sink's share in the sum where sinks is given). */
 QK_AVX2_INLINE __m256 ag_softmax(float *s, const float *q, int hc, int64_t n, const uint8_t *kbase, const int64_t *slot,
                                  int64_t stride, int64_t D, int kind, float scale, const float *sinks) {
     const float *qh[8];
