@@ -357,7 +357,7 @@ static void attn_task(void *p, int tid, int nth) {
         if (group) {
             c->k->group(c->att + r * qd + h * g * c->D, c->q + r * qd + h * g * c->D, g, n, c->kc + h * c->khead,
                         c->vc + h * c->vhead, slot, c->krow, c->vrow, c->D, c->D, c->kkind, c->vkind, c->scale,
-                        c->sinks ? c->sinks + h * g : NULL, c->scores + (r * c->nkv + h) * (g < 8 ? 8 : g) * c->maxkeys);
+                        c->sinks ? c->sinks + h * g : NULL, c->scores + (r * c->nkv + h) * qk_group_slots(g) * c->maxkeys);
             continue;
         }
         for (int64_t gi = 0; gi < g; gi++) {

@@ -39,9 +39,9 @@ void qk_attn_group_vnni(float *out, const float *q, int64_t g, int64_t n, const 
 
 /* Floats of scores scratch the attention job needs per query row (attn_task: each item's at least 8 keys' worth a
  * head). */
+static inline int64_t qk_group_slots(int64_t g) { return g < 8 ? 8 : g; } /* heads' worth of scores an item */
 static inline int64_t qk_score_floats(int64_t nh, int64_t nkv, int64_t maxkeys) {
-    const int64_t g = nh / nkv;
-    return nkv * (g < 8 ? 8 : g) * maxkeys;
+    return nkv * qk_group_slots(nh / nkv) * maxkeys;
 }
 
 /* The loops for an ISA (AVX2 on x86 unless scalar is asked for; with AVX-512 VNNI, the group kernel too). */
