@@ -11,7 +11,8 @@ machine is compared with itself. Run it with nothing else busy.
 
 Then one core's kernel alone, from L1, L2 and memory: one-token passes on the calling thread with nothing between
 them (the kernels' `dot_passes`), where the table above pays Python's and the pool's set-up for every call (a
-295 KB matrix: about a quarter of its time; issue 36).
+295 KB matrix: about a quarter of its time; issue 36), with the VNNI set's one-token passes on 256-bit and on 512-bit
+vectors (cpu.set_wide) beside each other.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def gbps(w: QTensor, T: int, reps: int) -> float:
 
 def kernel_alone(K: int, qtype: QType, reps: int) -> None:
     """GB/s of one core's one-token passes (`_cpu.dot_passes`) over the interleaved layout on huge pages."""
-    print(f"\none core, the kernel alone ({qtype.name} interleaved, huge pages, K = {K}):")
-    print("| weights | prefetch as set | prefetch off |")
-    print("| --- | ---: | ---: |")
+    print(f"\none core, the kernel alone ({qtype.name} interleaved, huge pages, K = {K}; 256-bit / 512-bit: the VNNI "
+          "set's one-token passes, cpu.set_wide, prefetch as set):")
+    print("| weights | prefetch as set | prefetch off | 256-bit | 512-bit |")
+    print("| --- | ---: | ---: | ---: | ---: |")
     dram = 524288 * 2048 // K // 1024 * 1024
     isa = cpu._isa(None)
     for name, rows in (("L1", 8), ("L2", 256), ("DRAM", dram)):
@@ -57,13 +59,15 @@ def kernel_alone(K: int, qtype: QType, reps: int) -> None:
         x, out = torch.randn(K), torch.empty(rows)
         passes = max(1, (256 << 20) // w.nbytes)
         r = []
-        for pf in (None, 0):
+        for pf, wide in ((None, None), (0, None), (None, False), (None, True)):
             cpu.set_prefetch(pf)
+            cpu.set_wide(wide)
             r.append(w.nbytes * passes / median_time(
                 lambda _: _cpu.dot_passes(isa, cpu._type(w), w.data.data_ptr(), rows, K, x.data_ptr(), passes,
                                           out.data_ptr()), reps) / 1e9)
         cpu.set_prefetch(None)
-        print(f"| {name} ({w.nbytes / 1e3:.0f} KB) | {r[0]:.1f} | {r[1]:.1f} |", flush=True)
+        cpu.set_wide(None)
+        print(f"| {name} ({w.nbytes / 1e3:.0f} KB) | " + " | ".join(f"{v:.1f}" for v in r) + " |", flush=True)
         del w
 
 

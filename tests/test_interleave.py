@@ -146,33 +146,57 @@ def test_read_interleaved_equals_interleave_of_the_read_bytes(tmp_path, qt, scra
 # ------------------------------------------------------------------------------------------- matmul
 
 
+@pytest.fixture
+def default_wide():
+    yield
+    cpu.set_wide()
+
+
+def matmul_each_way(x: torch.Tensor, w) -> dict:
+    """cpu.matmul on every kernel set, the VNNI set's one-token passes on 256-bit and on 512-bit vectors alike
+    (whichever this CPU's default is): {isa or "avx512vnni wide": y}."""
+    outs = {}
+    for isa in ISAS:
+        for wide in ((False, True) if isa == "avx512vnni" else (False,)):
+            cpu.set_wide(wide)
+            outs[isa + (" wide" if wide else "")] = cpu.matmul(x, w, isa=isa)
+    cpu.set_wide()
+    return outs
+
+
 @QTYPES
 @pytest.mark.parametrize("shape", [(8, 256), (16, 768), (64, 2048), (264, 512)])
-def test_matmul_matches_gguf_reference(shape, qt):
+def test_matmul_matches_gguf_reference(shape, qt, default_wide):
     N, K = shape
     w = q4k(N, K, seed=N + K, qt=qt)
     il, ref_w = cpu.interleave(w), gguf_dequant(w)
     gen = torch.Generator().manual_seed(K)
     for T in (1, 2, 3, 4, 5, 8, 17, 64):
         x = torch.randn(T, K, generator=gen)
-        outs = {isa: cpu.matmul(x, il, isa=isa) for isa in ISAS}
+        outs = matmul_each_way(x, il)
         for isa, y in outs.items():
             assert y.shape == (T, N)
             assert rel_err(y, x.double() @ ref_w.T) < 0.02, (isa, T)
             assert rel_err(y, emulate_act(x, qt) @ ref_w.T) < 2e-5, (isa, T)
             # the GGUF-layout kernel computes the same integer sums: only float order differs
-            assert rel_err(y, cpu.matmul(x, w, isa=isa)) < 2e-6, (isa, T)
+            assert rel_err(y, cpu.matmul(x, w, isa=isa.split()[0])) < 2e-6, (isa, T)
         if "avx2" in outs and "avx512vnni" in outs:
             assert torch.equal(outs["avx2"], outs["avx512vnni"])
+            assert torch.equal(outs["avx2"], outs["avx512vnni wide"])
 
 
 @QTYPES
-def test_matmul_random_bytes_every_scale_pattern(qt):
+def test_matmul_random_bytes_every_scale_pattern(qt, default_wide):
     w = q4k(32, 1024, seed=7, random_bytes=True, qt=qt)
-    x = torch.randn(5, 1024)
-    ref = emulate_act(x, qt) @ gguf_dequant(w).T
-    for isa in ISAS:
-        assert rel_err(cpu.matmul(x, cpu.interleave(w), isa=isa), ref) < 2e-5
+    for T in (1, 5):  # one token: the VNNI set's 512-bit passes too (every high nibble and high-bit pattern)
+        x = torch.randn(T, 1024)
+        ref = emulate_act(x, qt) @ gguf_dequant(w).T
+        outs = matmul_each_way(x, cpu.interleave(w))
+        for isa, y in outs.items():
+            assert rel_err(y, ref) < 2e-5, (isa, T)
+        if "avx2" in outs and "avx512vnni" in outs:
+            assert torch.equal(outs["avx2"], outs["avx512vnni"]), T
+            assert torch.equal(outs["avx2"], outs["avx512vnni wide"]), T
 
 
 @pytest.fixture
@@ -226,6 +250,20 @@ def test_prefetch_defaults_per_vendor_and_family():
     for (vendor, family), want in PREFETCH_DEFAULTS.items():
         nbytes, hint = cpu._cpu.prefetch_default(vendor, family)
         assert (nbytes, cpu.PREFETCH_HINTS[hint]) == want == expected_default(vendor, family), (vendor, family)
+
+
+def test_wide_passes_default_per_vendor_and_family(default_wide):
+    """The table's 512-bit one-token passes: on where they were measured faster (AMD Zen 5), off on Intel and older
+    AMD until measured there; every row whatever CPU runs the test, and this CPU's default."""
+    for vendor, family in PREFETCH_DEFAULTS:
+        assert cpu._cpu.wide_default(vendor, family) is (vendor == "AuthenticAMD" and family >= 26), (vendor, family)
+    for bad in (1, "yes", 0.0):
+        with pytest.raises(ValueError, match="wide"):
+            cpu.set_wide(bad)
+    cpu.set_wide(True)
+    assert cpu.features()["wide"] is True
+    cpu.set_wide()
+    assert cpu.features()["wide"] is cpu._cpu.wide_default(_cpuinfo("vendor_id") or "", int(_cpuinfo("cpu family") or 0))
 
 
 def test_set_prefetch_checks_its_distance(default_prefetch):

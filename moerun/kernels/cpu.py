@@ -31,7 +31,8 @@ from moerun.quant.qtypes import INTERLEAVABLE, QTensor, QType, block_size, row_b
 
 __all__ = ["attend_prompt", "available", "can_interleave", "can_interleave_stored", "deinterleave", "deq_dot",
            "dequant_rows", "features", "get_threads", "glu_down", "has_deq_dot", "interleave", "matmul", "moe_ffn",
-           "moe_ffn_experts", "read_interleaved", "set_prefetch", "set_prefetch_hint", "set_threads", "supports"]
+           "moe_ffn_experts", "read_interleaved", "set_prefetch", "set_prefetch_hint", "set_threads", "set_wide",
+           "supports"]
 
 MODE = os.environ.get("MOERUN_KERNELS", "").strip().lower()  # "" / "auto", "scalar", "off"
 
@@ -121,15 +122,15 @@ def available() -> bool:
 
 def features() -> dict:
     """{"available", "isa" (the kernel set calls use), "isas" (all this CPU runs), "threads", "spin_us",
-    "prefetch" (set_prefetch's bytes), "prefetch_hint" (set_prefetch_hint's: "t0", "t1", "t2" or "nta"), "qtypes",
-    "reason" (why not available, else None)}."""
+    "prefetch" (set_prefetch's bytes), "prefetch_hint" (set_prefetch_hint's: "t0", "t1", "t2" or "nta"), "wide"
+    (set_wide's), "qtypes", "reason" (why not available, else None)}."""
     if _cpu is None:
         return {"available": False, "isa": None, "isas": [], "threads": 0, "spin_us": 0, "prefetch": 0,
-                "prefetch_hint": None, "qtypes": [], "reason": _import_error}
+                "prefetch_hint": None, "wide": False, "qtypes": [], "reason": _import_error}
     f = _cpu.features()
     return {"available": True, "isa": _DEFAULT_ISA, "isas": f["isas"], "threads": f["threads"],
             "spin_us": f["spin_us"], "prefetch": f["prefetch"], "prefetch_hint": PREFETCH_HINTS[f["prefetch_hint"]],
-            "qtypes": sorted(q.name for q in _SUPPORTED), "reason": None}
+            "wide": f["wide"], "qtypes": sorted(q.name for q in _SUPPORTED), "reason": None}
 
 
 def supports(qtype) -> bool:
@@ -174,6 +175,16 @@ def set_prefetch_hint(hint: str | None = None) -> None:
     if hint is not None and (not isinstance(hint, str) or hint.strip().lower() not in PREFETCH_HINTS):
         raise ValueError(f"prefetch hint must be one of {', '.join(PREFETCH_HINTS)}, got {hint!r}")
     _cpu.set_prefetch_hint(-1 if hint is None else PREFETCH_HINTS.index(hint.strip().lower()))
+
+
+def set_wide(on: bool | None = None) -> None:
+    """Whether the AVX-512 VNNI kernels multiply one token through Q4_K_R8 / Q6_K_R8 rows on 512-bit vectors (fewer
+    instructions a byte, the same results bit for bit) or 256-bit ones. None: the CPU's default (on for AMD Zen 5,
+    where it was measured; bench/gemv_layouts.py measures both). Only speed depends on it."""
+    _need()
+    if on is not None and not isinstance(on, bool):
+        raise ValueError(f"wide must be True, False or None, got {on!r}")
+    _cpu.set_wide(-1 if on is None else int(on))
 
 
 def read_bw(buf: torch.Tensor, streams: int = 1, prefetch: int = 0) -> int:

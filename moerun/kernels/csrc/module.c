@@ -44,9 +44,10 @@ static PyObject *py_features(PyObject *self, PyObject *args) {
         }
         Py_DECREF(s);
     }
-    return Py_BuildValue("{s:s,s:i,s:N,s:i,s:i,s:i,s:i}", "best", qk_isa_name(qk_best_isa()), "best_id", qk_best_isa(),
-                         "isas", isas, "threads", qk_pool_threads(), "spin_us", qk_pool_spin_us(), "prefetch",
-                         qk_prefetch(), "prefetch_hint", qk_prefetch_hint());
+    return Py_BuildValue("{s:s,s:i,s:N,s:i,s:i,s:i,s:i,s:O}", "best", qk_isa_name(qk_best_isa()), "best_id",
+                         qk_best_isa(), "isas", isas, "threads", qk_pool_threads(), "spin_us", qk_pool_spin_us(),
+                         "prefetch", qk_prefetch(), "prefetch_hint", qk_prefetch_hint(), "wide",
+                         qk_wide() ? Py_True : Py_False);
 }
 
 static PyObject *py_qtypes(PyObject *self, PyObject *args) {
@@ -104,6 +105,26 @@ static PyObject *py_prefetch_default(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "si", &vendor, &family)) return NULL;
     const int bytes = qk_prefetch_default(vendor, family, &hint);
     return Py_BuildValue("(ii)", bytes, hint);
+}
+
+static PyObject *py_set_wide(PyObject *self, PyObject *args) {
+    (void)self;
+    int on;
+    if (!PyArg_ParseTuple(args, "i", &on)) return NULL;
+    if (qk_set_wide(on)) {
+        PyErr_SetString(PyExc_ValueError, "wide must be -1 (the CPU's default), 0 or 1");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* wide_default(vendor, family) -> bool: pool.c's table for that CPU. */
+static PyObject *py_wide_default(PyObject *self, PyObject *args) {
+    (void)self;
+    const char *vendor;
+    int family;
+    if (!PyArg_ParseTuple(args, "si", &vendor, &family)) return NULL;
+    return PyBool_FromLong(qk_wide_default(vendor, family));
 }
 
 static PyObject *py_set_active(PyObject *self, PyObject *args) {
@@ -457,6 +478,9 @@ static PyMethodDef methods[] = {
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n, spin_us=-1): size the thread pool."},
     {"set_prefetch", py_set_prefetch, METH_VARARGS,
      "set_prefetch(bytes): the interleaved kernels' one-token prefetch distance (-1: the CPU's default, 0: none)."},
+    {"set_wide", py_set_wide, METH_VARARGS,
+     "set_wide(on): one-token Q4_K_R8 / Q6_K_R8 passes on 512-bit vectors (1), 256-bit (0), the CPU's default (-1)."},
+    {"wide_default", py_wide_default, METH_VARARGS, "wide_default(vendor, family): the table's set_wide default."},
     {"prefetch_default", py_prefetch_default, METH_VARARGS,
      "prefetch_default(vendor, family): the default (bytes, hint) of the CPUs of that CPUID vendor and family."},
     {"set_prefetch_hint", py_set_prefetch_hint, METH_VARARGS,

@@ -46,7 +46,8 @@ static struct {
     int job_n;                /* threads of the current job: workers with tid >= job_n sit it out */
     atomic_int prefetch;      /* qk_prefetch's bytes, or -1 until decided */
     atomic_int prefetch_hint; /* qk_prefetch_hint's QK_PF_*, or -1 until decided */
-} P = {.prefetch = -1, .prefetch_hint = -1, .run_lock = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER,
+    atomic_int wide;          /* qk_wide's 0 / 1, or -1 until decided */
+} P = {.prefetch = -1, .prefetch_hint = -1, .wide = -1, .run_lock = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER,
        .wake = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER, .spin_us = DEFAULT_SPIN_US};
 
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
@@ -238,23 +239,32 @@ static const struct {
     const char *vendor; /* CPUID leaf 0's 12 characters */
     int family;         /* the lowest family the row is for */
     int bytes, hint;
+    int wide;           /* qk_wide's default: bench/journal/issue-36.md "512-bit loops for one token" (Zen 5) */
 } PF_DEFAULTS[] = {
-    {"GenuineIntel", 0, 2048, QK_PF_T1},
-    {"AuthenticAMD", 26, 4096, QK_PF_NTA},
-    {"AuthenticAMD", 0, 0, QK_PF_T1},
-    {"", 0, 0, QK_PF_T1},
+    {"GenuineIntel", 0, 2048, QK_PF_T1, 0},
+    {"AuthenticAMD", 26, 4096, QK_PF_NTA, 1},
+    {"AuthenticAMD", 0, 0, QK_PF_T1, 0},
+    {"", 0, 0, QK_PF_T1, 0},
 };
 
-int qk_prefetch_default(const char *vendor, int family, int *hint) {
+static int default_row(const char *vendor, int family) {
     int i = 0;
     while (PF_DEFAULTS[i].vendor[0] && (strcmp(PF_DEFAULTS[i].vendor, vendor) || family < PF_DEFAULTS[i].family)) i++;
+    return i;
+}
+
+int qk_prefetch_default(const char *vendor, int family, int *hint) {
+    const int i = default_row(vendor, family);
     if (hint) *hint = PF_DEFAULTS[i].hint;
     return PF_DEFAULTS[i].bytes;
 }
 
-static int default_prefetch(int *hint) {
-    char vendor[13] = "";
-    int family = 0;
+int qk_wide_default(const char *vendor, int family) { return PF_DEFAULTS[default_row(vendor, family)].wide; }
+
+/* This CPU's CPUID vendor string and displayed family (base, plus the extended one where base is 15). */
+static void cpu_id(char vendor[13], int *family) {
+    *family = 0;
+    memset(vendor, 0, 13);
 #if defined(__x86_64__) || defined(__i386__)
     unsigned a, b, c, d;
     if (__get_cpuid(0, &a, &b, &c, &d)) {
@@ -262,11 +272,36 @@ static int default_prefetch(int *hint) {
         memcpy(vendor + 4, &d, 4);
         memcpy(vendor + 8, &c, 4);
     }
-    if (__get_cpuid(1, &a, &b, &c, &d)) { /* the displayed family: base, plus the extended one where base is 15 */
-        family = (int)(a >> 8 & 15);
-        if (family == 15) family += (int)(a >> 20 & 255);
+    if (__get_cpuid(1, &a, &b, &c, &d)) {
+        *family = (int)(a >> 8 & 15);
+        if (*family == 15) *family += (int)(a >> 20 & 255);
     }
 #endif
+}
+
+int qk_set_wide(int on) {
+    if (on < -1 || on > 1) return -1;
+    if (on < 0) {
+        char vendor[13];
+        int family;
+        cpu_id(vendor, &family);
+        on = qk_wide_default(vendor, family);
+    }
+    atomic_store(&P.wide, on);
+    return 0;
+}
+
+int qk_wide(void) {
+    const int w = atomic_load_explicit(&P.wide, memory_order_relaxed);
+    if (w >= 0) return w;
+    qk_set_wide(-1);
+    return atomic_load_explicit(&P.wide, memory_order_relaxed);
+}
+
+static int default_prefetch(int *hint) {
+    char vendor[13];
+    int family;
+    cpu_id(vendor, &family);
     return qk_prefetch_default(vendor, family, hint);
 }
 
