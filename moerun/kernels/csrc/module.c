@@ -479,7 +479,8 @@ static PyMethodDef methods[] = {
     {"set_prefetch", py_set_prefetch, METH_VARARGS,
      "set_prefetch(bytes): the interleaved kernels' one-token prefetch distance (-1: the CPU's default, 0: none)."},
     {"set_wide", py_set_wide, METH_VARARGS,
-     "set_wide(on): one-token Q4_K_R8 / Q6_K_R8 passes on 512-bit vectors (1), 256-bit (0), the CPU's default (-1)."},
+     "set_wide(on): one-token Q4_K_R8 / Q6_K_R8 / MXFP4_R8 passes on 512-bit vectors (1), 256-bit (0), the CPU's "
+     "default (-1)."},
     {"wide_default", py_wide_default, METH_VARARGS, "wide_default(vendor, family): the table's set_wide default."},
     {"prefetch_default", py_prefetch_default, METH_VARARGS,
      "prefetch_default(vendor, family): the default (bytes, hint) of the CPUs of that CPUID vendor and family."},
