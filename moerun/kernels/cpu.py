@@ -178,9 +178,9 @@ def set_prefetch_hint(hint: str | None = None) -> None:
 
 
 def set_wide(on: bool | None = None) -> None:
-    """Whether the AVX-512 VNNI kernels multiply one token through Q4_K_R8 / Q6_K_R8 / MXFP4_R8 rows on 512-bit (fewer
-    instructions a byte, the same results bit for bit) or 256-bit ones. None: the CPU's default (on for AMD Zen 5,
-    where it was measured; bench/gemv_layouts.py measures both). Only speed depends on it."""
+    """Whether the AVX-512 VNNI kernels multiply one token through Q4_K_R8 / Q6_K_R8 / MXFP4_R8 rows on 512-bit
+    vectors (fewer instructions a byte, the same results bit for bit) or 256-bit ones. None: the CPU's default (on for
+    AMD Zen 5, where it was measured; bench/gemv_layouts.py measures both). Only speed depends on it."""
     _need()
     if on is not None and not isinstance(on, bool):
         raise ValueError(f"wide must be True, False or None, got {on!r}")

@@ -47,7 +47,8 @@ static struct {
     atomic_int prefetch;      /* qk_prefetch's bytes, or -1 until decided */
     atomic_int prefetch_hint; /* qk_prefetch_hint's QK_PF_*, or -1 until decided */
     atomic_int wide;          /* qk_wide's 0 / 1, or -1 until decided */
-} P = {.prefetch = -1, .prefetch_hint = -1, .wide = -1, .run_lock = PTHREAD_MUTEX_INITIALIZER, .lock = PTHREAD_MUTEX_INITIALIZER,
+} P = {.prefetch = -1, .prefetch_hint = -1, .wide = -1, .run_lock = PTHREAD_MUTEX_INITIALIZER,
+       .lock = PTHREAD_MUTEX_INITIALIZER,
        .wake = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER, .spin_us = DEFAULT_SPIN_US};
 
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;

@@ -39,9 +39,9 @@ int qk_prefetch_hint(void);
 int qk_prefetch_default(const char *vendor, int family, int *hint);
 /* Whether the AVX-512 VNNI kernel set multiplies one token through Q4_K_R8, Q6_K_R8 and MXFP4_R8 rows on 512-bit
  * vectors (two 32-byte chunks a load, the activations spread by vpermd: a Zen 5 core from L2 1.42x, 1.19x and 1.14x
- * the 256-bit loops' rate, the same results bit for bit) rather than 256-bit ones. 1: yes, 0: no, -1: the CPU's default (the table's:
- * on for AMD Zen 5, where it was measured, off elsewhere until measured there). Returns 0, or -1 when on is not -1, 0
- * or 1. */
+ * the 256-bit loops' rate, the same results bit for bit) rather than 256-bit ones. 1: yes, 0: no, -1: the CPU's
+ * default (the table's: on for AMD Zen 5, where it was measured, off elsewhere until measured there). Returns 0, or
+ * -1 when on is not -1, 0 or 1. */
 int qk_set_wide(int on);
 int qk_wide(void);
 int qk_wide_default(const char *vendor, int family);
