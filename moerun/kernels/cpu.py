@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from array import array
 from collections.abc import Mapping
 
@@ -30,9 +31,9 @@ from moerun.quant import qtypes
 from moerun.quant.qtypes import INTERLEAVABLE, QTensor, QType, block_size, row_bytes
 
 __all__ = ["attend_prompt", "available", "can_interleave", "can_interleave_stored", "deinterleave", "deq_dot",
-           "dequant_rows", "features", "get_threads", "glu_down", "has_deq_dot", "interleave", "matmul", "moe_ffn",
-           "moe_ffn_experts", "read_interleaved", "set_prefetch", "set_prefetch_hint", "set_threads", "set_wide",
-           "supports"]
+           "dequant_rows", "features", "get_threads", "glu_down", "has_deq_dot", "interleave", "matmul",
+           "moe_ffn", "moe_ffn_experts", "read_interleaved", "set_prefetch", "set_prefetch_hint",
+           "set_threads", "set_wide", "supports"]
 
 MODE = os.environ.get("MOERUN_KERNELS", "").strip().lower()  # "" / "auto", "scalar", "off"
 
@@ -70,14 +71,11 @@ def _physical_cores() -> int:
 
 
 def _env_prefetch() -> int:
-    """MOERUN_PREFETCH: the interleaved kernels' prefetch distance for a few tokens, in bytes (unset or "auto": the CPU's
-    default, see set_prefetch)."""
+    """MOERUN_PREFETCH: the kernels' prefetch distance in bytes (unset or "auto": the CPU's default, set_prefetch)."""
     v = os.environ.get("MOERUN_PREFETCH", "auto").strip().lower()
     if v in ("", "auto"):
         return -1
     if not v.isdigit() or int(v) % 64 or int(v) > 65536:
-        import warnings
-
         warnings.warn(f"MOERUN_PREFETCH={v!r} is not auto or a multiple of 64 bytes in 0..65536: using the CPU's "
                       "default", stacklevel=2)
         return -1
@@ -88,14 +86,11 @@ PREFETCH_HINTS = ("t0", "t1", "t2", "nta")  # pool.h's QK_PF_* in order
 
 
 def _env_prefetch_hint() -> int:
-    """MOERUN_PREFETCH_HINT: the interleaved kernels' prefetch hint, t0 / t1 / t2 / nta (unset or "auto": the CPU's
-    default, see set_prefetch_hint)."""
+    """MOERUN_PREFETCH_HINT: t0 / t1 / t2 / nta (unset or "auto": the CPU's default, see set_prefetch_hint)."""
     v = os.environ.get("MOERUN_PREFETCH_HINT", "auto").strip().lower()
     if v in ("", "auto"):
         return -1
     if v not in PREFETCH_HINTS:
-        import warnings
-
         warnings.warn(f"MOERUN_PREFETCH_HINT={v!r} is not auto or one of {', '.join(PREFETCH_HINTS)}: using the CPU's "
                       "default", stacklevel=2)
         return -1
@@ -121,9 +116,8 @@ def available() -> bool:
 
 
 def features() -> dict:
-    """{"available", "isa" (the kernel set calls use), "isas" (all this CPU runs), "threads", "spin_us",
-    "prefetch" (set_prefetch's bytes), "prefetch_hint" (set_prefetch_hint's: "t0", "t1", "t2" or "nta"), "wide"
-    (set_wide's), "qtypes", "reason" (why not available, else None)}."""
+    """{"available", "isa" (the kernel set calls use), "isas" (all this CPU runs), "threads", "spin_us", "prefetch",
+    "prefetch_hint" ("t0" .. "nta"), "wide" (the set_* values), "qtypes", "reason" (why not available, else None)}."""
     if _cpu is None:
         return {"available": False, "isa": None, "isas": [], "threads": 0, "spin_us": 0, "prefetch": 0,
                 "prefetch_hint": None, "wide": False, "qtypes": [], "reason": _import_error}
@@ -178,9 +172,8 @@ def set_prefetch_hint(hint: str | None = None) -> None:
 
 
 def set_wide(on: bool | None = None) -> None:
-    """Whether the AVX-512 VNNI kernels multiply one token through Q4_K_R8 / Q6_K_R8 / MXFP4_R8 rows on 512-bit
-    vectors (fewer instructions a byte, the same results bit for bit) or 256-bit ones. None: the CPU's default (on for
-    AMD Zen 5, where it was measured; bench/gemv_layouts.py measures both). Only speed depends on it."""
+    """Whether the AVX-512 VNNI kernels take one token through Q4_K_R8 / Q6_K_R8 / MXFP4_R8 rows on 512-bit vectors or
+    256-bit ones (None: the CPU's default, on for AMD Zen 5 where it was measured). Results are the same bit for bit."""
     _need()
     if on is not None and not isinstance(on, bool):
         raise ValueError(f"wide must be True, False or None, got {on!r}")
