@@ -75,26 +75,25 @@ static PyObject *py_set_threads(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_set_prefetch(PyObject *self, PyObject *args) {
-    (void)self;
-    int n;
-    if (!PyArg_ParseTuple(args, "i", &n)) return NULL;
-    if (qk_set_prefetch(n)) {
-        PyErr_SetString(PyExc_ValueError, "prefetch must be -1 or a multiple of 64 in 0..65536");
+/* One int argument through a pool setting's setter; `error` when it refuses the value. */
+static PyObject *set_int(PyObject *args, int (*set)(int), const char *error) {
+    int v;
+    if (!PyArg_ParseTuple(args, "i", &v)) return NULL;
+    if (set(v)) {
+        PyErr_SetString(PyExc_ValueError, error);
         return NULL;
     }
     Py_RETURN_NONE;
 }
 
+static PyObject *py_set_prefetch(PyObject *self, PyObject *args) {
+    (void)self;
+    return set_int(args, qk_set_prefetch, "prefetch must be -1 or a multiple of 64 in 0..65536");
+}
+
 static PyObject *py_set_prefetch_hint(PyObject *self, PyObject *args) {
     (void)self;
-    int h;
-    if (!PyArg_ParseTuple(args, "i", &h)) return NULL;
-    if (qk_set_prefetch_hint(h)) {
-        PyErr_SetString(PyExc_ValueError, "prefetch hint must be -1 or 0..3 (T0, T1, T2, NTA)");
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    return set_int(args, qk_set_prefetch_hint, "prefetch hint must be -1 or 0..3 (T0, T1, T2, NTA)");
 }
 
 /* prefetch_default(vendor, family) -> (bytes, hint): pool.c's table for that CPU (tests read every row). */
@@ -109,13 +108,7 @@ static PyObject *py_prefetch_default(PyObject *self, PyObject *args) {
 
 static PyObject *py_set_wide(PyObject *self, PyObject *args) {
     (void)self;
-    int on;
-    if (!PyArg_ParseTuple(args, "i", &on)) return NULL;
-    if (qk_set_wide(on)) {
-        PyErr_SetString(PyExc_ValueError, "wide must be -1 (the CPU's default), 0 or 1");
-        return NULL;
-    }
-    Py_RETURN_NONE;
+    return set_int(args, qk_set_wide, "wide must be -1 (the CPU's default), 0 or 1");
 }
 
 /* wide_default(vendor, family) -> bool: pool.c's table for that CPU. */
