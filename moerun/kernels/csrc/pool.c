@@ -240,7 +240,7 @@ static const struct {
     const char *vendor; /* CPUID leaf 0's 12 characters */
     int family;         /* the lowest family the row is for */
     int bytes, hint;
-    int wide;           /* qk_wide's default: bench/journal/issue-36.md "512-bit loops for one token" (Zen 5) */
+    int wide;           /* qk_wide's default: bench/journal/issue-36.md "One-token passes on 512-bit vectors" (Zen 5) */
 } PF_DEFAULTS[] = {
     {"GenuineIntel", 0, 2048, QK_PF_T1, 0},
     {"AuthenticAMD", 26, 4096, QK_PF_NTA, 1},
