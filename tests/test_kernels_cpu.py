@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from qblocks import random_blocks
 
 from moerun.experts.store import Expert
+from moerun.model.ops import ExpertFn
 from moerun.quant.qtypes import QTensor, QType, block_size
 from moerun.quant.quantize import quantize
 
@@ -339,6 +340,39 @@ def test_moe_pairs_and_skipped_pairs(case):
     assert torch.equal(acc, whole)
     one = cpu.moe_ffn_experts(x, torch.where(ids == ids[2, 1], ids, -1), wts, routed, pairs=True)
     assert torch.equal(one[7], rows[7]) and one.count_nonzero(dim=1).tolist().count(0) == 15 - (ids == ids[2, 1]).sum()
+
+
+def test_glu_activations_over_wide_gate_values():
+    """silu(g) * u, vectorised in C (vexp.h), against torch in float64 over gate values far past exp's float range
+    (|g| up to 120): through glu_down with an identity float32 down projection (the product read back exactly)."""
+    g = torch.linspace(-120, 120, 2560).view(10, 256)
+    u = torch.randn(10, 256)
+    ref = F.silu(g.double()) * u.double()
+    for isa in ISAS:
+        out = cpu.glu_down(g.clone(), u, torch.eye(256), isa=isa)
+        assert torch.allclose(out.double(), ref, rtol=1e-6, atol=1e-30), isa
+
+
+@pytest.mark.parametrize("act", ["swiglu", "swiglu_oai"])
+def test_moe_activations_with_large_gate_values(act):
+    """Both expert activations with gate and up values in the tens (past gpt-oss's clamp, where e^-g overflows a
+    float for the plain one), against the kernels' roundings emulated with torch's activation in float64."""
+    fn = ExpertFn(act=act)
+    gate, up, down = experts((QType.Q8_0, QType.Q8_0, QType.Q8_0), 4, 256, 256)
+    ids, w = routing(6, 2, 4, seed=1)
+    x = torch.randn(6, 256) * 40
+    out = cpu.moe_ffn(x, ids, w, gate, up, down, fn=None if fn.plain else fn)
+    ref = torch.zeros(x.shape, dtype=torch.float64)
+    gmax = 0.0
+    for e in torch.unique(ids).tolist():
+        tok, slot = torch.where(ids == e)
+        g = emulate_act(x[tok], QType.Q8_0) @ gate[e].dequantize().double().T
+        u = emulate_act(x[tok], QType.Q8_0) @ up[e].dequantize().double().T
+        gmax = max(gmax, g.abs().max().item())
+        h = fn.glu(g, u).float()
+        ref.index_add_(0, tok, (emulate_act(h, QType.Q8_0) @ down[e].dequantize().double().T) * w[tok, slot, None].double())
+    assert gmax > 90
+    assert rel_err(out, ref) < 1e-3
 
 
 def test_supports_and_features():

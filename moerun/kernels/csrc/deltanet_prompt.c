@@ -19,6 +19,7 @@
 #include "matmul.h"
 #include "pool.h"
 #include "qk.h"
+#include "vexp.h"
 
 #if QK_X86
 #include <immintrin.h>
@@ -226,33 +227,12 @@ static void prompt_task(void *ctx, int tid, int nth) {
     }
 }
 
-#if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || defined(__GNUC__))
-#define VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define VECTOR_CLONES
-#endif
-
-/* x / (1 + e^-x) over a row, e^-x as x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r times 2^n
- * (relative error ~2e-7; plain C the compiler vectorises, where libm's expf stays one call per value). */
+/* x / (1 + e^-x) over a row (vexp.h). */
 static inline void silu_row(float *y, const float *x, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        float u = -x[i];
-        u = u < -87.0f ? -87.0f : u > 87.0f ? 87.0f : u;
-        const float m = nearbyintf(u * 1.44269504088896341f);
-        const float r = (u - m * 0.693145751953125f) - m * 1.428606765330187045e-06f;
-        float p = 1.0f / 720.0f;
-        p = p * r + 1.0f / 120.0f;
-        p = p * r + 1.0f / 24.0f;
-        p = p * r + 1.0f / 6.0f;
-        p = p * r + 0.5f;
-        p = p * r + 1.0f;
-        p = p * r + 1.0f;
-        union { int32_t i; float f; } e = {.i = ((int32_t)m + 127) * (1 << 23)};
-        y[i] = x[i] / (1.0f + p * e.f);
-    }
+    for (int64_t i = 0; i < n; i++) y[i] = qk_vsilu(x[i]);
 }
 
-VECTOR_CLONES static void gate_task(void *ctx, int tid, int nth) {
+QK_VECTOR_CLONES static void gate_task(void *ctx, int tid, int nth) {
     (void)tid, (void)nth;
     prompt_job *j = ctx;
     const qk_delta_prompt_args *a = j->a;
@@ -311,7 +291,7 @@ typedef struct {
     atomic_long next;
 } conv_job;
 
-VECTOR_CLONES static void conv_task(void *ctx, int tid, int nth) {
+QK_VECTOR_CLONES static void conv_task(void *ctx, int tid, int nth) {
     (void)tid, (void)nth;
     conv_job *j = ctx;
     const int64_t T = j->T, C = j->C, K = j->K, K1 = K - 1;

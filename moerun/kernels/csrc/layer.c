@@ -13,6 +13,7 @@
 #include "deltanet.h"
 #include "matmul.h"
 #include "qk.h"
+#include "vexp.h"
 
 static const float *fptr(int64_t a) { return (const float *)(uintptr_t)a; }
 static const uint8_t *bptr(int64_t a) { return (const uint8_t *)(uintptr_t)a; }
@@ -104,9 +105,14 @@ int qk_route_rows(const qk_attn_desc *d, float *logits, int64_t B, int64_t E, in
 
 /* ------------------------------------------------------------------------------------ the FFN */
 
+/* g = silu(g) * u over n values (vexp.h). */
+QK_VECTOR_CLONES static void silu_mul_rows(float *g, const float *u, int64_t n) {
+    for (int64_t i = 0; i < n; i++) g[i] = qk_vsilu(g[i]) * u[i];
+}
+
 int qk_glu_down(int isa, float *g, const float *u, int64_t B, int64_t F, int64_t H, const qk_wmat *down,
                 const float *gl, float *out) {
-    for (int64_t i = 0; i < B * F; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    silu_mul_rows(g, u, B * F);
     const int rc = qk_matmuls(isa, 1, down, F, g, B, &out);
     for (int64_t r = 0; !rc && gl && r < B; r++) {
         const float s = sigmoidf(gl[r]);
