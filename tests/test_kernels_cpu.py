@@ -279,6 +279,23 @@ def test_results_do_not_depend_on_thread_count(threads):
         assert torch.equal(a, outs[0][0]) and torch.equal(b, outs[0][1])
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_decode_down_parts_cover_every_row(threads, k):
+    """A few tokens' down projection goes by expert in parts of its rows: with one or two experts routed, three
+    threads and H = 544 (no multiple of the part count), every output row is still computed, as with one thread."""
+    gate, up, down = experts((QType.Q8_0, QType.Q8_0, QType.Q6_K), 4, 544, 256)
+    ids, wts = torch.tensor([[2, 0][:k]]), torch.tensor([[0.75, 0.25][:k]])
+    x = torch.randn(1, 544)
+    ref = emulate_moe(x, ids, wts, gate, up, down)
+    outs = []
+    for n in (1, 3):
+        cpu.set_threads(n)
+        outs.append(cpu.moe_ffn(x, ids, wts, gate, up, down))
+        assert rel_err(outs[-1], ref) < 1e-3, n
+        assert ((outs[-1].double() - ref).abs().max() / ref.abs().max()).item() < 1e-2, n  # every row, not the norm
+    assert torch.equal(outs[0], outs[1])
+
+
 # ------------------------------------------------------------------------------------- bad inputs
 
 

@@ -431,7 +431,7 @@ static void moe_down_expert_task(void *p, int tid, int nth) {
     moe_ctx *c = p;
     (void)nth;
     int cur = tid % c->qb.n;
-    const int64_t span = (c->H / c->parts + c->rows_d - 1) / c->rows_d * c->rows_d;
+    const int64_t span = ((c->H + c->parts - 1) / c->parts + c->rows_d - 1) / c->rows_d * c->rows_d; /* parts cover H */
     for (int64_t it; (it = wq_next(&c->qb, &cur)) >= 0;) {
         const int64_t a = it / c->parts, r0 = it % c->parts * span, r1 = min64(r0 + span, c->H);
         if (r0 >= r1) continue;
