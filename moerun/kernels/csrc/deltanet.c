@@ -11,17 +11,13 @@
 
 #include "pool.h"
 #include "matmul.h"
+#include "vexp.h"
 
 #define CONV_ITEM 256 /* channels per conv1d work item */
 #define DELTA_AHEAD 16 /* state rows prefetched ahead of the first pass over S */
 
-/* The loops over a state row are plain C for the compiler to vectorise; on x86-64 each task is built for
- * AVX-512, AVX2 and the baseline, the best one chosen at load (ifunc). */
-#if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || defined(__GNUC__))
-#define VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define VECTOR_CLONES
-#endif
+/* The loops over a state row are plain C for the compiler to vectorise (silu through vexp.h, as the prompt's); on
+ * x86-64 each task is built for AVX-512, AVX2 and the baseline, the best one chosen at load (ifunc). */
 
 typedef struct {
     const qk_delta_args *a;
@@ -29,9 +25,7 @@ typedef struct {
     int64_t items;
 } delta_job;
 
-static float silu(float x) { return x / (1.0f + expf(-x)); }
-
-VECTOR_CLONES static void conv_task(void *p, int tid, int nth) {
+QK_VECTOR_CLONES static void conv_task(void *p, int tid, int nth) {
     (void)tid, (void)nth;
     delta_job *j = p;
     const qk_delta_args *a = j->a;
@@ -49,7 +43,7 @@ VECTOR_CLONES static void conv_task(void *p, int tid, int nth) {
                 acc += s1 * w[1];
                 acc += s2 * w[2];
                 acc += xc * w[3];
-                a->y[b * a->C + c] = silu(acc);
+                a->y[b * a->C + c] = qk_vsilu(acc);
                 s[0] = s1, s[1] = s2, s[2] = xc;
             }
             continue;
@@ -61,7 +55,7 @@ VECTOR_CLONES static void conv_task(void *p, int tid, int nth) {
             float acc = 0.0f;
             for (int64_t t = 0; t < K1; t++) acc += s[t] * w[t];
             acc += x[c] * w[K1];
-            a->y[b * a->C + c] = silu(acc);
+            a->y[b * a->C + c] = qk_vsilu(acc);
             if (K1 > 0) {
                 memmove(s, s + 1, (size_t)(K1 - 1) * sizeof(float));
                 s[K1 - 1] = x[c];
@@ -76,7 +70,7 @@ static float inv_norm(const float *x, int64_t n) {
     return 1.0f / sqrtf(ss + 1e-6f);
 }
 
-VECTOR_CLONES static void head_task(void *p, int tid, int nth) {
+QK_VECTOR_CLONES static void head_task(void *p, int tid, int nth) {
     (void)tid, (void)nth;
     delta_job *j = p;
     const qk_delta_args *a = j->a;
@@ -120,7 +114,7 @@ VECTOR_CLONES static void head_task(void *p, int tid, int nth) {
         const float rn = 1.0f / sqrtf(ss / (float)dv + a->eps);
         const float *z = a->z + b * a->nv * dv + h * dv;
         float *out = a->out + b * a->nv * dv + h * dv;
-        for (int64_t c = 0; c < dv; c++) out[c] = a->norm[c] * (o[c] * rn) * silu(z[c]);
+        for (int64_t c = 0; c < dv; c++) out[c] = a->norm[c] * (o[c] * rn) * qk_vsilu(z[c]);
     }
 }
 
