@@ -15,6 +15,7 @@
 #include "matmul.h"
 #include "pool.h"
 #include "qk.h"
+#include "vexp.h"
 
 /* ------------------------------------------------------------------ attention inner loops */
 
@@ -424,8 +425,8 @@ void qk_rope(float *x, const float *cos, const float *sin, int64_t R, int neox) 
     }
 }
 
-void qk_gate_mul(float *x, const float *gate, int64_t n) {
-    for (int64_t i = 0; i < n; i++) x[i] *= 1.0f / (1.0f + expf(-gate[i]));
+QK_VECTOR_CLONES void qk_gate_mul(float *x, const float *gate, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] *= 1.0f / (1.0f + qk_vexp(-gate[i]));
 }
 
 void qk_rms_norm_rows(const float *x, const float *w, int64_t rows, int64_t n, float eps, float *out) {
