@@ -10,6 +10,8 @@ host's memory can read 50 or 85 GB/s by the minute). The rounds are listed with 
 per token, the weight (and recurrent-state) bytes read, and the GB/s that makes, beside the read-bandwidth probe's
 GB/s for the same threads. The head's row is the output projection over the vocabulary. The argmax (greedy) and
 the sampler chain (temperature 0.8, top-k 40, top-p 0.95; and top-k off) over the step's logits are timed too.
+Last, one round of whole steps with the kernel pool's times kept (pool.h's qk_pool_trace): per job kind the
+caller's share, its wait for the workers, its work between jobs and the time outside the kernels, ms a step.
 """
 
 from __future__ import annotations
@@ -111,6 +113,8 @@ def main() -> None:
             kv.length = start
             rounds.append((statistics.median(steps), before, quick_probe(args.threads)))
             times["whole step"] += steps
+        pool_rows, pool_steps = pool_round(model, kv, tok, args.steps)
+        kv.length = start
         for name, params in (("sampler k40 p0.95 t0.8", SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=0)),
                              ("sampler p0.95 t0.8 (top-k off)", SamplingParams(temperature=0.8, top_k=0, top_p=0.95, seed=0))):
             sampler = Sampler(params, s.vocab)
@@ -148,6 +152,42 @@ def main() -> None:
         f"{t * 1e3:.2f}, {total_bytes / t / 1e9:.1f}, {a:.1f} / {b:.1f}, {100 * r:.0f}"
         for (t, a, b), r in zip(rounds, ratios)))
     print(f"median over rounds: {100 * statistics.median(ratios):.0f} % of the probe beside it")
+    print_pool(pool_rows, pool_steps)
+
+
+def pool_round(model, kv, tok: int, steps: int) -> tuple[list[tuple], list[float]]:
+    """One more round of whole steps with the kernel pool's per-job-kind times kept (pool.h's qk_pool_trace)."""
+    from moerun.kernels import _cpu
+
+    times = []
+    _cpu.pool_trace(True)
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            logits = model.decode(torch.tensor([tok]), [kv])
+            times.append(time.perf_counter() - t0)
+            tok = int(logits[-1].argmax())
+        rows = _cpu.pool_trace_rows()
+    finally:
+        _cpu.pool_trace(False)
+    return rows, times
+
+
+def print_pool(rows: list[tuple], times: list[float]) -> None:
+    """Where the caller's time goes by pool job kind, ms a step: its share of each job (the worker's start
+    included), its wait for the workers after that, its own work between jobs, and the time outside the kernels
+    (gaps over 30 us: Python and the argmax between two steps)."""
+    n = len(times)
+    print(f"\nthe kernel pool, one round of {n} whole steps (median {statistics.median(times) * 1e3:.2f} ms; "
+          "ms a step, the caller's side):")
+    print("| job (task) | jobs a step | own share | wait for the workers | work before it | outside the kernels |")
+    print("|---|---:|---:|---:|---:|---:|")
+    tot = [0.0] * 4
+    for name, jobs, *ns in sorted(rows, key=lambda r: -r[2]):
+        ms = [v / n / 1e6 for v in ns]
+        tot = [a + b for a, b in zip(tot, ms)]
+        print(f"| {name} | {jobs / n:.1f} | " + " | ".join(f"{v:.3f}" for v in ms) + " |")
+    print("| all | | " + " | ".join(f"{v:.3f}" for v in tot) + " |")
 
 
 if __name__ == "__main__":

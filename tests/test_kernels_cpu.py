@@ -296,6 +296,33 @@ def test_decode_down_parts_cover_every_row(threads, k):
     assert torch.equal(outs[0], outs[1])
 
 
+def test_pool_trace_counts_jobs_by_task(threads):
+    """pool.h's trace: per task name the jobs run while it is on, with the caller's share, wait and gaps (ns, none
+    negative); switching it (on or off) starts the counts afresh, and nothing is kept while it is off."""
+    from moerun.kernels import _cpu
+
+    w = weight(QType.Q4_K, 256, 512)
+    gate, up, down = experts(MOE_CASES[0], 8, 512, 256)
+    ids, wts = routing(3, 2, 8, seed=2)
+    x = torch.randn(3, 512)
+    for n in (1, 2):
+        cpu.set_threads(n)
+        _cpu.pool_trace(True)
+        try:
+            cpu.matmul(x, w)
+            cpu.matmul(x, w)
+            cpu.moe_ffn(x, ids, wts, gate, up, down)
+            rows = {r[0]: r[1:] for r in _cpu.pool_trace_rows()}
+        finally:
+            _cpu.pool_trace(False)
+        assert rows["mm_task"][0] == 2 and rows["moe_gate_up_task"][0] == 1, (n, rows)
+        assert rows["moe_down_expert_task"][0] == 1, (n, rows)
+        assert all(v >= 0 for r in rows.values() for v in r) and rows["mm_task"][1] > 0, rows
+        assert _cpu.pool_trace_rows() == []
+        cpu.matmul(x, w)
+        assert _cpu.pool_trace_rows() == []
+
+
 # ------------------------------------------------------------------------------------- bad inputs
 
 

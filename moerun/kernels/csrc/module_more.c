@@ -6,6 +6,7 @@
 
 #include "attn.h"
 #include "deltanet.h"
+#include "pool.h"
 #include "qk.h"
 #include "sample.h"
 
@@ -219,7 +220,36 @@ static PyObject *py_route_rows(PyObject *self, PyObject *args) {
     return qk_raise(qk_route_rows(&d, (float *)(uintptr_t)logits, B, E, (int64_t *)(uintptr_t)ids, (float *)(uintptr_t)w));
 }
 
+static PyObject *py_pool_trace(PyObject *self, PyObject *args) {
+    (void)self;
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    qk_pool_trace(on);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_pool_trace_rows(PyObject *self, PyObject *noargs) {
+    (void)self, (void)noargs;
+    qk_trace_row rows[QK_TRACE_ROWS];
+    const int n = qk_pool_trace_rows(rows, QK_TRACE_ROWS);
+    PyObject *out = PyList_New(n);
+    for (int i = 0; out && i < n; i++) {
+        PyObject *t = Py_BuildValue("(sLLLLL)", rows[i].name, rows[i].jobs, rows[i].own_ns, rows[i].wait_ns,
+                                    rows[i].gap_ns, rows[i].long_gap_ns);
+        if (!t) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, t);
+    }
+    return out;
+}
+
 PyMethodDef QK_STEP_METHODS[] = {
+    {"pool_trace", py_pool_trace, METH_VARARGS,
+     "pool_trace(on): keep (True, the counters reset) or stop keeping the pool's per-job-kind times (pool.h)."},
+    {"pool_trace_rows", py_pool_trace_rows, METH_NOARGS,
+     "pool_trace_rows() -> [(task, jobs, own_ns, wait_ns, gap_ns, long_gap_ns)] (pool.h's qk_trace_row)."},
     {"sample_draw", py_sample_draw, METH_VARARGS, "sample_draw(isa, x, n, t, cut, u): the inverse-CDF draw (sample.c)."},
     {"sample_norm", py_sample_norm, METH_VARARGS, "sample_norm(isa, x, n, mx): sum of exp32(x - mx), block by block."},
     {"sample_cut", py_sample_cut, METH_VARARGS,

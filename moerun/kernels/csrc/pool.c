@@ -47,6 +47,10 @@ static struct {
     atomic_int prefetch;      /* qk_prefetch's bytes, or -1 until decided */
     atomic_int prefetch_hint; /* qk_prefetch_hint's QK_PF_*, or -1 until decided */
     atomic_int wide;          /* qk_wide's 0 / 1, or -1 until decided */
+    atomic_int trace;         /* qk_pool_trace's switch; the rest of the trace under run_lock */
+    int trace_n;
+    int64_t trace_last;       /* when the last traced job returned, 0 before the first */
+    qk_trace_row trace_rows[QK_TRACE_ROWS];
 } P = {.prefetch = -1, .prefetch_hint = -1, .wide = -1, .run_lock = PTHREAD_MUTEX_INITIALIZER,
        .lock = PTHREAD_MUTEX_INITIALIZER,
        .wake = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER, .spin_us = DEFAULT_SPIN_US};
@@ -191,13 +195,54 @@ int qk_pool_set_active(int n) {
 
 int qk_pool_active(void) { return atomic_load(&P.active); }
 
-int qk_pool_run(qk_task fn, void *ctx) {
+void qk_pool_trace(int on) {
+    pthread_mutex_lock(&P.run_lock);
+    memset(P.trace_rows, 0, sizeof P.trace_rows);
+    P.trace_n = 0;
+    P.trace_last = 0;
+    atomic_store(&P.trace, on != 0);
+    pthread_mutex_unlock(&P.run_lock);
+}
+
+int qk_pool_trace_rows(qk_trace_row *out, int max) {
+    pthread_mutex_lock(&P.run_lock);
+    const int n = P.trace_n < max ? P.trace_n : max;
+    memcpy(out, P.trace_rows, (size_t)(n > 0 ? n : 0) * sizeof *out);
+    pthread_mutex_unlock(&P.run_lock);
+    return n;
+}
+
+/* Called with run_lock held: a job of `name` entered at t_in, the caller's share done at t_own, returned at t_out. */
+static void trace_add(const char *name, int64_t t_in, int64_t t_own, int64_t t_out) {
+    int i = 0;
+    while (i < P.trace_n && P.trace_rows[i].name != name && strcmp(P.trace_rows[i].name, name)) i++;
+    if (i == QK_TRACE_ROWS) i--; /* more kinds than rows: the last row takes the rest */
+    if (i == P.trace_n) P.trace_rows[P.trace_n++].name = name;
+    qk_trace_row *r = &P.trace_rows[i];
+    r->jobs++;
+    r->own_ns += t_own - t_in;
+    r->wait_ns += t_out - t_own;
+    if (P.trace_last) {
+        const int64_t gap = t_in - P.trace_last;
+        if (gap > QK_TRACE_LONG_NS) r->long_gap_ns += gap;
+        else r->gap_ns += gap;
+    }
+    P.trace_last = t_out;
+}
+
+int qk_pool_run_as(qk_task fn, void *ctx, const char *name) {
+    const int traced = atomic_load_explicit(&P.trace, memory_order_relaxed);
+    const int64_t t_in = traced ? now_ns() : 0;
     pthread_mutex_lock(&P.run_lock);
     const int rc = start_workers();
     const int active = atomic_load(&P.active);
     const int n = active > 0 && active < P.nthreads ? active : P.nthreads;
     if (n == 1) {
         fn(ctx, 0, 1);
+        if (traced && atomic_load_explicit(&P.trace, memory_order_relaxed)) {
+            const int64_t t = now_ns();
+            trace_add(name, t_in, t, t);
+        }
         pthread_mutex_unlock(&P.run_lock);
         return rc;
     }
@@ -211,6 +256,7 @@ int qk_pool_run(qk_task fn, void *ctx) {
     pthread_mutex_unlock(&P.lock);
 
     fn(ctx, 0, n);
+    const int64_t t_own = traced ? now_ns() : 0;
 
     const int64_t end = now_ns() + (int64_t)atomic_load(&P.spin_us) * 1000;
     for (unsigned i = 1; atomic_load_explicit(&P.pending, memory_order_acquire) != 0; i++) {
@@ -223,6 +269,7 @@ int qk_pool_run(qk_task fn, void *ctx) {
             break;
         }
     }
+    if (traced && atomic_load_explicit(&P.trace, memory_order_relaxed)) trace_add(name, t_in, t_own, now_ns());
     pthread_mutex_unlock(&P.run_lock);
     return rc;
 }

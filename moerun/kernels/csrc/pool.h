@@ -45,7 +45,22 @@ int qk_prefetch_default(const char *vendor, int family, int *hint);
 int qk_set_wide(int on);
 int qk_wide(void);
 int qk_wide_default(const char *vendor, int family);
-/* Returns 0, or -1 when worker threads could not be created (the job then ran on the caller). */
-int qk_pool_run(qk_task fn, void *ctx);
+/* Returns 0, or -1 when worker threads could not be created (the job then ran on the caller). name: the task's, which
+ * keys qk_pool_trace's rows (qk_pool_run passes the function's own). */
+int qk_pool_run_as(qk_task fn, void *ctx, const char *name);
+#define qk_pool_run(fn, ctx) qk_pool_run_as((fn), (ctx), #fn)
+
+/* Where the caller's time goes, per job kind (the task's name), while qk_pool_trace(1) is on: jobs, its time from
+ * entering a job to the end of its own share, its wait for the workers after that, and its time since the previous
+ * job returned (its own work between jobs; a gap over QK_TRACE_LONG_NS, the caller outside the kernels, such as
+ * Python between two decode steps, counted apart), in ns. bench/step_profile.py prints them for a decode step. */
+#define QK_TRACE_ROWS 32
+#define QK_TRACE_LONG_NS 30000
+typedef struct {
+    const char *name;
+    long long jobs, own_ns, wait_ns, gap_ns, long_gap_ns;
+} qk_trace_row;
+void qk_pool_trace(int on); /* the counters reset; 1: kept from now on, 0: no longer kept */
+int qk_pool_trace_rows(qk_trace_row *out, int max); /* copies up to max rows -> how many */
 
 #endif
