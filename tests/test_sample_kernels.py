@@ -96,3 +96,51 @@ def test_kernels_off_gives_the_same_tokens(kw, monkeypatch):
             monkeypatch.undo()
             assert a == b, kw
             assert torch.equal(c.generator.get_state(), twin.generator.get_state())
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 2047, 2048, 2049, 4113, V])  # lanes, chunks and their tails
+def test_argmax_is_torchs_on_every_kernel_set(n):
+    """Greedy's one C pass: torch.argmax's index (the first of equal largest values, -0.0 equal to +0.0, infinities
+    ordered) on every kernel set, and -1 wherever a NaN is, including a NaN below the largest value."""
+    g = torch.Generator().manual_seed(n)
+    cases = [torch.randn(n, generator=g), torch.randint(-3, 3, (n,), generator=g).float(),  # many ties
+             torch.full((n,), -math.inf), torch.zeros(n)]
+    neg_zero_first = torch.full((n,), -1.0)  # -0.0 before +0.0 (in another chunk when n allows): the -0.0 wins
+    neg_zero_first[n // 3] = -0.0
+    neg_zero_first[-1] = 0.0
+    cases.append(neg_zero_first)
+    with_inf = torch.randn(n, generator=g)
+    with_inf[n // 2] = math.inf
+    with_inf[-1] = math.inf
+    cases.append(with_inf)
+    late = torch.randn(n, generator=g)
+    late[-1] = 100.0  # the largest in the last chunk's tail
+    cases.append(late)
+    for x in cases:
+        want = int(torch.argmax(x))
+        for isa in isas():
+            assert cpu._cpu.sample_argmax(isa, x.data_ptr(), n) == want, (isa, n)
+        for at in {0, n // 2, n - 1}:
+            bad = x.clone()
+            bad[at] = math.nan
+            for isa in isas():
+                assert cpu._cpu.sample_argmax(isa, bad.data_ptr(), n) == -1, (isa, n, at)
+            neg_nan = x.clone()
+            neg_nan.view(torch.int32)[at] = -0x400000  # a NaN with the sign bit set (0xffc00000)
+            assert S.argmax(neg_nan) == -1
+
+
+def test_greedy_sample_takes_the_c_pass_and_equals_the_twin(monkeypatch):
+    """A greedy Sampler without penalties picks by S.argmax; with the kernels off, the same token by torch."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(V, generator=g)
+    x[7], x[V - 5] = 9.0, 9.0
+    s = Sampler(SamplingParams(temperature=0.0), V)
+    calls = []
+    real = S.argmax
+    monkeypatch.setattr(S, "argmax", lambda t: calls.append(1) or real(t))
+    assert int(s.sample(x, NO_HISTORY)) == 7 and calls
+    monkeypatch.setattr(S, "available", lambda t: False)
+    assert int(s.sample(x, NO_HISTORY)) == 7
+    x[100] = math.nan
+    assert int(s.sample(x, NO_HISTORY)) == -1

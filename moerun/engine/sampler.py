@@ -17,7 +17,8 @@ the cut), and the draw reads the logits with that cut: the chain's tokens by con
 before the candidates are known. A step whose cut it cannot certify (a tie at the cut, a sum within rounding of
 top_p) goes the plain way: a head of the logits sorted (`_sorted_head`), as on a GPU. With two torch threads on a
 machine where another process is running, the chain took 150-230 ms (each parallel region waits for the thread
-the other process holds up), so `sample` runs it on one torch thread.
+the other process holds up), so `sample` runs it on one torch thread. Greedy picks without penalties take one C
+pass (argmax and the NaN check together).
 """
 
 from __future__ import annotations
@@ -152,6 +153,8 @@ class Sampler:
         caller reports (errors.NAN_LOGITS) when it reads the id back. On the CPU the chain runs on one torch thread: a
         vector of 250k is no work to split, and with more threads each parallel region waits for any thread another
         process holds up (150-230 ms a token seen on 2 busy cores)."""
+        if self.params.is_greedy and not self._penalise and samp.available(logits):
+            return torch.tensor(samp.argmax(logits))  # the pick and the NaN check in one C pass (NAN_TOKEN is -1)
         n = torch.get_num_threads() if logits.device.type == "cpu" else 1
         if n != 1:
             torch.set_num_threads(1)

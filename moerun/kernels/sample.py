@@ -5,6 +5,7 @@ bits, and the same token, from either: the C code where the extension is availab
 over the logits), the torch twin where it is not (MOERUN_KERNELS=off) and on other devices (where torch's reductions
 may order sums otherwise: there the same arithmetic, not the same bits).
 
+    argmax(x)                         greedy's pick: the first index of the largest logit, -1 where one is NaN
     exp32(x)                          Cephes' expf in float32 steps, 0 below -64
     block_sums(w)                     [nb] double: SAMP_BLOCK weights each, 16 lanes then the lanes in order
     norm(x, mx)                       sum of exp32(x - mx) over block_sums, in order (top-p's normaliser)
@@ -70,6 +71,14 @@ def block_sums(w: torch.Tensor) -> torch.Tensor:
     rows[:w.numel()] = w
     lanes = rows.view(nb, BLOCK // LANES, LANES).cumsum(1)[:, -1]  # [nb, LANES]
     return lanes.cumsum(1)[:, -1]
+
+
+def argmax(x: torch.Tensor) -> int:
+    """The first index of x's [n] largest value (torch.argmax's), or -1 where x holds a NaN: one pass in C, where
+    torch takes two (argmax, then the NaN check) and ~0.2 ms over 150k logits just written by a decode step."""
+    if available(x):
+        return cpu._cpu.sample_argmax(_isa(), x.data_ptr(), x.numel())
+    return -1 if bool(x.isnan().any()) else int(torch.argmax(x))
 
 
 def norm(x: torch.Tensor, mx: torch.Tensor | float) -> torch.Tensor:

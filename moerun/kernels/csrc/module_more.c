@@ -67,6 +67,15 @@ static PyObject *py_delta_conv_prompt(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_sample_argmax(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa;
+    unsigned long long x;
+    long long n;
+    if (!PyArg_ParseTuple(args, "iKL", &isa, &x, &n)) return NULL;
+    return PyLong_FromLongLong(samp_argmax(isa, (const float *)(uintptr_t)x, n));
+}
+
 static PyObject *py_sample_draw(PyObject *self, PyObject *args) {
     (void)self;
     int isa;
@@ -250,6 +259,8 @@ PyMethodDef QK_STEP_METHODS[] = {
      "pool_trace(on): keep (True, the counters reset) or stop keeping the pool's per-job-kind times (pool.h)."},
     {"pool_trace_rows", py_pool_trace_rows, METH_NOARGS,
      "pool_trace_rows() -> [(task, jobs, own_ns, wait_ns, gap_ns, long_gap_ns)] (pool.h's qk_trace_row)."},
+    {"sample_argmax", py_sample_argmax, METH_VARARGS,
+     "sample_argmax(isa, x, n): the first index of the largest of x[:n], or -1 where one is NaN (sample.c)."},
     {"sample_draw", py_sample_draw, METH_VARARGS, "sample_draw(isa, x, n, t, cut, u): the inverse-CDF draw (sample.c)."},
     {"sample_norm", py_sample_norm, METH_VARARGS, "sample_norm(isa, x, n, mx): sum of exp32(x - mx), block by block."},
     {"sample_cut", py_sample_cut, METH_VARARGS,

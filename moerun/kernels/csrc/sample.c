@@ -11,7 +11,10 @@
  *
  * samp_cut finds the cut top-p and min-p make over a whole vocabulary without sorting it: top-p's probability
  * mass per bucket of value, then a sort of the two buckets around the cut; it answers 0 where a tie or rounding at
- * the cut could make the sorted chain keep another set (the caller then sorts). */
+ * the cut could make the sorted chain keep another set (the caller then sorts).
+ *
+ * samp_argmax is greedy decoding's pick: the first index of the largest logit (torch.argmax's), or -1 where any
+ * logit is NaN, in one pass of 16 lanes over the vocabulary and a scan for the first index holding that value. */
 #include "sample.h"
 
 #include <math.h>
@@ -247,7 +250,63 @@ INL void exp_body(const float *x, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i++) out[i] = exp32(x[i]);
 }
 
+/* A float's bits as an int32 in the floats' order (negative ones' magnitude bits flipped): -0.0 just below +0.0. */
+INL int32_t order_key(uint32_t b) { return (int32_t)(b ^ ((uint32_t)((int32_t)b >> 31) >> 1)); }
+
+/* Integer maxima in 16 lanes vectorise (a float max with NaN in play does not); per chunk of ARGMAX_CHUNK the
+ * largest key, kept with its chunk where it beats the earlier ones, so the final scan reads one chunk. */
+#define ARGMAX_CHUNK 2048
+
+INL int64_t argmax_body(const float *x, int64_t n) {
+    if (n <= 0) return -1;
+    const uint32_t *u = (const uint32_t *)(const void *)x;
+    int32_t best = INT32_MIN;
+    uint32_t worst = 0; /* the largest magnitude's bits: above +inf's, a NaN */
+    int64_t at = 0;
+    for (int64_t c = 0; c < n; c += ARGMAX_CHUNK) {
+        const int64_t len = n - c < ARGMAX_CHUNK ? n - c : ARGMAX_CHUNK;
+        int32_t km[SL];
+        uint32_t am[SL];
+        for (int l = 0; l < SL; l++) {
+            km[l] = INT32_MIN;
+            am[l] = 0;
+        }
+        int64_t i = 0;
+        for (; i + SL <= len; i += SL)
+            for (int l = 0; l < SL; l++) {
+                const uint32_t b = u[c + i + l];
+                const uint32_t a = b & 0x7fffffffu;
+                const int32_t k = order_key(b);
+                am[l] = a > am[l] ? a : am[l];
+                km[l] = k > km[l] ? k : km[l];
+            }
+        for (int l = 0; i + l < len; l++) {
+            const uint32_t b = u[c + i + l];
+            const uint32_t a = b & 0x7fffffffu;
+            const int32_t k = order_key(b);
+            am[l] = a > am[l] ? a : am[l];
+            km[l] = k > km[l] ? k : km[l];
+        }
+        for (int l = 0; l < SL; l++) {
+            worst = am[l] > worst ? am[l] : worst;
+            if (km[l] > best) {
+                best = km[l];
+                at = c;
+            }
+        }
+    }
+    if (worst > 0x7f800000u) return -1;
+    const uint32_t bits = (uint32_t)best ^ ((uint32_t)(best >> 31) >> 1);
+    float mx;
+    memcpy(&mx, &bits, sizeof mx);
+    if (mx == 0.0f) at = 0; /* -0.0 and +0.0 are equal, and their keys are not: the first of either */
+    for (int64_t i = at; i < n; i++)
+        if (x[i] == mx) return i;
+    return -1;
+}
+
 typedef struct {
+    int64_t (*argmax)(const float *, int64_t);
     int64_t (*draw)(const float *, int64_t, float, float, double);
     double (*norm)(const float *, int64_t, float);
     int (*cut)(const float *, int64_t, float, int, float, int, double *, uint32_t *, int64_t, float *);
@@ -255,6 +314,7 @@ typedef struct {
 } samp_fns;
 
 #define SAMP_SET(sfx, attr)                                                                                           \
+    attr static int64_t argmax_##sfx(const float *x, int64_t n) { return argmax_body(x, n); }                          \
     attr static int64_t draw_##sfx(const float *x, int64_t n, float t, float cut, double u) {                         \
         return draw_body(x, n, t, cut, u);                                                                            \
     }                                                                                                                 \
@@ -264,7 +324,7 @@ typedef struct {
         return cut_body(x, n, tp, use_tp, lmp, use_mp, hist, keys, cap, cut);                                         \
     }                                                                                                                 \
     attr static void exp_##sfx(const float *x, int64_t n, float *out) { exp_body(x, n, out); }                        \
-    static const samp_fns FNS_##sfx = {draw_##sfx, norm_##sfx, cut_##sfx, exp_##sfx};
+    static const samp_fns FNS_##sfx = {argmax_##sfx, draw_##sfx, norm_##sfx, cut_##sfx, exp_##sfx};
 
 SAMP_SET(portable, )
 #if QK_X86
@@ -279,6 +339,8 @@ static const samp_fns *fns(int isa) {
 #endif
     return &FNS_portable;
 }
+
+int64_t samp_argmax(int isa, const float *x, int64_t n) { return fns(isa)->argmax(x, n); }
 
 int64_t samp_draw(int isa, const float *x, int64_t n, float t, float cut, double u) {
     return fns(isa)->draw(x, n, t, cut, u);

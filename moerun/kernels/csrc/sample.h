@@ -7,6 +7,7 @@
 #define SAMP_BLOCK 256
 #define SAMP_BUCKETS 4096
 
+int64_t samp_argmax(int isa, const float *x, int64_t n);
 int64_t samp_draw(int isa, const float *x, int64_t n, float t, float cut, double u);
 double samp_norm(int isa, const float *x, int64_t n, float mx);
 int samp_cut(int isa, const float *x, int64_t n, float top_p, int use_top_p, float log_min_p, int use_min_p,
