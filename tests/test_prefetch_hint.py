@@ -132,3 +132,29 @@ def test_sweep_script_runs_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     assert len(raw.read_text().splitlines()) == 2
     with pytest.raises(SystemExit):
         sweep.main([str(model), "--hints", "l2"])
+
+
+def test_settings_ab_script_runs_on_a_tiny_model(tmp_path, capsys):
+    """bench/settings_ab.py: every setting each round in one process, the baseline's ratio 1, the CPU's defaults
+    back afterwards; a malformed setting is a one-line error."""
+    from moerun.tools.make_model import make_model
+
+    model = make_model("tiny-qwen3moe", tmp_path / "tiny.gguf", ftype="Q4_K", progress=False)
+    spec = importlib.util.spec_from_file_location("settings_ab", ROOT / "bench" / "settings_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    def now():
+        f = cpu.features()
+        return f["prefetch"], f["prefetch_hint"], f["wide"]
+
+    before = now()
+    ab.main([str(model), "-t", "1", "--steps", "2", "--rounds", "2", "--prompt", "4",
+             "--settings", "base=pf:0", "nta=pf:2048,hint:nta,wide:1"])
+    out = capsys.readouterr().out
+    assert out.count("round ") == 2 and "baseline base" in out
+    assert "| base | pf:0 |" in out and "1.000 (2)" in out.split("| base |")[1].splitlines()[0]
+    assert "| nta | pf:2048,hint:nta,wide:1 |" in out
+    assert now() == before
+    for bad in ("base", "x=pf", "x=speed:3", "x=pf:100"):
+        with pytest.raises(SystemExit, match="setting"):
+            ab.main([str(model), "--settings", bad])
