@@ -80,3 +80,31 @@ def test_prompt_longer_than_context_is_a_clear_error(hf_model):
         eng.generate(list(range(20)), SamplingParams.greedy()).run()
     gen = eng.generate(PROMPT, SamplingParams.greedy(max_tokens=100, ignore_eos=True)).run()
     assert gen.finish_reason == "length" and len(PROMPT) + len(gen.tokens) <= 16 + 1
+
+
+def test_penalties_see_the_prompt_and_every_generated_token(hf_model):
+    """With a repeat penalty the sampler's history grows by each token picked; without one it is not kept (the
+    sampler does not read it)."""
+    from moerun.engine import sampler as sampler_mod
+
+    _, folder = hf_model("qwen3moe")
+    eng = engine_for(folder)
+    seen = []
+    real = sampler_mod.Sampler.sample
+
+    def sample(self, logits, history):
+        seen.append(history.tolist())
+        return real(self, logits, history)
+
+    for penalty in (1.3, 1.0):
+        seen.clear()
+        p = SamplingParams.greedy(max_tokens=6, ignore_eos=True, repeat_penalty=penalty)
+        sampler_mod.Sampler.sample = sample
+        try:
+            gen = eng.generate(PROMPT, p).run()
+        finally:
+            sampler_mod.Sampler.sample = real
+        if penalty != 1.0:
+            assert seen == [PROMPT + gen.tokens[:i] for i in range(6)]
+        else:
+            assert all(h == PROMPT for h in seen)

@@ -52,6 +52,20 @@ def test_a_moment_of_load_does_not_count_a_lasting_one_does(machine):
     assert cached(4) == 1  # within the ttl: no new reading
 
 
+def test_the_cpu_set_is_read_again_only_after_cpus_ttl(machine, monkeypatch):
+    machine[0] = 1
+    calls = []
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: calls.append(pid) or {0, 1, 2, 3})
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    free = ops.FreeCpus(ttl=0, cpus_ttl=3600)
+    assert [free(4) for _ in range(5)] == [4] * 5 and len(calls) == 1
+    machine[0] = 3  # the load is still read every call (ttl 0)
+    assert free(4) == 4 and free(4) == 4 and free(4) == 2 and len(calls) == 1
+    again = ops.FreeCpus(ttl=0, cpus_ttl=0)
+    again(4), again(4)
+    assert len(calls) == 3
+
+
 def test_a_narrow_affinity_or_no_proc_keeps_the_budget(machine, monkeypatch):
     machine[0] = 4
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # another process's CPUs count too

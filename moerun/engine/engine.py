@@ -220,7 +220,8 @@ class Generation:
                 if fed + 1 > eng.ctx_size:
                     self.finish_reason = "length"  # context full
                     break
-                history = torch.cat((history, torch.tensor([nxt])))
+                if self.sampler.uses_history:  # the penalties' window; two tensors a token otherwise for nothing
+                    history = torch.cat((history, torch.tensor([nxt])))
                 if spec is None:
                     rows = [eng.model.forward(torch.tensor([nxt]), self.seq.kv, last_only=True)[-1]]
                     self.seq.tokens.append(nxt)

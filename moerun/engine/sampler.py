@@ -71,6 +71,11 @@ class Sampler:
             (self._top_p is not None or self._log_min_p is not None) and vocab_size >= _FAST_VOCAB
         self._cut_bufs = samp.CutBuffers() if self._fast else None
 
+    @property
+    def uses_history(self) -> bool:
+        """Whether `sample` reads the history it is given (a penalty applies)."""
+        return self._penalise
+
     # -- stages ------------------------------------------------------------------------------------
 
     def penalize(self, logits: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
