@@ -35,6 +35,9 @@
  * 1 / BY_EXPERT_ITEMS of a thread's share */
 #define BY_EXPERT_TOKENS 8
 #define BY_EXPERT_ITEMS 2
+/* and of at most this many weight bytes, so that a thread done with its share waits for a small piece of another's
+ * (GLM-4.5-Air's 4 MB expert downs as 8 whole items: the caller waited 132 us a layer, issue 36) */
+#define BY_EXPERT_ITEM_BYTES (512 << 10)
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -558,6 +561,8 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
     c.items_per_expert = (I + c.rows_a - 1) / c.rows_a;
     if (by_expert) { /* parts: at least BY_EXPERT_ITEMS items per thread in all, for balance */
         c.parts = (BY_EXPERT_ITEMS * nth + nact - 1) / nact;
+        const int64_t by_bytes = (H / td->rows * c.rowb_d + BY_EXPERT_ITEM_BYTES - 1) / BY_EXPERT_ITEM_BYTES;
+        if (nth > 1 && c.parts < by_bytes) c.parts = by_bytes;
         if (c.parts > H / td->rows) c.parts = H / td->rows;
         c.items_b = nact * c.parts;
     } else {
