@@ -257,6 +257,14 @@ INL int32_t order_key(uint32_t b) { return (int32_t)(b ^ ((uint32_t)((int32_t)b 
  * largest key, kept with its chunk where it beats the earlier ones, so the final scan reads one chunk. */
 #define ARGMAX_CHUNK 2048
 
+/* One value into its lane: the largest magnitude's bits (a NaN's exceed +inf's) and the largest order key. */
+INL void argmax_lane(uint32_t b, uint32_t *am, int32_t *km) {
+    const uint32_t a = b & 0x7fffffffu;
+    const int32_t k = order_key(b);
+    *am = a > *am ? a : *am;
+    *km = k > *km ? k : *km;
+}
+
 INL int64_t argmax_body(const float *x, int64_t n) {
     if (n <= 0) return -1;
     const uint32_t *u = (const uint32_t *)(const void *)x;
@@ -273,20 +281,8 @@ INL int64_t argmax_body(const float *x, int64_t n) {
         }
         int64_t i = 0;
         for (; i + SL <= len; i += SL)
-            for (int l = 0; l < SL; l++) {
-                const uint32_t b = u[c + i + l];
-                const uint32_t a = b & 0x7fffffffu;
-                const int32_t k = order_key(b);
-                am[l] = a > am[l] ? a : am[l];
-                km[l] = k > km[l] ? k : km[l];
-            }
-        for (int l = 0; i + l < len; l++) {
-            const uint32_t b = u[c + i + l];
-            const uint32_t a = b & 0x7fffffffu;
-            const int32_t k = order_key(b);
-            am[l] = a > am[l] ? a : am[l];
-            km[l] = k > km[l] ? k : km[l];
-        }
+            for (int l = 0; l < SL; l++) argmax_lane(u[c + i + l], &am[l], &km[l]);
+        for (int l = 0; i + l < len; l++) argmax_lane(u[c + i + l], &am[l], &km[l]);
         for (int l = 0; l < SL; l++) {
             worst = am[l] > worst ? am[l] : worst;
             if (km[l] > best) {
