@@ -222,23 +222,21 @@ static void q6r8_place(int e, int *ql_at, int *nib, int *qh_at, int *pair) {
 }
 
 static void q6r8_pack_block(const uint8_t *const src[8], uint8_t *b) {
-    memset(b + 144, 0, 1536);
     for (int r = 0; r < 8; r++) {
         uint8_t q[256];
         q6k_values(src[r], q);
         memcpy(b + 2 * r, src[r] + 208, 2);
         for (int s = 0; s < 16; s++) b[16 + 16 * (s / 2) + 2 * r + s % 2] = src[r][192 + s];
-        for (int c = 0; c < 64; c++) { /* elements 4c..4c+3 go to 4 consecutive bytes of each vector */
-            int lo, nib, hi, pair;
-            q6r8_place(4 * c, &lo, &nib, &hi, &pair);
-            uint32_t v, l, h; /* 4 values a word: their low nibbles and high bit pairs shifted within each byte */
-            memcpy(&v, q + 4 * c, 4);
-            memcpy(&l, b + lo + 4 * r, 4);
-            memcpy(&h, b + hi + 4 * r, 4);
-            l |= (v & 0x0f0f0f0fu) << (4 * nib);
-            h |= (v >> 4 & 0x03030303u) << (2 * pair);
-            memcpy(b + lo + 4 * r, &l, 4);
-            memcpy(b + hi + 4 * r, &h, 4);
+        for (int m = 0; m < 16; m++) { /* the words of W_m (q6r8_place): groups c = 2m, 2m + 1, 2m + 32, 2m + 33 */
+            uint32_t v[4];
+            for (int j = 0; j < 4; j++) memcpy(&v[j], q + 4 * (2 * m + j % 2 + 32 * (j / 2)), 4);
+            const uint32_t lo0 = (v[0] & 0x0f0f0f0fu) | (v[2] & 0x0f0f0f0fu) << 4;
+            const uint32_t lo1 = (v[1] & 0x0f0f0f0fu) | (v[3] & 0x0f0f0f0fu) << 4;
+            uint32_t hi = 0;
+            for (int j = 0; j < 4; j++) hi |= (v[j] >> 4 & 0x03030303u) << (2 * j);
+            memcpy(b + 144 + 96 * m + 4 * r, &lo0, 4);
+            memcpy(b + 144 + 96 * m + 32 + 4 * r, &lo1, 4);
+            memcpy(b + 144 + 96 * m + 64 + 4 * r, &hi, 4);
         }
     }
 }
