@@ -4,8 +4,9 @@
 
 1. the GPU tests (tests/test_gpu.py and the Triton kernels' GPU tests); on a machine without CUDA the
    stand-in's equivalents (tests/test_device_stages.py, tests/test_device.py) instead;
-2. the work per decoded token counted on the stand-in (syncs, kernels per layer, host launches) and the decode
-   tok/s it predicts on an H200 and a 24 GB card (moerun/gpu_counts.py), for the measured rows to sit beside;
+2. beside the tests (CPU work on a core of its own), the work per decoded token counted on the stand-in (syncs,
+   kernels per layer, host launches) and the decode tok/s it predicts on an H200 and a 24 GB card
+   (moerun/gpu_counts.py), for the measured rows to sit beside;
 3. `moerun bench` on one model for the placements
    (a) everything in VRAM (the expert slots hold every expert),
    (b) dense weights in VRAM, experts in pinned RAM behind caches of 0 %, 25 % and 50 % of the expert bytes,
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from toolkit import add, cell, parser, write_json
@@ -100,20 +102,21 @@ def main() -> int:
               "python": platform.python_version(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "steps": {}, "rows": [], "failed": []}
 
-    # 1. tests
+    # 1. tests, and beside them 2. the work per token counted on the stand-in and the decode speed it predicts
+    # (moerun/gpu_counts.py: CPU work, a core of its own; the benches below run alone)
     tests = (["tests/test_gpu.py", "tests/test_triton_kernels.py", "tests/test_qwen3next.py", "-m", "gpu"]
              if gpu else
              ["tests/test_device_stages.py", "tests/test_device.py"])
-    rc, secs = sh([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests,
-                   f"--junitxml={out / 'tests.xml'}"], out / "tests.log", 900)
-    report["steps"]["tests"] = {"rc": rc, "seconds": round(secs, 1), **junit_counts(out / "tests.xml")}
-    if rc:
-        report["failed"].append("tests")
-
-    # 2. the work per token counted on the stand-in, and the decode speed it predicts (moerun/gpu_counts.py)
     Path(args.cache).mkdir(parents=True, exist_ok=True)
-    rc, secs = sh([sys.executable, "-m", "moerun.gpu_counts", args.cache], out / "counts.log", 600,
-                  stdout=out / "counts.jsonl", env={"TRITON_INTERPRET": "1"})
+    with ThreadPoolExecutor(1) as beside:
+        counting = beside.submit(sh, [sys.executable, "-m", "moerun.gpu_counts", args.cache], out / "counts.log", 600,
+                                 stdout=out / "counts.jsonl", env={"TRITON_INTERPRET": "1"})
+        rc, secs = sh([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests,
+                       f"--junitxml={out / 'tests.xml'}"], out / "tests.log", 900)
+        report["steps"]["tests"] = {"rc": rc, "seconds": round(secs, 1), **junit_counts(out / "tests.xml")}
+        if rc:
+            report["failed"].append("tests")
+        rc, secs = counting.result()
     report["steps"]["counts"] = {"rc": rc, "seconds": round(secs, 1)}
     try:
         report["counts"] = [json.loads(line) for line in (out / "counts.jsonl").read_text().splitlines() if line]
