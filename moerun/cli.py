@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import sys
 from typing import NoReturn
@@ -69,6 +70,10 @@ class _Group(click.Group):
 @click.version_option(package_name="moerun")
 def main():
     """moerun: run Mixture-of-Experts models larger than your GPU."""
+    # Start-up makes ~3 x 10^5 objects that live as long as the process (torch's modules, the tokenizer's, the
+    # model's; load_model then freezes them): at Python's default young threshold (700) torch's import alone runs
+    # ~400 collections. 20,000 keeps collecting, ~30 times less often (0.19 s less a start on 2 cores).
+    gc.set_threshold(20_000, 20, 50)
 
 
 main.add_command(run)

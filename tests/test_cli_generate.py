@@ -1,5 +1,6 @@
 """`moerun run` and `moerun chat` end to end (chat driven through stdin)."""
 
+import gc
 import json
 import os
 import re
@@ -18,6 +19,17 @@ TIMING = re.compile(r"prompt eval time = +[\d.]+ ms / +\d+ tokens \( +[\d.]+ ms 
 
 def invoke(*args, input=None):
     return CliRunner().invoke(main, [str(a) for a in args], input=input, catch_exceptions=False)
+
+
+def test_commands_collect_young_objects_less_often_than_pythons_default():
+    """Start-up's ~3 x 10^5 long-lived objects: the group sets a young threshold of 20,000 before any command."""
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        assert invoke("run", "--help").exit_code == 0
+        assert gc.get_threshold() == (20_000, 20, 50) and gc.isenabled()
+    finally:
+        gc.set_threshold(*before)
 
 
 def test_run_streams_text_and_prints_timings(hf_model):
