@@ -16,15 +16,19 @@ the end. Before a model is written, the free space of --out is checked against t
 (estimated from moerun's byte count of the model with make-model's own choice of types, 5% margin) and the run
 stops with a one-line error when it would not fit.
 
---time-load N: after writing, each file's load time in each engine, the file in the page cache (one run first to
-read it in), median of N runs: moerun as the wall time of `python -m moerun run -m FILE -p hi -n 1 -t T` (Python's
-start and imports included), llama.cpp as the wall time of `llama-bench -m FILE -p 0 -n 1 -r 1 -t T` (from
---llama-bin), each with the file's prompt of one token and one generated token.
+--time-load N: after writing, each file's load time in each engine, the file in the page cache (one run of each
+first to read it in), N rounds with the engines taking turns (the first of them alternating by round: a run right
+after another process freed its memory faults its own faster), medians: moerun as the wall time of `python -m
+moerun run -m FILE -p hi -n 1 -t T` (Python's start and imports included), llama.cpp as the wall time of
+`llama-bench -m FILE -p 0 -n 1 -r 1 -t T` (from --llama-bin), each with the file's prompt of one token and one
+generated token; beside them the user and system CPU seconds of each run (its rusage): where the memory is new to
+a VM, faulting it in (system time) can decide the wall time.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import shlex
 import shutil
 import statistics
@@ -133,13 +137,16 @@ def build_model(name: str, args, binary: Path) -> list[Path]:
 # ---------------------------------------------------------------------------------------------- load times
 
 
-def _wall(cmd: list[str]) -> float:
+def _run(cmd: list[str]) -> tuple[float, float, float]:
+    """cmd's wall, user and system seconds (the children's rusage before and after: subprocess.run waits for it)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     p = subprocess.run(cmd, check=False, capture_output=True, text=True)
     dt = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if p.returncode != 0:
         raise FullDepthError(f"{shlex.join(cmd)} failed ({p.returncode}): {(p.stderr or p.stdout)[-500:]}")
-    return dt
+    return dt, after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
 
 
 def load_commands(path: Path, args) -> dict[str, list[str]]:
@@ -150,19 +157,27 @@ def load_commands(path: Path, args) -> dict[str, list[str]]:
 
 
 def time_loads(paths: list[Path], args) -> list[str]:
-    """Median wall time of each engine's command per file (a warm-up run first: the file in the page cache)."""
-    rows = ["| file | GB | moerun s | llama.cpp s |", "|---|---:|---:|---:|"]
+    """Per file: each engine's median wall, user and system seconds over args.time_load rounds in turn (a warm-up
+    run of each first: the file in the page cache)."""
+    rows = ["| file | GB | moerun s | llama.cpp s | moerun / llama.cpp | moerun user, sys s | llama.cpp user, sys s |",
+            "|---|---:|---:|---:|---:|---|---|"]
+    rounds = []
     for path in paths:
-        cells = {}
-        for engine, cmd in load_commands(path, args).items():
-            if engine == "llama.cpp" and not Path(cmd[0]).is_file():
-                cells[engine] = "-"
-                continue
+        cmds = {e: c for e, c in load_commands(path, args).items() if e == "moerun" or Path(c[0]).is_file()}
+        runs: dict[str, list[tuple[float, float, float]]] = {e: [] for e in cmds}
+        for engine, cmd in cmds.items():
             print(f"$ {shlex.join(cmd)}  (1 + {args.time_load} runs)", flush=True)
-            _wall(cmd)
-            cells[engine] = f"{statistics.median(_wall(cmd) for _ in range(args.time_load)):.2f}"
-        rows.append(f"| {path.name} | {path.stat().st_size / GB:.2f} | {cells['moerun']} | {cells['llama.cpp']} |")
-    return rows
+            _run(cmd)
+        for r in range(args.time_load):
+            for engine in (list(cmds) if r % 2 == 0 else list(reversed(cmds))):
+                runs[engine].append(_run(cmds[engine]))
+        med = {e: [statistics.median(x[i] for x in v) for i in range(3)] for e, v in runs.items()}
+        m, ll = med["moerun"], med.get("llama.cpp")
+        rows.append(f"| {path.name} | {path.stat().st_size / GB:.2f} | {m[0]:.2f} | "
+                    f"{f'{ll[0]:.2f}' if ll else '-'} | {f'{m[0] / ll[0]:.2f}' if ll else '-'} | "
+                    f"{m[1]:.2f}, {m[2]:.2f} | {f'{ll[1]:.2f}, {ll[2]:.2f}' if ll else '-'} |")
+        rounds += [f"{path.name} {e} (wall s, in order): {', '.join(f'{x[0]:.2f}' for x in v)}" for e, v in runs.items()]
+    return rows + ["", *rounds]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         paths = [p for m in args.models for p in build_model(m, args, binary)]
         print("\n".join(f"{p}  {p.stat().st_size / GB:.2f} GB" for p in paths))
         if args.time_load > 0:
-            print(f"\nload times, median of {args.time_load} after a warm-up run, -t {args.load_threads}, "
+            print(f"\nload times, median of {args.time_load} rounds in turn after a warm-up run, -t {args.load_threads}, "
                   f"{cpu_model()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}")
             print("\n".join(time_loads(paths, args)))
     except (FullDepthError, FileExistsError, ValueError) as e:

@@ -3,9 +3,11 @@ weight bytes per token; bench/full_depth.py against a stand-in llama-quantize. N
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import stat
+import sys
 from collections import namedtuple
 from pathlib import Path
 
@@ -252,3 +254,34 @@ def test_with_llama_cpps_own_quantize(tmp_path):
                     "--types", "Q8_0", "--threads", "1"]) == 0
     with open_model(out / "tiny-qwen3moe-Q8_0.gguf") as mf:
         assert resolve(mf).spec == preset("tiny-qwen3moe")
+
+
+def test_load_times_take_turns_and_give_cpu_seconds(tmp_path, monkeypatch):
+    """--time-load: a warm-up run of each engine, then rounds in turn, the first engine alternating by round; the
+    table has each engine's median wall seconds, their ratio and the runs' user and system CPU seconds."""
+    fd = load_script()
+    log = tmp_path / "order"
+    burn = "sum(i * i for i in range(300000))"
+
+    def commands(path, args):
+        return {"moerun": [sys.executable, "-c", f"open({str(log)!r}, 'a').write('m'); {burn}"],
+                "llama.cpp": [sys.executable, "-c", f"open({str(log)!r}, 'a').write('l')"]}
+
+    monkeypatch.setattr(fd, "load_commands", commands)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x" * 1000)
+    rows = fd.time_loads([model], argparse.Namespace(time_load=3))
+    assert log.read_text() == "ml" + "ml" + "lm" + "ml"
+    cells = [c.strip() for c in rows[2].strip("|").split("|")]
+    assert cells[0] == "m.gguf" and float(cells[2]) > 0 and float(cells[3]) > 0
+    assert float(cells[4]) == pytest.approx(float(cells[2]) / float(cells[3]), rel=0.25)  # cells rounded to 0.01 s
+    user, sys_s = (float(x) for x in cells[5].split(","))
+    assert user > 0 and sys_s >= 0  # the burner's CPU, from its rusage
+    assert rows[-2].startswith("m.gguf moerun (wall s, in order): ") and len(rows[-2].split(": ")[1].split(",")) == 3
+
+    def failing(path, args):
+        return {"moerun": [sys.executable, "-c", "raise SystemExit(3)"]}
+
+    monkeypatch.setattr(fd, "load_commands", failing)
+    with pytest.raises(fd.FullDepthError, match="failed \\(3\\)"):
+        fd.time_loads([model], argparse.Namespace(time_load=1))
