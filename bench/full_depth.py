@@ -176,7 +176,8 @@ def time_loads(paths: list[Path], args) -> list[str]:
         rows.append(f"| {path.name} | {path.stat().st_size / GB:.2f} | {m[0]:.2f} | "
                     f"{f'{ll[0]:.2f}' if ll else '-'} | {f'{m[0] / ll[0]:.2f}' if ll else '-'} | "
                     f"{m[1]:.2f}, {m[2]:.2f} | {f'{ll[1]:.2f}, {ll[2]:.2f}' if ll else '-'} |")
-        rounds += [f"{path.name} {e} (wall s, in order): {', '.join(f'{x[0]:.2f}' for x in v)}" for e, v in runs.items()]
+        rounds += [f"{path.name} {e} (wall s, in order): {', '.join(f'{x[0]:.2f}' for x in v)}"
+                   for e, v in runs.items()]
     return rows + ["", *rounds]
 
 
@@ -208,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         paths = [p for m in args.models for p in build_model(m, args, binary)]
         print("\n".join(f"{p}  {p.stat().st_size / GB:.2f} GB" for p in paths))
         if args.time_load > 0:
-            print(f"\nload times, median of {args.time_load} rounds in turn after a warm-up run, -t {args.load_threads}, "
-                  f"{cpu_model()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}")
+            print(f"\nload times, median of {args.time_load} rounds in turn after a warm-up run, "
+                  f"-t {args.load_threads}, {cpu_model()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}")
             print("\n".join(time_loads(paths, args)))
     except (FullDepthError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

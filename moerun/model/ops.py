@@ -327,9 +327,10 @@ class FreeCpus:
     A reading is /proc/loadavg's count of runnable threads less this process's running ones (in C where the
     kernels are built: ~0.1 ms from the cold caches a decode step leaves, several times that through Python's
     files). Busy processes show in every reading, a daemon waking for a moment in one: the count is the least of
-    the last `keep` readings, taken at most every `ttl` seconds and at most `fresh` seconds old. A long step (prefill) tops them up to `keep` readings `gap` seconds apart first (~1 ms
-    when the last ones are stale). The CPUs this process may run on are read again after `cpus_ttl` seconds (an
-    affinity changes rarely; the two calls took ~0.06 ms after a decode step's weights streamed through)."""
+    the last `keep` readings, taken at most every `ttl` seconds and at most `fresh` seconds old. A long step
+    (prefill) tops them up to `keep` readings `gap` seconds apart first (~1 ms when the last ones are stale).
+    The CPUs this process may run on are read again after `cpus_ttl` seconds (an affinity changes rarely; the
+    two calls took ~0.06 ms after a decode step's weights streamed through)."""
 
     def __init__(self, ttl: float = 0.05, keep: int = 3, fresh: float = 0.25, gap: float = 5e-4,
                  cpus_ttl: float = 1.0):
