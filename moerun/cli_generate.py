@@ -302,9 +302,13 @@ def _runtime(kw: dict):
 
 
 def _build(cfg, print_plan: bool):
+    from moerun.builtin import model_path
+    from moerun.hostmem import weights_arena
+
+    arena = weights_arena(model_path(cfg.model)) if cfg.copies_whole_model else None  # faulted in while torch imports
     from moerun.runtime import build
 
-    rt = build(cfg)
+    rt = build(cfg, arena)
     if print_plan:
         click.echo(rt.plan.table(), err=True)
     for w in rt.warnings:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from moerun.builtin import model_path
 from moerun.cli_flags import UNTIL_END, hub_options
 from moerun.cli_generate import (
     chat_template_options,
@@ -22,6 +23,7 @@ from moerun.cli_generate import (
     sampling_params,
 )
 from moerun.errors import MoerunError
+from moerun.hostmem import weights_arena
 
 
 def _serve_sampling_options(f):
@@ -91,7 +93,6 @@ def listen(host: str, port: int) -> list[socket.socket]:
 def preflight(rcfg, parallel: int) -> None:
     """Plan the placement from the model's metadata before the server starts, so that a model that cannot be
     read or placed (or slots that overflow --ram-budget) ends in one line, not in the server's log."""
-    from moerun.builtin import model_path
     from moerun.runtime import plan_for
 
     try:
@@ -138,19 +139,19 @@ def serve(host, port, api_key, parallel, max_queue, alias, strict_model_name, re
           cache_prompt, log_interval, slot_save_path, webui, reasoning_format, trace_routing, verbose, **kw):
     """OpenAI-compatible server: /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages (Anthropic's),
     /v1/models, llama-server's /completion, /props, /apply-template, /health, /metrics."""
-    import uvicorn
-
-    from moerun.builtin import model_path
-    from moerun.config import ServerConfig
-    from moerun.placement.devices import parse_size
-    from moerun.server.app import create_app
-
     max_tokens = kw.pop("max_tokens")
     defaults = sampling_params(kw, with_max_tokens=False)
     template = chat_template_source(kw)
     rcfg, print_plan = runtime_config(kw)
     rcfg = dataclasses.replace(rcfg, kv_contexts=parallel)  # a GPU's plan holds -np contexts of KV
     model = model_path(rcfg.model)
+    arena = weights_arena(model) if rcfg.copies_whole_model else None  # faulted in while the server's modules import
+    import uvicorn
+
+    from moerun.config import ServerConfig
+    from moerun.placement.devices import parse_size
+    from moerun.server.app import create_app
+
     names = tuple(alias) or (model.name,)
     try:
         cfg = ServerConfig(model_names=names, host=host, port=port, api_key=api_key, parallel=parallel,
@@ -173,6 +174,8 @@ def serve(host, port, api_key, parallel, max_queue, alias, strict_model_name, re
     try:
         preflight(rcfg, parallel)
     except BaseException:
+        if arena is not None:
+            arena.close()
         for sock in socks:
             sock.close()
         raise
@@ -180,7 +183,7 @@ def serve(host, port, api_key, parallel, max_queue, alias, strict_model_name, re
     def load():
         from moerun.runtime import build
 
-        rt = build(rcfg)
+        rt = build(rcfg, arena)
         if print_plan:
             log.info("placement plan:\n%s", rt.plan.table())
         return rt

@@ -319,6 +319,14 @@ class RuntimeConfig:
         return (self.expert_cache_mib is not None or self.expert_cache_slots is not None
                 or self.expert_cache_plan is not None)
 
+    @property
+    def copies_whole_model(self) -> bool:
+        """Whether, as far as the options say, this process copies the whole model into RAM: one process, on the CPU,
+        with no expert cache, --mmap or --ram-budget (the plan still keeps a model that does not fit in its map)."""
+        return (self.pipeline_world_size == 1 and self.expert_parallel == 1 and self.mmap is not True
+                and not self.cache_requested and self.ram_budget is None
+                and all(d == "cpu" for d in self.stage_devices))
+
     def _expert_parallel_problems(self) -> list[str]:
         n, w, r = self.expert_parallel, self.ep_world_size, self.ep_rank
         if not (_is_int(n) and n >= 1 and _is_int(w) and w >= 1 and _is_int(r) and 0 <= r < w):

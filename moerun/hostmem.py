@@ -1,6 +1,7 @@
-"""Host memory for weights: large buffers on transparent huge pages, and --mlock. A leaf module (torch,
-moerun.errors and moerun.sizes only), so the file readers, the weight loader, the expert store and cache and the
-kernels can all use it.
+"""Host memory for weights: large buffers on transparent huge pages, an arena faulted in ahead of a load, and
+--mlock. A leaf module (torch, imported where tensors are made, moerun.errors and moerun.sizes only), so the file
+readers, the weight loader, the expert store and cache and the kernels can all use it, and a command can start an
+arena before torch's import.
 
 A decode step streams hundreds of megabytes of weights through the kernels once each. On 4 KiB pages every
 page is a TLB miss and a place where the hardware prefetchers stop; on 2 MiB pages neither happens. Measured
@@ -13,30 +14,45 @@ free: Linux gives huge pages to anonymous private memory that is advised so (`tr
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import math
 import mmap
-
-import torch
+import os
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moerun.errors import HostMemoryError
 
+if TYPE_CHECKING:
+    import torch
+
 HUGE_PAGE = 2 << 20
+PAGE = mmap.PAGESIZE
+MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a range in, writable, without writing it
 
 
-def host_empty(nbytes: int) -> torch.Tensor:
+def host_empty(nbytes: int, arena: Arena | None = None) -> torch.Tensor:
     """An uninitialised 1-D uint8 CPU tensor of `nbytes`, for weights the kernels stream.
 
-    From 2 MiB up it is a private anonymous mapping of its own, advised MADV_HUGEPAGE and used from a 2 MiB
-    boundary; pages are only faulted in when written, so the alignment slack costs address space, not
-    memory. The mapping is unmapped when the last tensor viewing it is freed.
+    Taken from `arena` while it has room. Otherwise, from 2 MiB up, a private anonymous mapping of its own, advised
+    MADV_HUGEPAGE and used from a 2 MiB boundary; pages are only faulted in when written, so the alignment slack
+    costs address space, not memory. The mapping is unmapped when the last tensor viewing it is freed.
     """
-    buf = _mapped(nbytes)
+    import torch
+
+    buf = arena.take(nbytes) if arena is not None else None
+    if buf is None:
+        buf = _mapped(nbytes)
     return torch.empty(nbytes, dtype=torch.uint8) if buf is None else buf
 
 
 def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled CPU tensor (e.g. a KV cache): from 2 MiB up, host_empty's own mapping, whose pages read as zeros
     and are only faulted in when first written, so the pages a run never touches cost neither time nor memory."""
+    import torch
+
     nbytes = math.prod(shape) * dtype.itemsize
     buf = _mapped(nbytes)
     return torch.zeros(shape, dtype=dtype) if buf is None else buf.view(dtype).view(shape)
@@ -44,8 +60,24 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def _mapped(nbytes: int) -> torch.Tensor | None:
     """host_empty's mapping (zero-filled, as every new anonymous mapping), or None under 2 MiB or without madvise."""
+    import torch
+
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE") or not hasattr(mmap, "MAP_PRIVATE"):
         return None
+    whole = torch.frombuffer(_huge_map(nbytes), dtype=torch.uint8)  # keeps the mapping alive as long as any view of it
+    start = -whole.data_ptr() % HUGE_PAGE
+    return whole[start:start + nbytes]
+
+
+def fits_in_ram(nbytes: int) -> bool:
+    """Whether weights of `nbytes` are copied into RAM rather than left in the file's map: under 70% of the
+    available memory (the page cache drops idle pages, so a model that fits is copied; DESIGN decision 10)."""
+    import psutil
+
+    return nbytes < 0.7 * psutil.virtual_memory().available
+
+
+def _huge_map(nbytes: int) -> mmap.mmap:
     try:
         m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError as e:
@@ -55,16 +87,105 @@ def _mapped(nbytes: int) -> torch.Tensor | None:
         m.madvise(mmap.MADV_HUGEPAGE)
     except OSError:  # THP compiled out or refused: ordinary pages
         pass
-    whole = torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping alive as long as any view of it
-    start = -whole.data_ptr() % HUGE_PAGE
-    return whole[start:start + nbytes]
+    return m
+
+
+class Arena:
+    """Weight memory faulted in ahead of a load: one huge-page mapping of `nbytes` whose pages a thread of its own
+    faults in (MADV_POPULATE_WRITE) from the moment it is made, while the process goes on with other work: a command
+    makes it before torch's import, whose thread leaves the second core idle, and the loader's reads then write pages
+    that are already there. A fresh page is the costly part of a load on a VM (the host backs it on first touch).
+    The thread faults one huge page a call, from the last down, while the loader takes from the first up: each call
+    holds the address space's lock for reading, and a longer one stalls every mmap the other threads make (the
+    import's libraries, the tokenizer's lists) behind it.
+
+    take() hands out page-aligned pieces from the start (the loader's threads, under a lock); close() ends the
+    faulting and returns the pages nobody took to the system. The mapping lives as long as any piece of it.
+    """
+
+    def __init__(self, nbytes: int, chunk: int = HUGE_PAGE):
+        self._map = _huge_map(nbytes)
+        self._addr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self._lo = -self._addr % HUGE_PAGE
+        self._hi = self._lo + nbytes
+        self._next = self._lo  # the first byte not handed out
+        self._whole: torch.Tensor | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.faulted = 0  # bytes the thread faulted in
+        self._thread = threading.Thread(target=self._fault, args=(chunk,), name="moerun-arena", daemon=True)
+        self._thread.start()
+
+    @property
+    def nbytes(self) -> int:
+        return self._hi - self._lo
+
+    def _fault(self, chunk: int) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)  # its calls release the GIL
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        end = self._hi
+        while not self._stop.is_set():
+            with self._lock:
+                start = max(self._next, end - chunk)
+            if start >= end:
+                return
+            if libc.madvise(self._addr + start, end - start, MADV_POPULATE_WRITE) != 0:
+                if ctypes.get_errno() != errno.EINVAL:
+                    return  # no memory for it now: the loader faults in what it writes
+                ctypes.memset(self._addr + start, 0, end - start)  # a kernel before 5.14: the first write faults
+            self.faulted += end - start
+            end = start
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """A piece of `nbytes` (page-aligned), or None when the arena is closed or has less room left."""
+        import torch
+
+        with self._lock:
+            if self._next + nbytes > self._hi or self._next == self._hi:
+                return None
+            start, self._next = self._next, self._next + -(-nbytes // PAGE) * PAGE
+            if self._whole is None:
+                self._whole = torch.frombuffer(self._map, dtype=torch.uint8)
+            return self._whole[start:start + nbytes]
+
+    def close(self) -> int:
+        """No more pieces; the faulting thread stops after its chunk, and the pages past the last piece go back to
+        the system -> the bytes given back."""
+        self._stop.set()
+        self._thread.join()
+        with self._lock:
+            tail, self._next = self._next, self._hi  # a second close has nothing to give back
+            self._whole = None
+            if tail >= self._hi:
+                return 0
+            try:
+                self._map.madvise(mmap.MADV_DONTNEED, tail, self._hi - tail)
+            except OSError:  # e.g. locked by --mlock: the pages stay
+                return 0
+            return self._hi - tail
+
+
+def weights_arena(path: Path) -> Arena | None:
+    """An Arena for the copies of a GGUF file's weights, started now, when the file fits in RAM (fits_in_ram); None for
+    other formats, a path that cannot be read (the load says why), a file under 2 MiB or without madvise."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size if f.read(4) == b"GGUF" else 0
+    except OSError:
+        return None
+    if size < HUGE_PAGE or not fits_in_ram(size):
+        return None
+    try:
+        return Arena(size)
+    except HostMemoryError:  # no address space for it now: each copy maps its own, and says so if that fails too
+        return None
 
 
 def lock_all() -> str | None:
     """Lock every page this process maps now in RAM (mlockall(MCL_CURRENT), llama.cpp's --mlock) -> None, or
     the line that says why the kernel refused (usually the locked-memory limit, RLIMIT_MEMLOCK)."""
-    import ctypes
-    import os
     import resource
 
     from moerun.sizes import format_size

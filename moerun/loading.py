@@ -8,7 +8,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import torch
 
 from moerun.arch import Arch, resolve
@@ -16,10 +15,16 @@ from moerun.experts.store import ExpertReader, FileSpan
 from moerun.formats import open_model
 from moerun.formats.names import CName
 from moerun.formats.records import ModelFile
+from moerun.hostmem import Arena, fits_in_ram
 from moerun.model.model import MoEModel
 from moerun.progress import bar
-from moerun.weights.loader import (interleavable, interleave_for_kernels, interleave_on_read, load_weights,
-                                   source_bytes)
+from moerun.weights.loader import (
+    interleavable,
+    interleave_for_kernels,
+    interleave_on_read,
+    load_weights,
+    source_bytes,
+)
 
 
 @dataclass
@@ -48,8 +53,7 @@ def weights_home(mf: ModelFile, home: str = "auto") -> str:
         raise ValueError(f"home must be one of {HOMES}, got {home!r}")
     if home != "auto":
         return home
-    size = sum(r.nbytes for r in mf.records.values())
-    return "ram" if size < 0.7 * psutil.virtual_memory().available else "mmap"
+    return "ram" if fits_in_ram(sum(r.nbytes for r in mf.records.values())) else "mmap"
 
 
 def expert_reader(arch: Arch) -> ExpertReader | None:
@@ -72,20 +76,25 @@ def expert_reader(arch: Arch) -> ExpertReader | None:
 
 def load_model(path: str | Path | ModelFile, dtype: torch.dtype = torch.float32, kernels: bool = True,
                home: str = "auto", interleave: bool | Callable[[CName], bool] = True,
-               progress: bool = False) -> Loaded:
+               progress: bool = False, arena: Arena | None = None) -> Loaded:
     """kernels=False runs quantized weights through the torch reference (dequantize per use).
     home: "auto", "ram" (llama.cpp's --no-mmap) or "mmap" (see weights_home).
     interleave: with the CPU kernels, rewrite the Q4_K matrices moerun owns into their faster interleaved
     layout (experts too when home is RAM; see interleave_for_kernels); a function of the canonical name
     chooses which. progress: bars on stderr for the bytes placed and repacked (moerun.progress). path may be a
-    ModelFile already opened (its maps are then the loaded model's)."""
+    ModelFile already opened (its maps are then the loaded model's). arena: memory faulted in ahead for the copies
+    (hostmem.Arena; closed once the weights are read, which returns what they did not take)."""
     mf = path if isinstance(path, ModelFile) else open_model(path)
     arch = resolve(mf)
     in_ram = weights_home(mf, home) == "ram"
     keep = None if interleave is True else interleave
     on_read = interleave_on_read(in_ram, keep) if kernels and interleave else None
-    with bar(progress, "loading", sum(map(source_bytes, arch.sources.values()))) as placed:
-        weights = load_weights(mf, arch, copy_experts=in_ram, progress=placed, interleave=on_read)
+    try:
+        with bar(progress, "loading", sum(map(source_bytes, arch.sources.values()))) as placed:
+            weights = load_weights(mf, arch, copy_experts=in_ram, progress=placed, interleave=on_read, arena=arena)
+    finally:
+        if arena is not None:
+            arena.close()
     if kernels and interleave:
         todo = sum(weights[cn].nbytes for cn in interleavable(weights, in_ram, keep))
         with bar(progress, "repacking", todo) as repacked:

@@ -30,6 +30,7 @@ from moerun.experts.cache import ExpertCache
 from moerun.experts.stats import CacheStats
 from moerun.formats import ModelFile, open_model
 from moerun.formats.names import tensor_class
+from moerun.hostmem import Arena
 from moerun.loading import load_model
 from moerun.model.moe import CachedExperts, ResidentExperts
 from moerun.model.ops import set_threads
@@ -238,10 +239,19 @@ def _check_kernels(loaded, warnings: list[str]) -> None:
         warnings.append(f"quantized weights run on the slow torch reference: {cpu.features()['reason']}")
 
 
-def build(cfg: RuntimeConfig) -> Runtime:
-    """The engine of a single process, or rank 0's of a pipeline over processes."""
+def build(cfg: RuntimeConfig, arena: Arena | None = None) -> Runtime:
+    """The engine of a single process, or rank 0's of a pipeline over processes. arena: memory faulted in ahead for
+    the weights (`weights_arena`), closed once they are read."""
     if cfg.pipeline_rank != 0 or cfg.ep_rank != 0:
         raise ValueError("build() runs rank 0; other ranks run serve_worker()")
+    try:
+        return _build(cfg, arena)
+    finally:
+        if arena is not None:
+            arena.close()  # returns the pages the weights did not take (nothing left if load_model closed it)
+
+
+def _build(cfg: RuntimeConfig, arena: Arena | None) -> Runtime:
     mf, ctx, the_plan, home = _prepare(cfg)
     if cfg.pipeline_world_size > 1 or cfg.expert_parallel > 1:
         mf.close()
@@ -251,7 +261,7 @@ def build(cfg: RuntimeConfig) -> Runtime:
     with ThreadPoolExecutor(1) as beside:  # the tokenizer is built while the weights are read (the GIL is free then)
         tok_job = beside.submit(Tokenizer.from_model_file, mf)
         loaded = load_model(mf, dtype=getattr(torch, cfg.dtype), home=home, interleave=_interleave(cfg, the_plan),
-                            progress=cfg.progress)
+                            progress=cfg.progress, arena=arena)
         tok = tok_job.result()
     warnings: list[str] = []
     _check_kernels(loaded, warnings)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import replace
 
 import pytest
 import torch
 
+from moerun.hostmem import HUGE_PAGE, Arena, weights_arena
 from moerun.loading import load_model
 from moerun.tools.make_model import make_model
 from moerun.tools.presets import preset
@@ -33,3 +35,76 @@ def test_embeddings_stay_in_the_file_unless_the_head_reads_them(tmp_path, tied):
     assert not any(_in_map(loaded, t.data) for t in (m.layers[0].wq, m.layers[1].wo))
     assert torch.equal(m.embd.data.reshape(-1), loaded.file.raw("token_embd.weight"))
 
+
+def _resident(t: torch.Tensor) -> float:
+    """The share of t's pages in RAM (mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    start = t.data_ptr() - t.data_ptr() % mmap.PAGESIZE
+    pages = -(-(t.data_ptr() + t.numel() - start) // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * mmap.PAGESIZE), vec) == 0
+    return sum(v & 1 for v in vec) / pages
+
+
+def test_an_arena_faults_its_pages_in_and_hands_out_disjoint_pieces():
+    arena = Arena(64 << 20, chunk=4 << 20)
+    arena._thread.join()  # its thread faults the whole arena in, unasked
+    assert arena.faulted == arena.nbytes == 64 << 20
+    a, b = arena.take(3 << 20), arena.take(5000)
+    assert a.data_ptr() % HUGE_PAGE == 0 and b.data_ptr() % mmap.PAGESIZE == 0
+    assert b.data_ptr() >= a.data_ptr() + a.numel()  # disjoint, in order
+    a.fill_(1)
+    b.fill_(2)
+    assert _resident(a) == 1.0 and arena.take(64 << 20) is None  # no room: the caller maps its own
+    rest = arena.take(1 << 20)
+    given_back = arena.close()
+    assert given_back == arena.nbytes - (rest.data_ptr() + rest.numel() - a.data_ptr())
+    assert arena.take(1) is None  # closed
+    assert int(a.sum()) == a.numel() and int(b.sum()) == 2 * b.numel()  # the pieces outlive the close
+    whole = torch.frombuffer(arena._map, dtype=torch.uint8)
+    assert _resident(whole[arena._hi - given_back:arena._hi]) < 0.1  # the pages nobody took went back
+
+
+def test_closing_stops_the_faulting_early():
+    arena = Arena(512 << 20, chunk=2 << 20)
+    arena.close()
+    assert arena.faulted <= arena.nbytes and not arena._thread.is_alive()
+
+
+def test_the_loader_reads_into_the_arena_and_the_model_is_the_same(tmp_path):
+    path = make_model(preset("tiny-qwen3moe", layers=2), tmp_path / "m.gguf", ftype="Q4_K_M", progress=False,
+                      threads=1)
+    plain = load_model(path, home="ram")
+    arena = Arena(path.stat().st_size)
+    inside = load_model(path, home="ram", arena=arena)
+    assert arena.take(1) is None  # closed by the load
+    lo = torch.frombuffer(arena._map, dtype=torch.uint8).data_ptr()
+    m, ref = inside.model, plain.model
+    owned = [m.head.data, m.layers[0].wq.data, m.layers[1].wo.data]
+    assert all(lo <= t.data_ptr() < lo + len(arena._map) for t in owned)
+    tokens = torch.tensor([1, 5, 9, 3])
+    assert torch.equal(m.forward(tokens), ref.forward(tokens))
+    for a, b in zip(owned, [ref.head.data, ref.layers[0].wq.data, ref.layers[1].wo.data]):
+        assert torch.equal(a, b)
+
+
+def test_a_cli_load_gets_an_arena_only_when_it_copies_the_whole_file(tmp_path):
+    from moerun.builtin import default_model_path
+    from moerun.config import RuntimeConfig
+
+    path = default_model_path()  # the built-in model: a few MiB
+    assert path.stat().st_size >= HUGE_PAGE and RuntimeConfig(model=str(path)).copies_whole_model
+    arena = weights_arena(path)
+    assert arena is not None and arena.nbytes == path.stat().st_size
+    arena.close()
+    for kw in ({"mmap": True}, {"expert_cache_slots": 2}, {"ram_budget": 1 << 30}, {"device": "cuda:0"},
+               {"expert_parallel": 2}, {"pipeline_world_size": 2}):
+        assert not RuntimeConfig(model=str(path), **kw).copies_whole_model, kw
+    hf = tmp_path / "hf"
+    make_model(preset("tiny-qwen3moe", layers=2), hf, fmt="safetensors", progress=False, threads=1)
+    small = make_model(preset("tiny-qwen3moe", layers=2), tmp_path / "m.gguf", ftype="Q8_0", progress=False, threads=1)
+    assert weights_arena(hf) is None and weights_arena(tmp_path / "missing.gguf") is None
+    assert weights_arena(small) is None  # under a huge page

@@ -13,6 +13,7 @@ from moerun.quant.ggml_types import QType
 if TYPE_CHECKING:  # torch is imported where bytes are handed out, so metadata-only tools start fast
     import torch
 
+    from moerun.hostmem import Arena
     from moerun.quant.qtypes import QTensor
 
 
@@ -54,15 +55,15 @@ class ModelFile:
         return torch.frombuffer(buf, dtype=torch.uint8, count=rec.nbytes, offset=rec.offset) if rec.nbytes else \
             torch.empty(0, dtype=torch.uint8)
 
-    def read(self, rec: TensorRecord | str) -> torch.Tensor:
-        """A copy of the record's bytes in memory moerun owns, read with positioned reads (the map's pages
-        are not touched, so they never count in the process's resident set)."""
+    def read(self, rec: TensorRecord | str, arena: Arena | None = None) -> torch.Tensor:
+        """A copy of the record's bytes in memory moerun owns (from `arena` while it has room), read with positioned
+        reads (the map's pages are not touched, so they never count in the process's resident set)."""
 
         if isinstance(rec, str):
             rec = self.records[rec]
         from moerun.hostmem import host_empty
 
-        out = host_empty(rec.nbytes)
+        out = host_empty(rec.nbytes, arena)
         view, done = memoryview(out.numpy()), 0
         try:
             with open(rec.file, "rb", buffering=0) as f:

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 
 import torch
 
+from moerun.hostmem import Arena, host_empty
 from moerun.quant import qtypes
 from moerun.quant.qtypes import INTERLEAVABLE, QTensor, QType, block_size, row_bytes
 
@@ -231,18 +232,16 @@ def can_interleave_stored(qtype: QType, shape: tuple[int, ...]) -> bool:
 
 
 def read_interleaved(fd: int, offset: int, qtype: QType, shape: tuple[int, ...],
-                     scratch: torch.Tensor) -> QTensor | None:
+                     scratch: torch.Tensor, arena: Arena | None = None) -> QTensor | None:
     """`interleave` of the GGUF-layout tensor at `offset` of the open file `fd`, read a `scratch` at a time (a
     contiguous CPU uint8 buffer of at least 8 rows; a few hundred KiB keeps it in L2) and repacked from there on this
-    thread: the GGUF-layout bytes never take memory of the tensor's size. None when the file ends first; OSError when
-    a read fails."""
+    thread: the GGUF-layout bytes never take memory of the tensor's size; the result is taken from `arena` while it has
+    room. None when the file ends first; OSError when a read fails."""
     _need()
-    from moerun.hostmem import host_empty
-
     if not can_interleave_stored(qtype, shape):
         raise ValueError(f"cannot interleave {qtype.name}{tuple(shape)}")
     rows, rb = math.prod(shape[:-1]), row_bytes(qtype, shape[-1])
-    dst = host_empty(rows * rb)
+    dst = host_empty(rows * rb, arena)
     got = _cpu.read_repack(fd, offset, int(qtype) + QK_R8, dst.data_ptr(), rows, shape[-1], scratch.data_ptr(),
                            scratch.numel())
     return QTensor(dst.view(*shape[:-1], rb), qtype, tuple(shape), 8) if got == rows * rb else None
@@ -285,8 +284,6 @@ qtypes.set_deinterleave(deinterleave)  # QTensor.dequantize reads interleaved te
 
 
 def _relayout(fn, w: QTensor, interleave: int) -> QTensor:
-    from moerun.hostmem import host_empty
-
     src = w.data.contiguous()
     dst = host_empty(src.numel()).view(src.shape)
     rows = w.numel // w.shape[-1]  # groups of 8 never straddle two matrices of a stack (rows % 8 == 0)

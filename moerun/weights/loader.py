@@ -15,7 +15,7 @@ from moerun.arch.tensors import VALUE_MAPS
 from moerun.errors import ModelFormatError
 from moerun.formats.names import CName, tensor_class
 from moerun.formats.records import ModelFile, TensorRecord
-from moerun.hostmem import host_empty
+from moerun.hostmem import Arena, host_empty
 from moerun.quant.qtypes import FLOAT_QTYPES, QTensor, QType, row_bytes
 from moerun.quant.quantize import mxfp4_from_hf
 
@@ -108,7 +108,8 @@ def source_bytes(src: Source) -> int:
 
 def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False,
                  progress: Callable[[int], None] | None = None,
-                 interleave: Callable[[CName, TensorRecord], bool] | None = None) -> dict[CName, QTensor]:
+                 interleave: Callable[[CName, TensorRecord], bool] | None = None,
+                 arena: Arena | None = None) -> dict[CName, QTensor]:
     """Every canonical tensor of the model as stored (quantized stays quantized).
 
     Dense tensors are copied into memory moerun owns. Routed experts stay views of the memory map (their
@@ -119,6 +120,7 @@ def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False,
     interleave: the copied tensors to read straight into the CPU kernels' interleaved layout (see
     `interleave_on_read`): the bytes a read and a later `interleave_for_kernels` give, in one pass and no buffer
     of GGUF-layout bytes.
+    arena: memory faulted in ahead (hostmem.Arena) that the copies are taken from while it has room.
     """
     out = {}
     reads = {}
@@ -134,8 +136,8 @@ def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False,
     scratch = threading.local()
 
     def read(cn: CName, rec: TensorRecord, fd: int) -> QTensor:
-        t = _read_interleaved(rec, fd, scratch) if cn in fused else QTensor.from_bytes(mf.read(rec), rec.qtype,
-                                                                                          rec.shape)
+        t = _read_interleaved(rec, fd, scratch, arena) if cn in fused else QTensor.from_bytes(mf.read(rec, arena),
+                                                                                                 rec.qtype, rec.shape)
         done(rec.nbytes)
         return t
 
@@ -158,7 +160,7 @@ def _open(files: ExitStack, path) -> int:
         raise ModelFormatError(path, f"cannot open: {e.strerror or e}") from None
 
 
-def _read_interleaved(rec: TensorRecord, fd: int, scratch: threading.local) -> QTensor:
+def _read_interleaved(rec: TensorRecord, fd: int, scratch: threading.local, arena: Arena | None) -> QTensor:
     """The record read through this thread's scratch buffer into the interleaved layout."""
     from moerun.kernels import cpu
 
@@ -167,7 +169,7 @@ def _read_interleaved(rec: TensorRecord, fd: int, scratch: threading.local) -> Q
     if buf is None or buf.numel() < need:
         buf = scratch.buf = torch.empty(need, dtype=torch.uint8)
     try:
-        t = cpu.read_interleaved(fd, rec.offset, rec.qtype, rec.shape, buf)
+        t = cpu.read_interleaved(fd, rec.offset, rec.qtype, rec.shape, buf, arena)
     except OSError as e:
         raise ModelFormatError(rec.file, f"cannot read tensor '{rec.name}': {e.strerror or e}") from None
     if t is None:
