@@ -183,6 +183,23 @@ def test_user_defined_tokens_are_kept_in_decode(bpe_meta):
     assert ids[0] == start and tok.decode(ids) == "<|im_start|>hi" and not tok.is_special(start)
 
 
+def test_repeated_tokens_and_bad_merges_are_dropped_with_a_warning(bpe_meta, caplog):
+    good = Tokenizer.from_gguf(bpe_meta)
+    tokens, merges = list(bpe_meta["tokenizer.ggml.tokens"]), list(bpe_meta["tokenizer.ggml.merges"])
+    a, b = merges[-1].split(" ", 1)
+    bad = merges + ["nospace", f"{a} \u0100never", f"{b} {a}" if b + a not in tokens else "x y"]
+    with caplog.at_level(logging.WARNING, logger="moerun"):
+        tok = Tokenizer.from_gguf({**bpe_meta, "tokenizer.ggml.merges": bad})
+    assert "3 merges name tokens that are not in the vocabulary" in caplog.text
+    assert all(tok.encode(t) == good.encode(t) for t in SAMPLES)  # the good merges, in their order
+    caplog.clear()
+    twice = tokens[:-1] + [tokens[300]]  # the last token's text repeats token 300's
+    with caplog.at_level(logging.WARNING, logger="moerun"):
+        tok = Tokenizer.from_gguf({**bpe_meta, "tokenizer.ggml.tokens": twice})
+    assert f"token {len(tokens) - 1} {tokens[300]!r} repeats token 300" in caplog.text
+    assert tok.encode(tokens[300].replace("\u0120", " ")) == good.encode(tokens[300].replace("\u0120", " "))
+
+
 def test_unsupported_and_missing_tokenizers(bpe_meta, tmp_path):
     with pytest.raises(ModelFormatError, match="unsupported tokenizer model 'bert'") as e:
         Tokenizer.from_gguf({**bpe_meta, "tokenizer.ggml.model": "bert"}, path="x.gguf")
