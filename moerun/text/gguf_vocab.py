@@ -126,8 +126,8 @@ def _bpe_model(vocab: dict[str, int], merges: list[str], ignore_merges: bool) ->
     if len(pairs) == len(merges):
         try:  # a well-formed file (HF checks each pair as it builds): no pass over 250k merges in Python
             return models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges)
-        except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception for a merge out of the vocabulary
-            pass
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a merge out of the vocabulary
+            log.debug("%s: checking each merge", e)
     kept = [p for p in pairs if p[0] in vocab and p[1] in vocab and p[0] + p[1] in vocab]
     log.warning("%d merges name tokens that are not in the vocabulary; they are ignored", len(merges) - len(kept))
     return models.BPE(vocab=vocab, merges=kept, ignore_merges=ignore_merges)
