@@ -144,20 +144,21 @@ def _stage_models(model, the_plan: Plan) -> list:
     return [model.slice(*dp.layers) for dp in the_plan.devices]
 
 
-def _prepare(cfg: RuntimeConfig) -> tuple[ModelFile, int, Plan, str]:
+def _prepare(cfg: RuntimeConfig, held: int = 0) -> tuple[ModelFile, int, Plan, str]:
     """-> (the opened model, context size, plan, home of the routed experts). The model file is parsed once: its
     metadata and tensor sizes plan the placement, and build() loads the weights from the same ModelFile (a
-    250k-token vocabulary took 0.23 s to parse; callers that load nothing close it)."""
+    250k-token vocabulary took 0.23 s to parse; callers that load nothing close it). held: bytes this process already
+    holds for the weights (an arena's faulted pages), available to the plan as they are to the load."""
     set_threads(cfg.threads or psutil.cpu_count(logical=False) or 1)  # torch's and the kernels' pools
     mf = open_model(model_path(cfg.model))
     try:
-        return _plan_opened(cfg, mf)
+        return _plan_opened(cfg, mf, held)
     except BaseException:
         mf.close()
         raise
 
 
-def _plan_opened(cfg: RuntimeConfig, mf: ModelFile) -> tuple[ModelFile, int, Plan, str]:
+def _plan_opened(cfg: RuntimeConfig, mf: ModelFile, held: int = 0) -> tuple[ModelFile, int, Plan, str]:
     arch = resolve(mf)
     ctx = cfg.ctx_size or min(4096, arch.spec.context_length)
     vram = cfg.vram_budget[0] if cfg.vram_budget and len(cfg.vram_budget) == 1 else cfg.vram_budget
@@ -177,6 +178,8 @@ def _plan_opened(cfg: RuntimeConfig, mf: ModelFile) -> tuple[ModelFile, int, Pla
                       cache_slots=cfg.expert_cache_slots,
                       cache_mib=cfg.expert_cache_mib)
     inventory = detect(gpus=any(d.is_cuda for d in accel))
+    if held:
+        inventory = replace(inventory, ram_available=inventory.ram_available + held)
     if accel:
         inventory = with_devices(inventory, devices)
     if ep:  # each rank planned for its shard, against its own memory (moerun.placement.ep_plan)
@@ -252,7 +255,7 @@ def build(cfg: RuntimeConfig, arena: Arena | None = None) -> Runtime:
 
 
 def _build(cfg: RuntimeConfig, arena: Arena | None) -> Runtime:
-    mf, ctx, the_plan, home = _prepare(cfg)
+    mf, ctx, the_plan, home = _prepare(cfg, 0 if arena is None else arena.faulted)
     if cfg.pipeline_world_size > 1 or cfg.expert_parallel > 1:
         mf.close()
         if cfg.pipeline_world_size > 1:

@@ -108,3 +108,22 @@ def test_a_cli_load_gets_an_arena_only_when_it_copies_the_whole_file(tmp_path):
     small = make_model(preset("tiny-qwen3moe", layers=2), tmp_path / "m.gguf", ftype="Q8_0", progress=False, threads=1)
     assert weights_arena(hf) is None and weights_arena(tmp_path / "missing.gguf") is None
     assert weights_arena(small) is None  # under a huge page
+
+
+def test_the_plan_counts_an_arenas_pages_as_memory_for_the_weights(monkeypatch):
+    import psutil
+
+    from moerun import runtime
+    from moerun.builtin import default_model_path
+    from moerun.config import RuntimeConfig
+
+    path = default_model_path()
+    size = path.stat().st_size
+    tight = psutil.virtual_memory()._replace(available=size // 2)  # what is left once the arena holds the weights'
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: tight)
+    homes = []
+    for held in (0, size):
+        mf, _, plan, home = runtime._prepare(RuntimeConfig(model=str(path), ctx_size=64), held)
+        mf.close()
+        homes.append((plan.home, home))
+    assert homes == [("disk", "mmap"), ("ram", "ram")]
