@@ -15,7 +15,6 @@ free: Linux gives huge pages to anonymous private memory that is advised so (`tr
 from __future__ import annotations
 
 import ctypes
-import errno
 import math
 import mmap
 import os
@@ -130,9 +129,8 @@ class Arena:
             if start >= end:
                 return
             if libc.madvise(self._addr + start, end - start, MADV_POPULATE_WRITE) != 0:
-                if ctypes.get_errno() != errno.EINVAL:
-                    return  # no memory for it now: the loader faults in what it writes
-                ctypes.memset(self._addr + start, 0, end - start)  # a kernel before 5.14: the first write faults
+                return  # a kernel before 5.14, or no memory for it now: the loader faults in what it writes (never a
+                # write from here: the loader may have taken these pages since)
             self.faulted += end - start
             end = start
 

@@ -68,6 +68,22 @@ def test_an_arena_faults_its_pages_in_and_hands_out_disjoint_pieces():
     assert _resident(whole[arena._hi - given_back:arena._hi]) < 0.1  # the pages nobody took went back
 
 
+def test_an_arena_whose_kernel_cannot_populate_writes_nothing(monkeypatch):
+    import ctypes
+
+    class NoPopulate:  # a kernel before 5.14: MADV_POPULATE_WRITE is EINVAL
+        def __init__(self, *args, **kw):
+            self.madvise = lambda *args: -1
+
+    monkeypatch.setattr(ctypes, "CDLL", NoPopulate)
+    arena = Arena(8 << 20)
+    piece = arena.take(4 << 20)
+    piece.fill_(5)
+    arena._thread.join()
+    assert arena.faulted == 0 and int(piece.sum()) == 5 * piece.numel()  # the loader's bytes untouched
+    arena.close()
+
+
 def test_closing_stops_the_faulting_early():
     arena = Arena(512 << 20, chunk=2 << 20)
     arena.close()
