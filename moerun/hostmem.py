@@ -105,8 +105,9 @@ class Arena:
     def __init__(self, nbytes: int, chunk: int = HUGE_PAGE):
         self._map = _huge_map(nbytes)
         self._addr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
-        self._lo = -self._addr % HUGE_PAGE
+        self._lo = -self._addr % HUGE_PAGE  # offsets from here on huge-page boundaries every 2 MiB
         self._hi = self._lo + nbytes
+        self._top = self._lo + -(-nbytes // PAGE) * PAGE  # the last page's end (within the map: _lo < HUGE_PAGE)
         self._next = self._lo  # the first byte not handed out
         self._whole: torch.Tensor | None = None
         self._lock = threading.Lock()
@@ -122,10 +123,10 @@ class Arena:
     def _fault(self, chunk: int) -> None:
         libc = ctypes.CDLL(None, use_errno=True)  # its calls release the GIL
         libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        end = self._hi
+        end = self._top
         while not self._stop.is_set():
-            with self._lock:
-                start = max(self._next, end - chunk)
+            with self._lock:  # page-aligned (madvise's rule), on chunk boundaries after the first
+                start = max(self._next, self._lo + (end - self._lo - 1) // chunk * chunk)
             if start >= end:
                 return
             if libc.madvise(self._addr + start, end - start, MADV_POPULATE_WRITE) != 0:
@@ -139,7 +140,7 @@ class Arena:
         import torch
 
         with self._lock:
-            if self._next + nbytes > self._hi or self._next == self._hi:
+            if self._next + nbytes > self._hi or self._next >= self._top:
                 return None
             start, self._next = self._next, self._next + -(-nbytes // PAGE) * PAGE
             if self._whole is None:
@@ -152,15 +153,15 @@ class Arena:
         self._stop.set()
         self._thread.join()
         with self._lock:
-            tail, self._next = self._next, self._hi  # a second close has nothing to give back
+            tail, self._next = self._next, self._top  # a second close has nothing to give back
             self._whole = None
-            if tail >= self._hi:
+            if tail >= self._top:
                 return 0
             try:
-                self._map.madvise(mmap.MADV_DONTNEED, tail, self._hi - tail)
+                self._map.madvise(mmap.MADV_DONTNEED, tail, self._top - tail)
             except OSError:  # e.g. locked by --mlock: the pages stay
                 return 0
-            return self._hi - tail
+            return self._top - tail
 
 
 def weights_arena(path: Path) -> Arena | None:

@@ -49,10 +49,12 @@ def _resident(t: torch.Tensor) -> float:
     return sum(v & 1 for v in vec) / pages
 
 
-def test_an_arena_faults_its_pages_in_and_hands_out_disjoint_pieces():
-    arena = Arena(64 << 20, chunk=4 << 20)
+@pytest.mark.parametrize("nbytes", [64 << 20, (64 << 20) + 12345])  # a file's size is rarely whole pages
+def test_an_arena_faults_its_pages_in_and_hands_out_disjoint_pieces(nbytes):
+    arena = Arena(nbytes, chunk=4 << 20)
     arena._thread.join()  # its thread faults the whole arena in, unasked
-    assert arena.faulted == arena.nbytes == 64 << 20
+    pages = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    assert arena.nbytes == nbytes and arena.faulted == pages
     a, b = arena.take(3 << 20), arena.take(5000)
     assert a.data_ptr() % HUGE_PAGE == 0 and b.data_ptr() % mmap.PAGESIZE == 0
     assert b.data_ptr() >= a.data_ptr() + a.numel()  # disjoint, in order
@@ -61,11 +63,11 @@ def test_an_arena_faults_its_pages_in_and_hands_out_disjoint_pieces():
     assert _resident(a) == 1.0 and arena.take(64 << 20) is None  # no room: the caller maps its own
     rest = arena.take(1 << 20)
     given_back = arena.close()
-    assert given_back == arena.nbytes - (rest.data_ptr() + rest.numel() - a.data_ptr())
+    assert given_back == pages - (rest.data_ptr() + rest.numel() - a.data_ptr())
     assert arena.take(1) is None  # closed
     assert int(a.sum()) == a.numel() and int(b.sum()) == 2 * b.numel()  # the pieces outlive the close
     whole = torch.frombuffer(arena._map, dtype=torch.uint8)
-    assert _resident(whole[arena._hi - given_back:arena._hi]) < 0.1  # the pages nobody took went back
+    assert _resident(whole[arena._top - given_back:arena._hi]) < 0.1  # the pages nobody took went back
 
 
 def test_an_arena_whose_kernel_cannot_populate_writes_nothing(monkeypatch):
