@@ -113,9 +113,10 @@ def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False,
     """Every canonical tensor of the model as stored (quantized stays quantized).
 
     Dense tensors are copied into memory moerun owns. Routed experts stay views of the memory map (their
-    home tier: the kernel may drop those pages and fault them back in from disk) unless copy_experts. So do the
-    token embeddings unless the head is tied to them: a token reads one row, which the file's pages serve as well
-    as a copy, and a copy's fresh pages cost the load (250k rows are 150-600 MB; llama.cpp maps them too).
+    home tier: the kernel may drop those pages and fault them back in from disk) unless copy_experts. The token
+    embeddings are copied too, though a token reads one row: a row read from the map of a file cut short under a
+    running server would end the process (SIGBUS), where a copy keeps serving and the experts' positioned reads
+    fail their requests with an error (tests/test_faults.py).
     progress: called with each tensor's stored bytes once it is placed (from the reading threads too).
     interleave: the copied tensors to read straight into the CPU kernels' interleaved layout (see
     `interleave_on_read`): the bytes a read and a later `interleave_for_kernels` give, in one pass and no buffer
@@ -125,9 +126,8 @@ def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False,
     out = {}
     reads = {}
     done = progress or (lambda n: None)
-    mapped = set() if arch.spec.tie_embeddings else {CName("token_embd.weight")}
     for cn, src in arch.sources.items():
-        if src.direct and cn not in mapped and (copy_experts or tensor_class(cn.kind) != "routed_experts"):
+        if src.direct and (copy_experts or tensor_class(cn.kind) != "routed_experts"):
             reads[cn] = src.records[0]
         else:
             out[cn] = materialize(mf, src)
