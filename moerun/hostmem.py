@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 HUGE_PAGE = 2 << 20
 PAGE = mmap.PAGESIZE
-MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a range in, writable, without writing it
+ALIGN = 64  # an arena's pieces start on a cache line
 
 
 def host_empty(nbytes: int, arena: Arena | None = None) -> torch.Tensor:
@@ -91,15 +91,17 @@ def _huge_map(nbytes: int) -> mmap.mmap:
 
 class Arena:
     """Weight memory faulted in ahead of a load: one huge-page mapping of `nbytes` whose pages a thread of its own
-    faults in (MADV_POPULATE_WRITE) from the moment it is made, while the process goes on with other work: a command
-    makes it before torch's import, whose thread leaves the second core idle, and the loader's reads then write pages
-    that are already there. A fresh page is the costly part of a load on a VM (the host backs it on first touch).
-    The thread faults one huge page a call, from the last down, while the loader takes from the first up: each call
-    holds the address space's lock for reading, and a longer one stalls every mmap the other threads make (the
-    import's libraries, the tokenizer's lists) behind it.
+    writes, one huge page at a time from the last down, from the moment it is made, while the process goes on with
+    other work: a command makes it before torch's import, whose thread leaves the second core idle, and the loader's
+    reads then write pages that are already there. A fresh page is the costly part of a load on a VM (the host backs
+    it on first touch). The thread writes (a fault under the mapping's own lock) rather than asking the kernel to
+    populate (MADV_POPULATE_WRITE holds the whole address space's lock, and every mmap the import and the tokenizer
+    make waits behind it).
 
-    take() hands out page-aligned pieces from the start (the loader's threads, under a lock); close() ends the
-    faulting and returns the pages nobody took to the system. The mapping lives as long as any piece of it.
+    take() hands out pieces from the start (the loader's threads), only below the huge page the thread
+    is writing: the first piece that would reach it stops the thread (after that page) and the loader faults in the
+    rest. close() ends the faulting and returns the pages nobody took to the system. The mapping lives as long as
+    any piece of it.
     """
 
     def __init__(self, nbytes: int, chunk: int = HUGE_PAGE):
@@ -109,9 +111,11 @@ class Arena:
         self._hi = self._lo + nbytes
         self._top = self._lo + -(-nbytes // PAGE) * PAGE  # the last page's end (within the map: _lo < HUGE_PAGE)
         self._next = self._lo  # the first byte not handed out
+        self._floor = self._top  # the first byte the thread may be writing: pieces stay below it while it runs
+        self._running = True
+        self._stop = False
         self._whole: torch.Tensor | None = None
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._cond = threading.Condition()
         self.faulted = 0  # bytes the thread faulted in
         self._thread = threading.Thread(target=self._fault, args=(chunk,), name="moerun-arena", daemon=True)
         self._thread.start()
@@ -121,39 +125,50 @@ class Arena:
         return self._hi - self._lo
 
     def _fault(self, chunk: int) -> None:
-        libc = ctypes.CDLL(None, use_errno=True)  # its calls release the GIL
-        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         end = self._top
-        while not self._stop.is_set():
-            with self._lock:  # page-aligned (madvise's rule), on chunk boundaries after the first
-                start = max(self._next, self._lo + (end - self._lo - 1) // chunk * chunk)
-            if start >= end:
-                return
-            if libc.madvise(self._addr + start, end - start, MADV_POPULATE_WRITE) != 0:
-                return  # a kernel before 5.14, or no memory for it now: the loader faults in what it writes (never a
-                # write from here: the loader may have taken these pages since)
-            self.faulted += end - start
-            end = start
+        try:
+            while True:
+                with self._cond:
+                    start = max(self._next, self._lo + (end - self._lo - 1) // chunk * chunk)
+                    if self._stop or start >= end:
+                        return
+                    self._floor = start
+                ctypes.memset(self._addr + start, 0, end - start)  # a foreign call: the GIL is free meanwhile
+                self.faulted += end - start
+                end = start
+        finally:
+            with self._cond:
+                self._running = False
+                self._cond.notify_all()
+
+    def _halt(self) -> None:
+        """Stop the thread after the page it is writing (under self._cond)."""
+        self._stop = True
+        while self._running:
+            self._cond.wait()
 
     def take(self, nbytes: int) -> torch.Tensor | None:
-        """A piece of `nbytes` (page-aligned), or None when the arena is closed or has less room left."""
+        """A piece of `nbytes` (on a cache line, as torch's own buffers: a page each would overflow a file's worth of
+        arena by 4 KiB a tensor), or None when the arena is closed or has less room left."""
         import torch
 
-        with self._lock:
+        with self._cond:
             if self._next + nbytes > self._hi or self._next >= self._top:
                 return None
-            start, self._next = self._next, self._next + -(-nbytes // PAGE) * PAGE
+            if self._running and self._next + nbytes > self._floor:
+                self._halt()  # the piece would reach pages the thread may be writing
+            start, self._next = self._next, self._next + -(-nbytes // ALIGN) * ALIGN
             if self._whole is None:
                 self._whole = torch.frombuffer(self._map, dtype=torch.uint8)
             return self._whole[start:start + nbytes]
 
     def close(self) -> int:
-        """No more pieces; the faulting thread stops after its chunk, and the pages past the last piece go back to
+        """No more pieces; the faulting thread stops after its page, and the pages past the last piece go back to
         the system -> the bytes given back."""
-        self._stop.set()
-        self._thread.join()
-        with self._lock:
-            tail, self._next = self._next, self._top  # a second close has nothing to give back
+        with self._cond:
+            self._halt()
+            tail = self._lo + -(-(self._next - self._lo) // PAGE) * PAGE
+            self._next = self._top  # a second close has nothing to give back
             self._whole = None
             if tail >= self._top:
                 return 0
