@@ -63,8 +63,8 @@ def kernel_alone(K: int, qtype: QType, reps: int) -> None:
             cpu.set_prefetch(pf)
             cpu.set_wide(wide)
             r.append(w.nbytes * passes / median_time(
-                lambda _: _cpu.dot_passes(isa, cpu._type(w), w.data.data_ptr(), rows, K, x.data_ptr(), passes,
-                                          out.data_ptr()), reps) / 1e9)
+                lambda _, w=w, rows=rows, x=x, out=out, passes=passes: _cpu.dot_passes(
+                    isa, cpu._type(w), w.data.data_ptr(), rows, K, x.data_ptr(), passes, out.data_ptr()), reps) / 1e9)
         cpu.set_prefetch(None)
         cpu.set_wide(None)
         print(f"| {name} ({w.nbytes / 1e3:.0f} KB) | " + " | ".join(f"{v:.1f}" for v in r) + " |", flush=True)

@@ -188,10 +188,10 @@ def finish(report: dict, out: Path) -> int:
                      f"{cell(r['home_share'], '.1%')} | {cell(r['h2d_gbps'], '.1f')} | "
                      f"{cell(r['estimate_ts'], '.1f')} | {cell(r['estimate_ratio'], '.2f')} |")
     if report.get("counts"):
-        lines += ["", "Counted on the stand-in (structure at small widths), predicted for the real shape "
-                  "(moerun/gpu_counts.py's figures):", "",
-                  "| model | placement | syncs / step | kernels / layer | outside | host launches / step | graph | "
-                  "predicted H200 tok/s | predicted 24 GB card tok/s |", "|---|---|---:|---:|---:|---:|---|---:|---:|"]
+        lines += ["", ("Counted on the stand-in (structure at small widths), predicted for the real shape "
+                  "(moerun/gpu_counts.py's figures):"), "",
+                  ("| model | placement | syncs / step | kernels / layer | outside | host launches / step | graph | "
+                  "predicted H200 tok/s | predicted 24 GB card tok/s |"), "|---|---|---:|---:|---:|---:|---|---:|---:|"]
         for c in report["counts"]:
             lines.append(f"| {c['model']} | {c['placement']} | {c['syncs_step']} | {c['kernels_layer']:g} | "
                          f"{c['kernels_outside']:g} | {c['host_launches_step']} | {'yes' if c['graph'] else 'no'} | "

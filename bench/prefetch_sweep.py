@@ -79,8 +79,8 @@ def table(ts: dict, model: str, n_gen: int, threads: int, rounds: int) -> str:
         return f"{statistics.median(v):.2f}{ratio}"
 
     lines = [f"### Prefetch sweep: {Path(model).name}, tg{n_gen}, {threads} threads, {rounds} rounds", "",
-             f"CPU: {machine()}; {cpu_ids()}. moerun commit {moerun_commit()}. Load average at the end: "
-             f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}.", "",
+             (f"CPU: {machine()}; {cpu_ids()}. moerun commit {moerun_commit()}. Load average at the end: "
+             f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}."), "",
              "Median tg t/s over the rounds (median of per-round ratios to distance 0), by hint and distance (bytes):",
              "", "| hint | " + " | ".join(str(d) for d in distances) + " |",
              "|---|" + "---:|" * len(distances)]
@@ -88,9 +88,9 @@ def table(ts: dict, model: str, n_gen: int, threads: int, rounds: int) -> str:
     if base_runs:
         flat = [x for b in base_runs for x in b]
         med = statistics.median(flat)
-        lines += ["", f"Noise: the {len(flat)} distance-0 runs (one setting) gave {min(flat):.2f}-{max(flat):.2f} t/s, "
+        lines += ["", (f"Noise: the {len(flat)} distance-0 runs (one setting) gave {min(flat):.2f}-{max(flat):.2f} t/s, "
                       f"median {med:.2f} ({(min(flat) / med - 1) * 100:+.1f}% / {(max(flat) / med - 1) * 100:+.1f}%); "
-                      f"per-round medians {', '.join(f'{b:.2f}' for b in base)}."]
+                      f"per-round medians {', '.join(f'{b:.2f}' for b in base)}.")]
         best = max((s for s in ts if s[1]), key=lambda s: statistics.median(x / b for x, b in zip(ts[s], base)),
                    default=None)
         if best:

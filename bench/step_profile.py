@@ -59,9 +59,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="rounds of whole steps, each between two probe passes")
     args = ap.parse_args()
 
+    from moerun.config import SamplingParams
     from moerun.engine.kv_cache import KVPool, SeqKV
     from moerun.engine.sampler import Sampler
-    from moerun.config import SamplingParams
     from moerun.loading import load_model
     from moerun.model.ops import thread_budget
     from moerun.placement.bandwidth import measure_host_read_bandwidth
@@ -148,7 +148,7 @@ def main() -> None:
     print(f"| whole step (one call) | {s.n_layers} | {step * 1e3:.2f} | 100 | {total_bytes / 1e6:.0f} | "
           f"{total_bytes / step / 1e9:.1f} | {100 * total_bytes / step / 1e9 / bw:.0f} |")
     ratios = [total_bytes / t / 1e9 / ((a + b) / 2) for t, a, b in rounds]
-    print(f"\nwhole step by round (ms, GB/s, probe GB/s before / after, % of their mean): " + "; ".join(
+    print("\nwhole step by round (ms, GB/s, probe GB/s before / after, % of their mean): " + "; ".join(
         f"{t * 1e3:.2f}, {total_bytes / t / 1e9:.1f}, {a:.1f} / {b:.1f}, {100 * r:.0f}"
         for (t, a, b), r in zip(rounds, ratios)))
     print(f"median over rounds: {100 * statistics.median(ratios):.0f} % of the probe beside it")

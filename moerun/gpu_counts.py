@@ -124,9 +124,10 @@ def count_decode(model: str, devices: tuple[str, ...] = ("standin:0",), slots: i
         tokens = torch.randint(0, model_.spec.vocab, (batch,), generator=gen)
         counts = Counts()
         for _ in range(steps):
-            with device.counting(dev) as counts:
+            with device.counting(dev) as step:
                 logits = model_.decode(tokens, [s.kv for s in seqs])
                 (tokens,) = device.to_host([torch.argmax(logits, dim=-1)], dev=dev)  # the sampled ids
+            counts = step  # the last step's
         for s in seqs:
             s.free()
         rt.close()

@@ -34,7 +34,7 @@ IDS = ["T{}-P{}-h{}-kv{}-D{}-Dv{}-w{}".format(*c) for c in CASES]
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_fused_form_matches_the_reference_and_the_cpu_form(case):
-    T, P, nh, nkv, D, Dv, window = case
+    T, P, nh, _nkv, D, Dv, window = case
     q, k, v, q_pos, k_pos = inputs(*case[:6], seed=T + P)
     scale = D ** -0.5
     ref = reference(q, k, v, q_pos, k_pos, scale, window=window)
@@ -48,7 +48,7 @@ def test_fused_form_matches_the_reference_and_the_cpu_form(case):
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=[IDS[1], IDS[3]])
 def test_fused_form_in_bfloat16(case):
-    T, P, nh, nkv, D, Dv, window = case
+    _T, P, _nh, _nkv, D, _Dv, window = case
     q, k, v, q_pos, k_pos = inputs(*case[:6], dtype=torch.bfloat16, seed=3)
     ref = reference(q, k, v, q_pos, k_pos, D ** -0.5, window=window)  # of the bfloat16 inputs
     for q_start in (P, None):
@@ -149,7 +149,7 @@ def test_on_a_gpu_the_fused_kernels_take_the_form(case, dtype):
         pytest.skip("no CUDA device")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    T, P, nh, nkv, D, Dv, window = case
+    T, P, _nh, _nkv, D, Dv, window = case
     q, k, v, q_pos, k_pos = inputs(*case[:6], dtype=dtype, seed=4)
     ref = reference(q, k, v, q_pos, k_pos, D ** -0.5, window=window)
     tol = 2e-5 if dtype == torch.float32 else 2e-2

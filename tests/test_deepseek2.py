@@ -203,7 +203,9 @@ def test_greedy_equals_transformers_generate(ds, tokens, source, monkeypatch):
             return real(q_nope, *a, **kw)
 
         monkeypatch.setattr(layers, f"mla_{name}", spy)
-    from moerun.kernels import rows  # the loop's absorbed form on the CPU: the C layers' (moerun.kernels.rows)
+    from moerun.kernels import (
+        rows,  # the loop's absorbed form on the CPU: the C layers' (moerun.kernels.rows)
+    )
 
     def spy_rows(q_nope, *a, real=rows.mla, **kw):
         forms["absorbed"].append(q_nope.shape[0])

@@ -82,7 +82,7 @@ def test_expert_cache_mib_is_per_rank_and_capped_by_its_experts(path):
 def test_ranks_in_one_process_share_its_ram(path):
     """No cache asked for, the experts overflow the RAM budget: the ranks' caches together fit what the dense
     part and KV leave (each rank its half), where each used to be sized as if it had all of it."""
-    base, experts, per = figures(path)
+    base, _experts, per = figures(path)
     budget = base + 5 * per  # 5 slots per layer in all
     cfg = RuntimeConfig(model=path, threads=1, expert_parallel=2, ram_budget=budget)
     the_plan = plan_for(cfg)

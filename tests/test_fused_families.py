@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from fused_vs_loop import layer_by_layer  # noqa: E402
+from fused_vs_loop import layer_by_layer
 
 from moerun.engine.kv_cache import KVPool, SeqKV
 from moerun.loading import load_model

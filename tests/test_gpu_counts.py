@@ -91,7 +91,7 @@ def test_hybrid_one_sync_per_moe_layer_at_most(counted, a3b_like):
 
 
 def test_predicted_h200_decode_for_a3b_l12(counted, a3b_like):
-    two, four, layer, outside = per_layer(counted, a3b_like, batch=1)
+    _two, four, layer, outside = per_layer(counted, a3b_like, batch=1)
     step = gpu_counts.Counts()
     step.launches["kernel"] = int(12 * layer + outside)
     step.syncs["to_host"] = 1

@@ -109,10 +109,10 @@ def test_mla_equals_the_absorbed_torch_form(T, nh, nope, R, rank, dv, S, isa):
 
 
 ROUTERS = {
-    "softmax": dict(router="softmax", norm_topk=True),
-    "softmax groups": dict(router="softmax", norm_topk=False, n_groups=4, topk_groups=2),
-    "topk_softmax": dict(router="topk_softmax", norm_topk=False),
-    "sigmoid": dict(router="sigmoid", norm_topk=True, n_groups=4, topk_groups=2, group_score="top2", routed_scale=2.5),
+    "softmax": {"router": "softmax", "norm_topk": True},
+    "softmax groups": {"router": "softmax", "norm_topk": False, "n_groups": 4, "topk_groups": 2},
+    "topk_softmax": {"router": "topk_softmax", "norm_topk": False},
+    "sigmoid": {"router": "sigmoid", "norm_topk": True, "n_groups": 4, "topk_groups": 2, "group_score": "top2", "routed_scale": 2.5},
 }
 
 

@@ -1,9 +1,10 @@
 """pyproject.toml ships every package of the tree and the files they read at run time (a non-editable install
 has only what it lists)."""
 
-import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 

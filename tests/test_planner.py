@@ -13,8 +13,17 @@ from moerun.formats import open_model
 from moerun.formats.names import CName, tensor_class
 from moerun.formats.records import TensorRecord
 from moerun.placement.devices import GPU, Inventory, detect, parse_cpu_features, parse_size
-from moerun.placement.planner import (MASK_BYTES, Budgets, Plan, PlanError, attention_workspace_bytes, parse_device,
-                                      parse_override, plan, workspace_bytes)
+from moerun.placement.planner import (
+    MASK_BYTES,
+    Budgets,
+    Plan,
+    PlanError,
+    attention_workspace_bytes,
+    parse_device,
+    parse_override,
+    plan,
+    workspace_bytes,
+)
 from moerun.quant.qtypes import QType, tensor_bytes
 from moerun.tools.presets import preset
 

@@ -3,8 +3,16 @@ through the same reasoning parsers as chat completions (the scripted models of t
 
 from __future__ import annotations
 
-from test_server_reasoning import (ASK, HARMONY_OUT, THINK_OUT, ScriptedSampler, _script, harmony,  # noqa: F401
-                                   harmony_model, think)
+from test_server_reasoning import (  # noqa: F401
+    ASK,
+    HARMONY_OUT,
+    THINK_OUT,
+    ScriptedSampler,
+    _script,
+    harmony,
+    harmony_model,
+    think,
+)
 
 
 def _items(response) -> list[tuple[str, str]]:
@@ -27,7 +35,7 @@ def _responses(client, monkeypatch, tok, script: str, end: str, **kw):
     return ids, whole, events
 
 
-def test_harmony_reasoning_is_a_reasoning_item(harmony, monkeypatch):
+def test_harmony_reasoning_is_a_reasoning_item(harmony, monkeypatch):  # noqa: F811 (a fixture)
     client, tok = harmony
     ids, r, events = _responses(client, monkeypatch, tok, HARMONY_OUT, "<|return|>", input=ASK[1:],
                                 instructions=ASK[0]["content"], max_output_tokens=200, reasoning={"effort": "high"})
@@ -45,7 +53,7 @@ def test_harmony_reasoning_is_a_reasoning_item(harmony, monkeypatch):
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
 
 
-def test_think_reasoning_is_a_reasoning_item(think, monkeypatch):
+def test_think_reasoning_is_a_reasoning_item(think, monkeypatch):  # noqa: F811 (a fixture)
     """A <think> template on a server started with --reasoning-format none: the Responses API still tells the
     reasoning apart (its items have a place for it)."""
     client, tok = think

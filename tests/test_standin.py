@@ -137,7 +137,7 @@ def test_a_capture_fails_on_a_sync_and_its_replay_uses_the_baked_values():
         out.copy_(inp * step + 1)
     assert g.kernels == 3
     inp.copy_(torch.arange(4.0))
-    step = 100  # noqa: F841 - a replay does not see it
+    step = 100
     g.replay()
     assert torch.equal(out, torch.arange(4.0) * 3 + 1)
     with pytest.raises(standin.StandinError, match="captured"), device.Graph(SD).capture():

@@ -295,7 +295,7 @@ def test_attention_split_deterministic_and_static(launches):
 def route64(logits, k, mode, norm, scale, score_b, logit_b, n_groups, topk_groups, group_score):
     """Independent router in float64 / numpy: (ids [B, k], weights [B, k])."""
     x = logits.double().numpy() + (0 if logit_b is None else logit_b.double().numpy())
-    b, e = x.shape
+    b, _e = x.shape
     ids, ws = np.zeros((b, k), dtype=np.int64), np.zeros((b, k))
     for r in range(b):
         if mode == "topk_softmax":

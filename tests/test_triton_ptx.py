@@ -24,8 +24,8 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from moerun.kernels import triton_q as tq  # noqa: E402
-from moerun.quant.qtypes import QType  # noqa: E402
+from moerun.kernels import triton_q as tq
+from moerun.quant.qtypes import QType
 
 # compiles every Triton kernel to PTX for two GPU generations (~150 s): `python -m pytest -m slow`, and CI
 pytestmark = pytest.mark.slow
@@ -116,7 +116,7 @@ def compiled():
 
 def _reads_weights(case) -> bool:
     """Whether the case reads quantized weights: a uint8 pointer, or a quantized QTYPE over address tables."""
-    _, fn, sig, consts, _, _ = case
+    _, fn, _sig, consts, _, _ = case
     qtypes = {v for k, v in consts.items() if str(k).startswith("QTYPE") or k in [
         (i,) for i, p in enumerate(fn.params) if p.name.startswith("QTYPE")]}
     quantized = any(tq.supports(q) for q in qtypes if isinstance(q, int))
@@ -128,7 +128,7 @@ def _reads_weights(case) -> bool:
 def _vector_bytes(ttgir: str, alias: str) -> int:
     """Contiguous elements per thread of the layout `alias` (#blockedN) along its fastest dimension."""
     m = re.search(rf"^{re.escape(alias)} = #ttg\.blocked<\{{sizePerThread = \[([\d, ]+)\][^}}]*order = \[([\d, ]+)\]",
-                  ttgir, re.M)
+                  ttgir, re.MULTILINE)
     assert m, f"no layout {alias}"
     spt = [int(v) for v in m[1].split(",")]
     order = [int(v) for v in m[2].split(",")]

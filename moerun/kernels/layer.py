@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moerun.kernels.cpu import (FLOAT_TYPES, _check_q, _check_x, _cpu, _fn_args, _isa, _need, _type)
+from moerun.kernels.cpu import FLOAT_TYPES, _check_q, _check_x, _cpu, _fn_args, _isa, _need, _type
 from moerun.quant.qtypes import QTensor
 
 __all__ = ["Attention", "AttnRows", "DeltaNet", "Embedding", "Head", "LatentAttention", "Layer", "LayerStack",

@@ -26,8 +26,12 @@ import triton.language as tl
 from moerun import device
 from moerun.kernels import triton_attn
 from moerun.kernels import triton_dequant as _dq
-from moerun.kernels.triton_attn import (attention_splits, attention_workspace, decode_attention,
-                                        qk_rope_kv_write)
+from moerun.kernels.triton_attn import (
+    attention_splits,
+    attention_workspace,
+    decode_attention,
+    qk_rope_kv_write,
+)
 from moerun.quant.qtypes import FLOAT_QTYPES, QType, block_size, row_bytes
 
 __all__ = ["EMBED_QTYPES", "add_rms_norm", "attention_splits", "attention_workspace", "decode_attention",

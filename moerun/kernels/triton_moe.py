@@ -216,9 +216,9 @@ def config_launches(c, dev: torch.device) -> list[tuple]:
                                         tiles=tq._tiles(t, h, i, qs[2]))
         return [(k1, g1, *a1, kw1), (k2, g2, *a2, kw2)]
     m, e = t * c.choices, c.slots
-    table = type("Table", (), dict(keys=list(range(e)), lut=torch.arange(e + 1, dtype=torch.int32, device=dev),
-                                   addrs=torch.zeros((3, e), dtype=torch.int64, device=dev), aligned=True, base=blob,
-                                   ids=torch.arange(e, dtype=torch.int32, device=dev)))
+    table = type("Table", (), {"keys": list(range(e)), "lut": torch.arange(e + 1, dtype=torch.int32, device=dev),
+                                   "addrs": torch.zeros((3, e), dtype=torch.int64, device=dev), "aligned": True, "base": blob,
+                                   "ids": torch.arange(e, dtype=torch.int32, device=dev)})
     ids = (torch.arange(m, device=dev) % e).to(torch.int64)
     biases = (f32((e, i)), f32((e, i)), f32((e, h)), blob) if "bias" in opt else (blob,) * 4
     fn_args = (tq.ACTS["swiglu_oai" if "oai" in opt else "swiglu"], 1.702, 7.0, biases)

@@ -219,8 +219,8 @@ def dequantize(w: QTensor) -> torch.Tensor:
     out = torch.empty((n, k), dtype=torch.float32, device=w.data.device)
     bn, bk = 32, _bk([w.qtype], k)
     _launch(dq.dequantize_kernel, (_cdiv(n, bn), _cdiv(k, bk)), w.data, out, _codebook(w.qtype, w.data.device), n, k,
-            row_bytes(w.qtype, k), dict(QTYPE=int(w.qtype), BN=bn, BK=bk, SP=_span(w.qtype, bk),
-                                        ALIGNED=_aligned(w.data)))
+            row_bytes(w.qtype, k), {"QTYPE": int(w.qtype), "BN": bn, "BK": bk, "SP": _span(w.qtype, bk),
+                                        "ALIGNED": _aligned(w.data)})
     return out
 
 
@@ -373,7 +373,7 @@ def _moe_launches(x, flat, scale, table, qtypes, dims, fn_args, pairs, accumulat
         rows = max(1, m // len(table.keys))
         tu, td = _tiles(rows, i, h, qg, qu), _tiles(rows, h, i, qd)
         pair, (tab_u, _), (tab_d, _) = _schedule(flat, table.keys, table.lut, tu, td)
-        grouped = dict(keys=table.ids, aligned=table.aligned, bias=biases[0] if biased else None)
+        grouped = {"keys": table.ids, "aligned": table.aligned, "bias": biases[0] if biased else None}
         res = [_qgemm_launch(x, hid, m, [i], h, qg, [*table.addrs[:2], table.base], qtype2=qu, gated=act, alpha=alpha,
                              limit=limit, grouped=(pair, kk, tab_u), bias2=biases[1], tiles=tu, **grouped)]
         grouped["bias"] = biases[2] if biased else None
@@ -382,14 +382,14 @@ def _moe_launches(x, flat, scale, table, qtypes, dims, fn_args, pairs, accumulat
         if not pairs:
             _, gm, _ = _kernels()
             res.append((gm.sum_pairs_kernel, (t, _cdiv(h, 1024)), (y, out, out.stride(0), h, kk),
-                        dict(ACCUM=accumulate, BH=1024)))
+                        {"ACCUM": accumulate, "BH": 1024}))
         return [(k, g, *a, kw) for k, g, a, kw in res]
     _, _, md = _kernels()
     common = (flat, scale, table.lut, table.lut.shape[0], len(table.keys), table.base)
     tu = _pair_tiles(m * i, h, qg, qu)
     dst, rows = (y, m) if pairs else (out, t)
     td = _pair_tiles(rows * h, i, qd)
-    opts = dict(ACT=act, BIAS=biased, ALIGNED=table.aligned)
+    opts = {"ACT": act, "BIAS": biased, "ALIGNED": table.aligned}
     return [
         (md.moe_pair_kernel, (m, _cdiv(i, tu["BN"])), x, x.stride(0), hid, hid.stride(0), *common, table.addrs[0],
          table.addrs[1], row_bytes(qg, h), row_bytes(qu, h), _codebook(qg, dev), _codebook(qu, dev), biases[0],

@@ -15,7 +15,17 @@ import torch
 
 from moerun.quant import dequant_kquants as k
 from moerun.quant.bitfields import (  # noqa: F401 (KV_*, SH_*, scale_min_k4: re-exported)
-    KV_IQ4NL, KV_MXFP4, SH_2BIT, SH_BIT, SH_NIB, as_dtype, f16_field, inner, lookup, outer, scale_min_k4,
+    KV_IQ4NL,
+    KV_MXFP4,
+    SH_2BIT,
+    SH_BIT,
+    SH_NIB,
+    as_dtype,
+    f16_field,
+    inner,
+    lookup,
+    outer,
+    scale_min_k4,
 )
 from moerun.quant.ggml_types import QType, block_size
 
