@@ -76,14 +76,15 @@ def expert_reader(arch: Arch) -> ExpertReader | None:
 
 def load_model(path: str | Path | ModelFile, dtype: torch.dtype = torch.float32, kernels: bool = True,
                home: str = "auto", interleave: bool | Callable[[CName], bool] = True,
-               progress: bool = False, arena: Arena | None = None) -> Loaded:
+               progress: bool = False, arena: Arena | None = None, meanwhile: Callable[[], None] | None = None) -> Loaded:
     """kernels=False runs quantized weights through the torch reference (dequantize per use).
     home: "auto", "ram" (llama.cpp's --no-mmap) or "mmap" (see weights_home).
     interleave: with the CPU kernels, rewrite the Q4_K matrices moerun owns into their faster interleaved
     layout (experts too when home is RAM; see interleave_for_kernels); a function of the canonical name
     chooses which. progress: bars on stderr for the bytes placed and repacked (moerun.progress). path may be a
     ModelFile already opened (its maps are then the loaded model's). arena: memory faulted in ahead for the copies
-    (hostmem.Arena; closed once the weights are read, which returns what they did not take)."""
+    (hostmem.Arena; closed once the weights are read, which returns what they did not take). meanwhile: work for
+    this thread while the weights are read (load_weights), e.g. the tokenizer's build."""
     mf = path if isinstance(path, ModelFile) else open_model(path)
     arch = resolve(mf)
     in_ram = weights_home(mf, home) == "ram"
@@ -91,7 +92,8 @@ def load_model(path: str | Path | ModelFile, dtype: torch.dtype = torch.float32,
     on_read = interleave_on_read(in_ram, keep) if kernels and interleave else None
     try:
         with bar(progress, "loading", sum(map(source_bytes, arch.sources.values()))) as placed:
-            weights = load_weights(mf, arch, copy_experts=in_ram, progress=placed, interleave=on_read, arena=arena)
+            weights = load_weights(mf, arch, copy_experts=in_ram, progress=placed, interleave=on_read, arena=arena,
+                                   meanwhile=meanwhile)
     finally:
         if arena is not None:
             arena.close()

@@ -11,7 +11,6 @@ run through a StagedModel; with pipeline_world_size > 1 each process is one stag
 from __future__ import annotations
 
 import atexit
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -261,11 +260,10 @@ def _build(cfg: RuntimeConfig, arena: Arena | None) -> Runtime:
         if cfg.pipeline_world_size > 1:
             return _build_rank0(cfg, ctx, the_plan, home)
         return _build_expert_parallel(cfg, mf.path, ctx, the_plan, home)
-    with ThreadPoolExecutor(1) as beside:  # the tokenizer is built while the weights are read (the GIL is free then)
-        tok_job = beside.submit(Tokenizer.from_model_file, mf)
-        loaded = load_model(mf, dtype=getattr(torch, cfg.dtype), home=home, interleave=_interleave(cfg, the_plan),
-                            progress=cfg.progress, arena=arena)
-        tok = tok_job.result()
+    made: list[Tokenizer] = []  # built on this thread while the reading threads copy the weights
+    loaded = load_model(mf, dtype=getattr(torch, cfg.dtype), home=home, interleave=_interleave(cfg, the_plan),
+                        progress=cfg.progress, arena=arena, meanwhile=lambda: made.append(Tokenizer.from_model_file(mf)))
+    tok = made[0]
     warnings: list[str] = []
     _check_kernels(loaded, warnings)
     models = _stage_models(loaded.model, the_plan)

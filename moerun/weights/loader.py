@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -18,8 +17,6 @@ from moerun.formats.records import ModelFile, TensorRecord
 from moerun.hostmem import Arena, host_empty
 from moerun.quant.qtypes import FLOAT_QTYPES, QTensor, QType, row_bytes
 from moerun.quant.quantize import mxfp4_from_hf
-
-SCRATCH_BYTES = 512 << 10  # a reading thread's buffer for the tensors repacked as read: L2-sized
 
 
 def _permute_rows(raw: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -109,7 +106,7 @@ def source_bytes(src: Source) -> int:
 def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False,
                  progress: Callable[[int], None] | None = None,
                  interleave: Callable[[CName, TensorRecord], bool] | None = None,
-                 arena: Arena | None = None) -> dict[CName, QTensor]:
+                 arena: Arena | None = None, meanwhile: Callable[[], None] | None = None) -> dict[CName, QTensor]:
     """Every canonical tensor of the model as stored (quantized stays quantized).
 
     Dense tensors are copied into memory moerun owns. Routed experts stay views of the memory map (their
@@ -117,11 +114,12 @@ def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False,
     embeddings are copied too, though a token reads one row: a row read from the map of a file cut short under a
     running server would end the process (SIGBUS), where a copy keeps serving and the experts' positioned reads
     fail their requests with an error (tests/test_faults.py).
-    progress: called with each tensor's stored bytes once it is placed (from the reading threads too).
+    progress: called with each tensor's stored bytes once it is placed.
     interleave: the copied tensors to read straight into the CPU kernels' interleaved layout (see
     `interleave_on_read`): the bytes a read and a later `interleave_for_kernels` give, in one pass and no buffer
     of GGUF-layout bytes.
     arena: memory faulted in ahead (hostmem.Arena) that the copies are taken from while it has room.
+    meanwhile: work for this thread (once) while the copies are read, e.g. the tokenizer's build.
     """
     out = {}
     reads = {}
@@ -133,24 +131,58 @@ def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False,
             out[cn] = materialize(mf, src)
             done(source_bytes(src))
     fused = {cn for cn, rec in reads.items() if interleave is not None and interleave(cn, rec)}
-    scratch = threading.local()
+    out.update(_read_copies(mf, reads, fused, arena, done, meanwhile or (lambda: None)))
+    return {cn: out[cn] for cn in arch.sources}
 
-    def read(cn: CName, rec: TensorRecord, fd: int) -> QTensor:
-        t = _read_interleaved(rec, fd, scratch, arena) if cn in fused else QTensor.from_bytes(mf.read(rec, arena),
-                                                                                                 rec.qtype, rec.shape)
+
+def _read_copies(mf: ModelFile, reads: dict[CName, TensorRecord], fused: set[CName], arena: Arena | None,
+                 done: Callable[[int], None], meanwhile: Callable[[], None]) -> dict[CName, QTensor]:
+    """The records of `reads` copied into memory moerun owns, those of `fused` straight into the interleaved layout:
+    in file order, on a few threads in one C call each (kernels/reads.py: the GIL stays free for the tokenizer's
+    build beside the load), or in Python where the kernels are not built."""
+    from moerun.kernels import cpu
+
+    if not cpu.available():
+        if fused:
+            raise RuntimeError("reading into the interleaved layout needs the CPU kernels")
+        return _read_in_python(mf, reads, arena, done, meanwhile)
+    from moerun.kernels.reads import Read, read_all
+
+    order = sorted(reads, key=lambda cn: (str(reads[cn].file), reads[cn].offset))
+    out, jobs = {}, []
+    with ExitStack() as files:
+        fds = {}
+        for cn in order:
+            rec = reads[cn]
+            if rec.file not in fds:
+                fds[rec.file] = _open(files, rec.file)
+            dst, layout = host_empty(rec.nbytes, arena), rec.qtype if cn in fused else None
+            out[cn] = QTensor.from_bytes(dst, rec.qtype, rec.shape, 1 if layout is None else 8)  # same bytes, new order
+            jobs.append(Read(fds[rec.file], rec.offset, dst, layout, rec.shape))
+        results = read_all(jobs, max(1, min(4, os.cpu_count() or 1)), lambda i, rc: done(reads[order[i]].nbytes),
+                           meanwhile)
+    for cn, rc in zip(order, results):
+        rec = reads[cn]
+        if rc <= -1000:
+            raise ModelFormatError(rec.file, f"cannot read tensor '{rec.name}': {os.strerror(-1000 - rc)}")
+        if rc != rec.nbytes:
+            raise ModelFormatError(rec.file, f"truncated: tensor '{rec.name}' needs bytes "
+                                             f"{rec.offset}..{rec.offset + rec.nbytes} (changed on disk?)")
+    return out
+
+
+def _read_in_python(mf: ModelFile, reads: dict[CName, TensorRecord], arena: Arena | None,
+                    done: Callable[[int], None], meanwhile: Callable[[], None]) -> dict[CName, QTensor]:
+    def read(rec: TensorRecord) -> QTensor:
+        t = QTensor.from_bytes(mf.read(rec, arena), rec.qtype, rec.shape)
         done(rec.nbytes)
         return t
 
-    # positioned reads (and the repacks) release the GIL: a few at once keep the copies, the repacks and the new
-    # pages' faults on every core
-    with ExitStack() as files, ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        fds = {}
-        for rec in (reads[cn] for cn in fused):
-            if rec.file not in fds:
-                fds[rec.file] = _open(files, rec.file)
-        out.update(zip(reads, pool.map(read, reads, reads.values(),
-                                       [fds.get(rec.file, -1) for rec in reads.values()])))
-    return {cn: out[cn] for cn in arch.sources}
+    # positioned reads release the GIL: a few at once keep the copies and the new pages' faults on every core
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        tensors = pool.map(read, reads.values())
+        meanwhile()
+        return dict(zip(reads, tensors))
 
 
 def _open(files: ExitStack, path) -> int:
@@ -158,24 +190,6 @@ def _open(files: ExitStack, path) -> int:
         return files.enter_context(open(path, "rb", buffering=0)).fileno()
     except OSError as e:
         raise ModelFormatError(path, f"cannot open: {e.strerror or e}") from None
-
-
-def _read_interleaved(rec: TensorRecord, fd: int, scratch: threading.local, arena: Arena | None) -> QTensor:
-    """The record read through this thread's scratch buffer into the interleaved layout."""
-    from moerun.kernels import cpu
-
-    need = max(SCRATCH_BYTES, 8 * row_bytes(rec.qtype, rec.shape[-1]))
-    buf = getattr(scratch, "buf", None)
-    if buf is None or buf.numel() < need:
-        buf = scratch.buf = torch.empty(need, dtype=torch.uint8)
-    try:
-        t = cpu.read_interleaved(fd, rec.offset, rec.qtype, rec.shape, buf, arena)
-    except OSError as e:
-        raise ModelFormatError(rec.file, f"cannot read tensor '{rec.name}': {e.strerror or e}") from None
-    if t is None:
-        raise ModelFormatError(rec.file, f"truncated: tensor '{rec.name}' needs bytes "
-                                         f"{rec.offset}..{rec.offset + rec.nbytes} (changed on disk?)")
-    return t
 
 
 # read a row at a time in the file's layout, never by the interleaved kernels: the embeddings (a row a token) and

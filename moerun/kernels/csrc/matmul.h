@@ -59,6 +59,12 @@ int qk_unpack(int from, const uint8_t *src, uint8_t *dst, int64_t N, int64_t K);
  * -1000 - errno when a read fails. */
 int64_t qk_read_repack(int fd, int64_t offset, int to, uint8_t *dst, int64_t N, int64_t K, uint8_t *scratch,
                        int64_t scratch_bytes);
+/* Many reads on the threads that share `next` (r8.c): jobs of QK_READ_JOB int64 each (fd, offset, to or -1, dst, N,
+ * K), done[i] set from QK_READ_PENDING to the job's qk_read_repack-style result when it ends. */
+#define QK_READ_JOB 6
+#define QK_READ_PENDING INT64_MIN
+void qk_read_jobs(const int64_t *jobs, int64_t n, int64_t *next, int64_t *done, uint8_t *scratch,
+                  int64_t scratch_bytes);
 
 /* out[n, K] = rows[i] of W[N, K] (ggml type `ggml`) as floats, the values gguf.quants gives. */
 int qk_dequant_rows(int ggml, const uint8_t *w, int64_t N, int64_t K, const int64_t *rows, int64_t n, float *out);

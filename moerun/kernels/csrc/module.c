@@ -326,6 +326,16 @@ static PyObject *py_read_repack(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(rc);
 }
 
+static PyObject *py_read_jobs(PyObject *self, PyObject *args) {
+    (void)self;
+    long long n, scratch_bytes;
+    unsigned long long jobs, next, done, scratch;
+    if (!PyArg_ParseTuple(args, "KLKKKL", &jobs, &n, &next, &done, &scratch, &scratch_bytes)) return NULL;
+    Py_BEGIN_ALLOW_THREADS qk_read_jobs((const int64_t *)(uintptr_t)jobs, n, (int64_t *)(uintptr_t)next,
+                                        (int64_t *)(uintptr_t)done, (uint8_t *)(uintptr_t)scratch, scratch_bytes);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
 /* attn_fields(): the names of qk_attn_desc's int64 fields, in order. */
 static PyObject *py_attn_fields(PyObject *self, PyObject *args) {
     (void)self, (void)args;
@@ -467,6 +477,8 @@ static PyMethodDef methods[] = {
     {"repack", py_repack, METH_VARARGS, "repack(to, src, dst, N, K): GGUF rows (Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS, Q5_0) into an interleaved layout."},
     {"read_repack", py_read_repack, METH_VARARGS, "read_repack(fd, offset, to, dst, N, K, scratch, scratch_bytes): repack "
      "N GGUF rows read from a file through a scratch buffer, on this thread -> the bytes read."},
+    {"read_jobs", py_read_jobs, METH_VARARGS, "read_jobs(jobs, n, next, done, scratch, scratch_bytes): take and run "
+     "jobs (fd, offset, to or -1, dst, N, K) until none is left, the GIL free (r8.c's qk_read_jobs)."},
     {"unpack", py_unpack, METH_VARARGS, "unpack(from, src, dst, N, K): an interleaved layout back to GGUF rows."},
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n, spin_us=-1): size the thread pool."},
     {"set_prefetch", py_set_prefetch, METH_VARARGS,

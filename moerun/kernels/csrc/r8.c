@@ -330,6 +330,18 @@ int qk_unpack(int from, const uint8_t *src, uint8_t *dst, int64_t N, int64_t K) 
     return relayout(from, src, dst, N, K, 0);
 }
 
+/* Every byte of [offset, offset + n) of fd into dst -> n, fewer where the file ends first, or -errno - 1000. */
+static int64_t read_all(int fd, int64_t offset, uint8_t *dst, int64_t n) {
+    for (int64_t got = 0; got < n;) {
+        const ssize_t r = pread(fd, dst + got, (size_t)(n - got), (off_t)(offset + got));
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return -(int64_t)errno - 1000;
+        if (r == 0) return got;
+        got += r;
+    }
+    return n;
+}
+
 /* Groups of 8 rows read into `scratch` (an L2-sized buffer the caller keeps) and repacked from there on the calling
  * thread, so the GGUF-layout bytes never take a buffer of the tensor's size: one pass over the file's bytes where a
  * read and a repack make two, and callers on several threads share the cores. */
@@ -343,17 +355,29 @@ int64_t qk_read_repack(int fd, int64_t offset, int to, uint8_t *dst, int64_t N, 
     const int64_t per = scratch_bytes / group;
     for (int64_t g0 = 0; g0 < groups; g0 += per) {
         const int64_t n = g0 + per < groups ? per : groups - g0, want = n * group;
-        for (int64_t got = 0; got < want;) {
-            const ssize_t r = pread(fd, scratch + got, (size_t)(want - got), (off_t)(offset + g0 * group + got));
-            if (r < 0 && errno == EINTR) continue;
-            if (r < 0) return -(int64_t)errno - 1000;
-            if (r == 0) return g0 * group + got;
-            got += r;
-        }
+        const int64_t got = read_all(fd, offset + g0 * group, scratch, want);
+        if (got < want) return got < 0 ? got : g0 * group + got;
         relayout_ctx c = {k, scratch, dst + g0 * group, n, nb, 1, 0};
         relayout_task(&c, 0, 1);
     }
     return groups * group;
+}
+
+/* A load's reads, shared by the threads that call this with the same jobs and counter: each takes the next job
+ * nobody has taken (*next, atomically) until none is left, so one call per thread reads a whole model with the GIL
+ * free throughout. jobs[QK_READ_JOB * i ..]: fd, offset, to, dst, N, K, where `to` is an interleaved type (the N
+ * rows of K values repacked as qk_read_repack does, through this thread's scratch) or -1 (N bytes as stored).
+ * done[i]: the job's result as qk_read_repack's, stored once the job has ended (the caller sets every entry below
+ * QK_READ_PENDING first, so that a poll can tell finished jobs from the rest). */
+void qk_read_jobs(const int64_t *jobs, int64_t n, int64_t *next, int64_t *done, uint8_t *scratch,
+                  int64_t scratch_bytes) {
+    for (int64_t i; (i = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED)) < n;) {
+        const int64_t *j = jobs + QK_READ_JOB * i;
+        uint8_t *dst = (uint8_t *)(uintptr_t)j[3];
+        const int64_t rc = j[2] < 0 ? read_all((int)j[0], j[1], dst, j[4])
+                                    : qk_read_repack((int)j[0], j[1], (int)j[2], dst, j[4], j[5], scratch, scratch_bytes);
+        __atomic_store_n(done + i, rc, __ATOMIC_RELEASE);
+    }
 }
 
 /* Portable dot of 8 interleaved Q4_K (hb = 0) or Q5_K rows: out[8t + r] = sum_i y.d * (d_r * sum_s sc * (q . y)_s -
