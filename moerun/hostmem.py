@@ -98,7 +98,7 @@ class Arena:
     populate (MADV_POPULATE_WRITE holds the whole address space's lock, and every mmap the import and the tokenizer
     make waits behind it).
 
-    take() hands out pieces from the start (the loader's threads), only below the huge page the thread
+    take() hands out pieces from the start (the loader, before its reads), only below the huge page the thread
     is writing: the first piece that would reach it stops the thread (after that page) and the loader faults in the
     rest. close() ends the faulting and returns the pages nobody took to the system. The mapping lives as long as
     any piece of it.
