@@ -81,6 +81,26 @@ def test_gguf_bpe_matches_transformers_gguf_loader(bpe_meta, tmp_path, pre, arch
         assert ours.encode(s, add_special=False) == ref.encode(s, add_special_tokens=False), s
 
 
+def test_a_vocabulary_larger_than_the_corpus_is_merges_as_a_real_one(tmp_path, monkeypatch):
+    """30,000 tokens from a corpus that gives ~18k: the rest are merges too (no padding with control tokens, whose
+    matcher a real file does not cost), and the GGUF built from it reads as transformers' GGUF loader reads it."""
+    import json
+
+    monkeypatch.setenv("MOERUN_CACHE", str(tmp_path / "cache"))
+    hf = build_tokenizer(30000)
+    spec = json.loads(hf.to_str())
+    assert [a["content"] for a in spec["added_tokens"]] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert len(spec["model"]["vocab"]) == 29997 and len(spec["model"]["merges"]) == 29997 - 256
+    path = write_gguf(tmp_path / "t.gguf", gguf_tokenizer_metadata(hf))
+    ours = Tokenizer.from_model_file(open_model(path))
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="t.gguf")
+    vocab = spec["model"]["vocab"]
+    grown = hf.decode([i for t, i in vocab.items() if i >= 20000 and "Ġ" not in t][:200])  # text the new merges make
+    for s in [*SAMPLES, grown]:
+        assert ours.encode(s, add_special=False) == ref.encode(s, add_special_tokens=False), s
+    assert max(ours.encode(grown, add_special=False)) >= 20000  # the grown merges fire
+
+
 def test_gguf_bpe_matches_tokenizer_json(bpe_hf, bpe_gguf):
     tok, _ = bpe_gguf
     ref = transformers.PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(bpe_hf.to_str()))

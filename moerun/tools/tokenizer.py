@@ -3,8 +3,12 @@
 Trained with the `tokenizers` library on a fixed, sorted selection of the Python standard library's
 top-level .py files (offline, ~2 MB, a second or two), to exactly the model's vocabulary size:
 256 byte tokens, then merges, then the style's special tokens at the end. Vocabularies below 259
-leave out the 13 bytes that never occur in UTF-8 text; a corpus too small for a huge vocabulary is
-padded with `<|reserved_N|>` control tokens.
+leave out the 13 bytes that never occur in UTF-8 text. A corpus too small for a huge vocabulary (it
+gives ~18k tokens) is filled up with merges of its own tokens, pairs drawn with a fixed seed, as a
+real vocabulary's long tail: 248,320 tokens carry ~248k merges, as Qwen3.5's do, so that loading the
+made file costs what loading the real one does (control tokens in their place cost moerun's
+tokenizer a matcher over 230k added tokens, and llama.cpp no merges at all; its converter pads a
+real vocabulary with a few hundred `[PAD]` tokens only).
 
 Two styles, after the real models' tokenizers (a family's made models get its style, see `style_for`):
 
@@ -65,7 +69,7 @@ N_BYTES = 256
 NON_UTF8_BYTES = frozenset({0xC0, 0xC1, *range(0xF5, 0x100)})
 MIN_VOCAB = N_BYTES - len(NON_UTF8_BYTES) + len(SPECIAL_TOKENS)
 CORPUS_BYTES = 2_000_000
-FORMAT_VERSION = 1  # bump when the recipe changes, so old cache entries are not reused
+FORMAT_VERSION = 2  # bump when the recipe changes, so old cache entries are not reused
 
 # Qwen2's pre-tokenizer regex (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2 uses the same).
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -222,12 +226,37 @@ def _train(vocab: int, texts: list[str], style: TextStyle) -> Tokenizer:
     trainer = trainers.BpeTrainer(vocab_size=n_regular, min_frequency=2, show_progress=False,
                                   initial_alphabet=_alphabet(vocab, style), special_tokens=[])
     tok.train_from_iterator(texts, trainer=trainer)
-    # A small corpus cannot fill a very large vocabulary: pad with reserved control tokens.
     short = n_regular - tok.get_vocab_size()
-    tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(short)] + list(style.specials))
+    if short > 0:  # a small corpus cannot fill a very large vocabulary
+        tok = _grow(tok, short)
+    tok.add_special_tokens(list(style.specials))
     if tok.get_vocab_size() != vocab:
         raise RuntimeError(f"trained tokenizer has {tok.get_vocab_size()} tokens, wanted {vocab}")
     return tok
+
+
+def _grow(tok: Tokenizer, n: int, longest: int = 16) -> Tokenizer:
+    """`tok` with n more tokens, each the merge of two it has (ranked after its own merges): one of any rank and,
+    half of the time, a byte, else another of any rank; at most `longest` characters. Seeded by the sizes."""
+    import random
+
+    spec = json.loads(tok.to_str())
+    vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
+    toks = sorted(vocab, key=vocab.get)
+    as_text = bool(merges) and isinstance(merges[0], str)  # "a b" (older tokenizers) or ["a", "b"]
+    rnd = random.Random(f"moerun-grow-{len(toks)}-{n}")
+    n_bytes = min(N_BYTES, len(toks))
+    while n:
+        a = toks[rnd.randrange(len(toks))]
+        b = toks[rnd.randrange(n_bytes)] if rnd.random() < 0.5 else toks[rnd.randrange(len(toks))]
+        t = a + b
+        if len(t) > longest or t in vocab:
+            continue
+        vocab[t] = len(toks)
+        toks.append(t)
+        merges.append(f"{a} {b}" if as_text else [a, b])
+        n -= 1
+    return Tokenizer.from_str(json.dumps(spec, ensure_ascii=False))
 
 
 def _load_cached(path: Path) -> Tokenizer | None:
