@@ -54,4 +54,5 @@ def test_a_command_line_process_ends_without_teardown_but_as_python_would(args, 
     r = subprocess.run([sys.executable, "-c", EXITS, *args], capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == code, r.stderr
     assert "not reached" not in r.stdout and (r.stdout.startswith("Usage: ") or code)
-    assert r.stderr.splitlines()[-2:] == ["thread joined", "exit function ran"], r.stderr
+    lines = r.stderr.splitlines()  # the thread's line before or after the command's own error, as the machine goes
+    assert lines[-1] == "exit function ran" and "thread joined" in lines[:-1], r.stderr
