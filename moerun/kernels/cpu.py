@@ -236,14 +236,20 @@ def read_interleaved(fd: int, offset: int, qtype: QType, shape: tuple[int, ...],
     """`interleave` of the GGUF-layout tensor at `offset` of the open file `fd`, read a `scratch` at a time (a
     contiguous CPU uint8 buffer of at least 8 rows; a few hundred KiB keeps it in L2) and repacked from there on this
     thread: the GGUF-layout bytes never take memory of the tensor's size; the result is taken from `arena` while it has
-    room. None when the file ends first; OSError when a read fails."""
+    room. None when the file ends first; OSError when a read fails. One job of a load's reads (kernels/reads.py)."""
     _need()
     if not can_interleave_stored(qtype, shape):
         raise ValueError(f"cannot interleave {qtype.name}{tuple(shape)}")
     rows, rb = math.prod(shape[:-1]), row_bytes(qtype, shape[-1])
+    if scratch.numel() < 8 * rb:
+        raise ValueError(f"scratch of {scratch.numel()} bytes: 8 rows need {8 * rb}")
     dst = host_empty(rows * rb, arena)
-    got = _cpu.read_repack(fd, offset, int(qtype) + QK_R8, dst.data_ptr(), rows, shape[-1], scratch.data_ptr(),
-                           scratch.numel())
+    job = torch.tensor([fd, offset, int(qtype) + QK_R8, dst.data_ptr(), rows, shape[-1]], dtype=torch.int64)
+    taken, done = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    _cpu.read_jobs(job.data_ptr(), 1, taken.data_ptr(), done.data_ptr(), scratch.data_ptr(), scratch.numel())
+    got = int(done[0])
+    if got <= -1000:
+        raise OSError(-1000 - got, os.strerror(-1000 - got))
     return QTensor(dst.view(*shape[:-1], rb), qtype, tuple(shape), 8) if got == rows * rb else None
 
 

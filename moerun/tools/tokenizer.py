@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import sysconfig
 import tempfile
 from dataclasses import dataclass
@@ -238,8 +239,6 @@ def _train(vocab: int, texts: list[str], style: TextStyle) -> Tokenizer:
 def _grow(tok: Tokenizer, n: int, longest: int = 16) -> Tokenizer:
     """`tok` with n more tokens, each the merge of two it has (ranked after its own merges): one of any rank and,
     half of the time, a byte, else another of any rank; at most `longest` characters. Seeded by the sizes."""
-    import random
-
     spec = json.loads(tok.to_str())
     vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
     toks = sorted(vocab, key=vocab.get)

@@ -309,23 +309,6 @@ static PyObject *py_unpack(PyObject *self, PyObject *args) {
     return repack_call(args, qk_unpack);
 }
 
-static PyObject *py_read_repack(PyObject *self, PyObject *args) {
-    (void)self;
-    int fd, to;
-    long long offset, N, K, scratch_bytes;
-    unsigned long long dst, scratch;
-    if (!PyArg_ParseTuple(args, "iLiKLLKL", &fd, &offset, &to, &dst, &N, &K, &scratch, &scratch_bytes)) return NULL;
-    int64_t rc;
-    Py_BEGIN_ALLOW_THREADS rc = qk_read_repack(fd, offset, to, (uint8_t *)(uintptr_t)dst, N, K,
-                                               (uint8_t *)(uintptr_t)scratch, scratch_bytes);
-    Py_END_ALLOW_THREADS if (rc <= -1000) {
-        errno = (int)(-1000 - rc);
-        return PyErr_SetFromErrno(PyExc_OSError);
-    }
-    if (rc < 0) return qk_raise((int)rc);
-    return PyLong_FromLongLong(rc);
-}
-
 static PyObject *py_read_jobs(PyObject *self, PyObject *args) {
     (void)self;
     long long n, scratch_bytes;
@@ -475,8 +458,6 @@ static PyMethodDef methods[] = {
     {"features", py_features, METH_NOARGS, "Kernel sets this CPU runs, the best one, thread pool settings."},
     {"qtypes", py_qtypes, METH_NOARGS, "ggml type ids (GGUF layouts) with kernels."},
     {"repack", py_repack, METH_VARARGS, "repack(to, src, dst, N, K): GGUF rows (Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS, Q5_0) into an interleaved layout."},
-    {"read_repack", py_read_repack, METH_VARARGS, "read_repack(fd, offset, to, dst, N, K, scratch, scratch_bytes): repack "
-     "N GGUF rows read from a file through a scratch buffer, on this thread -> the bytes read."},
     {"read_jobs", py_read_jobs, METH_VARARGS, "read_jobs(jobs, n, next, done, scratch, scratch_bytes): take and run "
      "jobs (fd, offset, to or -1, dst, N, K) until none is left, the GIL free (r8.c's qk_read_jobs)."},
     {"unpack", py_unpack, METH_VARARGS, "unpack(from, src, dst, N, K): an interleaved layout back to GGUF rows."},
