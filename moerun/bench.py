@@ -421,14 +421,14 @@ def placed_config(case: BenchCase, placement: dict, dtype: str, cache_policy: st
 
 
 def _placed_runtime(*args, **kw):
-    """The runtime of placed_config(*args, **kw), as `moerun run` builds it (the weights in an arena when it copies
-    the whole file, as `moerun run` does)."""
+    """The runtime of placed_config(*args, **kw), as `moerun run` builds it (the reads started ahead when it copies
+    the whole file)."""
     from moerun.builtin import model_path
-    from moerun.hostmem import weights_arena
     from moerun.runtime import build
+    from moerun.weights.preload import weights_ahead
 
     cfg = placed_config(*args, **kw)
-    return build(cfg, weights_arena(model_path(cfg.model)) if cfg.copies_whole_model else None)
+    return build(cfg, weights_ahead(model_path(cfg.model), cfg.repack) if cfg.copies_whole_model else None)
 
 
 def _placed_fields(rt, case: BenchCase, placement: dict) -> dict:

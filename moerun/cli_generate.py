@@ -303,12 +303,12 @@ def _runtime(kw: dict):
 
 def _build(cfg, print_plan: bool):
     from moerun.builtin import model_path
-    from moerun.hostmem import weights_arena
+    from moerun.weights.preload import weights_ahead
 
-    arena = weights_arena(model_path(cfg.model)) if cfg.copies_whole_model else None  # faulted in while torch imports
+    ahead = weights_ahead(model_path(cfg.model), cfg.repack) if cfg.copies_whole_model else None  # read as torch imports
     from moerun.runtime import build
 
-    rt = build(cfg, arena)
+    rt = build(cfg, ahead)
     if print_plan:
         click.echo(rt.plan.table(), err=True)
     for w in rt.warnings:

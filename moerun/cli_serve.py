@@ -23,7 +23,7 @@ from moerun.cli_generate import (
     sampling_params,
 )
 from moerun.errors import MoerunError
-from moerun.hostmem import weights_arena
+from moerun.weights.preload import weights_ahead
 
 
 def _serve_sampling_options(f):
@@ -145,7 +145,7 @@ def serve(host, port, api_key, parallel, max_queue, alias, strict_model_name, re
     rcfg, print_plan = runtime_config(kw)
     rcfg = dataclasses.replace(rcfg, kv_contexts=parallel)  # a GPU's plan holds -np contexts of KV
     model = model_path(rcfg.model)
-    arena = weights_arena(model) if rcfg.copies_whole_model else None  # faulted in while the server's modules import
+    ahead = weights_ahead(model, rcfg.repack) if rcfg.copies_whole_model else None  # read while the modules import
     import uvicorn
 
     from moerun.config import ServerConfig
@@ -174,8 +174,8 @@ def serve(host, port, api_key, parallel, max_queue, alias, strict_model_name, re
     try:
         preflight(rcfg, parallel)
     except BaseException:
-        if arena is not None:
-            arena.close()
+        if ahead is not None:
+            ahead.close()
         for sock in socks:
             sock.close()
         raise
@@ -183,7 +183,7 @@ def serve(host, port, api_key, parallel, max_queue, alias, strict_model_name, re
     def load():
         from moerun.runtime import build
 
-        rt = build(rcfg, arena)
+        rt = build(rcfg, ahead)
         if print_plan:
             log.info("placement plan:\n%s", rt.plan.table())
         return rt

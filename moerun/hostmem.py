@@ -104,7 +104,7 @@ class Arena:
     any piece of it.
     """
 
-    def __init__(self, nbytes: int, chunk: int = HUGE_PAGE):
+    def __init__(self, nbytes: int, chunk: int = HUGE_PAGE, fault: bool = True):
         self._map = _huge_map(nbytes)
         self._addr = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self._lo = -self._addr % HUGE_PAGE  # offsets from here on huge-page boundaries every 2 MiB
@@ -112,13 +112,14 @@ class Arena:
         self._top = self._lo + -(-nbytes // PAGE) * PAGE  # the last page's end (within the map: _lo < HUGE_PAGE)
         self._next = self._lo  # the first byte not handed out
         self._floor = self._top  # the first byte the thread may be writing: pieces stay below it while it runs
-        self._running = True
+        self._running = fault
         self._stop = False
         self._whole: torch.Tensor | None = None
         self._cond = threading.Condition()
         self.faulted = 0  # bytes the thread faulted in
         self._thread = threading.Thread(target=self._fault, args=(chunk,), name="moerun-arena", daemon=True)
-        self._thread.start()
+        if fault:  # (without it, whoever takes the pieces writes the pages first: weights.preload's reads)
+            self._thread.start()
 
     @property
     def nbytes(self) -> int:
@@ -150,17 +151,41 @@ class Arena:
     def take(self, nbytes: int) -> torch.Tensor | None:
         """A piece of `nbytes` (on a cache line, as torch's own buffers: a page each would overflow a file's worth of
         arena by 4 KiB a tensor), or None when the arena is closed or has less room left."""
-        import torch
+        start = self.reserve(nbytes)
+        return None if start is None else self.piece(start, nbytes)
 
+    def reserve(self, nbytes: int) -> int | None:
+        """take() without torch: the piece's start (its memory at address(start); piece() makes it a tensor), or
+        None."""
         with self._cond:
             if self._next + nbytes > self._hi or self._next >= self._top:
                 return None
             if self._running and self._next + nbytes > self._floor:
                 self._halt()  # the piece would reach pages the thread may be writing
             start, self._next = self._next, self._next + -(-nbytes // ALIGN) * ALIGN
+            return start
+
+    def address(self, start: int) -> int:
+        return self._addr + start
+
+    def piece(self, start: int, nbytes: int) -> torch.Tensor:
+        """The uint8 tensor of a reserved piece."""
+        import torch
+
+        with self._cond:
             if self._whole is None:
                 self._whole = torch.frombuffer(self._map, dtype=torch.uint8)
             return self._whole[start:start + nbytes]
+
+    def release(self, start: int, nbytes: int) -> None:
+        """Give a reserved piece nobody will use back to the system: its whole pages (those it shares with a
+        neighbour stay)."""
+        lo, hi = -(-start // PAGE) * PAGE, (start + nbytes) // PAGE * PAGE
+        if hi > lo:
+            try:
+                self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            except OSError:  # e.g. locked by --mlock: the pages stay
+                pass
 
     def close(self) -> int:
         """No more pieces; the faulting thread stops after its page, and the pages past the last piece go back to
@@ -182,18 +207,23 @@ class Arena:
 def weights_arena(path: Path) -> Arena | None:
     """An Arena for the copies of a GGUF file's weights, started now, when the file fits in RAM (fits_in_ram); None for
     other formats, a path that cannot be read (the load says why), a file under 2 MiB or without madvise."""
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return None
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size if f.read(4) == b"GGUF" else 0
     except OSError:
         return None
-    if size < HUGE_PAGE or not fits_in_ram(size):
+    return copies_arena(size)
+
+
+def copies_arena(nbytes: int, fault: bool = True) -> Arena | None:
+    """An Arena of `nbytes` for a model's copies (faulted in by its thread with `fault`), or None: under 2 MiB,
+    without madvise, when the copies would not fit in RAM (fits_in_ram) or there is no address space for it now (each
+    copy then maps its own, and says so if that fails too)."""
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE") or not fits_in_ram(nbytes):
         return None
     try:
-        return Arena(size)
-    except HostMemoryError:  # no address space for it now: each copy maps its own, and says so if that fails too
+        return Arena(nbytes, fault=fault)
+    except HostMemoryError:
         return None
 
 

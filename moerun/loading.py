@@ -25,6 +25,7 @@ from moerun.weights.loader import (
     load_weights,
     source_bytes,
 )
+from moerun.weights.preload import Preload
 
 
 @dataclass
@@ -76,7 +77,8 @@ def expert_reader(arch: Arch) -> ExpertReader | None:
 
 def load_model(path: str | Path | ModelFile, dtype: torch.dtype = torch.float32, kernels: bool = True,
                home: str = "auto", interleave: bool | Callable[[CName], bool] = True,
-               progress: bool = False, arena: Arena | None = None, meanwhile: Callable[[], None] | None = None) -> Loaded:
+               progress: bool = False, arena: Arena | None = None, meanwhile: Callable[[], None] | None = None,
+               preload: Preload | None = None) -> Loaded:
     """kernels=False runs quantized weights through the torch reference (dequantize per use).
     home: "auto", "ram" (llama.cpp's --no-mmap) or "mmap" (see weights_home).
     interleave: with the CPU kernels, rewrite the Q4_K matrices moerun owns into their faster interleaved
@@ -84,7 +86,9 @@ def load_model(path: str | Path | ModelFile, dtype: torch.dtype = torch.float32,
     chooses which. progress: bars on stderr for the bytes placed and repacked (moerun.progress). path may be a
     ModelFile already opened (its maps are then the loaded model's). arena: memory faulted in ahead for the copies
     (hostmem.Arena; closed once the weights are read, which returns what they did not take). meanwhile: work for
-    this thread while the weights are read (load_weights), e.g. the tokenizer's build."""
+    this thread while the weights are read (load_weights), e.g. the tokenizer's build. preload: the reads started
+    before the load (weights.preload.weights_ahead; its arena is the arena, and it is closed once the weights are
+    read)."""
     mf = path if isinstance(path, ModelFile) else open_model(path)
     arch = resolve(mf)
     in_ram = weights_home(mf, home) == "ram"
@@ -92,9 +96,12 @@ def load_model(path: str | Path | ModelFile, dtype: torch.dtype = torch.float32,
     on_read = interleave_on_read(in_ram, keep) if kernels and interleave else None
     try:
         with bar(progress, "loading", sum(map(source_bytes, arch.sources.values()))) as placed:
-            weights = load_weights(mf, arch, copy_experts=in_ram, progress=placed, interleave=on_read, arena=arena,
-                                   meanwhile=meanwhile)
+            weights = load_weights(mf, arch, copy_experts=in_ram, progress=placed, interleave=on_read,
+                                   arena=arena if preload is None else preload.arena, meanwhile=meanwhile,
+                                   preload=preload)
     finally:
+        if preload is not None:
+            preload.close()
         if arena is not None:
             arena.close()
     if kernels and interleave:

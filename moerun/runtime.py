@@ -37,6 +37,7 @@ from moerun.placement.devices import detect, with_devices
 from moerun.placement.planner import Budgets, Plan, plan
 from moerun.runtime_device import device_stage
 from moerun.text import Tokenizer
+from moerun.weights.preload import Preload
 
 MiB = 2**20
 
@@ -143,13 +144,14 @@ def _stage_models(model, the_plan: Plan) -> list:
     return [model.slice(*dp.layers) for dp in the_plan.devices]
 
 
-def _prepare(cfg: RuntimeConfig, held: int = 0) -> tuple[ModelFile, int, Plan, str]:
+def _prepare(cfg: RuntimeConfig, held: int = 0, mf: ModelFile | None = None) -> tuple[ModelFile, int, Plan, str]:
     """-> (the opened model, context size, plan, home of the routed experts). The model file is parsed once: its
     metadata and tensor sizes plan the placement, and build() loads the weights from the same ModelFile (a
     250k-token vocabulary took 0.23 s to parse; callers that load nothing close it). held: bytes this process already
-    holds for the weights (an arena's faulted pages), available to the plan as they are to the load."""
+    holds for the weights (an arena's faulted pages), available to the plan as they are to the load. mf: the model
+    already opened (a Preload's)."""
     set_threads(cfg.threads or psutil.cpu_count(logical=False) or 1)  # torch's and the kernels' pools
-    mf = open_model(model_path(cfg.model))
+    mf = mf or open_model(model_path(cfg.model))
     try:
         return _plan_opened(cfg, mf, held)
     except BaseException:
@@ -241,20 +243,23 @@ def _check_kernels(loaded, warnings: list[str]) -> None:
         warnings.append(f"quantized weights run on the slow torch reference: {cpu.features()['reason']}")
 
 
-def build(cfg: RuntimeConfig, arena: Arena | None = None) -> Runtime:
-    """The engine of a single process, or rank 0's of a pipeline over processes. arena: memory faulted in ahead for
-    the weights (`weights_arena`), closed once they are read."""
+def build(cfg: RuntimeConfig, ahead: Preload | Arena | None = None) -> Runtime:
+    """The engine of a single process, or rank 0's of a pipeline over processes. ahead: what was started for the
+    weights before torch's import (`weights_ahead`: the reads, or memory faulted in), closed once they are read."""
     if cfg.pipeline_rank != 0 or cfg.ep_rank != 0:
         raise ValueError("build() runs rank 0; other ranks run serve_worker()")
     try:
-        return _build(cfg, arena)
+        return _build(cfg, ahead)
     finally:
-        if arena is not None:
-            arena.close()  # returns the pages the weights did not take (nothing left if load_model closed it)
+        if ahead is not None:
+            ahead.close()  # returns the pages the weights did not take (nothing left if load_model closed it)
 
 
-def _build(cfg: RuntimeConfig, arena: Arena | None) -> Runtime:
-    mf, ctx, the_plan, home = _prepare(cfg, 0 if arena is None else arena.faulted)
+def _build(cfg: RuntimeConfig, ahead: Preload | Arena | None) -> Runtime:
+    preload = ahead if isinstance(ahead, Preload) else None
+    arena = ahead if isinstance(ahead, Arena) else None
+    held = preload.held if preload is not None else 0 if arena is None else arena.faulted
+    mf, ctx, the_plan, home = _prepare(cfg, held, None if preload is None else preload.mf)
     if cfg.pipeline_world_size > 1 or cfg.expert_parallel > 1:
         mf.close()
         if cfg.pipeline_world_size > 1:
@@ -262,7 +267,8 @@ def _build(cfg: RuntimeConfig, arena: Arena | None) -> Runtime:
         return _build_expert_parallel(cfg, mf.path, ctx, the_plan, home)
     made: list[Tokenizer] = []  # built on this thread while the reading threads copy the weights
     loaded = load_model(mf, dtype=getattr(torch, cfg.dtype), home=home, interleave=_interleave(cfg, the_plan),
-                        progress=cfg.progress, arena=arena, meanwhile=lambda: made.append(Tokenizer.from_model_file(mf)))
+                        progress=cfg.progress, arena=arena, meanwhile=lambda: made.append(Tokenizer.from_model_file(mf)),
+                        preload=preload)
     tok = made[0]
     warnings: list[str] = []
     _check_kernels(loaded, warnings)

@@ -28,30 +28,20 @@ from collections.abc import Mapping
 import torch
 
 from moerun.hostmem import Arena, host_empty
+from moerun.kernels import native
+from moerun.kernels.native import QK_R8
 from moerun.quant import qtypes
-from moerun.quant.qtypes import INTERLEAVABLE, QTensor, QType, block_size, row_bytes
+from moerun.quant.qtypes import QTensor, QType, block_size, row_bytes
 
 __all__ = ["attend_prompt", "available", "can_interleave", "can_interleave_stored", "deinterleave", "deq_dot",
            "dequant_rows", "features", "get_threads", "glu_down", "has_deq_dot", "interleave", "matmul",
            "moe_ffn", "moe_ffn_experts", "read_interleaved", "set_prefetch", "set_prefetch_hint",
            "set_threads", "set_wide", "supports"]
 
-MODE = os.environ.get("MOERUN_KERNELS", "").strip().lower()  # "" / "auto", "scalar", "off"
-
-_cpu = None
-_import_error: str | None = None
-if MODE == "off":
-    _import_error = "disabled by MOERUN_KERNELS=off"
-elif MODE not in ("", "auto", "scalar"):
-    _import_error = f"MOERUN_KERNELS={MODE!r} is not one of auto, scalar, off"
-else:
-    try:
-        from moerun.kernels import _cpu
-    except ImportError as e:  # not built (e.g. a source tree without `pip install -e .`)
-        _import_error = f"moerun.kernels._cpu is not built: {e}"
+MODE = native.mode()  # "" / "auto", "scalar", "off"
+_cpu, _import_error = native.load(MODE)
 
 ISA_IDS = {"scalar": 0, "avx2": 1, "avx512vnni": 2, "neon": 3}
-QK_R8 = 1000  # qk.h: an interleaved layout's type id is the ggml type's + QK_R8
 
 
 def _physical_cores() -> int:
@@ -104,7 +94,7 @@ if _cpu is not None:
     _cpu.set_prefetch_hint(_env_prefetch_hint())
     _SUPPORTED = frozenset(QType(t) for t in _cpu.qtypes())
     _ISAS = tuple(_cpu.features()["isas"])
-    _DEFAULT_ISA = "scalar" if MODE == "scalar" else _cpu.features()["best"]
+    _DEFAULT_ISA = native.default_isa(_cpu, MODE)
 else:
     _SUPPORTED = frozenset()
     _ISAS = ()
@@ -212,11 +202,6 @@ def get_threads() -> int:
 # ------------------------------------------------------------------------------- interleaved rows
 
 
-# interleaved layouts with only the portable kernel in a set whose GGUF-layout kernel is vectorized: kept in GGUF's
-# layout where that set runs
-_KEEP_GGUF = {"neon": frozenset({QType.Q6_K, QType.IQ4_XS})}
-
-
 def can_interleave(w: QTensor) -> bool:
     """Whether `interleave` takes w: a CPU Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS or Q5_0 matrix (or stack of them) in
     GGUF's layout, rows a multiple of 8 (Q6_K and IQ4_XS only where the kernels have a vectorized interleaved dot: x86)."""
@@ -227,8 +212,7 @@ def can_interleave(w: QTensor) -> bool:
 def can_interleave_stored(qtype: QType, shape: tuple[int, ...]) -> bool:
     """`can_interleave` for a tensor of that type and shape still in a file (GGUF's layout): what `read_interleaved`
     takes."""
-    return (_cpu is not None and 8 in INTERLEAVABLE.get(qtype, ()) and qtype not in _KEEP_GGUF.get(_DEFAULT_ISA, ())
-            and len(shape) in (2, 3) and shape[-2] % 8 == 0)
+    return native.interleaves_stored(qtype, shape, _DEFAULT_ISA)
 
 
 def read_interleaved(fd: int, offset: int, qtype: QType, shape: tuple[int, ...],
@@ -244,7 +228,7 @@ def read_interleaved(fd: int, offset: int, qtype: QType, shape: tuple[int, ...],
     if scratch.numel() < 8 * rb:
         raise ValueError(f"scratch of {scratch.numel()} bytes: 8 rows need {8 * rb}")
     dst = host_empty(rows * rb, arena)
-    job = torch.tensor([fd, offset, int(qtype) + QK_R8, dst.data_ptr(), rows, shape[-1]], dtype=torch.int64)
+    job = torch.tensor(native.read_job(fd, offset, dst.data_ptr(), rows * rb, qtype, shape), dtype=torch.int64)
     taken, done = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
     _cpu.read_jobs(job.data_ptr(), 1, taken.data_ptr(), done.data_ptr(), scratch.data_ptr(), scratch.numel())
     got = int(done[0])

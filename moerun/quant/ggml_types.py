@@ -6,13 +6,16 @@ from __future__ import annotations
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QType
 
-__all__ = ["SUPPORTED", "QType", "bits_per_weight", "block_size", "row_bytes", "tensor_bytes"]
+__all__ = ["INTERLEAVABLE", "SUPPORTED", "QType", "bits_per_weight", "block_size", "row_bytes", "tensor_bytes"]
 
 # Types moerun can dequantize (and so load). Others are rejected with a clear error at open time.
 SUPPORTED = frozenset(
     {QType.F32, QType.F16, QType.BF16, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1, QType.Q8_0,
      QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.IQ4_NL, QType.IQ4_XS, QType.MXFP4}
 )
+# qtype -> row groups of the CPU kernels' interleaved layouts
+INTERLEAVABLE = {QType.Q4_K: (8,), QType.Q5_K: (8,), QType.Q6_K: (8,), QType.Q8_0: (8,), QType.MXFP4: (8,),
+                 QType.IQ4_XS: (8,), QType.Q5_0: (8,)}
 
 
 def block_size(qtype: QType) -> tuple[int, int]:

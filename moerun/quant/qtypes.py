@@ -7,15 +7,20 @@ from dataclasses import dataclass
 
 import torch
 
-from moerun.quant.ggml_types import SUPPORTED, QType, bits_per_weight, block_size, row_bytes, tensor_bytes
+from moerun.quant.ggml_types import (
+    INTERLEAVABLE,
+    SUPPORTED,
+    QType,
+    bits_per_weight,
+    block_size,
+    row_bytes,
+    tensor_bytes,
+)
 
-__all__ = ["FLOAT_QTYPES", "SUPPORTED", "QTensor", "QType", "bits_per_weight", "block_size", "row_bytes",
-           "tensor_bytes"]
+__all__ = ["FLOAT_QTYPES", "INTERLEAVABLE", "SUPPORTED", "QTensor", "QType", "bits_per_weight", "block_size",
+           "row_bytes", "tensor_bytes"]
 
 FLOAT_QTYPES = {QType.F32: torch.float32, QType.F16: torch.float16, QType.BF16: torch.bfloat16}
-# qtype -> row groups of the CPU kernels' interleaved layouts
-INTERLEAVABLE = {QType.Q4_K: (8,), QType.Q5_K: (8,), QType.Q6_K: (8,), QType.Q8_0: (8,), QType.MXFP4: (8,),
-                 QType.IQ4_XS: (8,), QType.Q5_0: (8,)}
 
 # An interleaved QTensor -> its GGUF-layout copy. Set by moerun.kernels.cpu when it is imported: only it makes
 # interleaved tensors (quant sits below the kernels, so it cannot import them).

@@ -15,8 +15,10 @@ from moerun.errors import ModelFormatError
 from moerun.formats.names import CName, tensor_class
 from moerun.formats.records import ModelFile, TensorRecord
 from moerun.hostmem import Arena, host_empty
+from moerun.kernels.native import read_threads
 from moerun.quant.qtypes import FLOAT_QTYPES, QTensor, QType, row_bytes
 from moerun.quant.quantize import mxfp4_from_hf
+from moerun.weights.preload import GGUF_LAYOUT_ONLY, Preload, read_layout
 
 
 def _permute_rows(raw: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -106,7 +108,8 @@ def source_bytes(src: Source) -> int:
 def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False,
                  progress: Callable[[int], None] | None = None,
                  interleave: Callable[[CName, TensorRecord], bool] | None = None,
-                 arena: Arena | None = None, meanwhile: Callable[[], None] | None = None) -> dict[CName, QTensor]:
+                 arena: Arena | None = None, meanwhile: Callable[[], None] | None = None,
+                 preload: Preload | None = None) -> dict[CName, QTensor]:
     """Every canonical tensor of the model as stored (quantized stays quantized).
 
     Dense tensors are copied into memory moerun owns. Routed experts stay views of the memory map (their
@@ -120,6 +123,7 @@ def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False,
     of GGUF-layout bytes.
     arena: memory faulted in ahead (hostmem.Arena) that the copies are taken from while it has room.
     meanwhile: work for this thread (once) while the copies are read, e.g. the tokenizer's build.
+    preload: the copies started before the load (weights.preload), taken where they are the ones it would read.
     """
     out = {}
     reads = {}
@@ -131,15 +135,17 @@ def load_weights(mf: ModelFile, arch: Arch, copy_experts: bool = False,
             out[cn] = materialize(mf, src)
             done(source_bytes(src))
     fused = {cn for cn, rec in reads.items() if interleave is not None and interleave(cn, rec)}
-    out.update(_read_copies(mf, reads, fused, arena, done, meanwhile or (lambda: None)))
+    out.update(_read_copies(mf, reads, fused, arena, done, meanwhile or (lambda: None), preload))
     return {cn: out[cn] for cn in arch.sources}
 
 
 def _read_copies(mf: ModelFile, reads: dict[CName, TensorRecord], fused: set[CName], arena: Arena | None,
-                 done: Callable[[int], None], meanwhile: Callable[[], None]) -> dict[CName, QTensor]:
+                 done: Callable[[int], None], meanwhile: Callable[[], None],
+                 preload: Preload | None = None) -> dict[CName, QTensor]:
     """The records of `reads` copied into memory moerun owns, those of `fused` straight into the interleaved layout:
-    in file order, on a few threads in one C call each (kernels/reads.py: the GIL stays free for the tokenizer's
-    build beside the load), or in Python where the kernels are not built."""
+    the preload's reads where it started them, the others in file order, on a few threads in one C call each
+    (kernels/reads.py: the GIL stays free for the tokenizer's build beside the load), or in Python where the kernels
+    are not built."""
     from moerun.kernels import cpu
 
     if not cpu.available():
@@ -148,20 +154,33 @@ def _read_copies(mf: ModelFile, reads: dict[CName, TensorRecord], fused: set[CNa
         return _read_in_python(mf, reads, arena, done, meanwhile)
     from moerun.kernels.reads import Read, read_all
 
-    order = sorted(reads, key=lambda cn: (str(reads[cn].file), reads[cn].offset))
-    out, jobs = {}, []
+    out, claimed, rest = {}, {}, []
+    for cn in sorted(reads, key=lambda cn: (str(reads[cn].file), reads[cn].offset)):
+        rec, layout = reads[cn], reads[cn].qtype if cn in fused else None
+        hit = None if preload is None else preload.claim(rec, layout)
+        if hit is None:
+            rest.append(cn)
+            continue
+        claimed[hit[0]] = cn
+        out[cn] = QTensor.from_bytes(hit[1], rec.qtype, rec.shape, 1 if layout is None else 8)
+    results = {}
+    if preload is not None:
+        got = preload.finish(lambda i, rc: i in claimed and done(reads[claimed[i]].nbytes), meanwhile)
+        results = {cn: got[i] for i, cn in claimed.items()}
+        meanwhile = None
     with ExitStack() as files:
-        fds = {}
-        for cn in order:
+        fds, jobs = {}, []
+        for cn in rest:
             rec = reads[cn]
             if rec.file not in fds:
                 fds[rec.file] = _open(files, rec.file)
             dst, layout = host_empty(rec.nbytes, arena), rec.qtype if cn in fused else None
             out[cn] = QTensor.from_bytes(dst, rec.qtype, rec.shape, 1 if layout is None else 8)  # same bytes, new order
             jobs.append(Read(fds[rec.file], rec.offset, dst, layout, rec.shape))
-        results = read_all(jobs, max(1, min(4, os.cpu_count() or 1)), lambda i, rc: done(reads[order[i]].nbytes),
-                           meanwhile)
-    for cn, rc in zip(order, results):
+        if jobs or meanwhile is not None:
+            got = read_all(jobs, read_threads(), lambda i, rc: done(reads[rest[i]].nbytes), meanwhile)
+            results.update(zip(rest, got))
+    for cn, rc in results.items():
         rec = reads[cn]
         if rc <= -1000:
             raise ModelFormatError(rec.file, f"cannot read tensor '{rec.name}': {os.strerror(-1000 - rc)}")
@@ -178,8 +197,7 @@ def _read_in_python(mf: ModelFile, reads: dict[CName, TensorRecord], arena: Aren
         done(rec.nbytes)
         return t
 
-    # positioned reads release the GIL: a few at once keep the copies and the new pages' faults on every core
-    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+    with ThreadPoolExecutor(max_workers=read_threads()) as pool:
         tensors = pool.map(read, reads.values())
         meanwhile()
         return dict(zip(reads, tensors))
@@ -190,11 +208,6 @@ def _open(files: ExitStack, path) -> int:
         return files.enter_context(open(path, "rb", buffering=0)).fileno()
     except OSError as e:
         raise ModelFormatError(path, f"cannot open: {e.strerror or e}") from None
-
-
-# read a row at a time in the file's layout, never by the interleaved kernels: the embeddings (a row a token) and
-# MLA's W_UK / W_UV (a head's rows, dequantized in registers by the fused decode, or float32 copies)
-GGUF_LAYOUT_ONLY = ("token_embd.weight", "attn_k_b.weight", "attn_v_b.weight")
 
 
 def interleave_for_kernels(weights: dict[CName, QTensor], experts: bool,
@@ -234,9 +247,11 @@ def interleave_on_read(experts: bool, keep: Callable[[CName], bool] | None = Non
     if not cpu.available():
         return None
 
+    isa = cpu.features()["isa"]
+
     def take(cn: CName, rec: TensorRecord) -> bool:
-        return (cn.kind not in GGUF_LAYOUT_ONLY and cpu.can_interleave_stored(rec.qtype, rec.shape)
-                and (keep is None or keep(cn)) and (experts or tensor_class(cn.kind) != "routed_experts"))
+        return (read_layout(cn.kind, rec.qtype, rec.shape, isa) is not None and (keep is None or keep(cn))
+                and (experts or tensor_class(cn.kind) != "routed_experts"))
     return take
 
 
