@@ -12,8 +12,10 @@ import threading
 import numpy as np
 import pytest
 import torch
+from hub_server import write_split
 
 from moerun.arch import resolve
+from moerun.builtin import default_model_path
 from moerun.config import RuntimeConfig, SamplingParams
 from moerun.errors import ModelFormatError
 from moerun.formats import open_model
@@ -174,3 +176,13 @@ def test_greedy_tokens_do_not_depend_on_the_reads_ahead(files):
             rt.close()
 
     assert tokens(lambda cfg: weights_ahead(files["tiny-qwen35moe"], cfg.repack)) == tokens(lambda cfg: None)
+
+
+def test_a_split_model_is_read_ahead_from_every_part(tmp_path):
+    parts = write_split(default_model_path(), tmp_path / "default", parts=3)
+    want, _ = _weights(default_model_path())
+    p = weights_ahead(parts[0])
+    assert isinstance(p, Preload) and len({r.file for r in p.mf.records.values()}) == 3
+    got, _ = _weights(parts[0], p)
+    _same(got, want)
+    assert not p.unclaimed
