@@ -76,14 +76,20 @@ QK_VECTOR_CLONES static void head_task(void *p, int tid, int nth) {
     const qk_delta_args *a = j->a;
     const int64_t dk = a->dk, dv = a->dv, r = a->nv / a->nk;
     float q[1024], k[1024], kv[1024], o[1024];
-    for (int64_t it; (it = atomic_fetch_add(&j->next, 1)) < j->items;) {
+    /* A thread claims its next item as it starts one, and reads the next item's state into L2 during this one's
+     * second pass (a row of it per row of this one's): the first pass then reads from L2, not memory. */
+    int64_t it = atomic_fetch_add(&j->next, 1), ahead = 0;
+    for (int64_t nx; it < j->items; it = nx) {
+        nx = atomic_fetch_add(&j->next, 1);
         const int64_t b = it / a->nv, h = it % a->nv, kh = a->tiled ? h % a->nk : h / r;
         float *S = a->ssm + (a->slots[b] * a->nv + h) * dk * dv;
-        /* S's rows are read DELTA_AHEAD ahead of the first pass (8 KB of a 128 x 128 state; the first ones while q
-         * and k are normed): the state comes from memory each step, and a pass that waits on it lost 18 % (journal,
-         * issue 36) */
-        for (int64_t i = 0; i < DELTA_AHEAD && i < dk; i++)
-            for (int64_t c = 0; c < dv; c += 16) __builtin_prefetch(S + i * dv + c, 0, 3);
+        const float *Sn = nx < j->items ? a->ssm + (a->slots[nx / a->nv] * a->nv + nx % a->nv) * dk * dv : NULL;
+        /* Without that (a thread's first item), S's rows are read DELTA_AHEAD ahead of the first pass (8 KB of a 128
+         * x 128 state; the first ones while q and k are normed): the state comes from memory each step, and a pass
+         * that waits on it lost 18 % (journal, issue 36) */
+        if (!ahead)
+            for (int64_t i = 0; i < DELTA_AHEAD && i < dk; i++)
+                for (int64_t c = 0; c < dv; c += 16) __builtin_prefetch(S + i * dv + c, 0, 3);
         const float *y = a->y + b * a->C;
         const float *qs = y + kh * dk, *ks = y + a->nk * dk + kh * dk, *v = y + 2 * a->nk * dk + h * dv;
         const float qn = inv_norm(qs, dk) / sqrtf((float)dk), kn = inv_norm(ks, dk);
@@ -95,7 +101,7 @@ QK_VECTOR_CLONES static void head_task(void *p, int tid, int nth) {
         for (int64_t c = 0; c < dv; c++) kv[c] = 0.0f, o[c] = 0.0f;
         for (int64_t i = 0; i < dk; i++) {
             const float ki = k[i], *Si = S + i * dv;
-            if (i + DELTA_AHEAD < dk)
+            if (!ahead && i + DELTA_AHEAD < dk)
                 for (int64_t c = 0; c < dv; c += 16) __builtin_prefetch(Si + DELTA_AHEAD * dv + c, 0, 3);
             for (int64_t c = 0; c < dv; c++) kv[c] += Si[c] * ki;
         }
@@ -103,6 +109,8 @@ QK_VECTOR_CLONES static void head_task(void *p, int tid, int nth) {
         for (int64_t i = 0; i < dk; i++) {
             const float ki = k[i], qi = q[i];
             float *Si = S + i * dv;
+            if (Sn)
+                for (int64_t c = 0; c < dv; c += 16) __builtin_prefetch(Sn + i * dv + c, 0, 2);
             for (int64_t c = 0; c < dv; c++) {
                 const float s = Si[c] * decay + ki * kv[c];
                 Si[c] = s;
@@ -115,6 +123,7 @@ QK_VECTOR_CLONES static void head_task(void *p, int tid, int nth) {
         const float *z = a->z + b * a->nv * dv + h * dv;
         float *out = a->out + b * a->nv * dv + h * dv;
         for (int64_t c = 0; c < dv; c++) out[c] = a->norm[c] * (o[c] * rn) * qk_vsilu(z[c]);
+        ahead = Sn != NULL && !a->fresh[nx / a->nv];
     }
 }
 
