@@ -2,11 +2,11 @@
 
 `moerun run`, `serve` and `bench` call `weights_ahead` first, before torch's import: 1-1.6 s of a 2-3 s load on this
 project's 2-core VM, with one core busy and the other idle. For a GGUF file it parses the header (no torch), takes
-memory for every tensor from an arena in file order, and starts reading each tensor into it on a thread fewer than
-the load reads on, in the layout the loader will ask for: the CPU kernels' interleaved one where they take the
-tensor. The copies and their fresh pages' faults then happen while torch imports. The loader `claim`s each read it
-would have made (same file, offset, size and layout) and reads itself what was not foreseen; `finish` adds the last
-thread and waits. What nobody claimed is skipped where no thread has started it, and its pages go back.
+memory for every tensor from an arena in file order, and starts reading each tensor into it on the threads the load
+reads on, in the layout the loader will ask for: the CPU kernels' interleaved one where they take the tensor. The
+copies and their fresh pages' faults then happen while torch imports. The loader `claim`s each read it would have
+made (same file, offset, size and layout) and reads itself what was not foreseen; `finish` waits, the tokenizer
+built meanwhile. What nobody claimed is skipped where no thread has started it, and its pages go back.
 
 The foresight is the loader's own rule (`read_layout`) for a model whose every tensor is copied, which is when the
 commands call it (RuntimeConfig.copies_whole_model: one process on the CPU, the file fitting in RAM).
@@ -89,8 +89,9 @@ class Preload:
 
     def finish(self, progress: Callable[[int, int], None] | None = None,
                meanwhile: Callable[[], None] | None = None) -> list[int]:
-        """Once every read is claimed: the unclaimed skipped where not started, threads added up to the load's, and
-        every job's result once they have ended (native.ReadJobs.wait, whose meanwhile and progress these are)."""
+        """Once every read is claimed: the unclaimed skipped where not started, threads added up to the load's (where
+        fewer were started), and every job's result once they have ended (native.ReadJobs.wait, whose meanwhile and
+        progress these are)."""
         for p in self._pieces.values():
             if p.job not in self._claimed:
                 self._jobs.skip(p.job)
@@ -163,5 +164,5 @@ def _start(mf: ModelFile, ext, isa: str | None) -> Preload | None:
         mf.close()
         return None
     table = native.ReadJobs(ext, jobs, scratch, keep=arena)
-    table.start(max(1, native.read_threads() - 1))  # the import has the other core
+    table.start(native.read_threads())  # with the import: on 2 cores one shares its core (the entry of 16662be)
     return Preload(mf, arena, table, pieces, list(fds.values()))
