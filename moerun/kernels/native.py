@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from moerun.quant.ggml_types import INTERLEAVABLE, QType
+from moerun.quant.ggml_types import INTERLEAVABLE, QType, row_bytes
 
 QK_R8 = 1000  # qk.h: an interleaved layout's type id is the ggml type's + QK_R8
 JOB = 6  # int64 fields a job (matmul.h's QK_READ_JOB)
@@ -78,9 +78,11 @@ class ReadJobs:
     where the file ended first) or -1000 - errno. The threads are daemons: a process that ends with jobs left (an
     error before the load) does not wait for them, and `keep` (what the jobs write into) lives as long as they do."""
 
-    def __init__(self, ext: ModuleType, jobs: Sequence[tuple[int, ...]], scratch_bytes: int = SCRATCH_BYTES,
-                 keep: Any = None):
-        self._ext, self._keep, self._scratch_bytes = ext, keep, scratch_bytes
+    def __init__(self, ext: ModuleType, jobs: Sequence[tuple[int, ...]], keep: Any = None):
+        self._ext, self._keep = ext, keep
+        # each thread's buffer: SCRATCH_BYTES, or 8 rows of the widest tensor repacked as read
+        wide = [8 * row_bytes(QType(j[2] - QK_R8), j[5]) for j in jobs if j[2] >= 0]
+        self._scratch_bytes = max([SCRATCH_BYTES, *wide])
         self.n = len(jobs)
         self._jobs = np.array(jobs, dtype=np.int64).reshape(self.n, JOB)
         self.done = np.full(self.n, PENDING, dtype=np.int64)

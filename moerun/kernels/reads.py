@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from moerun.kernels.cpu import _need, can_interleave_stored
-from moerun.kernels.native import SCRATCH_BYTES, ReadJobs, read_job
+from moerun.kernels.native import ReadJobs, read_job
 from moerun.quant.qtypes import QType, row_bytes
 
 
@@ -38,7 +38,7 @@ def read_all(reads: Sequence[Read], threads: int, progress: Callable[[int, int],
     _need()
     from moerun.kernels.cpu import _cpu
 
-    jobs, need = [], SCRATCH_BYTES
+    jobs = []
     for r in reads:
         if not r.dst.is_contiguous() or r.dst.dtype != torch.uint8 or not r.dst.is_cpu:
             raise ValueError("a read's dst must be a contiguous CPU uint8 tensor")
@@ -47,8 +47,7 @@ def read_all(reads: Sequence[Read], threads: int, progress: Callable[[int, int],
             if not can_interleave_stored(r.interleave, r.shape) or r.dst.numel() != rows * row_bytes(r.interleave, cols):
                 raise ValueError(f"cannot read {r.interleave.name}{tuple(r.shape)} interleaved into {r.dst.numel()} "
                                  "bytes")
-            need = max(need, 8 * row_bytes(r.interleave, cols))
         jobs.append(read_job(r.fd, r.offset, r.dst.data_ptr(), r.dst.numel(), r.interleave, r.shape))
-    table = ReadJobs(_cpu, jobs, need, keep=reads)
+    table = ReadJobs(_cpu, jobs, keep=reads)
     table.start(threads)
     return table.wait(progress, meanwhile, poll)

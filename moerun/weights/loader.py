@@ -165,7 +165,11 @@ def _read_copies(mf: ModelFile, reads: dict[CName, TensorRecord], fused: set[CNa
         out[cn] = QTensor.from_bytes(hit[1], rec.qtype, rec.shape, 1 if layout is None else 8)
     results = {}
     if preload is not None:
-        got = preload.finish(lambda i, rc: i in claimed and done(reads[claimed[i]].nbytes), meanwhile)
+        def placed(i: int, rc: int) -> None:
+            if i in claimed:  # (the preload's other jobs are the tensors this load does not copy)
+                done(reads[claimed[i]].nbytes)
+
+        got = preload.finish(placed, meanwhile)
         results = {cn: got[i] for i, cn in claimed.items()}
         meanwhile = None
     with ExitStack() as files:

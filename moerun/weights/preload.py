@@ -26,7 +26,7 @@ from moerun.formats.gguf import read_gguf
 from moerun.formats.records import ModelFile, TensorRecord
 from moerun.hostmem import ALIGN, Arena, copies_arena, weights_arena
 from moerun.kernels import native
-from moerun.quant.ggml_types import QType, row_bytes
+from moerun.quant.ggml_types import QType
 
 if TYPE_CHECKING:
     import torch
@@ -145,7 +145,7 @@ def _start(mf: ModelFile, ext, isa: str | None) -> Preload | None:
         return None
     fds: dict[Path, int] = {}
     try:
-        pieces, jobs, scratch = {}, [], native.SCRATCH_BYTES
+        pieces, jobs = {}, []
         for r in records:
             if r.file not in fds:
                 fds[r.file] = os.open(r.file, os.O_RDONLY)
@@ -155,14 +155,12 @@ def _start(mf: ModelFile, ext, isa: str | None) -> Preload | None:
             layout = read_layout(stored_kind(r.name), r.qtype, r.shape, isa)
             pieces[(r.file, r.offset)] = _Piece(r.name, len(jobs), start, r.nbytes, layout)
             jobs.append(native.read_job(fds[r.file], r.offset, arena.address(start), r.nbytes, layout, r.shape))
-            if layout is not None:
-                scratch = max(scratch, 8 * row_bytes(layout, r.shape[-1]))
     except OSError:
         for fd in fds.values():
             os.close(fd)
         arena.close()
         mf.close()
         return None
-    table = native.ReadJobs(ext, jobs, scratch, keep=arena)
+    table = native.ReadJobs(ext, jobs, keep=arena)
     table.start(native.read_threads())  # with the import: on 2 cores one shares its core (the entry of 16662be)
     return Preload(mf, arena, table, pieces, list(fds.values()))
