@@ -28,6 +28,7 @@ a VM, faulting it in (system time) can decide the wall time.
 from __future__ import annotations
 
 import os
+import re
 import resource
 import shlex
 import shutil
@@ -56,11 +57,21 @@ def out_type(family: str, qtype: str) -> str:
 
 def estimated_bytes(spec, ftype: str) -> int:
     """Bytes of `spec`'s tensors as make-model types them for `ftype` (llama.cpp's rules, simplified: rows that
-    are not whole blocks fall back to Q8_0, where llama-quantize takes Q5_0; never smaller than llama.cpp's)."""
+    are not whole blocks fall back to Q8_0, where llama-quantize takes Q5_0; never smaller than llama.cpp's).
+    A llama-quantize type make-model does not write (Q5_K_M, IQ4_XS, ...): Q4_K_M's bytes scaled by its main
+    type's bits per weight against Q4_K's, which overstates the Q6_K tensors both mixes hold."""
     from moerun.arch import expected_shapes
-    from moerun.quant.ggml_types import tensor_bytes
-    from moerun.tools.gguf_out import qtype_for
+    from moerun.quant.ggml_types import QType, bits_per_weight, tensor_bytes
+    from moerun.tools.gguf_out import FTYPES, qtype_for
 
+    name = ftype.upper()
+    if name not in FTYPES:
+        main = re.sub(r"_(XXS|XS|S|M|L|NL)$", "", name)  # Q5_K_M -> Q5_K, IQ4_XS stays (a type of its own)
+        qtype = QType.__members__.get(name) or QType.__members__.get(main)
+        if qtype is None:
+            raise FullDepthError(f"unknown quantization type {ftype}: llama-quantize --help lists them")
+        scale = max(1.0, bits_per_weight(qtype) / bits_per_weight(QType.Q4_K))
+        return round(estimated_bytes(spec, "Q4_K_M") * scale)
     return sum(tensor_bytes(qtype_for(cn, shape, ftype, n_layers=spec.n_layers,
                                       tied_embeddings=spec.tie_embeddings), shape)
                for cn, shape in expected_shapes(spec).items())

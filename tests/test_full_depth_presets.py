@@ -222,6 +222,26 @@ def test_not_enough_disk_is_one_line_and_writes_nothing(shim, tmp_path, monkeypa
     assert 0 < need < 10**7
 
 
+def test_types_only_llama_quantize_writes_are_estimated_and_made(shim, tmp_path, capsys):
+    """Q5_K_M and IQ4_XS (no make-model ftype): the space check estimates them from Q4_K_M's bytes, never below
+    them; a name that is no type at all is one line, and nothing is written."""
+    fd = load_script()
+    spec = preset("v2lite")  # real shapes: whole K-quant blocks (a tiny model's rows fall back to Q8_0)
+    q4, q8 = fd.estimated_bytes(spec, "Q4_K_M"), fd.estimated_bytes(spec, "Q8_0")
+    assert q4 < fd.estimated_bytes(spec, "Q5_K_M") < q8 and fd.estimated_bytes(spec, "iq4_xs") == q4
+    folder, log = shim()
+    out = tmp_path / "out"
+    base = ["--llama-bin", str(folder), "--out", str(out), "--models", "tiny-qwen3moe", "--threads", "1"]
+    assert fd.main([*base, "--types", "Q5_K_M,IQ4_XS"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["tiny-qwen3moe-IQ4_XS.gguf", "tiny-qwen3moe-Q5_K_M.gguf"]
+    assert [c.split()[2] for c in calls(log)] == ["Q5_K_M", "IQ4_XS"]
+    capsys.readouterr()
+    assert fd.main([*base, "--types", "Q9_Z"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: unknown quantization type Q9_Z: llama-quantize --help lists them"]
+    assert len(calls(log)) == 2 and not (out / "tiny-qwen3moe-Q9_Z.gguf").exists()
+
+
 def test_a_failed_quantize_leaves_no_file(shim, tmp_path, capsys):
     fd = load_script()
     folder, _ = shim(fail=True)
