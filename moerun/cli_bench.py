@@ -92,7 +92,7 @@ def _cache_sizes(ctx, param, values):
 @click.option("--mmap/--no-mmap", default=None,
               help="Keep routed experts in the file's map (default when a cache is asked for) or copy them to RAM.")
 @click.option("--repack/--no-repack", default=True, show_default=True,
-              help="Interleave Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS and Q5_0 weights held in RAM for the CPU kernels "
+              help="Interleave Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS, Q5_0 and Q5_1 weights held in RAM for the CPU kernels "
                    "at load (llama.cpp's repack; on NEON Q6_K and IQ4_XS stay as stored).")
 @click.option("--trace-routing", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Record the routing of the timed runs (JSON Lines) for `moerun estimate --trace`.")

@@ -50,7 +50,7 @@ def model_options(f):
                           "(--no-mmap). Default: RAM when the model takes under 70% of the available memory "
                           "and no expert cache is asked for."),
         click.option("--repack/--no-repack", "repack", default=True, show_default=True,
-                     help="Rewrite Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS and Q5_0 weights held in RAM into the CPU "
+                     help="Rewrite Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS, Q5_0 and Q5_1 weights held in RAM into the CPU "
                           "kernels' interleaved layout at load (faster; llama.cpp's repack; on NEON Q6_K and IQ4_XS "
                           "stay as stored). Experts in the file's map are read as stored."),
         click.option("-dev", "--device", default=None,

@@ -18,13 +18,15 @@ def random_blocks(qtype: QType, rows: int, cols: int, gen: torch.Generator, kq_s
         v = torch.empty(nb, 1).uniform_(lo, hi, generator=gen)
         raw[:, offset:offset + 2] = v.to(torch.float16).view(torch.uint8)
 
-    if qtype in (QType.Q4_K, QType.Q5_K, QType.Q4_1):
+    if qtype in (QType.Q4_K, QType.Q5_K, QType.Q4_1, QType.Q5_1):
         f16(0, kq_scale, 4 * kq_scale)  # d
         f16(2, kq_scale, 4 * kq_scale)  # dmin
     elif qtype == QType.Q6_K:
         f16(208, 1e-4, 4e-4)
     elif qtype in (QType.Q8_0, QType.Q4_0, QType.Q5_0):
         f16(0, -0.02, 0.02)
+    elif qtype == QType.IQ4_NL:  # code book up to 127
+        f16(0, -2e-3, 2e-3)
     elif qtype == QType.IQ4_XS:  # sub-block scales up to 31, code book up to 127
         f16(0, -2e-4, 2e-4)
     elif qtype == QType.MXFP4:

@@ -50,7 +50,7 @@ def default_isa(ext: ModuleType | None, mode: str) -> str | None:
 
 def interleaves_stored(qtype: QType, shape: tuple[int, ...], isa: str | None) -> bool:
     """Whether the kernels of `isa` take a tensor of that type and shape in the interleaved layout, read straight
-    from a file (GGUF's layout): Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS or Q5_0, 2 or 3 dimensions, rows a multiple of
+    from a file (GGUF's layout): Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS, Q5_0 or Q5_1, 2 or 3 dimensions, rows a multiple of
     8 (Q6_K and IQ4_XS only where that set has a vectorized interleaved dot: x86)."""
     return (isa is not None and 8 in INTERLEAVABLE.get(qtype, ()) and qtype not in KEEP_GGUF.get(isa, ())
             and len(shape) in (2, 3) and shape[-2] % 8 == 0)

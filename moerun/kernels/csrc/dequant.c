@@ -23,6 +23,23 @@ static void deq_q5_0(const uint8_t *b, float *y) {
     }
 }
 
+static void deq_q5_1(const uint8_t *b, float *y) {
+    const float d = qk_f16_at(b), m = qk_f16_at(b + 2);
+    const uint32_t qh = qk_rd32(b + 4);
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)((b[8 + j] & 15) | (int)((qh >> j) & 1) << 4) + m;
+        y[j + 16] = d * (float)((b[8 + j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4) + m;
+    }
+}
+
+static void deq_iq4_nl(const uint8_t *b, float *y) {
+    const float d = qk_f16_at(b);
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)QK_KV_IQ4NL[b[2 + j] & 15];
+        y[j + 16] = d * (float)QK_KV_IQ4NL[b[2 + j] >> 4];
+    }
+}
+
 static void deq_q8_0(const uint8_t *b, float *y) {
     const float d = qk_f16_at(b);
     for (int j = 0; j < 32; j++) y[j] = d * (float)(int8_t)b[2 + j];
@@ -82,7 +99,8 @@ static void deq_q6_k(const uint8_t *b, float *y) {
 typedef void (*deq_fn)(const uint8_t *block, float *out);
 static const deq_fn DEQ[QT_COUNT] = {
     [QT_Q4_0] = deq_q4_0, [QT_Q5_0] = deq_q5_0, [QT_Q8_0] = deq_q8_0, [QT_MXFP4] = deq_mxfp4, [QT_Q4_K] = deq_q4_k,
-    [QT_Q5_K] = deq_q5_k, [QT_Q6_K] = deq_q6_k, [QT_IQ4_XS] = deq_iq4_xs,
+    [QT_Q5_K] = deq_q5_k, [QT_Q6_K] = deq_q6_k, [QT_IQ4_XS] = deq_iq4_xs, [QT_Q5_1] = deq_q5_1,
+    [QT_IQ4_NL] = deq_iq4_nl,
 };
 
 int qk_dequant_rows(int ggml, const uint8_t *w, int64_t N, int64_t K, const int64_t *rows, int64_t n, float *out) {

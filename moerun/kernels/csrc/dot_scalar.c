@@ -29,6 +29,9 @@ const qtype_info QK_TYPES[QT_COUNT] = {
     [QT_Q5_K_R8] = {GGML_Q5_K_R8, "Q5_K_R8", 256, 8 * 176, ACT_Q8K, 8, 4},
     [QT_Q5_0] = {GGML_Q5_0, "Q5_0", 32, 22, ACT_Q8_0, 1, 4},
     [QT_Q5_0_R8] = {GGML_Q5_0_R8, "Q5_0_R8", 32, 8 * 22, ACT_Q8_0, 8, 8},
+    [QT_Q5_1] = {GGML_Q5_1, "Q5_1", 32, 24, ACT_Q8_0, 1, 4},
+    [QT_Q5_1_R8] = {GGML_Q5_1_R8, "Q5_1_R8", 32, 8 * 24, ACT_Q8_0, 8, 8},
+    [QT_IQ4_NL] = {GGML_IQ4_NL, "IQ4_NL", 32, 18, ACT_Q8_0, 1, 4},
 };
 
 int qk_qtype_index(int ggml) {
@@ -100,6 +103,28 @@ void qk_quant_q8_0_scalar(const float *x, void *out, int64_t k) {
 #define MXFP4(q) QK_KV_MXFP4[q]
 DOT32_NIBBLES(qk_dot_scalar_q4_0, 18, 2, MINUS8, qk_f16_at(b))
 DOT32_NIBBLES(qk_dot_scalar_mxfp4, 17, 1, MXFP4, qk_e8m0_half(b[0]))
+#define IQ4NL(q) QK_KV_IQ4NL[q]
+DOT32_NIBBLES(qk_dot_scalar_iq4_nl, 18, 2, IQ4NL, qk_f16_at(b))
+
+/* Q5_1: out = sum_i x.d * (d * q . x.qs + m * x.s), q the 5-bit values 0..31. */
+void qk_dot_scalar_q5_1(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {
+    for (int t = 0; t < nt; t++) {
+        const act_q8_0 *x = xv[t];
+        const uint8_t *b = w;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < nb; i++, b += 24) {
+            const uint32_t qh = qk_rd32(b + 4);
+            int32_t isum = 0;
+            for (int j = 0; j < 16; j++) {
+                const int lo = (b[8 + j] & 15) | (int)((qh >> j) & 1) << 4;
+                const int hi = (b[8 + j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
+                isum += lo * x[i].qs[j] + hi * x[i].qs[j + 16];
+            }
+            sum += x[i].d * (qk_f16_at(b) * (float)isum + qk_f16_at(b + 2) * (float)x[i].s);
+        }
+        out[t] = sum;
+    }
+}
 
 void qk_dot_scalar_q5_0(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {
     for (int t = 0; t < nt; t++) {
@@ -254,7 +279,8 @@ static const kernel_set SCALAR = {
      [QT_Q8_0_R8] = qk_dot_scalar_q8_0_r8, [QT_MXFP4_R8] = qk_dot_scalar_mxfp4_r8,
      [QT_Q6_K_R8] = qk_dot_scalar_q6_k_r8, [QT_IQ4_XS_R8] = qk_dot_scalar_iq4_xs_r8,
      [QT_Q5_K_R8] = qk_dot_scalar_q5_k_r8, [QT_Q5_0] = qk_dot_scalar_q5_0,
-     [QT_Q5_0_R8] = qk_dot_scalar_q5_0_r8},
+     [QT_Q5_0_R8] = qk_dot_scalar_q5_0_r8, [QT_Q5_1] = qk_dot_scalar_q5_1,
+     [QT_Q5_1_R8] = qk_dot_scalar_q5_1_r8, [QT_IQ4_NL] = qk_dot_scalar_iq4_nl},
     {NULL},
 };
 
@@ -268,7 +294,8 @@ static const kernel_set SCALAR = {
       [QT_Q8_0_R8] = qk_dot_q8_0_r8##SUFFIX, [QT_MXFP4_R8] = qk_dot_mxfp4_r8##SUFFIX,               \
       [QT_Q6_K_R8] = qk_dot_q6_k_r8##SUFFIX, [QT_IQ4_XS_R8] = qk_dot_iq4_xs_r8##SUFFIX,              \
       [QT_Q5_K_R8] = qk_dot_q5_k_r8##SUFFIX, [QT_Q5_0] = qk_dot_q5_0##SUFFIX,                        \
-      [QT_Q5_0_R8] = qk_dot_q5_0_r8##SUFFIX},                                                       \
+      [QT_Q5_0_R8] = qk_dot_q5_0_r8##SUFFIX, [QT_Q5_1] = qk_dot_q5_1##SUFFIX,                        \
+      [QT_Q5_1_R8] = qk_dot_q5_1_r8##SUFFIX, [QT_IQ4_NL] = qk_dot_iq4_nl##SUFFIX},                  \
      {__VA_ARGS__}}
 static const kernel_set AVX2 = X86_SET("avx2", _avx2, NULL);
 static const kernel_set VNNI = X86_SET("avx512vnni", _vnni, [QT_Q8_0_R8] = qk_dot16_q8_0_r8_vnni,
@@ -296,7 +323,8 @@ static const kernel_set NEON = {
      [QT_IQ4_XS] = qk_dot_scalar_iq4_xs, [QT_Q4_K_R8] = qk_dot_q4_k_r8_neon, [QT_Q8_0_R8] = qk_dot_q8_0_r8_neon,
      [QT_MXFP4_R8] = qk_dot_scalar_mxfp4_r8, [QT_Q6_K_R8] = qk_dot_scalar_q6_k_r8,
      [QT_IQ4_XS_R8] = qk_dot_scalar_iq4_xs_r8, [QT_Q5_K_R8] = qk_dot_scalar_q5_k_r8,
-     [QT_Q5_0] = qk_dot_scalar_q5_0, [QT_Q5_0_R8] = qk_dot_scalar_q5_0_r8},
+     [QT_Q5_0] = qk_dot_scalar_q5_0, [QT_Q5_0_R8] = qk_dot_scalar_q5_0_r8, [QT_Q5_1] = qk_dot_scalar_q5_1,
+     [QT_Q5_1_R8] = qk_dot_scalar_q5_1_r8, [QT_IQ4_NL] = qk_dot_scalar_iq4_nl},
     {NULL},
 };
 

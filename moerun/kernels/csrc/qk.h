@@ -11,6 +11,10 @@
  *          value = d * (q - 8).
  *   Q5_0   32 el, 22 B: d f16 @0 | qh u32 @2 | qs[16] @6, nibbles as Q4_0; bit j of qh is bit 4 of el j.
  *          value = d * (q - 16). (llama-quantize's stand-in for Q4_K where a row is not whole 256-blocks.)
+ *   Q5_1   32 el, 24 B: d f16 @0 | m f16 @2 | qh u32 @4 | qs[16] @8, as Q5_0. value = d * q + m. (Its stand-in
+ *          for Q5_K.)
+ *   IQ4_NL 32 el, 18 B: d f16 @0 | qs[16] @2, nibbles as Q4_0. value = d * KV_IQ4NL[q]. (Its stand-in for IQ4_XS
+ *          and the smaller IQ types.)
  *   Q8_0   32 el, 34 B: d f16 @0 | qs int8[32] @2. value = d * q.
  *   MXFP4  32 el, 17 B: e u8 (E8M0) @0 | qs[16] @1, nibbles as Q4_0.
  *          value = 2^(e-128) * KV_MXFP4[q] (the E2M1 code book doubled, so it is all integers).
@@ -65,11 +69,12 @@
  *   Q5_0_R8 @0 d[8] f16 | @16 qh[32]: byte 4r + i holds row r's fifth bits of el 4g + i in bit 2g and of el 16 + 4g +
  *          i in bit 2g + 1 (g < 4) | @48 qs[128] as MXFP4_R8's: qs[32g + 4r + i] = row r's qs[4g + i]. So one 32-byte
  *          load of the fifth bits serves the block's four chunk loads, each shifted by 2 (Q5_K_R8's trick). 176 B.
+ *   Q5_1_R8 @0 d[8] f16 | @16 m[8] f16 | @32 qh[32] | @64 qs[128], qh and qs as Q5_0_R8's. 192 B.
  *
  * Activation formats (ours, internal; f32 scales, values in [-127, 127], never -128):
  *   act_q8k  per 256: f32 d | int8 qs[256] | int16 bsums[16] (sums of each 16 qs), 292 B.
  *   act_q8_0 per 32:  f32 d | int32 s (the sum of qs) | int8 qs[32], 40 B.
- * K-quants pair with act_q8k; Q4_0, Q5_0, Q8_0, MXFP4 and IQ4_XS with act_q8_0.
+ * K-quants pair with act_q8k; Q4_0, Q5_0, Q5_1, Q8_0, MXFP4, IQ4_NL and IQ4_XS with act_q8_0.
  */
 #ifndef MOERUN_QK_H
 #define MOERUN_QK_H
@@ -90,13 +95,13 @@
 #endif
 
 /* ggml type ids (gguf.GGMLQuantizationType) of the weight types we read. */
-enum { GGML_Q4_0 = 2, GGML_Q5_0 = 6, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14,
-       GGML_IQ4_XS = 23, GGML_MXFP4 = 39 };
+enum { GGML_Q4_0 = 2, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14,
+       GGML_IQ4_NL = 20, GGML_IQ4_XS = 23, GGML_MXFP4 = 39 };
 /* Our interleaved layouts (see above): type id = source ggml id + QK_R8. */
 enum { QK_R8 = 1000, GGML_Q4_K_R8 = QK_R8 + GGML_Q4_K, GGML_Q8_0_R8 = QK_R8 + GGML_Q8_0,
        GGML_MXFP4_R8 = QK_R8 + GGML_MXFP4, GGML_Q6_K_R8 = QK_R8 + GGML_Q6_K,
        GGML_IQ4_XS_R8 = QK_R8 + GGML_IQ4_XS, GGML_Q5_K_R8 = QK_R8 + GGML_Q5_K,
-       GGML_Q5_0_R8 = QK_R8 + GGML_Q5_0 };
+       GGML_Q5_0_R8 = QK_R8 + GGML_Q5_0, GGML_Q5_1_R8 = QK_R8 + GGML_Q5_1 };
 
 /* Float weight types, read by the fused decode path's matmuls (fdot.c). */
 enum { GGML_F32 = 0, GGML_F16 = 1 };
@@ -104,7 +109,7 @@ enum { FT_F32, FT_F16, FT_COUNT };
 
 /* Our dense indices for those types. */
 enum { QT_Q4_0, QT_Q8_0, QT_MXFP4, QT_Q4_K, QT_Q5_K, QT_Q6_K, QT_IQ4_XS, QT_Q4_K_R8, QT_Q8_0_R8, QT_MXFP4_R8,
-       QT_Q6_K_R8, QT_IQ4_XS_R8, QT_Q5_K_R8, QT_Q5_0, QT_Q5_0_R8, QT_COUNT };
+       QT_Q6_K_R8, QT_IQ4_XS_R8, QT_Q5_K_R8, QT_Q5_0, QT_Q5_0_R8, QT_Q5_1, QT_Q5_1_R8, QT_IQ4_NL, QT_COUNT };
 
 /* Activation formats. */
 enum { ACT_Q8K, ACT_Q8_0, ACT_COUNT };
@@ -175,6 +180,8 @@ void qk_quant_q8k_scalar(const float *x, void *out, int64_t k);
 void qk_quant_q8_0_scalar(const float *x, void *out, int64_t k);
 void qk_dot_scalar_q4_0(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_q5_0(int64_t, const uint8_t *, const void *const *, int, float *);
+void qk_dot_scalar_q5_1(int64_t, const uint8_t *, const void *const *, int, float *);
+void qk_dot_scalar_iq4_nl(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_q8_0(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_mxfp4(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_q4_k(int64_t, const uint8_t *, const void *const *, int, float *);
@@ -188,6 +195,7 @@ void qk_dot_scalar_mxfp4_r8(int64_t, const uint8_t *, const void *const *, int, 
 void qk_dot_scalar_q6_k_r8(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_iq4_xs_r8(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_q5_0_r8(int64_t, const uint8_t *, const void *const *, int, float *);
+void qk_dot_scalar_q5_1_r8(int64_t, const uint8_t *, const void *const *, int, float *);
 /* The four 32-value scale vectors V0..V3 of a Q4_K_R8 block (r8.c). */
 void qk_r8_vectors(const uint8_t *b, uint8_t v[4][32]);
 #if QK_X86
@@ -196,6 +204,8 @@ void qk_quant_q8_0_avx2(const float *x, void *out, int64_t k);
 #define QK_DECLARE_X86_DOTS(SUFFIX)                                                              \
     void qk_dot_q4_0##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
     void qk_dot_q5_0##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
+    void qk_dot_q5_1##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
+    void qk_dot_iq4_nl##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *); \
     void qk_dot_q8_0##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
     void qk_dot_mxfp4##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);  \
     void qk_dot_iq4_xs##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *); \
@@ -208,7 +218,8 @@ void qk_quant_q8_0_avx2(const float *x, void *out, int64_t k);
     void qk_dot_mxfp4_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);  \
     void qk_dot_q6_k_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
     void qk_dot_iq4_xs_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *); \
-    void qk_dot_q5_0_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);
+    void qk_dot_q5_0_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);  \
+    void qk_dot_q5_1_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);
 QK_DECLARE_X86_DOTS(_avx2)
 QK_DECLARE_X86_DOTS(_vnni)
 void qk_dot16_q8_0_r8_vnni(int64_t, const uint8_t *, int64_t, const void *const *, int, float *);

@@ -1,4 +1,4 @@
-/* The interleaved layouts Q4_K_R8, Q5_K_R8, Q6_K_R8, Q8_0_R8, MXFP4_R8, IQ4_XS_R8 and Q5_0_R8 (qk.h): repacking from and back to GGUF's blocks, and the
+/* The interleaved layouts Q4_K_R8, Q5_K_R8, Q6_K_R8, Q8_0_R8, MXFP4_R8, IQ4_XS_R8, Q5_0_R8 and Q5_1_R8 (qk.h): repacking from and back to GGUF's blocks, and the
  * portable dots.
  *
  * qk_repack and qk_unpack are exact inverses on any bytes (the 12-byte packed scales map one to one onto
@@ -22,6 +22,7 @@
 #define Q6K_BYTES 210
 #define IQ4XS_BYTES 136
 #define Q50_BYTES 22
+#define Q51_BYTES 24
 
 /* The four 32-value scale vectors of an R8 block (layout: qk.h). */
 void qk_r8_vectors(const uint8_t *b, uint8_t v[4][32]) {
@@ -157,34 +158,43 @@ static void iq4xs_unpack_block(const uint8_t *b, uint8_t *const dst[8]) {
     }
 }
 
-/* One Q5_0_R8 block from 8 Q5_0 blocks, and back: the 8 d, the fifth bits two per element pair (bit 2g of byte 4r + i:
- * el 4g + i, bit 2g + 1: el 16 + 4g + i), then MXFP4_R8's nibble chunks. */
-static void q50_pack_block(const uint8_t *const src[8], uint8_t *b) {
-    memset(b + 16, 0, 32);
+/* One Q5_0_R8 (ns = 1) or Q5_1_R8 (ns = 2) block from 8 Q5_0 / Q5_1 blocks, and back: the 8 d (and the 8 m), the
+ * fifth bits two per element pair (bit 2g of byte 4r + i: el 4g + i, bit 2g + 1: el 16 + 4g + i), then MXFP4_R8's
+ * nibble chunks. A source block is its ns f16 scales, qh u32 and qs[16]. */
+static void q5x_pack_block(const uint8_t *const src[8], uint8_t *b, const int ns) {
+    uint8_t *h = b + 16 * ns, *q = h + 32;
+    memset(h, 0, 32);
     for (int r = 0; r < 8; r++) {
-        const uint32_t qh = qk_rd16(src[r] + 2) | (uint32_t)qk_rd16(src[r] + 4) << 16;
-        memcpy(b + 2 * r, src[r], 2);
+        const uint8_t *qs = src[r] + 2 * ns + 4;
+        const uint32_t qh = qk_rd16(src[r] + 2 * ns) | (uint32_t)qk_rd16(src[r] + 2 * ns + 2) << 16;
+        for (int k = 0; k < ns; k++) memcpy(b + 16 * k + 2 * r, src[r] + 2 * k, 2);
         for (int g = 0; g < 4; g++) {
-            memcpy(b + 48 + 32 * g + 4 * r, src[r] + 6 + 4 * g, 4);
+            memcpy(q + 32 * g + 4 * r, qs + 4 * g, 4);
             for (int i = 0; i < 4; i++)
-                b[16 + 4 * r + i] |= (uint8_t)((qh >> (4 * g + i) & 1) << (2 * g) | (qh >> (16 + 4 * g + i) & 1) << (2 * g + 1));
+                h[4 * r + i] |= (uint8_t)((qh >> (4 * g + i) & 1) << (2 * g) | (qh >> (16 + 4 * g + i) & 1) << (2 * g + 1));
         }
     }
 }
 
-static void q50_unpack_block(const uint8_t *b, uint8_t *const dst[8]) {
+static void q5x_unpack_block(const uint8_t *b, uint8_t *const dst[8], const int ns) {
+    const uint8_t *h = b + 16 * ns, *q = h + 32;
     for (int r = 0; r < 8; r++) {
         uint32_t qh = 0;
-        memcpy(dst[r], b + 2 * r, 2);
+        for (int k = 0; k < ns; k++) memcpy(dst[r] + 2 * k, b + 16 * k + 2 * r, 2);
         for (int g = 0; g < 4; g++) {
-            memcpy(dst[r] + 6 + 4 * g, b + 48 + 32 * g + 4 * r, 4);
+            memcpy(dst[r] + 2 * ns + 4 + 4 * g, q + 32 * g + 4 * r, 4);
             for (int i = 0; i < 4; i++)
-                qh |= (uint32_t)(b[16 + 4 * r + i] >> (2 * g) & 1) << (4 * g + i) |
-                      (uint32_t)(b[16 + 4 * r + i] >> (2 * g + 1) & 1) << (16 + 4 * g + i);
+                qh |= (uint32_t)(h[4 * r + i] >> (2 * g) & 1) << (4 * g + i) |
+                      (uint32_t)(h[4 * r + i] >> (2 * g + 1) & 1) << (16 + 4 * g + i);
         }
-        memcpy(dst[r] + 2, &qh, 4); /* little-endian, as GGUF */
+        memcpy(dst[r] + 2 * ns, &qh, 4); /* little-endian, as GGUF */
     }
 }
+
+static void q50_pack_block(const uint8_t *const src[8], uint8_t *b) { q5x_pack_block(src, b, 1); }
+static void q50_unpack_block(const uint8_t *b, uint8_t *const dst[8]) { q5x_unpack_block(b, dst, 1); }
+static void q51_pack_block(const uint8_t *const src[8], uint8_t *b) { q5x_pack_block(src, b, 2); }
+static void q51_unpack_block(const uint8_t *b, uint8_t *const dst[8]) { q5x_unpack_block(b, dst, 2); }
 
 /* Row r's 6-bit values q[256] of a Q6_K block (qk.h), and back. */
 static void q6k_values(const uint8_t *blk, uint8_t q[256]) {
@@ -272,6 +282,7 @@ static const relayout_kind KINDS[] = {
     {GGML_Q6_K_R8, GGML_Q6_K, 256, Q6K_BYTES, q6r8_pack_block, q6r8_unpack_block},
     {GGML_IQ4_XS_R8, GGML_IQ4_XS, 256, IQ4XS_BYTES, iq4xs_pack_block, iq4xs_unpack_block},
     {GGML_Q5_0_R8, GGML_Q5_0, 32, Q50_BYTES, q50_pack_block, q50_unpack_block},
+    {GGML_Q5_1_R8, GGML_Q5_1, 32, Q51_BYTES, q51_pack_block, q51_unpack_block},
 };
 
 static const relayout_kind *kind_of(int type) {
@@ -524,6 +535,28 @@ void qk_dot_scalar_q5_0_r8(int64_t nb, const uint8_t *w, const void *const *xv, 
                          ((q >> 4) | (h >> (2 * g + 1) & 1) << 4) * x[i].qs[e + 16];
                 }
                 acc[r] += qk_f16_at(b + 2 * r) * x[i].d * (float)s;
+            }
+        }
+        for (int r = 0; r < 8; r++) out[8 * t + r] = acc[r];
+    }
+}
+
+/* Portable Q5_1_R8 dot: out[8t + r] = sum_i x.d * (d_r * q_r . x.qs + m_r * x.s), the integer sums as the x86 kernels. */
+void qk_dot_scalar_q5_1_r8(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {
+    for (int t = 0; t < nt; t++) {
+        const act_q8_0 *x = xv[t];
+        float acc[8] = {0};
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *b = w + i * 8 * Q51_BYTES;
+            for (int r = 0; r < 8; r++) {
+                int32_t s = 0;
+                for (int e = 0; e < 16; e++) {
+                    const int g = e / 4, k = e % 4;
+                    const uint8_t q = b[64 + 32 * g + 4 * r + k], h = b[32 + 4 * r + k];
+                    s += ((q & 15) | (h >> (2 * g) & 1) << 4) * x[i].qs[e] +
+                         ((q >> 4) | (h >> (2 * g + 1) & 1) << 4) * x[i].qs[e + 16];
+                }
+                acc[r] += x[i].d * (qk_f16_at(b + 2 * r) * (float)s + qk_f16_at(b + 16 + 2 * r) * (float)x[i].s);
             }
         }
         for (int r = 0; r < 8; r++) out[8 * t + r] = acc[r];
