@@ -1,5 +1,5 @@
-"""The CPU kernels' interleaved layouts (Q4_K_R8, Q5_K_R8, Q6_K_R8, Q8_0_R8, MXFP4_R8, IQ4_XS_R8, Q5_0_R8, Q5_1_R8:
-moerun/kernels/csrc/r8.c, dot_x86_r8.inc).
+"""The CPU kernels' interleaved layouts (Q4_K_R8, Q5_K_R8, Q6_K_R8, Q8_0_R8, MXFP4_R8, IQ4_XS_R8, Q5_0_R8, Q5_1_R8,
+IQ4_NL_R8: moerun/kernels/csrc/r8.c, dot_x86_r8.inc).
 
 The layout only reorders bytes, so it is checked three ways: the round trip gives the file's bytes back for
 any bytes; a matmul over it equals x @ W^T with W dequantized by gguf.quants from the original bytes (the
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="moerun.kernels._cpu
 ISAS = cpu.features()["isas"]
 Q4K = QType.Q4_K
 QTYPES = pytest.mark.parametrize("qt", [QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.MXFP4, QType.IQ4_XS,
-                                        QType.Q5_0, QType.Q5_1], ids=lambda q: q.name)
+                                        QType.Q5_0, QType.Q5_1, QType.IQ4_NL], ids=lambda q: q.name)
 K_QUANTS = (QType.Q4_K, QType.Q5_K, QType.Q6_K)  # activations in blocks of 256
 
 
@@ -34,11 +34,11 @@ def q4k(rows: int, cols: int, seed: int = 0, random_bytes: bool = False, lead: t
         qt: QType = Q4K) -> QTensor:
     gen = torch.Generator().manual_seed(seed)
     n = int(np.prod(lead, dtype=np.int64)) * rows
-    if random_bytes or qt == QType.IQ4_XS:  # moerun does not quantize IQ4_XS: gguf-valid random blocks
+    if random_bytes or qt in (QType.IQ4_XS, QType.IQ4_NL):  # moerun does not quantize these: gguf-valid random blocks
         data = random_blocks(qt, n, cols, gen)
     elif qt == QType.Q5_K:  # nor Q5_K: Q4_K's blocks with a fifth bit
         data = q5_k_from_q4_k(quantize(torch.randn(n, cols, generator=gen) * 0.05, Q4K), gen)
-    elif qt in (QType.Q5_0, QType.Q5_1):  # nor Q5_0 / Q5_1: gguf.quants' (what llama-quantize writes for rows K-quants cannot take)
+    elif qt in (QType.Q5_0, QType.Q5_1):  # nor Q5_0 / Q5_1: gguf.quants' (llama-quantize's for rows K-quants cannot take)
         data = torch.from_numpy(quants.quantize((torch.randn(n, cols, generator=gen) * 0.05).numpy(), qt))
     else:
         data = quantize(torch.randn(n, cols, generator=gen) * 0.05, qt)
@@ -80,13 +80,14 @@ def test_round_trip_gives_the_file_bytes_back(shape, random_bytes, qt):
 
 
 @pytest.mark.parametrize("qt,block", [(Q4K, 144), (QType.Q5_K, 176), (QType.Q6_K, 210), (QType.Q5_0, 22),
-                                      (QType.Q5_1, 24)], ids=["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"])
+                                      (QType.Q5_1, 24), (QType.IQ4_NL, 18)],
+                         ids=["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL"])
 def test_any_bytes_round_trip(qt, block):
     """Every bit pattern: Q4_K's (and Q5_K's) 12 packed scale bytes -> 6-bit values and back is one to one; Q5_K's,
     Q5_0's and Q5_1's fifth bits (and Q5_1's m), Q6_K's low and high bits of each weight, its int8 scales and d land
     in one place each."""
     raw = torch.randint(0, 256, (16, block * 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    w = QTensor.from_bytes(raw, qt, (16, 2 * (32 if qt in (QType.Q5_0, QType.Q5_1) else 256)))
+    w = QTensor.from_bytes(raw, qt, (16, 2 * (32 if qt in (QType.Q5_0, QType.Q5_1, QType.IQ4_NL) else 256)))
     assert torch.equal(cpu.deinterleave(cpu.interleave(w)).data, raw)
 
 

@@ -22,7 +22,7 @@ PENDING = -(1 << 63)  # a job not ended yet (QK_READ_PENDING)
 SCRATCH_BYTES = 512 << 10  # a reading thread's buffer for the tensors repacked as read: L2-sized
 # interleaved layouts with only the portable kernel in a set whose GGUF-layout kernel is vectorized: kept in GGUF's
 # layout where that set runs
-KEEP_GGUF = {"neon": frozenset({QType.Q6_K, QType.IQ4_XS})}
+KEEP_GGUF = {"neon": frozenset({QType.Q6_K, QType.IQ4_XS, QType.IQ4_NL})}
 
 
 def mode() -> str:
@@ -50,7 +50,7 @@ def default_isa(ext: ModuleType | None, mode: str) -> str | None:
 
 def interleaves_stored(qtype: QType, shape: tuple[int, ...], isa: str | None) -> bool:
     """Whether the kernels of `isa` take a tensor of that type and shape in the interleaved layout, read straight
-    from a file (GGUF's layout): Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS, Q5_0 or Q5_1, 2 or 3 dimensions, rows a multiple of
+    from a file (GGUF's layout): Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS, Q5_0, Q5_1 or IQ4_NL, 2 or 3 dimensions, rows a multiple of
     8 (Q6_K and IQ4_XS only where that set has a vectorized interleaved dot: x86)."""
     return (isa is not None and 8 in INTERLEAVABLE.get(qtype, ()) and qtype not in KEEP_GGUF.get(isa, ())
             and len(shape) in (2, 3) and shape[-2] % 8 == 0)

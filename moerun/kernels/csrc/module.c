@@ -457,7 +457,7 @@ static PyObject *py_attn_prompt(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"features", py_features, METH_NOARGS, "Kernel sets this CPU runs, the best one, thread pool settings."},
     {"qtypes", py_qtypes, METH_NOARGS, "ggml type ids (GGUF layouts) with kernels."},
-    {"repack", py_repack, METH_VARARGS, "repack(to, src, dst, N, K): GGUF rows (Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS, Q5_0, Q5_1) into an interleaved layout."},
+    {"repack", py_repack, METH_VARARGS, "repack(to, src, dst, N, K): GGUF rows (Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS, Q5_0, Q5_1, IQ4_NL) into an interleaved layout."},
     {"read_jobs", py_read_jobs, METH_VARARGS, "read_jobs(jobs, n, next, done, scratch, scratch_bytes): take and run "
      "jobs (fd, offset, to or -1, dst, N, K) until none is left, the GIL free (r8.c's qk_read_jobs)."},
     {"unpack", py_unpack, METH_VARARGS, "unpack(from, src, dst, N, K): an interleaved layout back to GGUF rows."},

@@ -1,4 +1,4 @@
-/* The interleaved layouts Q4_K_R8, Q5_K_R8, Q6_K_R8, Q8_0_R8, MXFP4_R8, IQ4_XS_R8, Q5_0_R8 and Q5_1_R8 (qk.h): repacking from and back to GGUF's blocks, and the
+/* The interleaved layouts Q4_K_R8, Q5_K_R8, Q6_K_R8, Q8_0_R8, MXFP4_R8, IQ4_XS_R8, Q5_0_R8, Q5_1_R8 and IQ4_NL_R8 (qk.h): repacking from and back to GGUF's blocks, and the
  * portable dots.
  *
  * qk_repack and qk_unpack are exact inverses on any bytes (the 12-byte packed scales map one to one onto
@@ -23,6 +23,7 @@
 #define IQ4XS_BYTES 136
 #define Q50_BYTES 22
 #define Q51_BYTES 24
+#define IQ4NL_BYTES 18
 
 /* The four 32-value scale vectors of an R8 block (layout: qk.h). */
 void qk_r8_vectors(const uint8_t *b, uint8_t v[4][32]) {
@@ -191,6 +192,21 @@ static void q5x_unpack_block(const uint8_t *b, uint8_t *const dst[8], const int 
     }
 }
 
+/* One IQ4_NL_R8 block from 8 IQ4_NL blocks, and back: the 8 d, then MXFP4_R8's nibble chunks. */
+static void iq4nl_pack_block(const uint8_t *const src[8], uint8_t *b) {
+    for (int r = 0; r < 8; r++) {
+        memcpy(b + 2 * r, src[r], 2);
+        for (int g = 0; g < 4; g++) memcpy(b + 16 + 32 * g + 4 * r, src[r] + 2 + 4 * g, 4);
+    }
+}
+
+static void iq4nl_unpack_block(const uint8_t *b, uint8_t *const dst[8]) {
+    for (int r = 0; r < 8; r++) {
+        memcpy(dst[r], b + 2 * r, 2);
+        for (int g = 0; g < 4; g++) memcpy(dst[r] + 2 + 4 * g, b + 16 + 32 * g + 4 * r, 4);
+    }
+}
+
 static void q50_pack_block(const uint8_t *const src[8], uint8_t *b) { q5x_pack_block(src, b, 1); }
 static void q50_unpack_block(const uint8_t *b, uint8_t *const dst[8]) { q5x_unpack_block(b, dst, 1); }
 static void q51_pack_block(const uint8_t *const src[8], uint8_t *b) { q5x_pack_block(src, b, 2); }
@@ -283,6 +299,7 @@ static const relayout_kind KINDS[] = {
     {GGML_IQ4_XS_R8, GGML_IQ4_XS, 256, IQ4XS_BYTES, iq4xs_pack_block, iq4xs_unpack_block},
     {GGML_Q5_0_R8, GGML_Q5_0, 32, Q50_BYTES, q50_pack_block, q50_unpack_block},
     {GGML_Q5_1_R8, GGML_Q5_1, 32, Q51_BYTES, q51_pack_block, q51_unpack_block},
+    {GGML_IQ4_NL_R8, GGML_IQ4_NL, 32, IQ4NL_BYTES, iq4nl_pack_block, iq4nl_unpack_block},
 };
 
 static const relayout_kind *kind_of(int type) {
@@ -557,6 +574,26 @@ void qk_dot_scalar_q5_1_r8(int64_t nb, const uint8_t *w, const void *const *xv, 
                          ((q >> 4) | (h >> (2 * g + 1) & 1) << 4) * x[i].qs[e + 16];
                 }
                 acc[r] += x[i].d * (qk_f16_at(b + 2 * r) * (float)s + qk_f16_at(b + 16 + 2 * r) * (float)x[i].s);
+            }
+        }
+        for (int r = 0; r < 8; r++) out[8 * t + r] = acc[r];
+    }
+}
+
+/* Portable IQ4_NL_R8 dot: out[8t + r] = sum_i d_r * x.d * (KV_IQ4NL[q_r] . x.qs), the integer sums as the x86 kernels. */
+void qk_dot_scalar_iq4_nl_r8(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {
+    for (int t = 0; t < nt; t++) {
+        const act_q8_0 *x = xv[t];
+        float acc[8] = {0};
+        for (int64_t i = 0; i < nb; i++) {
+            const uint8_t *b = w + i * 8 * IQ4NL_BYTES;
+            for (int r = 0; r < 8; r++) {
+                int32_t s = 0;
+                for (int e = 0; e < 16; e++) {
+                    const uint8_t q = b[16 + 32 * (e / 4) + 4 * r + e % 4];
+                    s += QK_KV_IQ4NL[q & 15] * x[i].qs[e] + QK_KV_IQ4NL[q >> 4] * x[i].qs[e + 16];
+                }
+                acc[r] += qk_f16_at(b + 2 * r) * x[i].d * (float)s;
             }
         }
         for (int r = 0; r < 8; r++) out[8 * t + r] = acc[r];
