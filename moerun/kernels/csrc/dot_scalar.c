@@ -107,41 +107,37 @@ DOT32_NIBBLES(qk_dot_scalar_mxfp4, 17, 1, MXFP4, qk_e8m0_half(b[0]))
 #define IQ4NL(q) QK_KV_IQ4NL[q]
 DOT32_NIBBLES(qk_dot_scalar_iq4_nl, 18, 2, IQ4NL, qk_f16_at(b))
 
-/* Q5_1: out = sum_i x.d * (d * q . x.qs + m * x.s), q the 5-bit values 0..31. */
-void qk_dot_scalar_q5_1(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {
-    for (int t = 0; t < nt; t++) {
-        const act_q8_0 *x = xv[t];
-        const uint8_t *b = w;
-        float sum = 0.0f;
-        for (int64_t i = 0; i < nb; i++, b += 24) {
-            const uint32_t qh = qk_rd32(b + 4);
-            int32_t isum = 0;
-            for (int j = 0; j < 16; j++) {
-                const int lo = (b[8 + j] & 15) | (int)((qh >> j) & 1) << 4;
-                const int hi = (b[8 + j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
-                isum += lo * x[i].qs[j] + hi * x[i].qs[j + 16];
-            }
-            sum += x[i].d * (qk_f16_at(b) * (float)isum + qk_f16_at(b + 2) * (float)x[i].s);
-        }
-        out[t] = sum;
+/* q . x.qs over one Q5_0 / Q5_1 block's 5-bit values q (0..31): the nibbles of qs[16] and the bits of qh. */
+static int32_t q5_isum(const uint8_t *qs, uint32_t qh, const int8_t *y) {
+    int32_t isum = 0;
+    for (int j = 0; j < 16; j++) {
+        const int lo = (qs[j] & 15) | (int)((qh >> j) & 1) << 4;
+        const int hi = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
+        isum += lo * y[j] + hi * y[j + 16];
     }
+    return isum;
 }
 
+/* Q5_0: out = sum_i d * x.d * (q . x.qs - 16 x.s). Q5_1: out = sum_i x.d * (d * q . x.qs + m * x.s). */
 void qk_dot_scalar_q5_0(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {
     for (int t = 0; t < nt; t++) {
         const act_q8_0 *x = xv[t];
         const uint8_t *b = w;
         float sum = 0.0f;
-        for (int64_t i = 0; i < nb; i++, b += 22) {
-            const uint32_t qh = qk_rd32(b + 2);
-            int32_t isum = 0;
-            for (int j = 0; j < 16; j++) {
-                const int lo = (b[6 + j] & 15) | (int)((qh >> j) & 1) << 4;
-                const int hi = (b[6 + j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
-                isum += (lo - 16) * x[i].qs[j] + (hi - 16) * x[i].qs[j + 16];
-            }
-            sum += qk_f16_at(b) * x[i].d * (float)isum;
-        }
+        for (int64_t i = 0; i < nb; i++, b += 22)
+            sum += qk_f16_at(b) * x[i].d * (float)(q5_isum(b + 6, qk_rd32(b + 2), x[i].qs) - 16 * x[i].s);
+        out[t] = sum;
+    }
+}
+
+void qk_dot_scalar_q5_1(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {
+    for (int t = 0; t < nt; t++) {
+        const act_q8_0 *x = xv[t];
+        const uint8_t *b = w;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < nb; i++, b += 24)
+            sum += x[i].d * (qk_f16_at(b) * (float)q5_isum(b + 8, qk_rd32(b + 4), x[i].qs) +
+                             qk_f16_at(b + 2) * (float)x[i].s);
         out[t] = sum;
     }
 }

@@ -107,20 +107,26 @@ static void r8_unpack_block(const uint8_t *b, uint8_t *const dst[8]) { q45r8_unp
 static void q5r8_pack_block(const uint8_t *const src[8], uint8_t *b) { q45r8_pack_block(src, b, 1); }
 static void q5r8_unpack_block(const uint8_t *b, uint8_t *const dst[8]) { q45r8_unpack_block(b, dst, 1); }
 
-/* One Q8_0_R8 block from 8 Q8_0 blocks, and back: d of row r at 2r, then 4-byte chunks c of the 8 rows. */
-static void q8_pack_block(const uint8_t *const src[8], uint8_t *b) {
+/* One block of 8 rows whose GGUF block is an f16 d then nc 4-byte chunks (Q8_0: 8, IQ4_NL: 4), and back: d of row r
+ * at 2r, then chunk c of the 8 rows at 16 + 32c (Q8_0_R8; IQ4_NL_R8, whose chunks are MXFP4_R8's). */
+static void d16_chunks_pack(const uint8_t *const src[8], uint8_t *b, const int nc) {
     for (int r = 0; r < 8; r++) {
         memcpy(b + 2 * r, src[r], 2);
-        for (int c = 0; c < 8; c++) memcpy(b + 16 + 32 * c + 4 * r, src[r] + 2 + 4 * c, 4);
+        for (int c = 0; c < nc; c++) memcpy(b + 16 + 32 * c + 4 * r, src[r] + 2 + 4 * c, 4);
     }
 }
 
-static void q8_unpack_block(const uint8_t *b, uint8_t *const dst[8]) {
+static void d16_chunks_unpack(const uint8_t *b, uint8_t *const dst[8], const int nc) {
     for (int r = 0; r < 8; r++) {
         memcpy(dst[r], b + 2 * r, 2);
-        for (int c = 0; c < 8; c++) memcpy(dst[r] + 2 + 4 * c, b + 16 + 32 * c + 4 * r, 4);
+        for (int c = 0; c < nc; c++) memcpy(dst[r] + 2 + 4 * c, b + 16 + 32 * c + 4 * r, 4);
     }
 }
+
+static void q8_pack_block(const uint8_t *const src[8], uint8_t *b) { d16_chunks_pack(src, b, 8); }
+static void q8_unpack_block(const uint8_t *b, uint8_t *const dst[8]) { d16_chunks_unpack(b, dst, 8); }
+static void iq4nl_pack_block(const uint8_t *const src[8], uint8_t *b) { d16_chunks_pack(src, b, 4); }
+static void iq4nl_unpack_block(const uint8_t *b, uint8_t *const dst[8]) { d16_chunks_unpack(b, dst, 4); }
 
 /* One MXFP4_R8 block from 8 MXFP4 blocks, and back: the 8 exponents, then 4-byte chunks g of the 8 rows. */
 static void mxfp4_pack_block(const uint8_t *const src[8], uint8_t *b) {
@@ -189,21 +195,6 @@ static void q5x_unpack_block(const uint8_t *b, uint8_t *const dst[8], const int 
                       (uint32_t)(h[4 * r + i] >> (2 * g + 1) & 1) << (16 + 4 * g + i);
         }
         memcpy(dst[r] + 2 * ns, &qh, 4); /* little-endian, as GGUF */
-    }
-}
-
-/* One IQ4_NL_R8 block from 8 IQ4_NL blocks, and back: the 8 d, then MXFP4_R8's nibble chunks. */
-static void iq4nl_pack_block(const uint8_t *const src[8], uint8_t *b) {
-    for (int r = 0; r < 8; r++) {
-        memcpy(b + 2 * r, src[r], 2);
-        for (int g = 0; g < 4; g++) memcpy(b + 16 + 32 * g + 4 * r, src[r] + 2 + 4 * g, 4);
-    }
-}
-
-static void iq4nl_unpack_block(const uint8_t *b, uint8_t *const dst[8]) {
-    for (int r = 0; r < 8; r++) {
-        memcpy(dst[r], b + 2 * r, 2);
-        for (int g = 0; g < 4; g++) memcpy(dst[r] + 2 + 4 * g, b + 16 + 32 * g + 4 * r, 4);
     }
 }
 
