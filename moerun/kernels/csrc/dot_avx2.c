@@ -4,3 +4,4 @@
 #include "dot_x86_32.inc"
 #include "dot_x86_k.inc"
 #include "dot_x86_r8.inc"
+#include "dot_x86_r8_32.inc"

@@ -8,5 +8,6 @@
 #include "dot_x86_32.inc"
 #include "dot_x86_k.inc"
 #include "dot_x86_r8.inc"
+#include "dot_x86_r8_32.inc"
 #include "dot_x86_r8_wide.inc"
 #include "dot_x86_r16.inc"
