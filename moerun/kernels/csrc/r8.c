@@ -455,6 +455,27 @@ void qk_dot_scalar_q8_0_r8(int64_t nb, const uint8_t *w, const void *const *xv, 
     }
 }
 
+/* Row r's 32 code-book weights of an MXFP4_R8-style chunk block at q (4 chunks of 32 bytes) dotted with y[32]. */
+static int32_t r8_book_isum(const uint8_t *q, const int r, const int8_t *book, const int8_t *y) {
+    int32_t s = 0;
+    for (int e = 0; e < 16; e++) {
+        const uint8_t v = q[32 * (e / 4) + 4 * r + e % 4];
+        s += book[v & 15] * y[e] + book[v >> 4] * y[e + 16];
+    }
+    return s;
+}
+
+/* Row r's 32 5-bit values (0..31) of a Q5_0_R8 / Q5_1_R8 block (fifth bits at h, nibble chunks at q) dotted with y[32]. */
+static int32_t q5r8_isum(const uint8_t *h, const uint8_t *q, const int r, const int8_t *y) {
+    int32_t s = 0;
+    for (int e = 0; e < 16; e++) {
+        const int g = e / 4, k = e % 4;
+        const uint8_t v = q[32 * g + 4 * r + k], b = h[4 * r + k];
+        s += ((v & 15) | (b >> (2 * g) & 1) << 4) * y[e] + ((v >> 4) | (b >> (2 * g + 1) & 1) << 4) * y[e + 16];
+    }
+    return s;
+}
+
 /* Portable MXFP4_R8 dot: out[8t + r] = sum_i 2^(e_r - 128) * x.d * (q_r . x.qs), the code book doubled as in
  * the GGUF-layout kernels, the integer sums as the x86 kernels. */
 void qk_dot_scalar_mxfp4_r8(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {
@@ -463,14 +484,8 @@ void qk_dot_scalar_mxfp4_r8(int64_t nb, const uint8_t *w, const void *const *xv,
         float acc[8] = {0};
         for (int64_t i = 0; i < nb; i++) {
             const uint8_t *b = w + i * 8 * MXFP4_BYTES;
-            for (int r = 0; r < 8; r++) {
-                int32_t s = 0;
-                for (int e = 0; e < 16; e++) {
-                    const uint8_t q = b[8 + 32 * (e / 4) + 4 * r + e % 4];
-                    s += QK_KV_MXFP4[q & 15] * x[i].qs[e] + QK_KV_MXFP4[q >> 4] * x[i].qs[e + 16];
-                }
-                acc[r] += qk_e8m0_half(b[r]) * x[i].d * (float)s;
-            }
+            for (int r = 0; r < 8; r++)
+                acc[r] += qk_e8m0_half(b[r]) * x[i].d * (float)r8_book_isum(b + 8, r, QK_KV_MXFP4, x[i].qs);
         }
         for (int r = 0; r < 8; r++) out[8 * t + r] = acc[r];
     }
@@ -513,11 +528,7 @@ void qk_dot_scalar_iq4_xs_r8(int64_t nb, const uint8_t *w, const void *const *xv
                 for (int s = 0; s < 8; s++) {
                     const act_q8_0 *y = &x[8 * i + s];
                     const int ls = (((b[16 + 8 * (s / 2) + r] >> (4 * (s % 2))) & 15) | (((sh >> (2 * s)) & 3) << 4)) - 32;
-                    int32_t sum = 0;
-                    for (int e = 0; e < 16; e++) {
-                        const uint8_t q = b[64 + 128 * s + 32 * (e / 4) + 4 * r + e % 4];
-                        sum += QK_KV_IQ4NL[q & 15] * y->qs[e] + QK_KV_IQ4NL[q >> 4] * y->qs[e + 16];
-                    }
+                    const int32_t sum = r8_book_isum(b + 64 + 128 * s, r, QK_KV_IQ4NL, y->qs);
                     acc[r] += qk_f16_at(b + 2 * r) * (float)ls * y->d * (float)sum;
                 }
             }
@@ -534,16 +545,8 @@ void qk_dot_scalar_q5_0_r8(int64_t nb, const uint8_t *w, const void *const *xv, 
         float acc[8] = {0};
         for (int64_t i = 0; i < nb; i++) {
             const uint8_t *b = w + i * 8 * Q50_BYTES;
-            for (int r = 0; r < 8; r++) {
-                int32_t s = -16 * x[i].s;
-                for (int e = 0; e < 16; e++) {
-                    const int g = e / 4, k = e % 4;
-                    const uint8_t q = b[48 + 32 * g + 4 * r + k], h = b[16 + 4 * r + k];
-                    s += ((q & 15) | (h >> (2 * g) & 1) << 4) * x[i].qs[e] +
-                         ((q >> 4) | (h >> (2 * g + 1) & 1) << 4) * x[i].qs[e + 16];
-                }
-                acc[r] += qk_f16_at(b + 2 * r) * x[i].d * (float)s;
-            }
+            for (int r = 0; r < 8; r++)
+                acc[r] += qk_f16_at(b + 2 * r) * x[i].d * (float)(q5r8_isum(b + 16, b + 48, r, x[i].qs) - 16 * x[i].s);
         }
         for (int r = 0; r < 8; r++) out[8 * t + r] = acc[r];
     }
@@ -556,16 +559,9 @@ void qk_dot_scalar_q5_1_r8(int64_t nb, const uint8_t *w, const void *const *xv, 
         float acc[8] = {0};
         for (int64_t i = 0; i < nb; i++) {
             const uint8_t *b = w + i * 8 * Q51_BYTES;
-            for (int r = 0; r < 8; r++) {
-                int32_t s = 0;
-                for (int e = 0; e < 16; e++) {
-                    const int g = e / 4, k = e % 4;
-                    const uint8_t q = b[64 + 32 * g + 4 * r + k], h = b[32 + 4 * r + k];
-                    s += ((q & 15) | (h >> (2 * g) & 1) << 4) * x[i].qs[e] +
-                         ((q >> 4) | (h >> (2 * g + 1) & 1) << 4) * x[i].qs[e + 16];
-                }
-                acc[r] += x[i].d * (qk_f16_at(b + 2 * r) * (float)s + qk_f16_at(b + 16 + 2 * r) * (float)x[i].s);
-            }
+            for (int r = 0; r < 8; r++)
+                acc[r] += x[i].d * (qk_f16_at(b + 2 * r) * (float)q5r8_isum(b + 32, b + 64, r, x[i].qs) +
+                                    qk_f16_at(b + 16 + 2 * r) * (float)x[i].s);
         }
         for (int r = 0; r < 8; r++) out[8 * t + r] = acc[r];
     }
@@ -578,14 +574,8 @@ void qk_dot_scalar_iq4_nl_r8(int64_t nb, const uint8_t *w, const void *const *xv
         float acc[8] = {0};
         for (int64_t i = 0; i < nb; i++) {
             const uint8_t *b = w + i * 8 * IQ4NL_BYTES;
-            for (int r = 0; r < 8; r++) {
-                int32_t s = 0;
-                for (int e = 0; e < 16; e++) {
-                    const uint8_t q = b[16 + 32 * (e / 4) + 4 * r + e % 4];
-                    s += QK_KV_IQ4NL[q & 15] * x[i].qs[e] + QK_KV_IQ4NL[q >> 4] * x[i].qs[e + 16];
-                }
-                acc[r] += qk_f16_at(b + 2 * r) * x[i].d * (float)s;
-            }
+            for (int r = 0; r < 8; r++)
+                acc[r] += qk_f16_at(b + 2 * r) * x[i].d * (float)r8_book_isum(b + 16, r, QK_KV_IQ4NL, x[i].qs);
         }
         for (int r = 0; r < 8; r++) out[8 * t + r] = acc[r];
     }
