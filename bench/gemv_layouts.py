@@ -1,8 +1,9 @@
 """One-token GEMV (and a few-token GEMM) over Q4_K weights: GGUF's layout vs the kernels' interleaved one
 (Q4_K_R8), on 4 KiB pages vs transparent huge pages, from L2 and from DRAM.
 
-    python bench/gemv_layouts.py [--threads 1,2] [--reps 7] [--qtype Q4_K|Q8_0|MXFP4] [--k 2048]
+    python bench/gemv_layouts.py [--threads 1,2] [--reps 7] [--qtype Q4_K|Q5_K|Q6_K|Q8_0|MXFP4] [--k 2048]
                                  [--tokens 1,4]
+                                 [--kernel-only]
 
 (`--qtype MXFP4 --k 2880 --tokens 1,4,64`: gpt-oss's expert rows, MXFP4 vs MXFP4_R8.)
 
@@ -26,9 +27,19 @@ from moerun.quant.qtypes import QTensor, QType, tensor_bytes
 from moerun.quant.quantize import quantize
 
 
+def blocks(rows: int, K: int, qtype: QType) -> torch.Tensor:
+    """rows x K of `qtype` as GGUF bytes: quantized normals, or (Q5_K, which moerun does not quantize) random bytes
+    with d and dmin set to 2^-10, since a kernel's speed does not depend on the values."""
+    if qtype != QType.Q5_K:
+        return quantize(torch.randn(rows, K) * 0.05, qtype)
+    raw = torch.randint(0, 256, (rows * K // 256, 176), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    raw[:, :4] = torch.full((1, 2), 2.0 ** -10, dtype=torch.float16).view(torch.uint8)
+    return raw.view(rows, -1)
+
+
 def weights(rows: int, K: int, layout: str, pages: str, qtype: QType = QType.Q4_K) -> QTensor:
     """rows x K of `qtype` (1024 distinct rows tiled) in `layout` ("gguf" | "r8") on `pages` ("4k" | "huge")."""
-    base = quantize(torch.randn(min(rows, 1024), K) * 0.05, qtype)
+    base = blocks(min(rows, 1024), K, qtype)
     raw = base.repeat(rows // base.shape[0], 1)
     t = QTensor.from_bytes(raw, qtype, (rows, K))
     if layout == "r8":
@@ -75,11 +86,15 @@ def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--qtype", default="Q4_K", choices=("Q4_K", "Q8_0", "MXFP4"))
+    ap.add_argument("--qtype", default="Q4_K", choices=("Q4_K", "Q5_K", "Q6_K", "Q8_0", "MXFP4"))
     ap.add_argument("--k", type=int, default=2048, help="row length (a multiple of the type's block)")
     ap.add_argument("--tokens", default="1,4", help="token counts of the DRAM cases")
+    ap.add_argument("--kernel-only", action="store_true", help="only one core's kernel alone")
     a = ap.parse_args()
     K, qtype = a.k, QType[a.qtype]
+    if a.kernel_only:
+        kernel_alone(K, qtype, a.reps)
+        return
     l2, dram = 256, 524288 * 2048 // K // 1024 * 1024  # whole tiles of the 1024 distinct rows
     mb = [tensor_bytes(qtype, (n, K)) / 1e6 for n in (l2, dram)]
     cases = [(f"L2 ({mb[0] * 1000:.0f} KB)", l2, 1)] + [(f"DRAM ({mb[1]:.0f} MB)", dram, t) for t in ints(a.tokens)]
