@@ -23,6 +23,8 @@ def random_blocks(qtype: QType, rows: int, cols: int, gen: torch.Generator, kq_s
         f16(2, kq_scale, 4 * kq_scale)  # dmin
     elif qtype == QType.Q6_K:
         f16(208, 1e-4, 4e-4)
+    elif qtype == QType.Q3_K:  # scales in [-32, 31], values in [-4, 3]
+        f16(108, 1e-4, 4e-4)
     elif qtype in (QType.Q8_0, QType.Q4_0, QType.Q5_0):
         f16(0, -0.02, 0.02)
     elif qtype == QType.IQ4_NL:  # code book up to 127

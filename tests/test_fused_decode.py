@@ -31,7 +31,7 @@ def attn_layer(**fields) -> kl.Layer:
     att = {k: fields.pop(k) for k in list(fields) if k in ATTENTION_FIELDS}
     return kl.Layer(attention=kl.Attention(**att), **fields)
 
-DEQUANT_TYPES = ("Q4_0", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "IQ4_XS", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K")
+DEQUANT_TYPES = ("Q4_0", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "IQ4_XS", "IQ4_NL", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 @pytest.mark.parametrize("qtype", DEQUANT_TYPES)

@@ -26,9 +26,9 @@ from moerun.quant.quantize import quantize
 cpu = pytest.importorskip("moerun.kernels.cpu")
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="moerun.kernels._cpu not built or disabled")
 
-QTYPES = [QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.Q5_1, QType.IQ4_XS, QType.IQ4_NL,
+QTYPES = [QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.Q4_0, QType.Q5_0, QType.Q5_1, QType.IQ4_XS, QType.IQ4_NL,
           QType.MXFP4]
-K_QUANTS = {QType.Q4_K, QType.Q5_K, QType.Q6_K}
+K_QUANTS = {QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K}
 QUANTIZABLE = {QType.Q4_K, QType.Q6_K, QType.Q8_0, QType.Q4_0}
 TOKENS = (1, 2, 3, 5, 17, 64)
 ISAS = cpu.features()["isas"]

@@ -96,11 +96,22 @@ static void deq_q6_k(const uint8_t *b, float *y) {
     }
 }
 
+static void deq_q3_k(const uint8_t *b, float *y) {
+    const float d = qk_f16_at(b + 108);
+    int8_t sc[16];
+    qk_q3k_scales(b + 96, sc);
+    for (int e = 0; e < 256; e++) {
+        const int h = e / 128, k = e % 128 / 32, j = e % 32;
+        const int q = ((b[32 + 32 * h + j] >> (2 * k)) & 3) - (((b[j] >> (4 * h + k)) & 1) ? 0 : 4);
+        y[e] = d * (float)sc[e / 16] * (float)q;
+    }
+}
+
 typedef void (*deq_fn)(const uint8_t *block, float *out);
 static const deq_fn DEQ[QT_COUNT] = {
     [QT_Q4_0] = deq_q4_0, [QT_Q5_0] = deq_q5_0, [QT_Q8_0] = deq_q8_0, [QT_MXFP4] = deq_mxfp4, [QT_Q4_K] = deq_q4_k,
     [QT_Q5_K] = deq_q5_k, [QT_Q6_K] = deq_q6_k, [QT_IQ4_XS] = deq_iq4_xs, [QT_Q5_1] = deq_q5_1,
-    [QT_IQ4_NL] = deq_iq4_nl,
+    [QT_IQ4_NL] = deq_iq4_nl, [QT_Q3_K] = deq_q3_k,
 };
 
 int qk_dequant_rows(int ggml, const uint8_t *w, int64_t N, int64_t K, const int64_t *rows, int64_t n, float *out) {

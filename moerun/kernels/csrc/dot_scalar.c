@@ -33,6 +33,7 @@ const qtype_info QK_TYPES[QT_COUNT] = {
     [QT_Q5_1_R8] = {GGML_Q5_1_R8, "Q5_1_R8", 32, 8 * 24, ACT_Q8_0, 8, 8},
     [QT_IQ4_NL] = {GGML_IQ4_NL, "IQ4_NL", 32, 18, ACT_Q8_0, 1, 4},
     [QT_IQ4_NL_R8] = {GGML_IQ4_NL_R8, "IQ4_NL_R8", 32, 8 * 18, ACT_Q8_0, 8, 8},
+    [QT_Q3_K] = {GGML_Q3_K, "Q3_K", 256, 110, ACT_Q8K, 1, 4},
 };
 
 int qk_qtype_index(int ggml) {
@@ -265,6 +266,34 @@ void qk_dot_scalar_q6_k(int64_t nb, const uint8_t *w, const void *const *xv, int
     }
 }
 
+/* Q3_K: value = d * sc[el / 16] * (q - 4 + 4 * third bit), q the two bits in qs (layout: qk.h). */
+void qk_dot_scalar_q3_k(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {
+    for (int t = 0; t < nt; t++) {
+        const act_q8k *x = xv[t];
+        const uint8_t *b = w;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < nb; i++, b += 110) {
+            int8_t sc[16];
+            qk_q3k_scales(b + 96, sc);
+            int32_t isum = 0;
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *q = b + 32 + 32 * h;
+                for (int k = 0; k < 4; k++) {
+                    const int8_t *y = x[i].qs + 128 * h + 32 * k;
+                    for (int g = 0; g < 2; g++) {
+                        int32_t sg = 0;
+                        for (int j = 16 * g; j < 16 * g + 16; j++)
+                            sg += (((q[j] >> (2 * k)) & 3) - (((b[j] >> (4 * h + k)) & 1) ? 0 : 4)) * y[j];
+                        isum += sc[8 * h + 2 * k + g] * sg;
+                    }
+                }
+            }
+            sum += x[i].d * qk_f16_at(b + 108) * (float)isum;
+        }
+        out[t] = sum;
+    }
+}
+
 /* ------------------------------------------------------------------------------- kernel sets */
 
 static const kernel_set SCALAR = {
@@ -278,7 +307,7 @@ static const kernel_set SCALAR = {
      [QT_Q5_K_R8] = qk_dot_scalar_q5_k_r8, [QT_Q5_0] = qk_dot_scalar_q5_0,
      [QT_Q5_0_R8] = qk_dot_scalar_q5_0_r8, [QT_Q5_1] = qk_dot_scalar_q5_1,
      [QT_Q5_1_R8] = qk_dot_scalar_q5_1_r8, [QT_IQ4_NL] = qk_dot_scalar_iq4_nl,
-     [QT_IQ4_NL_R8] = qk_dot_scalar_iq4_nl_r8},
+     [QT_IQ4_NL_R8] = qk_dot_scalar_iq4_nl_r8, [QT_Q3_K] = qk_dot_scalar_q3_k},
     {NULL},
 };
 
@@ -294,7 +323,7 @@ static const kernel_set SCALAR = {
       [QT_Q5_K_R8] = qk_dot_q5_k_r8##SUFFIX, [QT_Q5_0] = qk_dot_q5_0##SUFFIX,                        \
       [QT_Q5_0_R8] = qk_dot_q5_0_r8##SUFFIX, [QT_Q5_1] = qk_dot_q5_1##SUFFIX,                        \
       [QT_Q5_1_R8] = qk_dot_q5_1_r8##SUFFIX, [QT_IQ4_NL] = qk_dot_iq4_nl##SUFFIX,                   \
-      [QT_IQ4_NL_R8] = qk_dot_iq4_nl_r8##SUFFIX},                                                   \
+      [QT_IQ4_NL_R8] = qk_dot_iq4_nl_r8##SUFFIX, [QT_Q3_K] = qk_dot_q3_k##SUFFIX},                    \
      {__VA_ARGS__}}
 static const kernel_set AVX2 = X86_SET("avx2", _avx2, NULL);
 static const kernel_set VNNI = X86_SET("avx512vnni", _vnni, [QT_Q8_0_R8] = qk_dot16_q8_0_r8_vnni,
@@ -324,7 +353,7 @@ static const kernel_set NEON = {
      [QT_IQ4_XS_R8] = qk_dot_scalar_iq4_xs_r8, [QT_Q5_K_R8] = qk_dot_scalar_q5_k_r8,
      [QT_Q5_0] = qk_dot_scalar_q5_0, [QT_Q5_0_R8] = qk_dot_scalar_q5_0_r8, [QT_Q5_1] = qk_dot_scalar_q5_1,
      [QT_Q5_1_R8] = qk_dot_scalar_q5_1_r8, [QT_IQ4_NL] = qk_dot_scalar_iq4_nl,
-     [QT_IQ4_NL_R8] = qk_dot_scalar_iq4_nl_r8},
+     [QT_IQ4_NL_R8] = qk_dot_scalar_iq4_nl_r8, [QT_Q3_K] = qk_dot_scalar_q3_k},
     {NULL},
 };
 

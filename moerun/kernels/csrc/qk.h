@@ -24,6 +24,10 @@
  *          value = d * sc[s] * q - dmin * m[s], s = el / 32.
  *   Q5_K  256 el, 176 B: d @0 | dmin @2 | scales[12] @4 | qh[32] @16 | qs[128] @48.
  *          As Q4_K, plus a fifth bit: bit k of qh[j] is bit 4 of el 32k + j.
+ *   Q3_K  256 el, 110 B: hmask[32] @0 | qs[64] @32 | scales[12] @96 | d f16 @108.
+ *          For half h (0, 1): qs[32 + 32h + j] bits 2k..2k+1 -> el 128h + 32k + j (j < 32), whose third bit is
+ *          bit 4h + k of hmask[j]; sixteen 6-bit scales (qk_q3k_scales), one per 16 elements.
+ *          value = d * (scale - 32) * (q - (third bit ? 0 : 4)).
  *   Q6_K  256 el, 210 B: ql[128] @0 | qh[64] @128 | scales int8[16] @192 | d f16 @208.
  *          For half h (0, 1): ql[64h + j] low nibble -> el 128h + j, high -> 128h + 64 + j (j < 64);
  *          qh[32h + j] bits 2k..2k+1 -> high 2 bits of el 128h + 32k + j (j < 32).
@@ -75,7 +79,7 @@
  * Activation formats (ours, internal; f32 scales, values in [-127, 127], never -128):
  *   act_q8k  per 256: f32 d | int8 qs[256] | int16 bsums[16] (sums of each 16 qs), 292 B.
  *   act_q8_0 per 32:  f32 d | int32 s (the sum of qs) | int8 qs[32], 40 B.
- * K-quants pair with act_q8k; Q4_0, Q5_0, Q5_1, Q8_0, MXFP4, IQ4_NL and IQ4_XS with act_q8_0.
+ * K-quants (Q3_K, Q4_K, Q5_K, Q6_K) pair with act_q8k; Q4_0, Q5_0, Q5_1, Q8_0, MXFP4, IQ4_NL and IQ4_XS with act_q8_0.
  */
 #ifndef MOERUN_QK_H
 #define MOERUN_QK_H
@@ -96,7 +100,7 @@
 #endif
 
 /* ggml type ids (gguf.GGMLQuantizationType) of the weight types we read. */
-enum { GGML_Q4_0 = 2, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14,
+enum { GGML_Q4_0 = 2, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8, GGML_Q3_K = 11, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14,
        GGML_IQ4_NL = 20, GGML_IQ4_XS = 23, GGML_MXFP4 = 39 };
 /* Our interleaved layouts (see above): type id = source ggml id + QK_R8. */
 enum { QK_R8 = 1000, GGML_Q4_K_R8 = QK_R8 + GGML_Q4_K, GGML_Q8_0_R8 = QK_R8 + GGML_Q8_0,
@@ -111,7 +115,7 @@ enum { FT_F32, FT_F16, FT_COUNT };
 /* Our dense indices for those types. */
 enum { QT_Q4_0, QT_Q8_0, QT_MXFP4, QT_Q4_K, QT_Q5_K, QT_Q6_K, QT_IQ4_XS, QT_Q4_K_R8, QT_Q8_0_R8, QT_MXFP4_R8,
        QT_Q6_K_R8, QT_IQ4_XS_R8, QT_Q5_K_R8, QT_Q5_0, QT_Q5_0_R8, QT_Q5_1, QT_Q5_1_R8, QT_IQ4_NL,
-       QT_IQ4_NL_R8, QT_COUNT };
+       QT_IQ4_NL_R8, QT_Q3_K, QT_COUNT };
 
 /* Activation formats. */
 enum { ACT_Q8K, ACT_Q8_0, ACT_COUNT };
@@ -189,6 +193,7 @@ void qk_dot_scalar_mxfp4(int64_t, const uint8_t *, const void *const *, int, flo
 void qk_dot_scalar_q4_k(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_q5_k(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_q6_k(int64_t, const uint8_t *, const void *const *, int, float *);
+void qk_dot_scalar_q3_k(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_iq4_xs(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_q4_k_r8(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_q5_k_r8(int64_t, const uint8_t *, const void *const *, int, float *);
@@ -215,6 +220,7 @@ void qk_quant_q8_0_avx2(const float *x, void *out, int64_t k);
     void qk_dot_q4_k##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
     void qk_dot_q5_k##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
     void qk_dot_q6_k##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
+    void qk_dot_q3_k##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);   \
     void qk_dot_q4_k_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);  \
     void qk_dot_q5_k_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);  \
     void qk_dot_q8_0_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);  \
@@ -266,6 +272,15 @@ static inline float qk_f16(uint16_t h) {
 }
 
 static inline float qk_f16_at(const uint8_t *p) { return qk_f16(qk_rd16(p)); }
+
+/* Q3_K's 12 scale bytes -> its sixteen scales minus 32 (in [-32, 31]): scale s's low 4 bits are byte s % 8's low
+ * nibble (s < 8) or high nibble, its high 2 bits are bits 2(s / 4) and 2(s / 4) + 1 of byte 8 + s % 4. */
+static inline void qk_q3k_scales(const uint8_t *p, int8_t sc[16]) {
+    for (int s = 0; s < 16; s++) {
+        const int lo = (p[s % 8] >> (4 * (s / 8))) & 15, hi = (p[8 + s % 4] >> (2 * (s / 4))) & 3;
+        sc[s] = (int8_t)((lo | hi << 4) - 32);
+    }
+}
 
 /* E8M0 exponent byte -> 2^(e - 128) (half of the MX scale, to go with the doubled code book). */
 static inline float qk_e8m0_half(uint8_t e) {
