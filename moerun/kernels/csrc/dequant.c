@@ -98,12 +98,13 @@ static void deq_q6_k(const uint8_t *b, float *y) {
 
 static void deq_q3_k(const uint8_t *b, float *y) {
     const float d = qk_f16_at(b + 108);
-    int8_t sc[16];
-    qk_q3k_scales(b + 96, sc);
+    uint32_t sw[4];
+    qk_q3k_scales(b + 96, sw);
+    const uint8_t *sc = (const uint8_t *)sw;
     for (int e = 0; e < 256; e++) {
         const int h = e / 128, k = e % 128 / 32, j = e % 32;
         const int q = ((b[32 + 32 * h + j] >> (2 * k)) & 3) - (((b[j] >> (4 * h + k)) & 1) ? 0 : 4);
-        y[e] = d * (float)sc[e / 16] * (float)q;
+        y[e] = d * (float)(sc[e / 16] - 32) * (float)q;
     }
 }
 

@@ -273,8 +273,9 @@ void qk_dot_scalar_q3_k(int64_t nb, const uint8_t *w, const void *const *xv, int
         const uint8_t *b = w;
         float sum = 0.0f;
         for (int64_t i = 0; i < nb; i++, b += 110) {
-            int8_t sc[16];
-            qk_q3k_scales(b + 96, sc);
+            uint32_t sw[4];
+            qk_q3k_scales(b + 96, sw);
+            const uint8_t *sc = (const uint8_t *)sw;
             int32_t isum = 0;
             for (int h = 0; h < 2; h++) {
                 const uint8_t *q = b + 32 + 32 * h;
@@ -284,7 +285,7 @@ void qk_dot_scalar_q3_k(int64_t nb, const uint8_t *w, const void *const *xv, int
                         int32_t sg = 0;
                         for (int j = 16 * g; j < 16 * g + 16; j++)
                             sg += (((q[j] >> (2 * k)) & 3) - (((b[j] >> (4 * h + k)) & 1) ? 0 : 4)) * y[j];
-                        isum += sc[8 * h + 2 * k + g] * sg;
+                        isum += (sc[8 * h + 2 * k + g] - 32) * sg;
                     }
                 }
             }

@@ -273,13 +273,16 @@ static inline float qk_f16(uint16_t h) {
 
 static inline float qk_f16_at(const uint8_t *p) { return qk_f16(qk_rd16(p)); }
 
-/* Q3_K's 12 scale bytes -> its sixteen scales minus 32 (in [-32, 31]): scale s's low 4 bits are byte s % 8's low
- * nibble (s < 8) or high nibble, its high 2 bits are bits 2(s / 4) and 2(s / 4) + 1 of byte 8 + s % 4. */
-static inline void qk_q3k_scales(const uint8_t *p, int8_t sc[16]) {
-    for (int s = 0; s < 16; s++) {
-        const int lo = (p[s % 8] >> (4 * (s / 8))) & 15, hi = (p[8 + s % 4] >> (2 * (s / 4))) & 3;
-        sc[s] = (int8_t)((lo | hi << 4) - 32);
-    }
+/* Q3_K's 12 scale bytes -> its sixteen 6-bit scales (before the -32), as bytes in four words: scale s's low 4 bits
+ * are byte s % 8's low nibble (s < 8) or high nibble, its high 2 bits bits 2(s / 4) and 2(s / 4) + 1 of byte 8 + s % 4. */
+static inline void qk_q3k_scales(const uint8_t *p, uint32_t sc[4]) {
+    uint32_t a[3];
+    memcpy(a, p, 12);
+    const uint32_t k4 = 0x0f0f0f0fu, k2 = 0x03030303u;
+    sc[0] = (a[0] & k4) | ((a[2] & k2) << 4);
+    sc[1] = (a[1] & k4) | (((a[2] >> 2) & k2) << 4);
+    sc[2] = ((a[0] >> 4) & k4) | (((a[2] >> 4) & k2) << 4);
+    sc[3] = ((a[1] >> 4) & k4) | (((a[2] >> 6) & k2) << 4);
 }
 
 /* E8M0 exponent byte -> 2^(e - 128) (half of the MX scale, to go with the doubled code book). */
