@@ -92,8 +92,8 @@ def _cache_sizes(ctx, param, values):
 @click.option("--mmap/--no-mmap", default=None,
               help="Keep routed experts in the file's map (default when a cache is asked for) or copy them to RAM.")
 @click.option("--repack/--no-repack", default=True, show_default=True,
-              help="Interleave Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS, Q5_0, Q5_1 and IQ4_NL weights held in RAM for the "
-                   "CPU kernels at load (llama.cpp's repack; on NEON Q6_K, IQ4_XS and IQ4_NL stay as stored).")
+              help="Interleave Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS, Q5_0, Q5_1 and IQ4_NL weights held in RAM for the "
+                   "CPU kernels at load (llama.cpp's repack; on NEON Q3_K, Q6_K, IQ4_XS and IQ4_NL stay as stored).")
 @click.option("--trace-routing", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Record the routing of the timed runs (JSON Lines) for `moerun estimate --trace`.")
 @click.option("--gpus", default=None, help="Placement: CUDA devices in PCI order, one stage each, e.g. 0,1.")

@@ -50,9 +50,9 @@ def model_options(f):
                           "(--no-mmap). Default: RAM when the model takes under 70% of the available memory "
                           "and no expert cache is asked for."),
         click.option("--repack/--no-repack", "repack", default=True, show_default=True,
-                     help="Rewrite Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS, Q5_0, Q5_1 and IQ4_NL weights held in RAM "
-                          "into the CPU kernels' interleaved layout at load (faster; llama.cpp's repack; on NEON Q6_K, "
-                          "IQ4_XS and IQ4_NL stay as stored). Experts in the file's map are read as stored."),
+                     help="Rewrite Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS, Q5_0, Q5_1 and IQ4_NL weights held in RAM "
+                          "into the CPU kernels' interleaved layout at load (faster; llama.cpp's repack; on NEON Q3_K, "
+                          "Q6_K, IQ4_XS and IQ4_NL stay as stored). Experts in the file's map are read as stored."),
         click.option("-dev", "--device", default=None,
                      help="Compute device: cpu, cuda:N, or standin:N (the CPU standing in for a GPU: the GPU "
                           "code path with the host as its device, for testing placements without one); "

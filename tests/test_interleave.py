@@ -26,15 +26,15 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="moerun.kernels._cpu
 ISAS = cpu.features()["isas"]
 Q4K = QType.Q4_K
 QTYPES = pytest.mark.parametrize("qt", [QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.MXFP4, QType.IQ4_XS,
-                                        QType.Q5_0, QType.Q5_1, QType.IQ4_NL], ids=lambda q: q.name)
-K_QUANTS = (QType.Q4_K, QType.Q5_K, QType.Q6_K)  # activations in blocks of 256
+                                        QType.Q5_0, QType.Q5_1, QType.IQ4_NL, QType.Q3_K], ids=lambda q: q.name)
+K_QUANTS = (QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K)  # activations in blocks of 256
 
 
 def q4k(rows: int, cols: int, seed: int = 0, random_bytes: bool = False, lead: tuple[int, ...] = (),
         qt: QType = Q4K) -> QTensor:
     gen = torch.Generator().manual_seed(seed)
     n = int(np.prod(lead, dtype=np.int64)) * rows
-    if random_bytes or qt in (QType.IQ4_XS, QType.IQ4_NL):  # moerun does not quantize these: gguf-valid random blocks
+    if random_bytes or qt in (QType.IQ4_XS, QType.IQ4_NL, QType.Q3_K):  # moerun does not quantize these: random blocks
         data = random_blocks(qt, n, cols, gen)
     elif qt == QType.Q5_K:  # nor Q5_K: Q4_K's blocks with a fifth bit
         data = q5_k_from_q4_k(quantize(torch.randn(n, cols, generator=gen) * 0.05, Q4K), gen)
@@ -80,10 +80,10 @@ def test_round_trip_gives_the_file_bytes_back(shape, random_bytes, qt):
 
 
 @pytest.mark.parametrize("qt,block", [(Q4K, 144), (QType.Q5_K, 176), (QType.Q6_K, 210), (QType.Q5_0, 22),
-                                      (QType.Q5_1, 24), (QType.IQ4_NL, 18)],
-                         ids=["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL"])
+                                      (QType.Q5_1, 24), (QType.IQ4_NL, 18), (QType.Q3_K, 110)],
+                         ids=["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "Q3_K"])
 def test_any_bytes_round_trip(qt, block):
-    """Every bit pattern: Q4_K's (and Q5_K's) 12 packed scale bytes -> 6-bit values and back is one to one; Q5_K's,
+    """Every bit pattern: Q4_K's (and Q5_K's, Q3_K's) 12 packed scale bytes -> 6-bit values and back is one to one; Q5_K's,
     Q5_0's and Q5_1's fifth bits (and Q5_1's m), Q6_K's low and high bits of each weight, its int8 scales and d land
     in one place each."""
     raw = torch.randint(0, 256, (16, block * 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))

@@ -203,7 +203,7 @@ def get_threads() -> int:
 
 
 def can_interleave(w: QTensor) -> bool:
-    """Whether `interleave` takes w: a CPU Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS, Q5_0, Q5_1 or IQ4_NL matrix (or stack of them) in
+    """Whether `interleave` takes w: a CPU Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS, Q5_0, Q5_1 or IQ4_NL matrix (or stack of them) in
     GGUF's layout, rows a multiple of 8 (Q6_K and IQ4_XS only where the kernels have a vectorized interleaved dot: x86)."""
     return (isinstance(w, QTensor) and w.interleave == 1 and w.data.is_cpu
             and can_interleave_stored(w.qtype, w.shape))
@@ -243,7 +243,7 @@ def interleave(w: QTensor) -> QTensor:
     bounds it (bench/RESULTS.md). Only these kernels read it; `deinterleave` (and QTensor.dequantize) undo it."""
     _need()
     if not can_interleave(w):
-        raise ValueError(f"cannot interleave {w.qtype.name}{tuple(w.shape)} (want a CPU Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, "
+        raise ValueError(f"cannot interleave {w.qtype.name}{tuple(w.shape)} (want a CPU Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, "
                          "IQ4_XS, Q5_0, Q5_1 or IQ4_NL matrix, "
                          "rows a multiple of 8, in GGUF's layout)")
     return _relayout(_cpu.repack, w, 8)

@@ -22,7 +22,7 @@ PENDING = -(1 << 63)  # a job not ended yet (QK_READ_PENDING)
 SCRATCH_BYTES = 512 << 10  # a reading thread's buffer for the tensors repacked as read: L2-sized
 # interleaved layouts with only the portable kernel in a set whose GGUF-layout kernel is vectorized: kept in GGUF's
 # layout where that set runs
-KEEP_GGUF = {"neon": frozenset({QType.Q6_K, QType.IQ4_XS, QType.IQ4_NL})}
+KEEP_GGUF = {"neon": frozenset({QType.Q6_K, QType.IQ4_XS, QType.IQ4_NL, QType.Q3_K})}
 
 
 def mode() -> str:

@@ -16,7 +16,7 @@ SUPPORTED = frozenset(
 # qtype -> row groups of the CPU kernels' interleaved layouts
 INTERLEAVABLE = {QType.Q4_K: (8,), QType.Q5_K: (8,), QType.Q6_K: (8,), QType.Q8_0: (8,), QType.MXFP4: (8,),
                  QType.IQ4_XS: (8,), QType.Q5_0: (8,), QType.Q5_1: (8,),
-                 QType.IQ4_NL: (8,)}
+                 QType.IQ4_NL: (8,), QType.Q3_K: (8,)}
 
 
 def block_size(qtype: QType) -> tuple[int, int]:

@@ -42,7 +42,7 @@ class QTensor:
 
     interleave: 1 for the bytes as GGUF stores them; 8 for the CPU kernels' interleaved layout (rows in
     groups of 8, same bytes per group; made at load time by moerun.kernels.cpu.interleave;
-    Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS, Q5_0, Q5_1, IQ4_NL).
+    Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS, Q5_0, Q5_1, IQ4_NL).
     An interleaved matrix's rows cannot be sliced out; its experts (outer dimensions) can.
     """
 

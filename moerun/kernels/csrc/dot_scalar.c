@@ -34,6 +34,7 @@ const qtype_info QK_TYPES[QT_COUNT] = {
     [QT_IQ4_NL] = {GGML_IQ4_NL, "IQ4_NL", 32, 18, ACT_Q8_0, 1, 4},
     [QT_IQ4_NL_R8] = {GGML_IQ4_NL_R8, "IQ4_NL_R8", 32, 8 * 18, ACT_Q8_0, 8, 8},
     [QT_Q3_K] = {GGML_Q3_K, "Q3_K", 256, 110, ACT_Q8K, 1, 4},
+    [QT_Q3_K_R8] = {GGML_Q3_K_R8, "Q3_K_R8", 256, 8 * 110, ACT_Q8K, 8, 4},
 };
 
 int qk_qtype_index(int ggml) {
@@ -308,7 +309,8 @@ static const kernel_set SCALAR = {
      [QT_Q5_K_R8] = qk_dot_scalar_q5_k_r8, [QT_Q5_0] = qk_dot_scalar_q5_0,
      [QT_Q5_0_R8] = qk_dot_scalar_q5_0_r8, [QT_Q5_1] = qk_dot_scalar_q5_1,
      [QT_Q5_1_R8] = qk_dot_scalar_q5_1_r8, [QT_IQ4_NL] = qk_dot_scalar_iq4_nl,
-     [QT_IQ4_NL_R8] = qk_dot_scalar_iq4_nl_r8, [QT_Q3_K] = qk_dot_scalar_q3_k},
+     [QT_IQ4_NL_R8] = qk_dot_scalar_iq4_nl_r8, [QT_Q3_K] = qk_dot_scalar_q3_k,
+     [QT_Q3_K_R8] = qk_dot_scalar_q3_k_r8},
     {NULL},
 };
 
@@ -324,7 +326,8 @@ static const kernel_set SCALAR = {
       [QT_Q5_K_R8] = qk_dot_q5_k_r8##SUFFIX, [QT_Q5_0] = qk_dot_q5_0##SUFFIX,                        \
       [QT_Q5_0_R8] = qk_dot_q5_0_r8##SUFFIX, [QT_Q5_1] = qk_dot_q5_1##SUFFIX,                        \
       [QT_Q5_1_R8] = qk_dot_q5_1_r8##SUFFIX, [QT_IQ4_NL] = qk_dot_iq4_nl##SUFFIX,                   \
-      [QT_IQ4_NL_R8] = qk_dot_iq4_nl_r8##SUFFIX, [QT_Q3_K] = qk_dot_q3_k##SUFFIX},                    \
+      [QT_IQ4_NL_R8] = qk_dot_iq4_nl_r8##SUFFIX, [QT_Q3_K] = qk_dot_q3_k##SUFFIX,                     \
+      [QT_Q3_K_R8] = qk_dot_q3_k_r8##SUFFIX},                                                       \
      {__VA_ARGS__}}
 static const kernel_set AVX2 = X86_SET("avx2", _avx2, NULL);
 static const kernel_set VNNI = X86_SET("avx512vnni", _vnni, [QT_Q8_0_R8] = qk_dot16_q8_0_r8_vnni,
@@ -354,7 +357,8 @@ static const kernel_set NEON = {
      [QT_IQ4_XS_R8] = qk_dot_scalar_iq4_xs_r8, [QT_Q5_K_R8] = qk_dot_scalar_q5_k_r8,
      [QT_Q5_0] = qk_dot_scalar_q5_0, [QT_Q5_0_R8] = qk_dot_scalar_q5_0_r8, [QT_Q5_1] = qk_dot_scalar_q5_1,
      [QT_Q5_1_R8] = qk_dot_scalar_q5_1_r8, [QT_IQ4_NL] = qk_dot_scalar_iq4_nl,
-     [QT_IQ4_NL_R8] = qk_dot_scalar_iq4_nl_r8, [QT_Q3_K] = qk_dot_scalar_q3_k},
+     [QT_IQ4_NL_R8] = qk_dot_scalar_iq4_nl_r8, [QT_Q3_K] = qk_dot_scalar_q3_k,
+     [QT_Q3_K_R8] = qk_dot_scalar_q3_k_r8},
     {NULL},
 };
 

@@ -75,6 +75,11 @@
  *          load of the fifth bits serves the block's four chunk loads, each shifted by 2 (Q5_K_R8's trick). 176 B.
  *   Q5_1_R8 @0 d[8] f16 | @16 m[8] f16 | @32 qh[32] | @64 qs[128], qh and qs as Q5_0_R8's. 192 B.
  *   IQ4_NL_R8 @0 d[8] f16 | @16 qs[128] as MXFP4_R8's. 144 B.
+ *   Q3_K_R8 @0 d[8] f16 | @16 the 8 rows' sixteen 6-bit scales packed as Q4_K_R8's lo[64] and hi[32] (@16, @80):
+ *          vector m's byte 8(s % 4) + r = scale of row r, sub-block s = 4m + s % 4 | @112 hm[256]: hm[32v + 4r + i] = row r's
+ *          hmask[4v + i] (v < 8) | @368 qs[512]: qs[32(8h + v) + 4r + i] = row r's qs[32h + 4v + i]. Bits 2k..2k+1 of a
+ *          qs vector (h, v) are the 8 rows' el 128h + 32k + 4v + i, their third bits bit 4h + k of hm vector v: one
+ *          sub-block (8h + 2k + v / 4) per shift. 880 B.
  *
  * Activation formats (ours, internal; f32 scales, values in [-127, 127], never -128):
  *   act_q8k  per 256: f32 d | int8 qs[256] | int16 bsums[16] (sums of each 16 qs), 292 B.
@@ -106,7 +111,8 @@ enum { GGML_Q4_0 = 2, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8, GGML_Q3_K = 1
 enum { QK_R8 = 1000, GGML_Q4_K_R8 = QK_R8 + GGML_Q4_K, GGML_Q8_0_R8 = QK_R8 + GGML_Q8_0,
        GGML_MXFP4_R8 = QK_R8 + GGML_MXFP4, GGML_Q6_K_R8 = QK_R8 + GGML_Q6_K,
        GGML_IQ4_XS_R8 = QK_R8 + GGML_IQ4_XS, GGML_Q5_K_R8 = QK_R8 + GGML_Q5_K,
-       GGML_Q5_0_R8 = QK_R8 + GGML_Q5_0, GGML_Q5_1_R8 = QK_R8 + GGML_Q5_1, GGML_IQ4_NL_R8 = QK_R8 + GGML_IQ4_NL };
+       GGML_Q5_0_R8 = QK_R8 + GGML_Q5_0, GGML_Q5_1_R8 = QK_R8 + GGML_Q5_1, GGML_IQ4_NL_R8 = QK_R8 + GGML_IQ4_NL,
+       GGML_Q3_K_R8 = QK_R8 + GGML_Q3_K };
 
 /* Float weight types, read by the fused decode path's matmuls (fdot.c). */
 enum { GGML_F32 = 0, GGML_F16 = 1 };
@@ -115,7 +121,7 @@ enum { FT_F32, FT_F16, FT_COUNT };
 /* Our dense indices for those types. */
 enum { QT_Q4_0, QT_Q8_0, QT_MXFP4, QT_Q4_K, QT_Q5_K, QT_Q6_K, QT_IQ4_XS, QT_Q4_K_R8, QT_Q8_0_R8, QT_MXFP4_R8,
        QT_Q6_K_R8, QT_IQ4_XS_R8, QT_Q5_K_R8, QT_Q5_0, QT_Q5_0_R8, QT_Q5_1, QT_Q5_1_R8, QT_IQ4_NL,
-       QT_IQ4_NL_R8, QT_Q3_K, QT_COUNT };
+       QT_IQ4_NL_R8, QT_Q3_K, QT_Q3_K_R8, QT_COUNT };
 
 /* Activation formats. */
 enum { ACT_Q8K, ACT_Q8_0, ACT_COUNT };
@@ -204,6 +210,10 @@ void qk_dot_scalar_iq4_xs_r8(int64_t, const uint8_t *, const void *const *, int,
 void qk_dot_scalar_q5_0_r8(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_q5_1_r8(int64_t, const uint8_t *, const void *const *, int, float *);
 void qk_dot_scalar_iq4_nl_r8(int64_t, const uint8_t *, const void *const *, int, float *);
+void qk_dot_scalar_q3_k_r8(int64_t, const uint8_t *, const void *const *, int, float *);
+/* Q3_K_R8's repack and unpack of one block (r8_q3k.c). */
+void qk_q3r8_pack_block(const uint8_t *const src[8], uint8_t *b);
+void qk_q3r8_unpack_block(const uint8_t *b, uint8_t *const dst[8]);
 /* The four 32-value scale vectors V0..V3 of a Q4_K_R8 block (r8.c). */
 void qk_r8_vectors(const uint8_t *b, uint8_t v[4][32]);
 #if QK_X86
@@ -229,7 +239,8 @@ void qk_quant_q8_0_avx2(const float *x, void *out, int64_t k);
     void qk_dot_iq4_xs_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *); \
     void qk_dot_q5_0_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);  \
     void qk_dot_q5_1_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);  \
-    void qk_dot_iq4_nl_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);
+    void qk_dot_iq4_nl_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *); \
+    void qk_dot_q3_k_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);
 QK_DECLARE_X86_DOTS(_avx2)
 QK_DECLARE_X86_DOTS(_vnni)
 void qk_dot16_q8_0_r8_vnni(int64_t, const uint8_t *, int64_t, const void *const *, int, float *);

@@ -1,4 +1,4 @@
-/* The interleaved layouts Q4_K_R8, Q5_K_R8, Q6_K_R8, Q8_0_R8, MXFP4_R8, IQ4_XS_R8, Q5_0_R8, Q5_1_R8 and IQ4_NL_R8 (qk.h): repacking from and back to GGUF's blocks, and the
+/* The interleaved layouts Q4_K_R8, Q5_K_R8, Q6_K_R8, Q8_0_R8, MXFP4_R8, IQ4_XS_R8, Q5_0_R8, Q5_1_R8 and IQ4_NL_R8 (qk.h): repacking from and back to GGUF's blocks (Q3_K_R8's: r8_q3k.c), and the
  * portable dots.
  *
  * qk_repack and qk_unpack are exact inverses on any bytes (the 12-byte packed scales map one to one onto
@@ -291,6 +291,7 @@ static const relayout_kind KINDS[] = {
     {GGML_Q5_0_R8, GGML_Q5_0, 32, Q50_BYTES, q50_pack_block, q50_unpack_block},
     {GGML_Q5_1_R8, GGML_Q5_1, 32, Q51_BYTES, q51_pack_block, q51_unpack_block},
     {GGML_IQ4_NL_R8, GGML_IQ4_NL, 32, IQ4NL_BYTES, iq4nl_pack_block, iq4nl_unpack_block},
+    {GGML_Q3_K_R8, GGML_Q3_K, 256, 110, qk_q3r8_pack_block, qk_q3r8_unpack_block},
 };
 
 static const relayout_kind *kind_of(int type) {
