@@ -333,7 +333,7 @@ static const kernel_set AVX2 = X86_SET("avx2", _avx2, NULL);
 static const kernel_set VNNI = X86_SET("avx512vnni", _vnni, [QT_Q8_0_R8] = qk_dot16_q8_0_r8_vnni,
                                            [QT_Q4_K_R8] = qk_dot16_q4_k_r8_vnni, [QT_Q6_K_R8] = qk_dot16_q6_k_r8_vnni,
                                            [QT_MXFP4_R8] = qk_dot16_mxfp4_r8_vnni, [QT_IQ4_XS_R8] = qk_dot16_iq4_xs_r8_vnni,
-                                           [QT_Q5_K_R8] = qk_dot16_q5_k_r8_vnni);
+                                           [QT_Q5_K_R8] = qk_dot16_q5_k_r8_vnni, [QT_Q3_K_R8] = qk_dot16_q3_k_r8_vnni);
 
 static int cpu_has(int isa) {
     __builtin_cpu_init();

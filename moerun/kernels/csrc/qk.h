@@ -243,6 +243,7 @@ void qk_quant_q8_0_avx2(const float *x, void *out, int64_t k);
     void qk_dot_q3_k_r8##SUFFIX(int64_t, const uint8_t *, const void *const *, int, float *);
 QK_DECLARE_X86_DOTS(_avx2)
 QK_DECLARE_X86_DOTS(_vnni)
+void qk_dot16_q3_k_r8_vnni(int64_t, const uint8_t *, int64_t, const void *const *, int, float *);
 void qk_dot16_q8_0_r8_vnni(int64_t, const uint8_t *, int64_t, const void *const *, int, float *);
 void qk_dot16_q4_k_r8_vnni(int64_t, const uint8_t *, int64_t, const void *const *, int, float *);
 void qk_dot16_q5_k_r8_vnni(int64_t, const uint8_t *, int64_t, const void *const *, int, float *);
