@@ -30,6 +30,25 @@ def test_every_dense_weight_is_a_copy_the_embeddings_too(tmp_path):
     assert torch.equal(m.embd.data.reshape(-1), loaded.file.raw("token_embd.weight"))
 
 
+def test_a_repack_the_extension_refuses_is_named_not_called_a_truncated_file(tmp_path, monkeypatch):
+    """An extension older than the Python side (an updated checkout not rebuilt) refuses a new layout: the error says
+    so, where it used to blame the file ("truncated ... changed on disk?")."""
+    from moerun.errors import ModelFormatError
+    from moerun.kernels import reads
+
+    path = make_model(preset("tiny-qwen3moe", layers=2), tmp_path / "m.gguf", ftype="Q8_0", progress=False, threads=1)
+    real = reads.read_all
+
+    def refusing(jobs, *a, **kw):
+        got = real(jobs, *a, **kw)
+        return [-3 if j.interleave is not None else rc for j, rc in zip(jobs, got)]  # QK_ETYPE from the repack
+
+    monkeypatch.setattr(reads, "read_all", refusing)
+    with pytest.raises(ModelFormatError, match=r"cannot interleave tensor .*\(Q8_0.*rebuild") as e:
+        load_model(path)
+    assert "truncated" not in str(e.value)
+
+
 def _resident(t: torch.Tensor) -> float:
     """The share of t's pages in RAM (mincore)."""
     import ctypes

@@ -32,7 +32,8 @@ class Read:
 def read_all(reads: Sequence[Read], threads: int, progress: Callable[[int, int], None] | None = None,
              meanwhile: Callable[[], None] | None = None, poll: float = 0.1) -> list[int]:
     """Run `reads` on up to `threads` threads, each taking the next read not taken -> each read's result: its bytes
-    read (fewer where the file ends first), or -1000 - errno where a read failed. progress(i, result): called on this
+    read (fewer where the file ends first), -1000 - errno where a read failed, or the repack's error code (QK_E*,
+    -1 to -999) where the extension refused the layout or shape. progress(i, result): called on this
     thread for each read that has ended, looked for every `poll` seconds. meanwhile: run on this thread once the
     reading threads have started (the reads go on beside it); its exception is raised once they have ended."""
     _need()

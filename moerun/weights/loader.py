@@ -188,6 +188,10 @@ def _read_copies(mf: ModelFile, reads: dict[CName, TensorRecord], fused: set[CNa
         rec = reads[cn]
         if rc <= -1000:
             raise ModelFormatError(rec.file, f"cannot read tensor '{rec.name}': {os.strerror(-1000 - rc)}")
+        if rc < 0:  # the repack's own error: a layout or shape this build of the extension does not take
+            raise ModelFormatError(rec.file, f"cannot interleave tensor '{rec.name}' ({rec.qtype.name}"
+                                             f"{tuple(rec.shape)}): the kernel extension does not take it (error "
+                                             f"{rc}); rebuild it with `pip install -e .` if moerun was updated since")
         if rc != rec.nbytes:
             raise ModelFormatError(rec.file, f"truncated: tensor '{rec.name}' needs bytes "
                                              f"{rec.offset}..{rec.offset + rec.nbytes} (changed on disk?)")
