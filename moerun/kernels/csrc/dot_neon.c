@@ -126,7 +126,7 @@ void qk_dot_q4_k_r8_neon(int64_t nb, const uint8_t *w, const void *const *xv, in
         for (int64_t i = 0; i < nb; i++) {
             const uint8_t *b = w + i * 1152;
             uint8_t v[4][32]; /* the scale vectors V0..V3 (qk.h) */
-            qk_r8_vectors(b, v);
+            qk_r8_vectors(b + 32, v);
             int32x4_t isum[2] = {vdupq_n_s32(0), vdupq_n_s32(0)};
             for (int g = 0; g < 4; g++) {
                 int32x4_t lo[2] = {vdupq_n_s32(0), vdupq_n_s32(0)}, hi[2] = {vdupq_n_s32(0), vdupq_n_s32(0)};

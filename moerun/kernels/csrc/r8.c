@@ -25,14 +25,22 @@
 #define Q51_BYTES 24
 #define IQ4NL_BYTES 18
 
-/* The four 32-value scale vectors of an R8 block (layout: qk.h). */
-void qk_r8_vectors(const uint8_t *b, uint8_t v[4][32]) {
+/* The four 32-value scale vectors of an R8 block from their packing at p (lo[64], hi[32]; layout: qk.h), and back. */
+void qk_r8_vectors(const uint8_t *p, uint8_t v[4][32]) {
     for (int j = 0; j < 32; j++) {
-        const uint8_t hi = b[96 + j];
-        v[0][j] = (uint8_t)((b[32 + j] & 15) | (hi & 3) << 4);
-        v[1][j] = (uint8_t)((b[32 + j] >> 4) | (hi >> 2 & 3) << 4);
-        v[2][j] = (uint8_t)((b[64 + j] & 15) | (hi >> 4 & 3) << 4);
-        v[3][j] = (uint8_t)((b[64 + j] >> 4) | (hi >> 6) << 4);
+        const uint8_t hi = p[64 + j];
+        v[0][j] = (uint8_t)((p[j] & 15) | (hi & 3) << 4);
+        v[1][j] = (uint8_t)((p[j] >> 4) | (hi >> 2 & 3) << 4);
+        v[2][j] = (uint8_t)((p[32 + j] & 15) | (hi >> 4 & 3) << 4);
+        v[3][j] = (uint8_t)((p[32 + j] >> 4) | (hi >> 6) << 4);
+    }
+}
+
+void qk_r8_pack_vectors(uint8_t v[4][32], uint8_t *p) {
+    for (int j = 0; j < 32; j++) {
+        p[j] = (uint8_t)((v[0][j] & 15) | (v[1][j] & 15) << 4);
+        p[32 + j] = (uint8_t)((v[2][j] & 15) | (v[3][j] & 15) << 4);
+        p[64 + j] = (uint8_t)(v[0][j] >> 4 | (v[1][j] >> 4) << 2 | (v[2][j] >> 4) << 4 | (v[3][j] >> 4) << 6);
     }
 }
 
@@ -70,17 +78,13 @@ static void q45r8_pack_block(const uint8_t *const src[8], uint8_t *b, int hb) {
                         b[q5r8_qh_at(g, c, r, i)] |= (uint8_t)((src[r][16 + 4 * c + i] >> (2 * g + h) & 1) << q5r8_bit(c, h));
             }
     }
-    for (int j = 0; j < 32; j++) {
-        b[32 + j] = (uint8_t)((v[0][j] & 15) | (v[1][j] & 15) << 4);
-        b[64 + j] = (uint8_t)((v[2][j] & 15) | (v[3][j] & 15) << 4);
-        b[96 + j] = (uint8_t)(v[0][j] >> 4 | (v[1][j] >> 4) << 2 | (v[2][j] >> 4) << 4 | (v[3][j] >> 4) << 6);
-    }
+    qk_r8_pack_vectors(v, b + 32);
 }
 
 /* The 8 Q4_K / Q5_K blocks (dst[r]) of an R8 block. */
 static void q45r8_unpack_block(const uint8_t *b, uint8_t *const dst[8], int hb) {
     uint8_t v[4][32];
-    qk_r8_vectors(b, v);
+    qk_r8_vectors(b + 32, v);
     for (int r = 0; r < 8; r++) {
         uint8_t *o = dst[r];
         if (hb) memset(o + 16, 0, 32);
@@ -409,7 +413,7 @@ static void q45r8_dot_scalar(int64_t nb, const uint8_t *w, const void *const *xv
         for (int64_t i = 0; i < nb; i++) {
             const uint8_t *b = w + i * (hb ? Q5R8_BYTES : R8_BYTES);
             uint8_t v[4][32];
-            qk_r8_vectors(b, v);
+            qk_r8_vectors(b + 32, v);
             for (int r = 0; r < 8; r++) {
                 int32_t isum = 0, msum = 0;
                 for (int s = 0; s < 8; s++) {

@@ -29,22 +29,14 @@ void qk_q3r8_pack_block(const uint8_t *const src[8], uint8_t *b) {
         for (int h = 0; h < 2; h++)
             for (int j = 0; j < 8; j++) memcpy(b + qs_at(h, j) + 4 * r, src[r] + 32 + 32 * h + 4 * j, 4);
     }
-    for (int j = 0; j < 32; j++) {
-        b[16 + j] = (uint8_t)((v[0][j] & 15) | (v[1][j] & 15) << 4);
-        b[48 + j] = (uint8_t)((v[2][j] & 15) | (v[3][j] & 15) << 4);
-        b[80 + j] = (uint8_t)(v[0][j] >> 4 | (v[1][j] >> 4) << 2 | (v[2][j] >> 4) << 4 | (v[3][j] >> 4) << 6);
-    }
+    qk_r8_pack_vectors(v, b + 16);
 }
 
 /* The 8 rows' scales of an R8 block: sc[r][s]. */
 static void r8_row_scales(const uint8_t *b, uint8_t sc[8][16]) {
-    for (int j = 0; j < 32; j++) { /* vector m's byte j: row j % 8, sub-block 4m + j / 8 */
-        const uint8_t hi = b[80 + j];
-        sc[j % 8][j / 8] = (uint8_t)((b[16 + j] & 15) | (hi & 3) << 4);
-        sc[j % 8][4 + j / 8] = (uint8_t)((b[16 + j] >> 4) | (hi >> 2 & 3) << 4);
-        sc[j % 8][8 + j / 8] = (uint8_t)((b[48 + j] & 15) | (hi >> 4 & 3) << 4);
-        sc[j % 8][12 + j / 8] = (uint8_t)((b[48 + j] >> 4) | (hi >> 6) << 4);
-    }
+    uint8_t v[4][32];
+    qk_r8_vectors(b + 16, v);
+    for (int j = 0; j < 128; j++) sc[j % 8][j / 8] = v[j / 32][j % 32]; /* vector m's byte i: row i % 8, sub-block 4m + i / 8 */
 }
 
 void qk_q3r8_unpack_block(const uint8_t *b, uint8_t *const dst[8]) {

@@ -35,6 +35,12 @@ QK_AVX2_INLINE __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
 #endif
 }
 
+/* h's bits moved by s places (left if s > 0) in 16-bit lanes, s a constant once inlined: for |s| < 8 a byte's bits
+ * s.. (or ..7 - s) come from its own byte, the rest from its neighbour, which the callers' masks drop. */
+QK_AVX2_INLINE __m256i shift16(__m256i h, const int s) {
+    return s > 0 ? _mm256_slli_epi16(h, s) : s < 0 ? _mm256_srli_epi16(h, -s) : h;
+}
+
 /* exp on 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial), within
  * 2 ulp of expf on the softmax's inputs (<= 0); below -87.3 it flushes towards 0. */
 QK_AVX2_INLINE __m256 exp8(__m256 x) {
