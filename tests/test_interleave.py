@@ -227,45 +227,63 @@ def test_prefetch_changes_no_result(qt, T, default_prefetch):
 
 
 def _cpuinfo(key: str) -> str:
+    """The first processor's value of `key` in /proc/cpuinfo ("model", not "model name"), or ""."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(key)), "")
+            return next((line.split(":", 1)[1].strip() for line in f
+                         if ":" in line and line.split(":", 1)[0].strip() == key), "")
     except OSError:
         return ""
 
 
-# The measured defaults (pool.c's table): Intel T1 2 KB; AMD Zen 5 (family 26) NTA 4 KB; Zen 4 and older none.
-PREFETCH_DEFAULTS = {("GenuineIntel", 6): (2048, "t1"), ("AuthenticAMD", 26): (4096, "nta"),
-                     ("AuthenticAMD", 27): (4096, "nta"), ("AuthenticAMD", 25): (0, "t1"),
-                     ("AuthenticAMD", 23): (0, "t1"), ("HygonGenuine", 24): (0, "t1"), ("", 0): (0, "t1")}
+def this_cpu() -> tuple[str, int, int]:
+    """(CPUID vendor, family, model) of the CPU running the test, as /proc/cpuinfo gives them."""
+    return _cpuinfo("vendor_id"), int(_cpuinfo("cpu family") or 0), int(_cpuinfo("model") or 0)
 
 
-def expected_default(vendor: str, family: int) -> tuple[int, str]:
+# The measured defaults (pool.c's table), by (vendor, family, model): Intel family 6 model 207 T1 8 KB and the 512-bit
+# one-token passes; other Intel CPUs T1 2 KB; AMD Zen 5 (family 26) NTA 4 KB and the 512-bit passes; Zen 4 and older
+# none.
+PREFETCH_DEFAULTS = {("GenuineIntel", 6, 207): (8192, "t1"), ("GenuineIntel", 6, 167): (2048, "t1"),
+                     ("GenuineIntel", 6, 143): (2048, "t1"), ("GenuineIntel", 6, 0): (2048, "t1"),
+                     ("GenuineIntel", 19, 1): (2048, "t1"), ("AuthenticAMD", 26, 2): (4096, "nta"),
+                     ("AuthenticAMD", 27, 0): (4096, "nta"), ("AuthenticAMD", 25, 17): (0, "t1"),
+                     ("AuthenticAMD", 25, 207): (0, "t1"), ("AuthenticAMD", 23, 49): (0, "t1"),
+                     ("HygonGenuine", 24, 0): (0, "t1"), ("", 0, 0): (0, "t1")}
+
+
+def expected_default(vendor: str, family: int, model: int) -> tuple[int, str]:
     if vendor == "GenuineIntel":
-        return 2048, "t1"
+        return (8192, "t1") if (family, model) == (6, 207) else (2048, "t1")
     return (4096, "nta") if vendor == "AuthenticAMD" and family >= 26 else (0, "t1")
+
+
+def expected_wide(vendor: str, family: int, model: int) -> bool:
+    return (vendor == "AuthenticAMD" and family >= 26) or (vendor, family, model) == ("GenuineIntel", 6, 207)
 
 
 def test_prefetch_defaults_per_vendor_and_family():
     """Every row of the table, whatever CPU runs the test (an Intel machine reads AMD's rows and the other way round):
-    the distance and hint each vendor's measurements chose."""
-    for (vendor, family), want in PREFETCH_DEFAULTS.items():
-        nbytes, hint = cpu._cpu.prefetch_default(vendor, family)
-        assert (nbytes, cpu.PREFETCH_HINTS[hint]) == want == expected_default(vendor, family), (vendor, family)
+    the distance and hint each vendor's measurements chose; a model left out reads as 0, no model's row."""
+    for (vendor, family, model), want in PREFETCH_DEFAULTS.items():
+        nbytes, hint = cpu._cpu.prefetch_default(vendor, family, model)
+        assert (nbytes, cpu.PREFETCH_HINTS[hint]) == want == expected_default(vendor, family, model), (vendor, family)
+    assert cpu._cpu.prefetch_default("GenuineIntel", 6) == (2048, cpu.PREFETCH_HINTS.index("t1"))
 
 
 def test_wide_passes_default_per_vendor_and_family(default_wide):
-    """The table's 512-bit one-token passes: on where they were measured faster (AMD Zen 5), off on Intel and older
-    AMD until measured there; every row whatever CPU runs the test, and this CPU's default."""
-    for vendor, family in PREFETCH_DEFAULTS:
-        assert cpu._cpu.wide_default(vendor, family) is (vendor == "AuthenticAMD" and family >= 26), (vendor, family)
+    """The table's 512-bit one-token passes: on where they were measured faster (AMD Zen 5, Intel family 6 model
+    207), off on other Intel models and older AMD until measured there; every row whatever CPU runs the test, and this
+    CPU's default."""
+    for vendor, family, model in PREFETCH_DEFAULTS:
+        assert cpu._cpu.wide_default(vendor, family, model) is expected_wide(vendor, family, model), (vendor, family)
     for bad in (1, "yes", 0.0):
         with pytest.raises(ValueError, match="wide"):
             cpu.set_wide(bad)
     cpu.set_wide(True)
     assert cpu.features()["wide"] is True
     cpu.set_wide()
-    assert cpu.features()["wide"] is cpu._cpu.wide_default(_cpuinfo("vendor_id") or "", int(_cpuinfo("cpu family") or 0))
+    assert cpu.features()["wide"] is expected_wide(*this_cpu())
 
 
 def test_set_prefetch_checks_its_distance(default_prefetch):
@@ -276,9 +294,7 @@ def test_set_prefetch_checks_its_distance(default_prefetch):
     assert cpu.features()["prefetch"] == 0
     cpu.set_prefetch()  # this CPU's default, from the table
     cpu.set_prefetch_hint()
-    family = int(_cpuinfo("cpu family") or 0)
-    assert (cpu.features()["prefetch"], cpu.features()["prefetch_hint"]) == expected_default(_cpuinfo("vendor_id"),
-                                                                                            family)
+    assert (cpu.features()["prefetch"], cpu.features()["prefetch_hint"]) == expected_default(*this_cpu())
 
 
 # ------------------------------------------------------------------------------------------ moe_ffn

@@ -72,9 +72,9 @@ def test_every_hint_and_distance_leaves_moe_bits(qt, T, default_prefetch):
 
 def this_cpus_default() -> tuple[int, str]:
     """(distance, hint) the measurements chose for the CPU running the test (tests/test_interleave.py's table)."""
-    from test_interleave import _cpuinfo, expected_default
+    from test_interleave import expected_default, this_cpu
 
-    return expected_default(_cpuinfo("vendor_id"), int(_cpuinfo("cpu family") or 0))
+    return expected_default(*this_cpu())
 
 
 def test_bad_values_raise_and_none_is_the_default(default_prefetch):

@@ -140,8 +140,8 @@ def set_threads(n: int, spin_us: int | None = None) -> None:
 def set_prefetch(nbytes: int | None = None) -> None:
     """How far ahead (bytes, a multiple of 64 up to 65536; 0: not at all) the interleaved-layout kernels prefetch
     weight rows (into L2 by default: set_prefetch_hint) when they multiply one token (or up to 8 with AVX-512
-    VNNI). None: the CPU's default (2048 on Intel, 4096 on AMD Zen 5, 0 elsewhere; the environment's MOERUN_PREFETCH overrides it at
-    import); while it is not 0 the GGUF-layout kernels' own one-token prefetch goes to L2 as well. Results do not
+    VNNI). None: the CPU's default (8192 on Intel family 6 model 207, 2048 on other Intel CPUs, 4096 on AMD Zen 5, 0
+    elsewhere; the environment's MOERUN_PREFETCH overrides it at import); while it is not 0 the GGUF-layout kernels' own one-token prefetch goes to L2 as well. Results do not
     depend on it, only speed."""
     _need()
     if nbytes is not None and (not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0 or nbytes % 64
@@ -164,7 +164,7 @@ def set_prefetch_hint(hint: str | None = None) -> None:
 
 def set_wide(on: bool | None = None) -> None:
     """Whether the AVX-512 VNNI kernels take one token through Q4_K_R8 / Q6_K_R8 / MXFP4_R8 rows on 512-bit vectors or
-    256-bit ones (None: the CPU's default, on for AMD Zen 5 where it was measured). Results are the same bit for bit."""
+    256-bit ones (None: the CPU's default, on for AMD Zen 5 and Intel family 6 model 207, where it was measured). Results are the same bit for bit."""
     _need()
     if on is not None and not isinstance(on, bool):
         raise ValueError(f"wide must be True, False or None, got {on!r}")

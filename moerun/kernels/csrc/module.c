@@ -96,13 +96,13 @@ static PyObject *py_set_prefetch_hint(PyObject *self, PyObject *args) {
     return set_int(args, qk_set_prefetch_hint, "prefetch hint must be -1 or 0..3 (T0, T1, T2, NTA)");
 }
 
-/* prefetch_default(vendor, family) -> (bytes, hint): pool.c's table for that CPU (tests read every row). */
+/* prefetch_default(vendor, family, model=0) -> (bytes, hint): pool.c's table for that CPU (tests read every row). */
 static PyObject *py_prefetch_default(PyObject *self, PyObject *args) {
     (void)self;
     const char *vendor;
-    int family, hint = 0;
-    if (!PyArg_ParseTuple(args, "si", &vendor, &family)) return NULL;
-    const int bytes = qk_prefetch_default(vendor, family, &hint);
+    int family, model = 0, hint = 0;
+    if (!PyArg_ParseTuple(args, "si|i", &vendor, &family, &model)) return NULL;
+    const int bytes = qk_prefetch_default(vendor, family, model, &hint);
     return Py_BuildValue("(ii)", bytes, hint);
 }
 
@@ -111,13 +111,13 @@ static PyObject *py_set_wide(PyObject *self, PyObject *args) {
     return set_int(args, qk_set_wide, "wide must be -1 (the CPU's default), 0 or 1");
 }
 
-/* wide_default(vendor, family) -> bool: pool.c's table for that CPU. */
+/* wide_default(vendor, family, model=0) -> bool: pool.c's table for that CPU. */
 static PyObject *py_wide_default(PyObject *self, PyObject *args) {
     (void)self;
     const char *vendor;
-    int family;
-    if (!PyArg_ParseTuple(args, "si", &vendor, &family)) return NULL;
-    return PyBool_FromLong(qk_wide_default(vendor, family));
+    int family, model = 0;
+    if (!PyArg_ParseTuple(args, "si|i", &vendor, &family, &model)) return NULL;
+    return PyBool_FromLong(qk_wide_default(vendor, family, model));
 }
 
 static PyObject *py_set_active(PyObject *self, PyObject *args) {
@@ -467,9 +467,9 @@ static PyMethodDef methods[] = {
     {"set_wide", py_set_wide, METH_VARARGS,
      "set_wide(on): one-token Q4_K_R8 / Q6_K_R8 / MXFP4_R8 passes on 512-bit vectors (1), 256-bit (0), the CPU's "
      "default (-1)."},
-    {"wide_default", py_wide_default, METH_VARARGS, "wide_default(vendor, family): the table's set_wide default."},
+    {"wide_default", py_wide_default, METH_VARARGS, "wide_default(vendor, family, model=0): the table's set_wide default."},
     {"prefetch_default", py_prefetch_default, METH_VARARGS,
-     "prefetch_default(vendor, family): the default (bytes, hint) of the CPUs of that CPUID vendor and family."},
+     "prefetch_default(vendor, family, model=0): the default (bytes, hint) of the CPUs of that CPUID vendor, family and model."},
     {"set_prefetch_hint", py_set_prefetch_hint, METH_VARARGS,
      "set_prefetch_hint(hint): the interleaved kernels' prefetch hint, 0..3 = T0, T1, T2, NTA (-1: the CPU's default)."},
     {"get_threads", py_get_threads, METH_NOARGS, "Threads of the pool (caller included)."},

@@ -274,44 +274,54 @@ int qk_pool_run_as(qk_task fn, void *ctx, const char *name) {
     return rc;
 }
 
-/* The CPU's default prefetch distance and hint, by CPUID vendor and family (the first row whose vendor matches and
- * whose family the CPU's reaches; others: the last row); bench/prefetch_sweep.py measures every hint x distance on a
- * model. Intel: bench/RESULTS.md "issue 21 on an Intel machine" (T1 2 KB, a3b decode +6-36%). AMD Zen 5 (family 26):
- * NTA 4 KB, bench/journal/issue-36.md "prefetch on Zen 5" (NTA 2 KB against none, full-depth qwen3moe and qwen35moe
- * decode in one process, every setting each round: 1.089x and 1.086x, above 1 in 14 of 14 and 12 of 12 rounds) and
- * "the read probe beside each step" (4 KB against 2 KB: one 1 GB matrix 80-83 against 75-79 GB/s with the memory in its
- * fast state, level in its slow one; the five full-depth files' decode, with matmul.c's run heads, +1.7-4.2 %).
- * Zen 4 (family 25) and older: none, RESULTS.md "issue 36": no hint gained at any distance (64-8192 B; 0.96-0.99x at
- * 64-256 B, T1 2 KB 0.57-0.60x on an a3b-L12 decode). */
+/* The CPU's default prefetch distance and hint, by CPUID vendor, family and model (the first row whose vendor
+ * matches, whose family the CPU's reaches and whose model is the CPU's or 0 for any; others: the last row);
+ * bench/prefetch_sweep.py and bench/settings_ab.py measure the settings on a model. Intel: bench/RESULTS.md "issue 21
+ * on an Intel machine" (T1 2 KB, a3b decode +6-36%, on a family 6 model 167 VM). Intel family 6 model 207: T1 8 KB
+ * and the 512-bit one-token passes, bench/journal/issue-36.md "Intel's prefetch distance at full depth" (the five
+ * full-depth files' decode in one process, every setting each round: 0.86-0.94x the step of T1 2 KB). AMD Zen 5
+ * (family 26): NTA 4 KB, bench/journal/issue-36.md "prefetch on Zen 5" (NTA 2 KB against none, full-depth qwen3moe
+ * and qwen35moe decode in one process, every setting each round: 1.089x and 1.086x, above 1 in 14 of 14 and 12 of 12
+ * rounds) and "the read probe beside each step" (4 KB against 2 KB: one 1 GB matrix 80-83 against 75-79 GB/s with the
+ * memory in its fast state, level in its slow one; the five full-depth files' decode, with matmul.c's run heads,
+ * +1.7-4.2 %). Zen 4 (family 25) and older: none, RESULTS.md "issue 36": no hint gained at any distance (64-8192 B;
+ * 0.96-0.99x at 64-256 B, T1 2 KB 0.57-0.60x on an a3b-L12 decode). */
 static const struct {
     const char *vendor; /* CPUID leaf 0's 12 characters */
     int family;         /* the lowest family the row is for */
+    int model;          /* the displayed model the row is for, 0: any */
     int bytes, hint;
     int wide;           /* qk_wide's default: bench/journal/issue-36.md "One-token passes on 512-bit vectors" (Zen 5) */
 } PF_DEFAULTS[] = {
-    {"GenuineIntel", 0, 2048, QK_PF_T1, 0},
-    {"AuthenticAMD", 26, 4096, QK_PF_NTA, 1},
-    {"AuthenticAMD", 0, 0, QK_PF_T1, 0},
-    {"", 0, 0, QK_PF_T1, 0},
+    {"GenuineIntel", 6, 207, 8192, QK_PF_T1, 1},
+    {"GenuineIntel", 0, 0, 2048, QK_PF_T1, 0},
+    {"AuthenticAMD", 26, 0, 4096, QK_PF_NTA, 1},
+    {"AuthenticAMD", 0, 0, 0, QK_PF_T1, 0},
+    {"", 0, 0, 0, QK_PF_T1, 0},
 };
 
-static int default_row(const char *vendor, int family) {
+static int default_row(const char *vendor, int family, int model) {
     int i = 0;
-    while (PF_DEFAULTS[i].vendor[0] && (strcmp(PF_DEFAULTS[i].vendor, vendor) || family < PF_DEFAULTS[i].family)) i++;
+    while (PF_DEFAULTS[i].vendor[0] && (strcmp(PF_DEFAULTS[i].vendor, vendor) || family < PF_DEFAULTS[i].family ||
+                                        (PF_DEFAULTS[i].model && model != PF_DEFAULTS[i].model)))
+        i++;
     return i;
 }
 
-int qk_prefetch_default(const char *vendor, int family, int *hint) {
-    const int i = default_row(vendor, family);
+int qk_prefetch_default(const char *vendor, int family, int model, int *hint) {
+    const int i = default_row(vendor, family, model);
     if (hint) *hint = PF_DEFAULTS[i].hint;
     return PF_DEFAULTS[i].bytes;
 }
 
-int qk_wide_default(const char *vendor, int family) { return PF_DEFAULTS[default_row(vendor, family)].wide; }
+int qk_wide_default(const char *vendor, int family, int model) {
+    return PF_DEFAULTS[default_row(vendor, family, model)].wide;
+}
 
-/* This CPU's CPUID vendor string and displayed family (base, plus the extended one where base is 15). */
-static void cpu_id(char vendor[13], int *family) {
-    *family = 0;
+/* This CPU's CPUID vendor string, displayed family (base, plus the extended one where base is 15) and displayed
+ * model (base, plus the extended one shifted where the family is 6 or 15), as /proc/cpuinfo shows them. */
+static void cpu_id(char vendor[13], int *family, int *model) {
+    *family = *model = 0;
     memset(vendor, 0, 13);
 #if defined(__x86_64__) || defined(__i386__)
     unsigned a, b, c, d;
@@ -321,8 +331,9 @@ static void cpu_id(char vendor[13], int *family) {
         memcpy(vendor + 8, &c, 4);
     }
     if (__get_cpuid(1, &a, &b, &c, &d)) {
-        *family = (int)(a >> 8 & 15);
-        if (*family == 15) *family += (int)(a >> 20 & 255);
+        const int base = (int)(a >> 8 & 15);
+        *family = base == 15 ? base + (int)(a >> 20 & 255) : base;
+        *model = (int)(a >> 4 & 15) + (base == 6 || base == 15 ? (int)(a >> 16 & 15) << 4 : 0);
     }
 #endif
 }
@@ -331,9 +342,9 @@ int qk_set_wide(int on) {
     if (on < -1 || on > 1) return -1;
     if (on < 0) {
         char vendor[13];
-        int family;
-        cpu_id(vendor, &family);
-        on = qk_wide_default(vendor, family);
+        int family, model;
+        cpu_id(vendor, &family, &model);
+        on = qk_wide_default(vendor, family, model);
     }
     atomic_store(&P.wide, on);
     return 0;
@@ -348,9 +359,9 @@ int qk_wide(void) {
 
 static int default_prefetch(int *hint) {
     char vendor[13];
-    int family;
-    cpu_id(vendor, &family);
-    return qk_prefetch_default(vendor, family, hint);
+    int family, model;
+    cpu_id(vendor, &family, &model);
+    return qk_prefetch_default(vendor, family, model, hint);
 }
 
 int qk_set_prefetch(int bytes) {

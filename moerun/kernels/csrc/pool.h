@@ -35,16 +35,16 @@ int qk_prefetch(void);
 enum { QK_PF_T0 = 0, QK_PF_T1 = 1, QK_PF_T2 = 2, QK_PF_NTA = 3, QK_PF_HINTS = 4 };
 int qk_set_prefetch_hint(int hint);
 int qk_prefetch_hint(void);
-/* The table's default distance (and *hint) for a CPU of this CPUID vendor string and family. */
-int qk_prefetch_default(const char *vendor, int family, int *hint);
+/* The table's default distance (and *hint) for a CPU of this CPUID vendor string, family and model. */
+int qk_prefetch_default(const char *vendor, int family, int model, int *hint);
 /* Whether the AVX-512 VNNI kernel set multiplies one token through Q4_K_R8, Q6_K_R8 and MXFP4_R8 rows on 512-bit
  * vectors (two 32-byte chunks a load, the activations spread by vpermd: a Zen 5 core from L2 1.42x, 1.19x and 1.14x
  * the 256-bit loops' rate, the same results bit for bit) rather than 256-bit ones. 1: yes, 0: no, -1: the CPU's
- * default (the table's: on for AMD Zen 5, where it was measured, off elsewhere until measured there). Returns 0, or
- * -1 when on is not -1, 0 or 1. */
+ * default (the table's: on for AMD Zen 5 and Intel family 6 model 207, where it was measured, off elsewhere until
+ * measured there). Returns 0, or -1 when on is not -1, 0 or 1. */
 int qk_set_wide(int on);
 int qk_wide(void);
-int qk_wide_default(const char *vendor, int family);
+int qk_wide_default(const char *vendor, int family, int model);
 /* Returns 0, or -1 when worker threads could not be created (the job then ran on the caller). name: the task's, which
  * keys qk_pool_trace's rows (qk_pool_run passes the function's own). */
 int qk_pool_run_as(qk_task fn, void *ctx, const char *name);
