@@ -56,3 +56,18 @@ def test_a_command_line_process_ends_without_teardown_but_as_python_would(args, 
     assert "not reached" not in r.stdout and (r.stdout.startswith("Usage: ") or code)
     lines = r.stderr.splitlines()  # the thread's line before or after the command's own error, as the machine goes
     assert lines[-1] == "exit function ran" and "thread joined" in lines[:-1], r.stderr
+
+
+@pytest.mark.parametrize("given", [None, "9"])
+def test_importing_moerun_first_sets_the_thread_spins_a_users_setting_stands(given):
+    """GOMP_SPINCOUNT (torch's OpenMP workers) and OPENBLAS_THREAD_TIMEOUT (numpy's OpenBLAS threads, which spun about
+    0.1 s of a core after numpy's import, beside a load's reading threads): moerun's defaults where the environment
+    has none, the user's where it has."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT")}
+    if given is not None:
+        env.update(GOMP_SPINCOUNT=given, OPENBLAS_THREAD_TIMEOUT=given)
+    code = "import moerun, os; print(os.environ['GOMP_SPINCOUNT'], os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, check=True)
+    assert r.stdout.split() == (["10000", "4"] if given is None else [given, given])

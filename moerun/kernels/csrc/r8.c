@@ -169,21 +169,28 @@ static void iq4xs_unpack_block(const uint8_t *b, uint8_t *const dst[8]) {
     }
 }
 
+/* SPREAD[n]: bit i of the nibble n as bit 0 of byte i, so that a row's fifth bits go to their bytes a nibble at a time. */
+static const uint32_t SPREAD[16] = {
+    0x00000000u, 0x00000001u, 0x00000100u, 0x00000101u, 0x00010000u, 0x00010001u, 0x00010100u, 0x00010101u,
+    0x01000000u, 0x01000001u, 0x01000100u, 0x01000101u, 0x01010000u, 0x01010001u, 0x01010100u, 0x01010101u,
+};
+
 /* One Q5_0_R8 (ns = 1) or Q5_1_R8 (ns = 2) block from 8 Q5_0 / Q5_1 blocks, and back: the 8 d (and the 8 m), the
  * fifth bits two per element pair (bit 2g of byte 4r + i: el 4g + i, bit 2g + 1: el 16 + 4g + i), then MXFP4_R8's
- * nibble chunks. A source block is its ns f16 scales, qh u32 and qs[16]. */
+ * nibble chunks. A source block is its ns f16 scales, qh u32 and qs[16]. Byte 4r + i takes bit i of qh's nibbles g
+ * and 4 + g: one table look-up a nibble for the four bytes (a bit at a time, 1.4 GB/s, was 6 % of V2-Lite's load). */
 static void q5x_pack_block(const uint8_t *const src[8], uint8_t *b, const int ns) {
     uint8_t *h = b + 16 * ns, *q = h + 32;
-    memset(h, 0, 32);
     for (int r = 0; r < 8; r++) {
         const uint8_t *qs = src[r] + 2 * ns + 4;
         const uint32_t qh = qk_rd16(src[r] + 2 * ns) | (uint32_t)qk_rd16(src[r] + 2 * ns + 2) << 16;
         for (int k = 0; k < ns; k++) memcpy(b + 16 * k + 2 * r, src[r] + 2 * k, 2);
+        uint32_t w = 0;
         for (int g = 0; g < 4; g++) {
             memcpy(q + 32 * g + 4 * r, qs + 4 * g, 4);
-            for (int i = 0; i < 4; i++)
-                h[4 * r + i] |= (uint8_t)((qh >> (4 * g + i) & 1) << (2 * g) | (qh >> (16 + 4 * g + i) & 1) << (2 * g + 1));
+            w |= SPREAD[qh >> 4 * g & 15] << 2 * g | SPREAD[qh >> (16 + 4 * g) & 15] << (2 * g + 1);
         }
+        for (int i = 0; i < 4; i++) h[4 * r + i] = (uint8_t)(w >> 8 * i);
     }
 }
 
@@ -207,21 +214,8 @@ static void q50_unpack_block(const uint8_t *b, uint8_t *const dst[8]) { q5x_unpa
 static void q51_pack_block(const uint8_t *const src[8], uint8_t *b) { q5x_pack_block(src, b, 2); }
 static void q51_unpack_block(const uint8_t *b, uint8_t *const dst[8]) { q5x_unpack_block(b, dst, 2); }
 
-/* Row r's 6-bit values q[256] of a Q6_K block (qk.h), and back. */
-static void q6k_values(const uint8_t *blk, uint8_t q[256]) {
-    for (int h = 0; h < 2; h++)
-        for (int j = 0; j < 64; j += 4) { /* 4 elements a word, each byte's bits shifted within it */
-            const int k = j / 32; /* el 128h + j takes qh bits 2k, el 128h + 64 + j bits 2(k + 2) */
-            uint32_t l, hb, a, b;
-            memcpy(&l, blk + 64 * h + j, 4);
-            memcpy(&hb, blk + 128 + 32 * h + j % 32, 4);
-            a = (l & 0x0f0f0f0fu) | (hb >> (2 * k) & 0x03030303u) << 4;
-            b = (l >> 4 & 0x0f0f0f0fu) | (hb >> (2 * k + 4) & 0x03030303u) << 4;
-            memcpy(q + 128 * h + j, &a, 4);
-            memcpy(q + 128 * h + 64 + j, &b, 4);
-        }
-}
-
+/* A Q6_K block (qk.h) from its 256 6-bit values: element 128h + 64t + j (j < 64) keeps its low four bits in ql
+ * byte 64h + j (the high nibble where t = 1) and its top two in qh byte 32h + j % 32, bits 2 (j / 32) + 4t. */
 static void q6k_store(const uint8_t q[256], uint8_t *blk) {
     memset(blk + 128, 0, 64);
     for (int h = 0; h < 2; h++)
@@ -242,22 +236,33 @@ static void q6r8_place(int e, int *ql_at, int *nib, int *qh_at, int *pair) {
     *pair = c % 2 + 2 * (c >= 32);
 }
 
+/* Four bytes at p, little-endian (GGUF's order) whatever the host's. */
+static uint32_t rd32le(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
+
+static void wr32le(uint8_t *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> 8 * i);
+}
+
+/* W_m's three words of row r straight from the Q6_K block's ql and qh words: its groups c = 2m, 2m + 1 (elements 8m..
+ * 8m + 7) and 2m + 32, 2m + 33 (128 on) are, for m = 8t + m', ql bytes 8m'.. of each half shifted by 4t, and qh bytes
+ * 8m' % 32.. of each half shifted by 2 (8m' / 32) + 4t (q6k_store's layout read a word at a time: going through
+ * the 256 values held the repack to 1 GB/s). */
 static void q6r8_pack_block(const uint8_t *const src[8], uint8_t *b) {
     for (int r = 0; r < 8; r++) {
-        uint8_t q[256];
-        q6k_values(src[r], q);
+        const uint8_t *ql = src[r], *qh = src[r] + 128;
         memcpy(b + 2 * r, src[r] + 208, 2);
         for (int s = 0; s < 16; s++) b[16 + 16 * (s / 2) + 2 * r + s % 2] = src[r][192 + s];
-        for (int m = 0; m < 16; m++) { /* the words of W_m (q6r8_place): groups c = 2m, 2m + 1, 2m + 32, 2m + 33 */
-            uint32_t v[4];
-            for (int j = 0; j < 4; j++) memcpy(&v[j], q + 4 * (2 * m + j % 2 + 32 * (j / 2)), 4);
-            const uint32_t lo0 = (v[0] & 0x0f0f0f0fu) | (v[2] & 0x0f0f0f0fu) << 4;
-            const uint32_t lo1 = (v[1] & 0x0f0f0f0fu) | (v[3] & 0x0f0f0f0fu) << 4;
-            uint32_t hi = 0;
-            for (int j = 0; j < 4; j++) hi |= (v[j] >> 4 & 0x03030303u) << (2 * j);
-            memcpy(b + 144 + 96 * m + 4 * r, &lo0, 4);
-            memcpy(b + 144 + 96 * m + 32 + 4 * r, &lo1, 4);
-            memcpy(b + 144 + 96 * m + 64 + 4 * r, &hi, 4);
+#pragma GCC unroll 16
+        for (int m = 0; m < 16; m++) { /* unrolled: every shift a constant */
+            const int t = m / 8, j = 8 * (m % 8), sh = 2 * (j / 32) + 4 * t;
+            uint32_t n[4], h[4];
+            for (int w = 0; w < 4; w++) { /* w: group 2m + w % 2 of half w / 2 */
+                n[w] = rd32le(ql + 64 * (w / 2) + j + 4 * (w % 2)) >> 4 * t & 0x0f0f0f0fu;
+                h[w] = rd32le(qh + 32 * (w / 2) + j % 32 + 4 * (w % 2)) >> sh & 0x03030303u;
+            }
+            wr32le(b + 144 + 96 * m + 4 * r, n[0] | n[2] << 4);
+            wr32le(b + 144 + 96 * m + 32 + 4 * r, n[1] | n[3] << 4);
+            wr32le(b + 144 + 96 * m + 64 + 4 * r, h[0] | h[1] << 2 | h[2] << 4 | h[3] << 6);
         }
     }
 }
