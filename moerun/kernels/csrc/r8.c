@@ -25,6 +25,42 @@
 #define Q51_BYTES 24
 #define IQ4NL_BYTES 18
 
+/* Four bytes at p, little-endian (GGUF's order) whatever the host's. */
+static uint32_t rd32le(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
+
+static void wr32le(uint8_t *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> 8 * i);
+}
+
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
+
+/* dst[32c + 4r ..] = src[r][off + 4c ..] for c, r < 8: eight rows' 8 dwords into the interleaved order, an 8 x 8
+ * transpose of dwords (SSE2: four 4 x 4 ones, 16 loads, 32 unpacks and 16 stores where 4-byte copies took 64 loads
+ * and 64 stores; the repacks' qs / quant chunks). */
+static void dword_transpose8(const uint8_t *const src[8], int64_t off, uint8_t *dst) {
+#ifdef __SSE2__
+    for (int cb = 0; cb < 2; cb++)
+        for (int rb = 0; rb < 2; rb++) {
+            const __m128i a0 = _mm_loadu_si128((const __m128i *)(src[4 * rb] + off + 16 * cb));
+            const __m128i a1 = _mm_loadu_si128((const __m128i *)(src[4 * rb + 1] + off + 16 * cb));
+            const __m128i a2 = _mm_loadu_si128((const __m128i *)(src[4 * rb + 2] + off + 16 * cb));
+            const __m128i a3 = _mm_loadu_si128((const __m128i *)(src[4 * rb + 3] + off + 16 * cb));
+            const __m128i t0 = _mm_unpacklo_epi32(a0, a1), t1 = _mm_unpackhi_epi32(a0, a1); /* a0 0 a1 0 a0 1 a1 1 */
+            const __m128i t2 = _mm_unpacklo_epi32(a2, a3), t3 = _mm_unpackhi_epi32(a2, a3);
+            uint8_t *o = dst + 128 * cb + 16 * rb; /* column 4cb + j of rows 4rb..4rb + 3 at o + 32j */
+            _mm_storeu_si128((__m128i *)o, _mm_unpacklo_epi64(t0, t2));
+            _mm_storeu_si128((__m128i *)(o + 32), _mm_unpackhi_epi64(t0, t2));
+            _mm_storeu_si128((__m128i *)(o + 64), _mm_unpacklo_epi64(t1, t3));
+            _mm_storeu_si128((__m128i *)(o + 96), _mm_unpackhi_epi64(t1, t3));
+        }
+#else
+    for (int r = 0; r < 8; r++)
+        for (int c = 0; c < 8; c++) memcpy(dst + 32 * c + 4 * r, src[r] + off + 4 * c, 4);
+#endif
+}
+
 /* The four 32-value scale vectors of an R8 block from their packing at p (lo[64], hi[32]; layout: qk.h), and back. */
 void qk_r8_vectors(const uint8_t *p, uint8_t v[4][32]) {
     for (int j = 0; j < 32; j++) {
@@ -59,8 +95,6 @@ static int q5r8_bit(int c, int h) { return 2 * (c % 4) + h; }
 /* One R8 block from 8 Q4_K (hb = 0) or Q5_K (hb = 1) blocks (src[r]: row r's block). */
 static void q45r8_pack_block(const uint8_t *const src[8], uint8_t *b, int hb) {
     uint8_t v[4][32];
-    if (hb)
-        for (int g = 0; g < 4; g++) memset(b + 128 + 320 * g + 256, 0, 64);
     for (int r = 0; r < 8; r++) {
         uint8_t sc[8], m[8];
         memcpy(b + 2 * r, src[r], 2);
@@ -70,14 +104,16 @@ static void q45r8_pack_block(const uint8_t *const src[8], uint8_t *b, int hb) {
             v[s / 4][8 * (s % 4) + r] = sc[s];
             v[2 + s / 4][16 * (s / 2 % 2) + 2 * r + s % 2] = m[s];
         }
-        for (int g = 0; g < 4; g++)
-            for (int c = 0; c < 8; c++) {
-                memcpy(b + r8_qs_at(hb, g, c) + 4 * r, src[r] + k_qs_at(hb) + 32 * g + 4 * c, 4);
-                for (int i = 0; hb && i < 4; i++) /* Q5_K: bit k of qh[j] is bit 4 of element 32k + j */
-                    for (int h = 0; h < 2; h++)
-                        b[q5r8_qh_at(g, c, r, i)] |= (uint8_t)((src[r][16 + 4 * c + i] >> (2 * g + h) & 1) << q5r8_bit(c, h));
+        /* Q5_K: bit k of qh[j] is bit 4 of element 32k + j; bits 2g, 2g + 1 of qh word c (bytes 4c..) go to bits
+         * q5r8_bit(c, 0..1) of the word for c / 4, a word at a time (a bit at a time held the repack to 0.3 GB/s) */
+        for (int g = 0; hb && g < 4; g++)
+            for (int cc = 0; cc < 2; cc++) {
+                uint32_t w = 0;
+                for (int k = 0; k < 4; k++) w |= (rd32le(src[r] + 16 + 4 * (4 * cc + k)) >> 2 * g & 0x03030303u) << q5r8_bit(k, 0);
+                wr32le(b + q5r8_qh_at(g, 4 * cc, r, 0), w);
             }
     }
+    for (int g = 0; g < 4; g++) dword_transpose8(src, k_qs_at(hb) + 32 * g, b + r8_qs_at(hb, g, 0));
     qk_r8_pack_vectors(v, b + 32);
 }
 
@@ -114,10 +150,13 @@ static void q5r8_unpack_block(const uint8_t *b, uint8_t *const dst[8]) { q45r8_u
 /* One block of 8 rows whose GGUF block is an f16 d then nc 4-byte chunks (Q8_0: 8, IQ4_NL: 4), and back: d of row r
  * at 2r, then chunk c of the 8 rows at 16 + 32c (Q8_0_R8; IQ4_NL_R8, whose chunks are MXFP4_R8's). */
 static void d16_chunks_pack(const uint8_t *const src[8], uint8_t *b, const int nc) {
-    for (int r = 0; r < 8; r++) {
-        memcpy(b + 2 * r, src[r], 2);
-        for (int c = 0; c < nc; c++) memcpy(b + 16 + 32 * c + 4 * r, src[r] + 2 + 4 * c, 4);
+    for (int r = 0; r < 8; r++) memcpy(b + 2 * r, src[r], 2);
+    if (nc == 8) {
+        dword_transpose8(src, 2, b + 16);
+        return;
     }
+    for (int r = 0; r < 8; r++)
+        for (int c = 0; c < nc; c++) memcpy(b + 16 + 32 * c + 4 * r, src[r] + 2 + 4 * c, 4);
 }
 
 static void d16_chunks_unpack(const uint8_t *b, uint8_t *const dst[8], const int nc) {
@@ -234,13 +273,6 @@ static void q6r8_place(int e, int *ql_at, int *nib, int *qh_at, int *pair) {
     *nib = c >= 32;
     *qh_at = 144 + 96 * m + 64;
     *pair = c % 2 + 2 * (c >= 32);
-}
-
-/* Four bytes at p, little-endian (GGUF's order) whatever the host's. */
-static uint32_t rd32le(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
-
-static void wr32le(uint8_t *p, uint32_t v) {
-    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> 8 * i);
 }
 
 /* W_m's three words of row r straight from the Q6_K block's ql and qh words: its groups c = 2m, 2m + 1 (elements 8m..
