@@ -214,6 +214,9 @@ void qk_dot_scalar_q3_k_r8(int64_t, const uint8_t *, const void *const *, int, f
 /* Q3_K_R8's repack and unpack of one block (r8_q3k.c). */
 void qk_q3r8_pack_block(const uint8_t *const src[8], uint8_t *b);
 void qk_q3r8_unpack_block(const uint8_t *b, uint8_t *const dst[8]);
+/* Q6_K_R8's repack and unpack of one block (r8_q6k.c). */
+void qk_q6r8_pack_block(const uint8_t *const src[8], uint8_t *b);
+void qk_q6r8_unpack_block(const uint8_t *b, uint8_t *const dst[8]);
 /* The four 32-value scale vectors V0..V3 of a Q4_K_R8 block (r8.c). */
 void qk_r8_vectors(const uint8_t *p, uint8_t v[4][32]);
 void qk_r8_pack_vectors(uint8_t v[4][32], uint8_t *p);

@@ -1,5 +1,5 @@
 /* The interleaved layouts Q4_K_R8, Q5_K_R8, Q6_K_R8, Q8_0_R8, MXFP4_R8, IQ4_XS_R8, Q5_0_R8, Q5_1_R8 and IQ4_NL_R8 (qk.h): repacking from and back to GGUF's blocks (Q3_K_R8's: r8_q3k.c), and the
- * portable dots.
+ * portable dots (Q3_K_R8's and Q6_K_R8's: r8_q3k.c, r8_q6k.c).
  *
  * qk_repack and qk_unpack are exact inverses on any bytes (the 12-byte packed scales map one to one onto
  * the 6-bit values), so a repacked tensor holds the file's weights, only in another order. */
@@ -24,13 +24,6 @@
 #define Q50_BYTES 22
 #define Q51_BYTES 24
 #define IQ4NL_BYTES 18
-
-/* Four bytes at p, little-endian (GGUF's order) whatever the host's. */
-static uint32_t rd32le(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
-
-static void wr32le(uint8_t *p, uint32_t v) {
-    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> 8 * i);
-}
 
 #ifdef __SSE2__
 #include <emmintrin.h>
@@ -109,8 +102,8 @@ static void q45r8_pack_block(const uint8_t *const src[8], uint8_t *b, int hb) {
         for (int g = 0; hb && g < 4; g++)
             for (int cc = 0; cc < 2; cc++) {
                 uint32_t w = 0;
-                for (int k = 0; k < 4; k++) w |= (rd32le(src[r] + 16 + 4 * (4 * cc + k)) >> 2 * g & 0x03030303u) << q5r8_bit(k, 0);
-                wr32le(b + q5r8_qh_at(g, 4 * cc, r, 0), w);
+                for (int k = 0; k < 4; k++) w |= (qk_rd32(src[r] + 16 + 4 * (4 * cc + k)) >> 2 * g & 0x03030303u) << q5r8_bit(k, 0);
+                memcpy(b + q5r8_qh_at(g, 4 * cc, r, 0), &w, 4);
             }
     }
     for (int g = 0; g < 4; g++) dword_transpose8(src, k_qs_at(hb) + 32 * g, b + r8_qs_at(hb, g, 0));
@@ -253,69 +246,6 @@ static void q50_unpack_block(const uint8_t *b, uint8_t *const dst[8]) { q5x_unpa
 static void q51_pack_block(const uint8_t *const src[8], uint8_t *b) { q5x_pack_block(src, b, 2); }
 static void q51_unpack_block(const uint8_t *b, uint8_t *const dst[8]) { q5x_unpack_block(b, dst, 2); }
 
-/* A Q6_K block (qk.h) from its 256 6-bit values: element 128h + 64t + j (j < 64) keeps its low four bits in ql
- * byte 64h + j (the high nibble where t = 1) and its top two in qh byte 32h + j % 32, bits 2 (j / 32) + 4t. */
-static void q6k_store(const uint8_t q[256], uint8_t *blk) {
-    memset(blk + 128, 0, 64);
-    for (int h = 0; h < 2; h++)
-        for (int j = 0; j < 64; j++) {
-            const int k = j / 32;
-            blk[64 * h + j] = (uint8_t)((q[128 * h + j] & 15) | (q[128 * h + 64 + j] & 15) << 4);
-            blk[128 + 32 * h + j % 32] |= (uint8_t)((q[128 * h + j] >> 4) << (2 * k) | (q[128 * h + 64 + j] >> 4) << (2 * k + 4));
-        }
-}
-
-/* Q6_K_R8 (qk.h): element e of row r sits in ql vector c % 32 (c = e / 4; high nibble for c >= 32) and in qh vector
- * m = c % 32 / 2, bit pair c % 2 + 2 (c >= 32), each at 4r + e % 4; -> the two vectors' byte offsets in the block. */
-static void q6r8_place(int e, int *ql_at, int *nib, int *qh_at, int *pair) {
-    const int c = e / 4, m = c % 32 / 2; /* W_c */
-    *ql_at = 144 + 96 * m + 32 * (c % 2);
-    *nib = c >= 32;
-    *qh_at = 144 + 96 * m + 64;
-    *pair = c % 2 + 2 * (c >= 32);
-}
-
-/* W_m's three words of row r straight from the Q6_K block's ql and qh words: its groups c = 2m, 2m + 1 (elements 8m..
- * 8m + 7) and 2m + 32, 2m + 33 (128 on) are, for m = 8t + m', ql bytes 8m'.. of each half shifted by 4t, and qh bytes
- * 8m' % 32.. of each half shifted by 2 (8m' / 32) + 4t (q6k_store's layout read a word at a time: going through
- * the 256 values held the repack to 1 GB/s). */
-static void q6r8_pack_block(const uint8_t *const src[8], uint8_t *b) {
-    for (int r = 0; r < 8; r++) {
-        const uint8_t *ql = src[r], *qh = src[r] + 128;
-        memcpy(b + 2 * r, src[r] + 208, 2);
-        for (int s = 0; s < 16; s++) b[16 + 16 * (s / 2) + 2 * r + s % 2] = src[r][192 + s];
-#pragma GCC unroll 16
-        for (int m = 0; m < 16; m++) { /* unrolled: every shift a constant */
-            const int t = m / 8, j = 8 * (m % 8), sh = 2 * (j / 32) + 4 * t;
-            uint32_t n[4], h[4];
-            for (int w = 0; w < 4; w++) { /* w: group 2m + w % 2 of half w / 2 */
-                n[w] = rd32le(ql + 64 * (w / 2) + j + 4 * (w % 2)) >> 4 * t & 0x0f0f0f0fu;
-                h[w] = rd32le(qh + 32 * (w / 2) + j % 32 + 4 * (w % 2)) >> sh & 0x03030303u;
-            }
-            wr32le(b + 144 + 96 * m + 4 * r, n[0] | n[2] << 4);
-            wr32le(b + 144 + 96 * m + 32 + 4 * r, n[1] | n[3] << 4);
-            wr32le(b + 144 + 96 * m + 64 + 4 * r, h[0] | h[1] << 2 | h[2] << 4 | h[3] << 6);
-        }
-    }
-}
-
-/* Row r's 6-bit value of element e in a Q6_K_R8 block. */
-static int q6r8_value(const uint8_t *b, int r, int e) {
-    int lo, nib, hi, pair;
-    q6r8_place(e, &lo, &nib, &hi, &pair);
-    return (b[lo + 4 * r + e % 4] >> (4 * nib) & 15) | (b[hi + 4 * r + e % 4] >> (2 * pair) & 3) << 4;
-}
-
-static void q6r8_unpack_block(const uint8_t *b, uint8_t *const dst[8]) {
-    for (int r = 0; r < 8; r++) {
-        uint8_t q[256];
-        for (int e = 0; e < 256; e++) q[e] = (uint8_t)q6r8_value(b, r, e);
-        q6k_store(q, dst[r]);
-        for (int s = 0; s < 16; s++) dst[r][192 + s] = b[16 + 16 * (s / 2) + 2 * r + s % 2];
-        memcpy(dst[r] + 208, b + 2 * r, 2);
-    }
-}
-
 typedef struct {
     int type, src_type, blk_elems, blk_bytes; /* the interleaved type, its GGUF source and that's block */
     void (*pack)(const uint8_t *const src[8], uint8_t *b);
@@ -327,7 +257,7 @@ static const relayout_kind KINDS[] = {
     {GGML_Q5_K_R8, GGML_Q5_K, 256, Q5K_BYTES, q5r8_pack_block, q5r8_unpack_block},
     {GGML_Q8_0_R8, GGML_Q8_0, 32, Q80_BYTES, q8_pack_block, q8_unpack_block},
     {GGML_MXFP4_R8, GGML_MXFP4, 32, MXFP4_BYTES, mxfp4_pack_block, mxfp4_unpack_block},
-    {GGML_Q6_K_R8, GGML_Q6_K, 256, Q6K_BYTES, q6r8_pack_block, q6r8_unpack_block},
+    {GGML_Q6_K_R8, GGML_Q6_K, 256, Q6K_BYTES, qk_q6r8_pack_block, qk_q6r8_unpack_block},
     {GGML_IQ4_XS_R8, GGML_IQ4_XS, 256, IQ4XS_BYTES, iq4xs_pack_block, iq4xs_unpack_block},
     {GGML_Q5_0_R8, GGML_Q5_0, 32, Q50_BYTES, q50_pack_block, q50_unpack_block},
     {GGML_Q5_1_R8, GGML_Q5_1, 32, Q51_BYTES, q51_pack_block, q51_unpack_block},
@@ -528,30 +458,6 @@ void qk_dot_scalar_mxfp4_r8(int64_t nb, const uint8_t *w, const void *const *xv,
             const uint8_t *b = w + i * 8 * MXFP4_BYTES;
             for (int r = 0; r < 8; r++)
                 acc[r] += qk_e8m0_half(b[r]) * x[i].d * (float)r8_book_isum(b + 8, r, QK_KV_MXFP4, x[i].qs);
-        }
-        for (int r = 0; r < 8; r++) out[8 * t + r] = acc[r];
-    }
-}
-
-/* Portable Q6_K_R8 dot: out[8t + r] = sum_i y.d * d_r * (sum_s sc * (q . y)_s - 32 sum_s sc * bsum_s), the integer
- * sums as the x86 kernels. */
-void qk_dot_scalar_q6_k_r8(int64_t nb, const uint8_t *w, const void *const *xv, int nt, float *out) {
-    for (int t = 0; t < nt; t++) {
-        const act_q8k *x = xv[t];
-        float acc[8] = {0};
-        for (int64_t i = 0; i < nb; i++) {
-            const uint8_t *b = w + i * 8 * Q6K_BYTES;
-            for (int r = 0; r < 8; r++) {
-                int32_t isum = 0, bias = 0;
-                for (int s = 0; s < 16; s++) {
-                    const int sc = (int8_t)b[16 + 16 * (s / 2) + 2 * r + s % 2];
-                    int32_t sub = 0;
-                    for (int e = 16 * s; e < 16 * s + 16; e++) sub += q6r8_value(b, r, e) * x[i].qs[e];
-                    isum += sc * sub;
-                    bias += sc * x[i].bsums[s];
-                }
-                acc[r] += x[i].d * qk_f16_at(b + 2 * r) * (float)(isum - 32 * bias);
-            }
         }
         for (int r = 0; r < 8; r++) out[8 * t + r] = acc[r];
     }
