@@ -144,12 +144,11 @@ static void q5r8_unpack_block(const uint8_t *b, uint8_t *const dst[8]) { q45r8_u
  * at 2r, then chunk c of the 8 rows at 16 + 32c (Q8_0_R8; IQ4_NL_R8, whose chunks are MXFP4_R8's). */
 static void d16_chunks_pack(const uint8_t *const src[8], uint8_t *b, const int nc) {
     for (int r = 0; r < 8; r++) memcpy(b + 2 * r, src[r], 2);
-    if (nc == 8) {
+    if (nc == 8)
         dword_transpose8(src, 2, b + 16);
-        return;
-    }
-    for (int r = 0; r < 8; r++)
-        for (int c = 0; c < nc; c++) memcpy(b + 16 + 32 * c + 4 * r, src[r] + 2 + 4 * c, 4);
+    else
+        for (int r = 0; r < 8; r++)
+            for (int c = 0; c < nc; c++) memcpy(b + 16 + 32 * c + 4 * r, src[r] + 2 + 4 * c, 4);
 }
 
 static void d16_chunks_unpack(const uint8_t *b, uint8_t *const dst[8], const int nc) {
@@ -222,7 +221,7 @@ static void q5x_pack_block(const uint8_t *const src[8], uint8_t *b, const int ns
             memcpy(q + 32 * g + 4 * r, qs + 4 * g, 4);
             w |= SPREAD[qh >> 4 * g & 15] << 2 * g | SPREAD[qh >> (16 + 4 * g) & 15] << (2 * g + 1);
         }
-        for (int i = 0; i < 4; i++) h[4 * r + i] = (uint8_t)(w >> 8 * i);
+        memcpy(h + 4 * r, &w, 4); /* byte i: bits of element pairs i (little-endian, as GGUF) */
     }
 }
 
