@@ -10,10 +10,11 @@ Activations are quantized once per call (to Q8_K for K-quant weights, to Q8_0-st
 others) and every weight row is dotted against them in integer arithmetic, as llama.cpp does; results
 match `x @ w.dequantize().T` to within that activation rounding (about 0.5-0.7 % relative for a matmul,
 1-2 % through moe_ffn, which also rounds h = silu(gate x) * up x). Results are bitwise independent of the
-thread count, and the same for the AVX2 and AVX-512 VNNI kernel sets.
+thread count, and the same for the AVX2 and AVX-512 VNNI kernel sets, and through AMX tiles (batches of 16 tokens or
+more of Q8_0, MXFP4 and Q4_K rows, on CPUs that have them: set_amx).
 
 Environment: MOERUN_KERNELS=scalar forces the portable kernels, MOERUN_KERNELS=off disables the
-extension (available() is then False). Threads: one pool per process, sized by set_threads() (default:
+extension (available() is then False); MOERUN_AMX=0 keeps batches off the tiles (moerun.kernels.env). Threads: one pool per process, sized by set_threads() (default:
 the physical cores this process may run on); idle workers sleep after a short spin.
 """
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from array import array
 from collections.abc import Mapping
 
@@ -29,13 +29,14 @@ import torch
 
 from moerun.hostmem import Arena, host_empty
 from moerun.kernels import native
+from moerun.kernels.env import PREFETCH_HINTS, env_amx, env_prefetch, env_prefetch_hint, physical_cores
 from moerun.kernels.native import QK_R8
 from moerun.quant import qtypes
 from moerun.quant.qtypes import QTensor, QType, block_size, row_bytes
 
 __all__ = ["attend_prompt", "available", "can_interleave", "can_interleave_stored", "deinterleave", "deq_dot",
            "dequant_rows", "features", "get_threads", "glu_down", "has_deq_dot", "interleave", "matmul",
-           "moe_ffn", "moe_ffn_experts", "read_interleaved", "set_prefetch", "set_prefetch_hint",
+           "moe_ffn", "moe_ffn_experts", "read_interleaved", "set_amx", "set_prefetch", "set_prefetch_hint",
            "set_threads", "set_wide", "supports"]
 
 MODE = native.mode()  # "" / "auto", "scalar", "off"
@@ -44,54 +45,11 @@ _cpu, _import_error = native.load(MODE)
 ISA_IDS = {"scalar": 0, "avx2": 1, "avx512vnni": 2, "neon": 3}
 
 
-def _physical_cores() -> int:
-    """Physical cores among the CPUs this process may run on (logical CPUs when unknown)."""
-    try:
-        logical = len(os.sched_getaffinity(0))
-    except AttributeError:
-        logical = os.cpu_count() or 1
-    try:
-        import psutil
-
-        physical = psutil.cpu_count(logical=False) or logical
-        total = psutil.cpu_count(logical=True) or logical
-        # an affinity mask of fewer CPUs than the machine has: scale by threads per core
-        return max(1, min(logical, physical, logical * physical // max(total, 1)))
-    except ImportError:
-        return max(1, logical)
-
-
-def _env_prefetch() -> int:
-    """MOERUN_PREFETCH: the kernels' prefetch distance in bytes (unset or "auto": the CPU's default, set_prefetch)."""
-    v = os.environ.get("MOERUN_PREFETCH", "auto").strip().lower()
-    if v in ("", "auto"):
-        return -1
-    if not v.isdigit() or int(v) % 64 or int(v) > 65536:
-        warnings.warn(f"MOERUN_PREFETCH={v!r} is not auto or a multiple of 64 bytes in 0..65536: using the CPU's "
-                      "default", stacklevel=2)
-        return -1
-    return int(v)
-
-
-PREFETCH_HINTS = ("t0", "t1", "t2", "nta")  # pool.h's QK_PF_* in order
-
-
-def _env_prefetch_hint() -> int:
-    """MOERUN_PREFETCH_HINT: t0 / t1 / t2 / nta (unset or "auto": the CPU's default, see set_prefetch_hint)."""
-    v = os.environ.get("MOERUN_PREFETCH_HINT", "auto").strip().lower()
-    if v in ("", "auto"):
-        return -1
-    if v not in PREFETCH_HINTS:
-        warnings.warn(f"MOERUN_PREFETCH_HINT={v!r} is not auto or one of {', '.join(PREFETCH_HINTS)}: using the CPU's "
-                      "default", stacklevel=2)
-        return -1
-    return PREFETCH_HINTS.index(v)
-
-
 if _cpu is not None:
-    _cpu.set_threads(_physical_cores())
-    _cpu.set_prefetch(_env_prefetch())
-    _cpu.set_prefetch_hint(_env_prefetch_hint())
+    _cpu.set_threads(physical_cores())
+    _cpu.set_prefetch(env_prefetch())
+    _cpu.set_prefetch_hint(env_prefetch_hint())
+    _cpu.set_amx(env_amx())
     _SUPPORTED = frozenset(QType(t) for t in _cpu.qtypes())
     _ISAS = tuple(_cpu.features()["isas"])
     _DEFAULT_ISA = native.default_isa(_cpu, MODE)
@@ -108,14 +66,17 @@ def available() -> bool:
 
 def features() -> dict:
     """{"available", "isa" (the kernel set calls use), "isas" (all this CPU runs), "threads", "spin_us", "prefetch",
-    "prefetch_hint" ("t0" .. "nta"), "wide" (the set_* values), "qtypes", "reason" (why not available, else None)}."""
+    "prefetch_hint" ("t0" .. "nta"), "wide" (the set_* values), "amx" (batches through AMX tiles now), "amx_usable"
+    (the CPU and kernel allow them), "qtypes", "reason" (why not available, else None)}."""
     if _cpu is None:
         return {"available": False, "isa": None, "isas": [], "threads": 0, "spin_us": 0, "prefetch": 0,
-                "prefetch_hint": None, "wide": False, "qtypes": [], "reason": _import_error}
+                "prefetch_hint": None, "wide": False, "amx": False, "amx_usable": False, "qtypes": [],
+                "reason": _import_error}
     f = _cpu.features()
     return {"available": True, "isa": _DEFAULT_ISA, "isas": f["isas"], "threads": f["threads"],
             "spin_us": f["spin_us"], "prefetch": f["prefetch"], "prefetch_hint": PREFETCH_HINTS[f["prefetch_hint"]],
-            "wide": f["wide"], "qtypes": sorted(q.name for q in _SUPPORTED), "reason": None}
+            "wide": f["wide"], "amx": f["amx"], "amx_usable": f["amx_usable"],
+            "qtypes": sorted(q.name for q in _SUPPORTED), "reason": None}
 
 
 def supports(qtype) -> bool:
@@ -169,6 +130,17 @@ def set_wide(on: bool | None = None) -> None:
     if on is not None and not isinstance(on, bool):
         raise ValueError(f"wide must be True, False or None, got {on!r}")
     _cpu.set_wide(-1 if on is None else int(on))
+
+
+def set_amx(on: bool | None = None) -> None:
+    """Whether batches of Q8_0 / MXFP4 / Q4_K rows (a prompt's matrices, the experts 16 or more of its tokens chose) go
+    through AMX tiles on CPUs that have AMX-INT8 (Intel Xeon since Sapphire Rapids): the VNNI kernels' integer sums
+    and float steps, the same bits, faster (kernels/csrc/amx.c). None or True: where the CPU has them (the default;
+    MOERUN_AMX=0 turns it off), False: the VNNI kernels for every batch."""
+    _need()
+    if on is not None and not isinstance(on, bool):
+        raise ValueError(f"amx must be True, False or None, got {on!r}")
+    _cpu.set_amx(-1 if on is None else int(on))
 
 
 def read_bw(buf: torch.Tensor, streams: int = 1, prefetch: int = 0) -> int:

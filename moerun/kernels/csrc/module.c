@@ -7,6 +7,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "amx.h"
 #include "attn.h"
 #include "matmul.h"
 #include "module.h"
@@ -44,10 +45,11 @@ static PyObject *py_features(PyObject *self, PyObject *args) {
         }
         Py_DECREF(s);
     }
-    return Py_BuildValue("{s:s,s:i,s:N,s:i,s:i,s:i,s:i,s:O}", "best", qk_isa_name(qk_best_isa()), "best_id",
+    return Py_BuildValue("{s:s,s:i,s:N,s:i,s:i,s:i,s:i,s:O,s:O,s:O,s:L}", "best", qk_isa_name(qk_best_isa()), "best_id",
                          qk_best_isa(), "isas", isas, "threads", qk_pool_threads(), "spin_us", qk_pool_spin_us(),
                          "prefetch", qk_prefetch(), "prefetch_hint", qk_prefetch_hint(), "wide",
-                         qk_wide() ? Py_True : Py_False);
+                         qk_wide() ? Py_True : Py_False, "amx", qk_amx() ? Py_True : Py_False, "amx_usable",
+                         qk_amx_usable() ? Py_True : Py_False, "amx_calls", qk_amx_calls());
 }
 
 static PyObject *py_qtypes(PyObject *self, PyObject *args) {
@@ -109,6 +111,11 @@ static PyObject *py_prefetch_default(PyObject *self, PyObject *args) {
 static PyObject *py_set_wide(PyObject *self, PyObject *args) {
     (void)self;
     return set_int(args, qk_set_wide, "wide must be -1 (the CPU's default), 0 or 1");
+}
+
+static PyObject *py_set_amx(PyObject *self, PyObject *args) {
+    (void)self;
+    return set_int(args, qk_set_amx, "amx must be -1 (on where usable), 0 or 1");
 }
 
 /* wide_default(vendor, family, model=0) -> bool: pool.c's table for that CPU. */
@@ -464,6 +471,9 @@ static PyMethodDef methods[] = {
     {"set_threads", py_set_threads, METH_VARARGS, "set_threads(n, spin_us=-1): size the thread pool."},
     {"set_prefetch", py_set_prefetch, METH_VARARGS,
      "set_prefetch(bytes): the interleaved kernels' one-token prefetch distance (-1: the CPU's default, 0: none)."},
+    {"set_amx", py_set_amx, METH_VARARGS,
+     "set_amx(on): batches of Q8_0 / MXFP4 / Q4_K rows through AMX tiles where the CPU has them (-1, the default; 1), "
+     "or not (0); the same bits either way."},
     {"set_wide", py_set_wide, METH_VARARGS,
      "set_wide(on): one-token Q4_K_R8 / Q6_K_R8 / MXFP4_R8 passes on 512-bit vectors (1), 256-bit (0), the CPU's "
      "default (-1)."},
