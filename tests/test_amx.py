@@ -17,12 +17,12 @@ from moerun.quant.qtypes import QType
 TILES = cpu.available() and cpu.features()["amx_usable"]
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the CPU kernels are not built")
 needs_tiles = pytest.mark.skipif(not TILES, reason="this CPU (or kernel) has no AMX-INT8 tiles")
-TYPES = pytest.mark.parametrize("qt", [QType.Q8_0, QType.MXFP4, QType.Q4_K], ids=lambda q: q.name)
+TYPES = pytest.mark.parametrize("qt", [QType.Q8_0, QType.MXFP4, QType.Q4_K, QType.Q5_K], ids=lambda q: q.name)
 
 
 def cols(qt: QType, n: int) -> int:
-    """n, or the next whole number of Q4_K's 256-blocks."""
-    return -(-n // 256) * 256 if qt == QType.Q4_K else n
+    """n, or the next whole number of a K-quant's 256-blocks."""
+    return -(-n // 256) * 256 if qt in (QType.Q4_K, QType.Q5_K) else n
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ others) and every weight row is dotted against them in integer arithmetic, as ll
 match `x @ w.dequantize().T` to within that activation rounding (about 0.5-0.7 % relative for a matmul,
 1-2 % through moe_ffn, which also rounds h = silu(gate x) * up x). Results are bitwise independent of the
 thread count, and the same for the AVX2 and AVX-512 VNNI kernel sets, and through AMX tiles (batches of 16 tokens or
-more of Q8_0, MXFP4 and Q4_K rows, on CPUs that have them: set_amx).
+more of Q8_0, MXFP4, Q4_K and Q5_K rows, on CPUs that have them: set_amx).
 
 Environment: MOERUN_KERNELS=scalar forces the portable kernels, MOERUN_KERNELS=off disables the
 extension (available() is then False); MOERUN_AMX=0 keeps batches off the tiles (moerun.kernels.env). Threads: one pool per process, sized by set_threads() (default:
@@ -133,9 +133,9 @@ def set_wide(on: bool | None = None) -> None:
 
 
 def set_amx(on: bool | None = None) -> None:
-    """Whether batches of Q8_0 / MXFP4 / Q4_K rows (a prompt's matrices, the experts 16 or more of its tokens chose) go
-    through AMX tiles on CPUs that have AMX-INT8 (Intel Xeon since Sapphire Rapids): the VNNI kernels' integer sums
-    and float steps, the same bits, faster (kernels/csrc/amx.c). None or True: where the CPU has them (the default;
+    """Whether batches of Q8_0 / MXFP4 / Q4_K / Q5_K rows (a prompt's matrices, the experts 16 or more of its tokens
+    chose) go through AMX tiles on CPUs that have AMX-INT8 (Intel Xeon since Sapphire Rapids): the VNNI kernels'
+    integer sums and float steps, the same bits, faster (kernels/csrc/amx.c). None or True: where the CPU has them (the default;
     MOERUN_AMX=0 turns it off), False: the VNNI kernels for every batch."""
     _need()
     if on is not None and not isinstance(on, bool):

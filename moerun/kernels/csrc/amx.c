@@ -120,7 +120,8 @@ AMX_INLINE __m512 f16_16(const uint8_t *a, const uint8_t *b) {
                                                    _mm_loadu_si128((const __m128i *)b), 1));
 }
 
-/* Q4_K_R8 (1152 bytes a block of 8 rows x 256): per block of 16 rows, in the scratch: each sub-block's B tile (the
+/* Q4_K_R8 (1152 bytes a block of 8 rows x 256) and Q5_K_R8 (1408: each group of 4 chunks' fifth bits after its 256
+ * bytes of nibbles): per block of 16 rows, in the scratch: each sub-block's B tile (the
  * nibbles as bytes), the sub-blocks' scales as int32, the mins as int16 pairs per row (the VNNI kernels' mp), d and
  * dmin as floats, 16 rows each. */
 #define Q4K_SCALES 4096                /* after the 8 sub-blocks' tiles of 512 bytes */
@@ -139,16 +140,34 @@ AMX_INLINE void r8_scale_vectors(const uint8_t *p, __m256i v[4]) {
     v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(hi, 2), m30));
 }
 
-AMX_INLINE void unpack_q4k(const uint8_t *pa, const uint8_t *pb, int64_t nb, uint8_t *dst) {
+/* h's bits moved by s places (left if s > 0) in 16-bit lanes, then bit 4 of each byte alone: Q5_K_R8's fifth bit
+ * (as the VNNI kernels' q5r8_fifth). */
+AMX_INLINE __m256i fifth(__m256i h, const int s) {
+    const __m256i m = s > 0 ? _mm256_slli_epi16(h, s) : s < 0 ? _mm256_srli_epi16(h, -s) : h;
+    return _mm256_and_si256(m, _mm256_set1_epi8(0x10));
+}
+
+AMX_INLINE void unpack_q45k(const uint8_t *pa, const uint8_t *pb, int64_t nb, uint8_t *dst, const int hb) {
     const __m256i m4 = _mm256_set1_epi8(15);
-    for (int64_t i = 0; i < nb; i++, pa += 1152, pb += 1152, dst += Q4K_STEP) {
+    const int blk = hb ? 1408 : 1152, gstep = hb ? 320 : 256;
+    for (int64_t i = 0; i < nb; i++, pa += blk, pb += blk, dst += Q4K_STEP) {
         for (int g = 0; g < 4; g++)
             for (int c = 0; c < 8; c++) { /* low nibbles: sub-block 2g, B row c; high: 2g + 1 */
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(pa + 128 + 256 * g + 32 * c));
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(pb + 128 + 256 * g + 32 * c));
-                b_row(dst + 1024 * g + 64 * c, _mm256_and_si256(v, m4), _mm256_and_si256(w, m4));
-                b_row(dst + 1024 * g + 512 + 64 * c, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
-                      _mm256_and_si256(_mm256_srli_epi16(w, 4), m4));
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(pa + 128 + gstep * g + 32 * c));
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(pb + 128 + gstep * g + 32 * c));
+                __m256i vl = _mm256_and_si256(v, m4), wl = _mm256_and_si256(w, m4);
+                __m256i vh = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), wh = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+                if (hb) { /* bit 2j of qh vector c / 4 (j = c % 4): the low nibble's fifth bit, bit 2j + 1 the high one's */
+                    const int j = c % 4;
+                    const __m256i ha = _mm256_loadu_si256((const __m256i *)(pa + 128 + gstep * g + 256 + 32 * (c / 4)));
+                    const __m256i hw = _mm256_loadu_si256((const __m256i *)(pb + 128 + gstep * g + 256 + 32 * (c / 4)));
+                    vl = _mm256_or_si256(vl, fifth(ha, 4 - 2 * j));
+                    wl = _mm256_or_si256(wl, fifth(hw, 4 - 2 * j));
+                    vh = _mm256_or_si256(vh, fifth(ha, 3 - 2 * j));
+                    wh = _mm256_or_si256(wh, fifth(hw, 3 - 2 * j));
+                }
+                b_row(dst + 1024 * g + 64 * c, vl, wl);
+                b_row(dst + 1024 * g + 512 + 64 * c, vh, wh);
             }
         __m256i va[4], vb[4];
         r8_scale_vectors(pa + 32, va);
@@ -174,7 +193,7 @@ AMX_INLINE void unpack_q4k(const uint8_t *pa, const uint8_t *pb, int64_t nb, uin
     }
 }
 
-int64_t qk_amx_scratch(int qt, int64_t nb) { return qt == QT_Q4_K_R8 ? nb * Q4K_STEP : nb * 512; }
+int64_t qk_amx_scratch(int qt, int64_t nb) { return qt == QT_Q4_K_R8 || qt == QT_Q5_K_R8 ? nb * Q4K_STEP : nb * 512; }
 
 /* Unit u of a pass over 16 tokens (a 32-element block of Q8_0 / MXFP4, a sub-block of Q4_K) into C tile `c`: its A
  * (at x + a_off(u), the tokens' rows xrow apart) against its B tile (at b). Q4_K's nibbles are unsigned. */
@@ -194,7 +213,7 @@ int64_t qk_amx_scratch(int qt, int64_t nb) { return qt == QT_Q4_K_R8 ? nb * Q4K_
  * unpacked rows (B tiles; Q4_K's scales too), pa / pb: the groups as stored (scales of Q8_0 / MXFP4). */
 AMX_INLINE void amx_pass(int qt, const uint8_t *pa, const uint8_t *pb, const uint8_t *u, int64_t nb, const uint8_t *x,
                          int64_t xrow, int mt, __m512 acc[16]) {
-    const int k4 = qt == QT_Q4_K_R8, mx = qt == QT_MXFP4_R8, blk = mx ? 136 : 272;
+    const int k4 = qt == QT_Q4_K_R8 || qt == QT_Q5_K_R8, mx = qt == QT_MXFP4_R8, blk = mx ? 136 : 272;
     const int64_t nu = k4 ? 8 * nb : nb;
     _Alignas(64) int32_t c[8][256]; /* unit u's sums at c[u % 8]: token m's 16 at + 16 m */
 #define A_AT(v) (k4 ? x + 292 * ((v) / 8) + 4 + 32 * ((v) % 8) : x + 40 * (v) + 8)
@@ -252,8 +271,8 @@ AMX_FN void qk_amx_rows(int qt, const uint8_t *w, int64_t rowb, int64_t nb, int6
         const uint8_t *pa = w + r / 8 * rowb, *pb = pa + rowb;
         if (qt == QT_MXFP4_R8)
             unpack_mxfp4(pa, pb, nb, scratch);
-        else if (qt == QT_Q4_K_R8)
-            unpack_q4k(pa, pb, nb, scratch);
+        else if (qt == QT_Q4_K_R8 || qt == QT_Q5_K_R8)
+            unpack_q45k(pa, pb, nb, scratch, qt == QT_Q5_K_R8);
         else
             unpack_q8_0(pa, pb, nb, scratch);
         for (int64_t t0 = 0; t0 < T; t0 += 16) {
@@ -267,7 +286,7 @@ AMX_FN void qk_amx_rows(int qt, const uint8_t *w, int64_t rowb, int64_t nb, int6
     _tile_release();
 }
 
-int qk_amx_type(int qt) { return qt == QT_Q8_0_R8 || qt == QT_MXFP4_R8 || qt == QT_Q4_K_R8; }
+int qk_amx_type(int qt) { return qt == QT_Q8_0_R8 || qt == QT_MXFP4_R8 || qt == QT_Q4_K_R8 || qt == QT_Q5_K_R8; }
 
 #else /* no tiles in this build */
 

@@ -472,8 +472,8 @@ static PyMethodDef methods[] = {
     {"set_prefetch", py_set_prefetch, METH_VARARGS,
      "set_prefetch(bytes): the interleaved kernels' one-token prefetch distance (-1: the CPU's default, 0: none)."},
     {"set_amx", py_set_amx, METH_VARARGS,
-     "set_amx(on): batches of Q8_0 / MXFP4 / Q4_K rows through AMX tiles where the CPU has them (-1, the default; 1), "
-     "or not (0); the same bits either way."},
+     "set_amx(on): batches of Q8_0 / MXFP4 / Q4_K / Q5_K rows through AMX tiles where the CPU has them (-1, the "
+     "default; 1), or not (0); the same bits either way."},
     {"set_wide", py_set_wide, METH_VARARGS,
      "set_wide(on): one-token Q4_K_R8 / Q6_K_R8 / MXFP4_R8 passes on 512-bit vectors (1), 256-bit (0), the CPU's "
      "default (-1)."},
