@@ -100,6 +100,36 @@ static void dot_span(dot_fn dot, dot16_fn dot16, int rows, int64_t nb, const uin
     }
 }
 
+/* Gate and up rows [r0, r1) of active expert a for its pairs through the dot kernels, then h = act(g, u). */
+static void dot_gate_up(const moe_ctx *c, int64_t a, int64_t r0, int64_t r1) {
+    const uint8_t *gw = c->gate[a], *uw = c->up[a];
+    const qk_expert_fn *fn = &c->fn;
+    const float *gb = fn->gate_b ? fn->gate_b + c->act_e[a] * c->I : NULL;
+    const float *ub = fn->up_b ? fn->up_b + c->act_e[a] * c->I : NULL;
+    for (int64_t s = c->first[a]; s < c->first[a + 1]; s += c->nt_a) {
+        const int nt = (int)min64(c->nt_a, c->first[a + 1] - s);
+        const void *xg[DOT_MAX_NT], *xu[DOT_MAX_NT];
+        for (int j = 0; j < nt; j++) {
+            const int64_t tok = c->order[s + j] / c->k;
+            xg[j] = c->xg + tok * c->xrow_g;
+            xu[j] = c->xu + tok * c->xrow_u;
+        }
+        /* the item's gate rows, then its up rows: one long run of each matrix (alternating them every few KB
+         * cost the two streams a quarter of their rate from memory) */
+        const int n = (int)(r1 - r0), r = (int)r0;
+        float g[DOT_MAX_NT * MAX_ROWS_PER_ITEM_A], u[DOT_MAX_NT * MAX_ROWS_PER_ITEM_A];
+        dot_span(c->dot_g, c->dot16_g, c->rows_g, c->nb_g, gw, c->rowb_g, r, n, xg, nt, g);
+        dot_span(c->dot_u, c->dot16_u, c->rows_u, c->nb_u, uw, c->rowb_u, r, n, xu, nt, u);
+        if (gb || ub)
+            for (int j = 0; j < nt; j++)
+                for (int q = 0; q < n; q++) {
+                    g[j * n + q] += gb ? gb[r + q] : 0.0f;
+                    u[j * n + q] += ub ? ub[r + q] : 0.0f;
+                }
+        glu_rows(fn, g, u, nt, n, c->h + s * c->I + r, c->I);
+    }
+}
+
 static void moe_gate_up_task(void *p, int tid, int nth) {
     moe_ctx *c = p;
     (void)nth;
@@ -112,37 +142,10 @@ static void moe_gate_up_task(void *p, int tid, int nth) {
             prefetch_head(gw + r0 / c->rows_g * c->rowb_g, (r1 - r0) / c->rows_g * c->rowb_g);
             prefetch_head(uw + r0 / c->rows_u * c->rowb_u, (r1 - r0) / c->rows_u * c->rowb_u);
         }
-        const int64_t na = c->first[a + 1] - c->first[a];
-        if (c->xgg && na >= QK_AMX_MIN_TOKENS && tid < c->nscratch) {
+        if (c->xgg && c->first[a + 1] - c->first[a] >= QK_AMX_MIN_TOKENS && tid < c->nscratch)
             amx_gate_up(c, a, r0, r1, c->tsc + tid * c->tsc_bytes);
-            goto done;
-        }
-        const qk_expert_fn *fn = &c->fn;
-        const float *gb = fn->gate_b ? fn->gate_b + c->act_e[a] * c->I : NULL;
-        const float *ub = fn->up_b ? fn->up_b + c->act_e[a] * c->I : NULL;
-        for (int64_t s = c->first[a]; s < c->first[a + 1]; s += c->nt_a) {
-            const int nt = (int)min64(c->nt_a, c->first[a + 1] - s);
-            const void *xg[DOT_MAX_NT], *xu[DOT_MAX_NT];
-            for (int j = 0; j < nt; j++) {
-                const int64_t tok = c->order[s + j] / c->k;
-                xg[j] = c->xg + tok * c->xrow_g;
-                xu[j] = c->xu + tok * c->xrow_u;
-            }
-            /* the item's gate rows, then its up rows: one long run of each matrix (alternating them every few KB
-             * cost the two streams a quarter of their rate from memory) */
-            const int n = (int)(r1 - r0), r = (int)r0;
-            float g[DOT_MAX_NT * MAX_ROWS_PER_ITEM_A], u[DOT_MAX_NT * MAX_ROWS_PER_ITEM_A];
-            dot_span(c->dot_g, c->dot16_g, c->rows_g, c->nb_g, gw, c->rowb_g, r, n, xg, nt, g);
-            dot_span(c->dot_u, c->dot16_u, c->rows_u, c->nb_u, uw, c->rowb_u, r, n, xu, nt, u);
-            if (gb || ub)
-                for (int j = 0; j < nt; j++)
-                    for (int q = 0; q < n; q++) {
-                        g[j * n + q] += gb ? gb[r + q] : 0.0f;
-                        u[j * n + q] += ub ? ub[r + q] : 0.0f;
-                    }
-            glu_rows(fn, g, u, nt, n, c->h + s * c->I + r, c->I);
-        }
-    done:
+        else
+            dot_gate_up(c, a, r0, r1);
         /* The last item of an expert quantizes its h rows (acq_rel: sees the others' writes). */
         if (atomic_fetch_add_explicit(&c->done[a], 1, memory_order_acq_rel) == c->items_per_expert - 1)
             for (int64_t s = c->first[a]; s < c->first[a + 1]; s++)
@@ -259,6 +262,7 @@ static const uint8_t *expert_ptr(qk_expert_mats m, int64_t e) {
 /* The tiles' buffers where some expert takes them (*tiles, freed by the caller): x quantized per pair, with 16 rows to
  * spare (a tile reads 16), up's outputs, the threads' scratch. */
 static int amx_moe_setup(moe_ctx *c, int isa, int qg, int qu, int qd, int step, int group_d, uint8_t **tiles) {
+    if (c->T < QK_AMX_MIN_TOKENS) return QK_OK; /* no expert can have enough pairs */
     const int64_t run = c->first[c->nact], I = c->I;
     int many = 0;
     for (int64_t a = 0; a < c->nact; a++) many |= c->first[a + 1] - c->first[a] >= QK_AMX_MIN_TOKENS;
@@ -321,7 +325,8 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
      * outputs (nth * P * rows_b floats); quantized x (one copy per activation format) and quantized h. */
     const int64_t n_i64 = 5 * E + 1 + 2 * P;
     const int64_t n_f32 = P * I + (by_expert ? P * H : (int64_t)nth * P * rows_b);
-    const int64_t n_u8 = T * xrow_g + (au != ag ? T * xrow_u : 0) + (P + 16) * hrow; /* h: 16 rows for the tiles */
+    const int64_t hpad = T >= QK_AMX_MIN_TOKENS ? 16 : 0; /* h: rows to spare for the tiles, which read 16 a pass */
+    const int64_t n_u8 = T * xrow_g + (au != ag ? T * xrow_u : 0) + (P + hpad) * hrow;
     uint8_t *mem = malloc((size_t)(n_i64 * 8 + E * (int64_t)sizeof(atomic_long) + (E + 1) / 2 * 8 + n_f32 * 4 + n_u8));
     if (!mem) return QK_ENOMEM;
     int64_t *first = (int64_t *)mem, *cursor = first + E + 1, *order = cursor + E, *pos = order + P;
@@ -333,7 +338,7 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
     uint8_t *xg = (uint8_t *)(scratch + (by_expert ? P * H : (int64_t)nth * P * rows_b));
     uint8_t *xu = au != ag ? xg + T * xrow_g : xg;
     uint8_t *hq = xu + (au != ag ? T * xrow_u : T * xrow_g);
-    memset(hq + P * hrow, 0, (size_t)(16 * hrow));
+    memset(hq + P * hrow, 0, (size_t)(hpad * hrow));
 
     /* Group the pairs by expert: a stable counting sort keeps token order within an expert; skipped pairs
      * (negative ids) get no place. */
