@@ -1,7 +1,8 @@
 """The layer loop's per-row pieces in the fused C layers' arithmetic (csrc/attn.c, csrc/layer.c): RMSNorm, RoPE,
 the sigmoid output gate, a few rows' attention over float32 keys and values, and the router's choice. The torch
 layer loop takes these on the CPU (moerun.model.ops.KernelOps), so a decode step gives the same bits through the
-loop as through one C call, whatever the composition: greedy tokens cannot part on a 1-ulp difference.
+loop as through one C call, whatever the composition: greedy tokens cannot part on a 1-ulp difference. Norms, RoPE
+and the gate work row by row, and a prompt takes them too: a row gets the same bits in a step of any size.
 moerun.model.layers and moerun.model.moe hold the torch forms (devices, no kernels), which the tests compare these
 with."""
 

@@ -234,22 +234,29 @@ class KernelOps(ReferenceOps):
             return self.rows.attend(q, k, v, q_start, q_start + q.shape[0] - k.shape[0], scale, sinks, window)
         return super().attend(q, k, v, q_pos, k_pos, scale, sinks, window, q_start)
 
-    def _rows(self, *ts: torch.Tensor) -> bool:
-        """A decode-sized step's float32 CPU tensors (the rows the fused layers take): the loop's norms, RoPE,
-        output gate, attention and routing in their arithmetic (moerun.kernels.rows), so a step gives the same
-        bits through the loop as through one C call."""
-        return ts[0].shape[0] <= SMALL_T and all(t.is_cpu and t.dtype == torch.float32 for t in ts)
+    @staticmethod
+    def _f32(*ts: torch.Tensor) -> bool:
+        return all(t.is_cpu and t.dtype == torch.float32 for t in ts)
 
+    def _rows(self, *ts: torch.Tensor) -> bool:
+        """A decode-sized step's float32 CPU tensors (the rows the fused layers take): the loop's attention, MLA
+        and routing in their arithmetic (moerun.kernels.rows), so a step gives the same bits through the loop as
+        through one C call. (Norms, RoPE and the gate take it at every size: _f32.)"""
+        return ts[0].shape[0] <= SMALL_T and self._f32(*ts)
+
+    # Norms, RoPE and the output gate work row by row: the C forms for every step, a prompt's too, so a token's
+    # rows get one arithmetic whatever the step's size, and a prompt spends less time in them than in torch's
+    # (bench/journal/issue-36.md, "A prompt's norms, RoPE and gate in C").
     def rms_norm(self, x, w, eps):
-        return self.rows.rms_norm(x, w, eps) if self._rows(x, w) else super().rms_norm(x, w, eps)
+        return self.rows.rms_norm(x, w, eps) if self._f32(x, w) else super().rms_norm(x, w, eps)
 
     def rope(self, x, cos, sin, style):
-        if self._rows(x, cos, sin):
+        if self._f32(x, cos, sin):
             return self.rows.rope(x, cos, sin, style == "neox")
         return super().rope(x, cos, sin, style)
 
     def gate(self, x, gate):
-        return self.rows.gate_mul(x, gate) if self._rows(x, gate) else super().gate(x, gate)
+        return self.rows.gate_mul(x, gate) if self._f32(x, gate) else super().gate(x, gate)
 
     def mla(self, q_nope, q_pe, latent, wk_b, wv_b, q_pos, k_pos, scale, q_start=None):
         if q_start is not None and self._rows(q_nope, q_pe, latent, wk_b, wv_b):

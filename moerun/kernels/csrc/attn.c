@@ -404,7 +404,7 @@ int qk_attend_rows(int isa, const float *q, int64_t B, int64_t nh, int64_t nkv, 
 static const float *fptr(int64_t a) { return (const float *)(uintptr_t)a; }
 
 /* out = w * (x / rms(x)), the mean of squares accumulated in double. */
-void qk_rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
+QK_VECTOR_CLONES void qk_rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
     double s[8] = {0}; /* value i goes to sum i % 8: eight chains of adds, not one (a norm of 2048 values: 0.8 us less) */
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -415,7 +415,7 @@ void qk_rms_norm(const float *x, const float *w, int64_t n, float eps, float *ou
     for (i = 0; i < n; i++) out[i] = w[i] * (x[i] * scale);
 }
 
-void qk_rope(float *x, const float *cos, const float *sin, int64_t R, int neox) {
+QK_VECTOR_CLONES void qk_rope(float *x, const float *cos, const float *sin, int64_t R, int neox) {
     const int64_t half = R / 2;
     for (int64_t i = 0; i < half; i++) {
         float *a = neox ? x + i : x + 2 * i, *b = neox ? x + i + half : x + 2 * i + 1;
