@@ -148,19 +148,21 @@ def test_router_equals_the_torch_form(kind):
 
 def test_a_prompts_norms_rope_and_gate_take_the_rows_arithmetic():
     """A prompt-sized step (past the 16 rows the fused layers take) normalises, rotates and gates each row as a
-    one-row step does, bit for bit: one arithmetic for a token's rows whatever the step's size, and none of
-    torch's (its float32 mean of squares rounds otherwise than the rows' double one)."""
+    one-row step does, bit for bit, on the pool's threads or one: one arithmetic for a token's rows whatever the
+    step's size, and none of torch's (its float32 mean of squares rounds otherwise than the rows' double one)."""
     from moerun.model.ops import KernelOps
 
+    threads = cpu.get_threads()
+    cpu.set_threads(2)
     ops, g = KernelOps(), gen(7)
-    T, H = 40, 256
+    T, H = 300, 256  # 76,800 values a tensor: rows on the pool (a one-row step's on the caller)
     x, w = torch.randn(T, H, generator=g) * 3, torch.randn(H, generator=g)
     q, wq = torch.randn(T, 4, 64, generator=g), torch.randn(64, generator=g)
     cos, sin = layers.rope_tables(torch.arange(100, 100 + T), 48, 10000.0)  # partial: 48 of 64 dimensions
     gate = torch.randn(T, H, generator=g) * 4
     whole = [ops.rms_norm(x, w, 1e-6), ops.rms_norm(q, wq, 1e-6), ops.rope(q, cos, sin, "neox"),
              ops.rope(q, cos, sin, "interleaved"), ops.gate(x, gate)]
-    for t in (0, 17, T - 1):
+    for t in (0, 17, 161, T - 1):
         one = [ops.rms_norm(x[t:t + 1], w, 1e-6), ops.rms_norm(q[t:t + 1], wq, 1e-6),
                ops.rope(q[t:t + 1], cos[t:t + 1], sin[t:t + 1], "neox"),
                ops.rope(q[t:t + 1], cos[t:t + 1], sin[t:t + 1], "interleaved"), ops.gate(x[t:t + 1], gate[t:t + 1])]
@@ -169,3 +171,7 @@ def test_a_prompts_norms_rope_and_gate_take_the_rows_arithmetic():
     assert not torch.equal(whole[0], layers.rms_norm(x, w, 1e-6))  # not torch's rounding
     torch.testing.assert_close(whole[0], layers.rms_norm(x, w, 1e-6), rtol=2e-6, atol=1e-6)
     torch.testing.assert_close(whole[2], layers.apply_rope(q, cos, sin, "neox"), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(whole[3], layers.apply_rope(q, cos, sin, "interleaved"), rtol=1e-6, atol=1e-6)
+    cpu.set_threads(1)
+    assert torch.equal(ops.rms_norm(q, wq, 1e-6), whole[1]) and torch.equal(ops.rope(q, cos, sin, "neox"), whole[2])
+    cpu.set_threads(threads)

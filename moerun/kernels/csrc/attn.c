@@ -429,14 +429,56 @@ QK_VECTOR_CLONES void qk_gate_mul(float *x, const float *gate, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] *= 1.0f / (1.0f + qk_vexp(-gate[i]));
 }
 
+/* A prompt's norms and RoPE on the pool: rows in runs of about ROWS_RUN values taken through a counter, each row
+ * computed as alone (the same bits on any number of threads). */
+#define ROWS_RUN 16384
+#define ROWS_PARALLEL (1 << 16) /* values; fewer: on the caller */
+
+typedef struct {
+    const float *x, *w, *cos, *sin;
+    float *out; /* RoPE: x rotated in place (out == x) */
+    int64_t rows, n, heads, R, run;
+    float eps;
+    int neox;
+    atomic_long next;
+} rows_ctx;
+
+static void rows_span(const rows_ctx *c, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+        if (c->w)
+            qk_rms_norm(c->x + r * c->n, c->w, c->n, c->eps, c->out + r * c->n);
+        else
+            qk_rope(c->out + r * c->n, c->cos + r / c->heads * (c->R / 2), c->sin + r / c->heads * (c->R / 2), c->R,
+                    c->neox);
+    }
+}
+
+static void rows_task(void *p, int tid, int nth) {
+    rows_ctx *c = p;
+    (void)tid, (void)nth;
+    for (int64_t r0; (r0 = atomic_fetch_add(&c->next, c->run)) < c->rows;)
+        rows_span(c, r0, r0 + c->run < c->rows ? r0 + c->run : c->rows);
+}
+
+static void rows_run(rows_ctx *c) {
+    c->run = ROWS_RUN / c->n > 1 ? ROWS_RUN / c->n : 1;
+    atomic_init(&c->next, 0);
+    if (c->rows * c->n < ROWS_PARALLEL || c->rows == 1)
+        rows_span(c, 0, c->rows);
+    else
+        qk_pool_run(rows_task, c); /* without workers it runs on the caller */
+}
+
 void qk_rms_norm_rows(const float *x, const float *w, int64_t rows, int64_t n, float eps, float *out) {
-    for (int64_t r = 0; r < rows; r++) qk_rms_norm(x + r * n, w, n, eps, out + r * n);
+    rows_ctx c = {.x = x, .w = w, .out = out, .rows = rows, .n = n, .heads = 1, .eps = eps};
+    rows_run(&c);
 }
 
 void qk_rope_rows(float *x, int64_t T, int64_t heads, int64_t D, const float *cos, const float *sin, int64_t R,
                   int neox) {
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t h = 0; h < heads; h++) qk_rope(x + (t * heads + h) * D, cos + t * (R / 2), sin + t * (R / 2), R, neox);
+    rows_ctx c = {.x = x, .cos = cos, .sin = sin, .out = x, .rows = T * heads, .n = D, .heads = heads, .R = R,
+                  .neox = neox};
+    rows_run(&c);
 }
 
 /* Biases, clamp, q/k norms and RoPE (over R dims a head) for one row's q [nh * D] and k [nkv * D] (v: bias and
