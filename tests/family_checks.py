@@ -79,7 +79,8 @@ def count_kernel_calls(ops, names: tuple[str, ...] = ("matmul", "moe_ffn_experts
                        fused=None) -> dict[str, int]:
     """Count the C kernels' calls of `names` (moerun.kernels.cpu functions) made through `ops` (KernelOps) from
     now on, and with `fused` (a model's FusedAttention) its calls of moerun.kernels.layer functions; "experts"
-    counts routed-expert calls of either form (experts one by one, or their stacks)."""
+    counts routed-expert calls of either form (experts one by one, or their stacks); "matmul" counts the matrices
+    multiplied, one call each or several in one `matmuls` call."""
     calls = dict.fromkeys(names, 0)
     calls["experts"] = 0
     ops.cpu = _spy(ops.cpu, calls)
@@ -93,6 +94,13 @@ def _spy(real, calls: dict[str, int]):
     class Spy:
         def __getattr__(self, name):
             f = getattr(real, name)
+            if name == "matmuls" and "matmul" in calls and name not in calls:
+
+                def several(x, ws, *a, **kw):
+                    calls["matmul"] += len(ws)
+                    return f(x, ws, *a, **kw)
+
+                return several
             if name not in calls:
                 return f
 

@@ -41,12 +41,13 @@ class TritonOps(ReferenceOps):
             return y.reshape(*x.shape[:-1], w.shape[0])
         return super().linear(x, w, b)
 
-    def linears(self, x: torch.Tensor, ws: list[Weight]) -> list[torch.Tensor]:
-        """One launch for weights of one type and K (q|k|v, gate|up): views of one [T, sum N] result."""
+    def linears(self, x: torch.Tensor, ws: list[Weight], bs: list | None = None) -> list[torch.Tensor]:
+        """One launch for weights of one type and K (q|k|v, gate|up) and no biases: views of one [T, sum N]
+        result."""
         if (x.dim() == 2 and len(ws) > 1 and self._ok(x, *ws) and len({w.qtype for w in ws}) == 1
-                and len({w.shape[1] for w in ws}) == 1):
+                and len({w.shape[1] for w in ws}) == 1 and (bs is None or all(b is None for b in bs))):
             return list(self.tq.matmul_multi(x, ws).split([w.shape[0] for w in ws], 1))
-        return super().linears(x, ws)
+        return super().linears(x, ws, bs)
 
     def swiglu(self, x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor:
         if x.dim() == 2 and self._ok(x, gate, up, down):

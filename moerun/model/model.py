@@ -220,10 +220,7 @@ class MoEModel:
             return self.latent_attention(i, x, pos, rope, kv)
         s, lw, T = self.spec, self.layers[i - self.first], x.shape[0]
         mm = self.ops.linear
-        if lw.bq is None and lw.bk is None and lw.bv is None:
-            q, k, v = self.ops.linears(x, [lw.wq, lw.wk, lw.wv])  # [T, q_dim|kv_dim]
-        else:
-            q, k, v = mm(x, lw.wq, lw.bq), mm(x, lw.wk, lw.bk), mm(x, lw.wv, lw.bv)
+        q, k, v = self.ops.linears(x, [lw.wq, lw.wk, lw.wv], [lw.bq, lw.bk, lw.bv])  # [T, q_dim|kv_dim]
         gate = None
         if s.attn_gate:  # each head's q is followed by its output gate
             q, gate = (t.reshape(T, -1) for t in q.view(T, s.n_heads, 2 * s.head_dim).chunk(2, dim=-1))
@@ -339,9 +336,11 @@ class MoEModel:
         into keys and values for prompt chunks (layers.mla_form)."""
         s, lw, T = self.spec, self.layers[i - self.first], x.shape[0]
         mm = self.ops.linear
-        q = mm(x, lw.wq) if lw.wq_a is None else mm(self.ops.rms_norm(mm(x, lw.wq_a), lw.q_a_norm, s.rms_eps), lw.wq)
+        q, ckv = self.ops.linears(x, [lw.wq if lw.wq_a is None else lw.wq_a, lw.wkv_a])  # x's products in one call
+        if lw.wq_a is not None:
+            q = mm(self.ops.rms_norm(q, lw.q_a_norm, s.rms_eps), lw.wq)
         q_nope, q_pe = q.view(T, s.n_heads, s.head_dim).split((s.qk_nope_dim, s.qk_rope_dim), dim=-1)
-        c, k_pe = mm(x, lw.wkv_a).split((s.kv_lora_rank, s.qk_rope_dim), dim=-1)  # [T, rank], [T, rope]
+        c, k_pe = ckv.split((s.kv_lora_rank, s.qk_rope_dim), dim=-1)  # [T, rank], [T, rope]
         q_pe = self.ops.rope(q_pe, *rope, s.rope_style)  # [T, nh, rope]
         latent = torch.cat((self.ops.rms_norm(c, lw.kv_a_norm, s.rms_eps),
                             self.ops.rope(k_pe[:, None], *rope, s.rope_style)[:, 0]), dim=-1)  # [T, rank + rope]

@@ -78,9 +78,10 @@ class ReferenceOps:
             w = as_float(w, x.dtype) if w.qtype in FLOAT_QTYPES else w.dequantize(x.dtype)
         return F.linear(x, w, b)
 
-    def linears(self, x: torch.Tensor, ws: list[Weight]) -> list[torch.Tensor]:
-        """[x @ w.T for w in ws]: several products of one input (the kernels take them in one call)."""
-        return [self.linear(x, w) for w in ws]
+    def linears(self, x: torch.Tensor, ws: list[Weight], bs: list | None = None) -> list[torch.Tensor]:
+        """[x @ w.T (+ b) for w, b in zip(ws, bs)]: several products of one input (the kernels take them in one
+        call); bs: a bias or None for each (None: no biases)."""
+        return [self.linear(x, w, None if bs is None else bs[j]) for j, w in enumerate(ws)]
 
     def attend(self, q, k, v, q_pos, k_pos, scale=None, sinks=None, window=0, q_start=None) -> torch.Tensor:
         """moerun.model.layers.attend (causal GQA attention) -> [T, nh * Dv]. q_start: the first query's position as a
@@ -291,16 +292,24 @@ class KernelOps(ReferenceOps):
             return self.cpu.moe_ffn_experts(x.contiguous(), ids, w, experts, fn=None if fn.plain else fn.to(x.device))
         return super().moe(x, ids, w, experts, fn=fn)
 
-    def linears(self, x, ws):
-        """One kernel call for up to four products of x (quantized or float32 matrices; the activations
-        quantized once): a decode step's q/k/v, or a router beside its shared expert's gate and up, cost a call
-        each otherwise (~8 us of set-up apiece)."""
-        if (x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[0] <= self.DECODE_TOKENS
-                and len(ws) <= self.cpu.MATMULS_MAX
-                and all(self.cpu.supports(w.qtype) if isinstance(w, QTensor) else
-                        w.dtype == torch.float32 and w.is_cpu and w.is_contiguous() for w in ws)):
-            return self.cpu.matmuls(x.contiguous(), ws)
-        return super().linears(x, ws)
+    def linears(self, x, ws, bs=None):
+        """The quantized matrices (and a decode step's float32 ones) in one kernel call, the activations quantized
+        once: a step's q/k/v, or a router beside its shared expert's gate and up, cost a call each otherwise (~8 us
+        of set-up apiece; a prompt's x quantized three times: pp512 1.05x on qwen3moe with them together). A
+        prompt's float32 matrices (routers) take torch's sgemm. The same bits as one call each."""
+        if not (x.device.type == "cpu" and x.dtype == torch.float32):
+            return super().linears(x, ws, bs)
+        small = x.shape[0] <= self.DECODE_TOKENS
+        mine = [j for j, w in enumerate(ws) if (self.cpu.supports(w.qtype) if isinstance(w, QTensor) else
+                                                small and w.dtype == torch.float32 and w.is_cpu and w.is_contiguous())]
+        out: list[torch.Tensor | None] = [None] * len(ws)
+        xc = x.contiguous()
+        for c in range(0, len(mine), self.cpu.MATMULS_MAX):
+            part = mine[c:c + self.cpu.MATMULS_MAX]
+            for j, y in zip(part, self.cpu.matmuls(xc, [ws[j] for j in part])):
+                out[j] = y if bs is None or bs[j] is None else y + bs[j]
+        return [y if y is not None else self.linear(x, w, None if bs is None else bs[j])
+                for j, (y, w) in enumerate(zip(out, ws))]
 
     def moe_stacked(self, x, ids, w, stacks, *, fn=PLAIN):
         """The kernels straight over the stacked tensors: no per-expert address table per call (50-70 us a layer in
