@@ -227,6 +227,29 @@ def copies_arena(nbytes: int, fault: bool = True) -> Arena | None:
         return None
 
 
+# glibc hands freed blocks of 128 KiB-32 MiB straight back to the kernel (mmap'd, or trimmed off the heap's top), so a
+# prompt's temporaries (torch's outputs, the kernels' quantized rows and expert buffers) fault in fresh pages in every
+# layer: 430,225 minor faults and 0.8 s of system time in one qwen3moe pp512 (bench/journal/issue-36.md, "A prompt's
+# page faults"). Blocks up to 32 MiB (glibc's ceiling for this setting) from the heap, and up to 256 MiB of freed heap
+# kept for the next ones, bring that to about a thousand (jemalloc and tcmalloc, which PyTorch's CPU guides suggest
+# preloading, keep freed memory likewise).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+GLIBC_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+
+
+def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 256 << 20) -> bool:
+    """Let glibc's malloc keep freed big blocks for reuse (mallopt), where the C library is glibc and the environment
+    sets none of glibc's own MALLOC_*_ tunables (a user's setting stands). True where set."""
+    if any(k in os.environ for k in GLIBC_MALLOC_ENV):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1 and mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1
+
+
 def lock_all() -> str | None:
     """Lock every page this process maps now in RAM (mlockall(MCL_CURRENT), llama.cpp's --mlock) -> None, or
     the line that says why the kernel refused (usually the locked-memory limit, RLIMIT_MEMLOCK)."""

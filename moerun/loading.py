@@ -15,7 +15,7 @@ from moerun.experts.store import ExpertReader, FileSpan
 from moerun.formats import open_model
 from moerun.formats.names import CName
 from moerun.formats.records import ModelFile
-from moerun.hostmem import Arena, fits_in_ram
+from moerun.hostmem import Arena, fits_in_ram, keep_freed_memory
 from moerun.model.model import MoEModel
 from moerun.progress import bar
 from moerun.weights.loader import (
@@ -91,6 +91,8 @@ def load_model(path: str | Path | ModelFile, dtype: torch.dtype = torch.float32,
     read)."""
     mf = path if isinstance(path, ModelFile) else open_model(path)
     arch = resolve(mf)
+    if kernels:
+        keep_freed_memory()  # a prompt's temporaries reuse freed memory instead of faulting in fresh pages
     in_ram = weights_home(mf, home) == "ram"
     keep = None if interleave is True else interleave
     on_read = interleave_on_read(in_ram, keep) if kernels and interleave else None
