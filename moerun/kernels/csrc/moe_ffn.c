@@ -259,6 +259,13 @@ static const uint8_t *expert_ptr(qk_expert_mats m, int64_t e) {
     return (const uint8_t *)(uintptr_t)a;
 }
 
+static int moe_free(void *mem, void *h, void *scratch, int rc) {
+    free(mem);
+    free(h);
+    free(scratch);
+    return rc;
+}
+
 /* The tiles' buffers where some expert takes them (*tiles, freed by the caller): x quantized per pair, with 16 rows to
  * spare (a tile reads 16), up's outputs, the threads' scratch. */
 static int amx_moe_setup(moe_ctx *c, int isa, int qg, int qu, int qd, int step, int group_d, uint8_t **tiles) {
@@ -320,22 +327,23 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
     const int group_d = d16_d && H % (2 * td->rows) == 0 ? 2 * td->rows : td->rows;
     rows_b = (rows_b + group_d - 1) / group_d * group_d; /* whole groups of interleaved rows */
 
-    /* One allocation for all scratch: first (E + 1), cursor (E), order and pos (P each) as int64;
-     * done (E counters); gate, up and down addresses (3 E); act_e (E int32); h (P * I floats); down
-     * outputs (nth * P * rows_b floats); quantized x (one copy per activation format) and quantized h. */
+    /* Scratch in three allocations, each under glibc's largest mmap threshold (32 MiB) for a prompt chunk of 512
+     * tokens, so that the heap keeps them between calls (hostmem.keep_freed_memory; one block of 32.4 MiB was
+     * mapped and faulted in anew in every gpt-oss layer): first (E + 1), cursor (E), order and pos (P each) as
+     * int64; done (E counters); gate, up and down addresses (3 E); act_e (E int32); quantized x (one copy per
+     * activation format) and quantized h | h (P * I floats) | down outputs (nth * P * rows_b floats, or P * H). */
     const int64_t n_i64 = 5 * E + 1 + 2 * P;
-    const int64_t n_f32 = P * I + (by_expert ? P * H : (int64_t)nth * P * rows_b);
+    const int64_t n_out = by_expert ? P * H : (int64_t)nth * P * rows_b;
     const int64_t hpad = T >= QK_AMX_MIN_TOKENS ? 16 : 0; /* h: rows to spare for the tiles, which read 16 a pass */
     const int64_t n_u8 = T * xrow_g + (au != ag ? T * xrow_u : 0) + (P + hpad) * hrow;
-    uint8_t *mem = malloc((size_t)(n_i64 * 8 + E * (int64_t)sizeof(atomic_long) + (E + 1) / 2 * 8 + n_f32 * 4 + n_u8));
-    if (!mem) return QK_ENOMEM;
+    uint8_t *mem = malloc((size_t)(n_i64 * 8 + E * (int64_t)sizeof(atomic_long) + (E + 1) / 2 * 8 + n_u8));
+    float *h = malloc((size_t)(P * I) * sizeof(float)), *scratch = malloc((size_t)n_out * sizeof(float));
+    if (!mem || !h || !scratch) return moe_free(mem, h, scratch, QK_ENOMEM);
     int64_t *first = (int64_t *)mem, *cursor = first + E + 1, *order = cursor + E, *pos = order + P;
     const uint8_t **pg = (const uint8_t **)(pos + P), **pu = pg + E, **pd = pu + E;
     atomic_long *done = (atomic_long *)(pd + E);
     int32_t *act_e = (int32_t *)(done + E);
-    float *h = (float *)(act_e + (E + 1) / 2 * 2); /* 8-byte aligned */
-    float *scratch = h + P * I;
-    uint8_t *xg = (uint8_t *)(scratch + (by_expert ? P * H : (int64_t)nth * P * rows_b));
+    uint8_t *xg = (uint8_t *)(act_e + (E + 1) / 2 * 2); /* 8-byte aligned */
     uint8_t *xu = au != ag ? xg + T * xrow_g : xg;
     uint8_t *hq = xu + (au != ag ? T * xrow_u : T * xrow_g);
     memset(hq + P * hrow, 0, (size_t)(hpad * hrow));
@@ -363,18 +371,14 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
     for (int64_t s = 0; s < run; s++) pos[order[s]] = s;
     if (nact == 0) { /* every pair skipped */
         memset(out, 0, (size_t)((pairs ? T * k : T) * H) * sizeof(float));
-        free(mem);
-        return QK_OK;
+        return moe_free(mem, h, scratch, QK_OK);
     }
     for (int64_t a = 0; a < nact; a++) {
         atomic_init(&done[a], 0);
         pg[a] = expert_ptr(gate, act_e[a]);
         pu[a] = expert_ptr(up, act_e[a]);
         pd[a] = expert_ptr(down, act_e[a]);
-        if (!pg[a] || !pu[a] || !pd[a]) {
-            free(mem);
-            return QK_EMISSING;
-        }
+        if (!pg[a] || !pu[a] || !pd[a]) return moe_free(mem, h, scratch, QK_EMISSING);
     }
 
     qk_quantize_rows(ks->quant[ag], x, T, H, xg, xrow_g);
@@ -411,10 +415,7 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
     }
     uint8_t *tiles = NULL;
     const int rc = amx_moe_setup(&c, isa, qg, qu, qd, step, group_d, &tiles);
-    if (rc != QK_OK) {
-        free(mem);
-        return rc;
-    }
+    if (rc != QK_OK) return moe_free(mem, h, scratch, rc);
     wq_init(&c.qa, nact * c.items_per_expert, nth);
     wq_init(&c.qb, c.items_b, nth);
     qk_pool_run(moe_gate_up_task, &c);
@@ -424,7 +425,6 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
     } else {
         qk_pool_run(moe_down_task, &c);
     }
-    free(mem);
     free(tiles);
-    return QK_OK;
+    return moe_free(mem, h, scratch, QK_OK);
 }
