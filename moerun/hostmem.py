@@ -231,7 +231,7 @@ def copies_arena(nbytes: int, fault: bool = True) -> Arena | None:
 # prompt's temporaries (torch's outputs, the kernels' quantized rows and expert buffers) fault in fresh pages in every
 # layer: 430,225 minor faults and 0.8 s of system time in one qwen3moe pp512 (bench/journal/issue-36.md, "A prompt's
 # page faults"). Blocks up to 32 MiB (glibc's ceiling for this setting) from the heap, and up to 256 MiB of freed heap
-# kept for the next ones, bring that to about a thousand (jemalloc and tcmalloc, which PyTorch's CPU guides suggest
+# kept for the next ones, bring that to 0-3,648 a prompt (jemalloc and tcmalloc, which PyTorch's CPU guides suggest
 # preloading, keep freed memory likewise).
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 GLIBC_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
