@@ -104,7 +104,8 @@ void qk_rms_norm(const float *x, const float *w, int64_t n, float eps, float *ou
  * (q [B, nh * D]) over float32 keys and values [*, nkv * D] (row r's position p at row slots[r][p]) as the fused
  * attention computes it (scale <= 0: D ** -0.5) -> att [B, nh * D]; a router's choice for B rows of logits [B, E]
  * (used up) as qk_attn_block's gating says (n_used, gating, score_b, n_groups, topk_groups, group_score,
- * norm_topk, fparams[0] the scale). */
+ * norm_topk, fparams[0] the scale). The norm and RoPE rows of a big step (65,536 values or more) go over the kernel
+ * pool, each row as alone: call them from outside a pool job. */
 void qk_rms_norm_rows(const float *x, const float *w, int64_t rows, int64_t n, float eps, float *out);
 void qk_rope_rows(float *x, int64_t T, int64_t heads, int64_t D, const float *cos, const float *sin, int64_t R,
                   int neox);
