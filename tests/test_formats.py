@@ -167,6 +167,28 @@ def test_gguf_metadata_values(written_gguf):
     assert m.metadata["yes"] is True and type(m.metadata["u64"]) is int
 
 
+def test_gguf_without_strings_is_the_whole_header_less_its_string_arrays(written_gguf, tmp_path):
+    path, _ = written_gguf
+    whole, tensors = read_gguf(path), read_gguf(path, strings=False)
+    assert tensors.records == whole.records
+    assert tensors.metadata == {k: v for k, v in whole.metadata.items() if k != "strs"}
+    nested = _write_gguf(tmp_path / "n.gguf", {"x": np.ones(4, dtype=np.float32)},
+                         {"ss": ([["a"], ["b", "c"]], V.ARRAY), "n": (3, V.UINT32)})
+    assert read_gguf(nested).metadata["ss"] == [["a"], ["b", "c"]]
+    assert read_gguf(nested, strings=False).metadata == {"general.architecture": "qwen3moe", "n": 3}
+
+
+@pytest.mark.parametrize("payload, phrase", [
+    (struct.pack("<IQ", 8, 2) + _s("ok") + struct.pack("<Q", 2**40), "key 'sa' runs past the end of the file"),
+    (struct.pack("<IQ", 8, 2) + _s("ok") + struct.pack("<Q", 2**64 - 1), "key 'sa' runs past the end of the file"),
+    (struct.pack("<IQ", 8, 2) + _s("okokokok") + b"\5\0\0", "key 'sa' runs past the end of the file"),
+    (struct.pack("<IQ", 8, 2**60), "key 'sa' array length"),
+])
+def test_gguf_string_arrays_stepped_over_are_still_checked(tmp_path, payload, phrase):
+    path = _write(tmp_path / "s.gguf", b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _kv("sa", 9, payload))
+    _fails(lambda p: read_gguf(p, strings=False), path, phrase)
+
+
 def test_gguf_records_and_bytes(written_gguf):
     path, written = written_gguf
     m = open_model(path)

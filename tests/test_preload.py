@@ -186,3 +186,16 @@ def test_a_split_model_is_read_ahead_from_every_part(tmp_path):
     got, _ = _weights(parts[0], p)
     _same(got, want)
     assert not p.unclaimed
+
+
+def test_the_reads_start_from_the_tensors_and_the_load_gets_the_whole_header(files):
+    path = files["tiny-qwen3moe"]
+    p = weights_ahead(path)
+    try:
+        assert "tokenizer.ggml.tokens" not in p._tensors.metadata  # the vocabulary is not decoded before the reads
+        whole = open_model(path)
+        assert p.mf.metadata == whole.metadata and p.mf.records == whole.records
+        assert p.mf is p.mf and not p._tensors._maps  # parsed once; the first parse's map given back
+        whole.close()
+    finally:
+        p.close()

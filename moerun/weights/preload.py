@@ -1,12 +1,13 @@
 """A load's reads, started before the loader knows the model.
 
 `moerun run`, `serve` and `bench` call `weights_ahead` first, before torch's import: 1-1.6 s of a 2-3 s load on this
-project's 2-core VM, with one core busy and the other idle. For a GGUF file it parses the header (no torch), takes
-memory for every tensor from an arena in file order, and starts reading each tensor into it on the threads the load
-reads on, in the layout the loader will ask for: the CPU kernels' interleaved one where they take the tensor. The
-copies and their fresh pages' faults then happen while torch imports. The loader `claim`s each read it would have
-made (same file, offset, size and layout) and reads itself what was not foreseen; `finish` waits, the tokenizer
-built meanwhile. What nobody claimed is skipped where no thread has started it, and its pages go back.
+project's 2-core VM, with one core busy and the other idle. For a GGUF file it parses the header's tensors (no torch;
+the vocabulary is stepped over, and parsed when the loader asks for the whole file), takes memory for every tensor
+from an arena in file order, and starts reading each tensor into it on the threads the load reads on, in the layout
+the loader will ask for: the CPU kernels' interleaved one where they take the tensor. The copies and their fresh
+pages' faults then happen while torch imports. The loader `claim`s each read it would have made (same file, offset,
+size and layout) and reads itself what was not foreseen; `finish` waits, the tokenizer built meanwhile. What nobody
+claimed is skipped where no thread has started it, and its pages go back.
 
 The foresight is the loader's own rule (`read_layout`) for a model whose every tensor is copied, which is when the
 commands call it (RuntimeConfig.copies_whole_model: one process on the CPU, the file fitting in RAM).
@@ -57,15 +58,24 @@ class _Piece:
 
 
 class Preload:
-    """The reads weights_ahead started. mf: the parsed file, for the load (which then owns it); arena: the memory the
-    reads fill, and the loader's other copies take from while it has room."""
+    """The reads weights_ahead started from the file's tensors (its header parsed without the vocabulary); arena: the
+    memory the reads fill, and the loader's other copies take from while it has room."""
 
-    def __init__(self, mf: ModelFile, arena: Arena, jobs: native.ReadJobs, pieces: dict[tuple[Path, int], _Piece],
+    def __init__(self, tensors: ModelFile, arena: Arena, jobs: native.ReadJobs, pieces: dict[tuple[Path, int], _Piece],
                  fds: list[int]):
-        self.mf, self.arena = mf, arena
+        self.arena, self._tensors, self._mf = arena, tensors, None
         self._jobs, self._pieces, self._fds = jobs, pieces, fds
         self._claimed: set[int] = set()
         self._closed = False
+
+    @property
+    def mf(self) -> ModelFile:
+        """The file parsed whole, for the load (which then owns it): its header read again, vocabulary and all, when
+        the loader first asks (after torch's import, while the reads go on)."""
+        if self._mf is None:
+            self._tensors.close()
+            self._mf = read_gguf(self._tensors.path)
+        return self._mf
 
     @property
     def held(self) -> int:
@@ -111,6 +121,8 @@ class Preload:
                 self.arena.release(p.start, p.nbytes)
         for fd in self._fds:
             os.close(fd)
+        if self._mf is None:
+            self._tensors.close()
         self.arena.close()
 
 
@@ -127,7 +139,7 @@ def weights_ahead(path: Path, repack: bool = True) -> Preload | Arena | None:
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":
                 return None
-        mf = read_gguf(path)
+        mf = read_gguf(path, strings=False)  # the tensors: the vocabulary waits for the loader (Preload.mf)
     except (OSError, ModelFormatError):
         return None
     try:
