@@ -7,8 +7,9 @@ Fresh processes started seconds apart cannot separate a few percent on a shared 
 85 GB/s by the minute; here one loaded model runs every setting in each round, in an order rotated each round, so
 the settings meet the same moments. A setting is NAME=KEY:VALUE,...: `pf` the prefetch distance in bytes
 (cpu.set_prefetch), `hint` t0 / t1 / t2 / nta (cpu.set_prefetch_hint), `wide` 0 / 1 (cpu.set_wide: one token on
-512-bit vectors); a key left out keeps the CPU's default. Each setting's turn in a round: two warm-up steps, then
-`--steps` whole steps (`model.decode`, the fused path from token ids to logits), the cache wound back after each turn.
+512-bit vectors), `spread` 0 / 1 (cpu.set_prefetch_spread: a block's prefetches beside its loads); a key left out
+keeps the CPU's default. Each setting's turn in a round: two warm-up steps, then `--steps` whole steps
+(`model.decode`, the fused path from token ids to logits), the cache wound back after each turn.
 The first setting is the baseline: per round, each other setting's median step time over the baseline's (below 1:
 faster). Rounds are classed by the probe before them (fast: above `--fast` GB/s) and the ratios given for each class.
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests load this file by its path
 from toolkit import add, cpu_model, md_table, parser
 
-KEYS = ("pf", "hint", "wide")
+KEYS = ("pf", "hint", "wide", "spread")
 DEFAULT_SETTINGS = ("default=", "none=pf:0,wide:0", "nta4k=pf:4096,hint:nta", "wide=wide:1")
 
 
@@ -47,6 +48,7 @@ def apply(cpu, setting: dict[str, str]) -> None:
         cpu.set_prefetch(int(setting["pf"]) if "pf" in setting else None)
         cpu.set_prefetch_hint(setting.get("hint"))
         cpu.set_wide(bool(int(setting["wide"])) if "wide" in setting else None)
+        cpu.set_prefetch_spread(bool(int(setting["spread"])) if "spread" in setting else None)
     except ValueError as e:
         raise SystemExit(f"setting {setting}: {e}") from None
 
@@ -99,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
             rows.append((probe, got))
             print(f"round {r + 1}: probe {probe:.1f} GB/s; " + ", ".join(
                 f"{n} {got[n] * 1e3:.2f} ms" for n, _ in settings), flush=True)
-    apply(cpu, {"pf": str(was["prefetch"]), "hint": was["prefetch_hint"], "wide": str(int(was["wide"]))})
+    apply(cpu, {"pf": str(was["prefetch"]), "hint": was["prefetch_hint"], "wide": str(int(was["wide"])),
+                "spread": str(int(was["prefetch_spread"]))})
     base = settings[0][0]
     print(f"\n{args.model}: {s.family}, {s.n_layers} layers; {cpu_model()}, {args.threads} threads; "
           f"{args.rounds} rounds of {args.steps} steps, baseline {base}")

@@ -156,12 +156,21 @@ def default_wide():
 
 def matmul_each_way(x: torch.Tensor, w) -> dict:
     """cpu.matmul on every kernel set, the VNNI set's one-token passes on 256-bit and on 512-bit vectors alike
-    (whichever this CPU's default is): {isa or "avx512vnni wide": y}."""
+    (whichever this CPU's default is), the latter with a block's prefetches at its start and spread beside its loads
+    (a distance set, whatever this CPU's is): {isa, "avx512vnni wide" or "avx512vnni wide spread": y}."""
     outs = {}
     for isa in ISAS:
         for wide in ((False, True) if isa == "avx512vnni" else (False,)):
             cpu.set_wide(wide)
             outs[isa + (" wide" if wide else "")] = cpu.matmul(x, w, isa=isa)
+    if "avx512vnni" in ISAS:
+        cpu.set_wide(True)
+        cpu.set_prefetch(512)
+        for spread in (False, True):
+            cpu.set_prefetch_spread(spread)
+            outs["avx512vnni wide" + (" spread" if spread else " burst")] = cpu.matmul(x, w, isa="avx512vnni")
+        cpu.set_prefetch()
+        cpu.set_prefetch_spread()
     cpu.set_wide()
     return outs
 
@@ -183,8 +192,8 @@ def test_matmul_matches_gguf_reference(shape, qt, default_wide):
             # the GGUF-layout kernel computes the same integer sums: only float order differs
             assert rel_err(y, cpu.matmul(x, w, isa=isa.split()[0])) < 2e-6, (isa, T)
         if "avx2" in outs and "avx512vnni" in outs:
-            assert torch.equal(outs["avx2"], outs["avx512vnni"])
-            assert torch.equal(outs["avx2"], outs["avx512vnni wide"])
+            for way in ("avx512vnni", "avx512vnni wide", "avx512vnni wide burst", "avx512vnni wide spread"):
+                assert torch.equal(outs["avx2"], outs[way]), (way, T)
 
 
 @QTYPES
@@ -197,8 +206,8 @@ def test_matmul_random_bytes_every_scale_pattern(qt, default_wide):
         for isa, y in outs.items():
             assert rel_err(y, ref) < 2e-5, (isa, T)
         if "avx2" in outs and "avx512vnni" in outs:
-            assert torch.equal(outs["avx2"], outs["avx512vnni"]), T
-            assert torch.equal(outs["avx2"], outs["avx512vnni wide"]), T
+            for way in ("avx512vnni", "avx512vnni wide", "avx512vnni wide burst", "avx512vnni wide spread"):
+                assert torch.equal(outs["avx2"], outs[way]), (way, T)
 
 
 @pytest.fixture
@@ -284,6 +293,27 @@ def test_wide_passes_default_per_vendor_and_family(default_wide):
     assert cpu.features()["wide"] is True
     cpu.set_wide()
     assert cpu.features()["wide"] is expected_wide(*this_cpu())
+
+
+def expected_spread(vendor: str, family: int, model: int) -> bool:
+    return (vendor, family, model) == ("GenuineIntel", 6, 207)
+
+
+def test_prefetch_spread_default_per_vendor_and_family():
+    """The table's prefetch placement in the 512-bit passes: a block's lines beside their loads where that was measured
+    faster (Intel family 6 model 207), all at the block's start elsewhere until measured there (AMD Zen 5's 512-bit
+    passes included); every row whatever CPU runs the test, and this CPU's default."""
+    for vendor, family, model in PREFETCH_DEFAULTS:
+        assert cpu._cpu.prefetch_spread_default(vendor, family, model) is expected_spread(vendor, family, model)
+    for bad in (1, "yes", 0.0):
+        with pytest.raises(ValueError, match="prefetch spread"):
+            cpu.set_prefetch_spread(bad)
+    try:
+        cpu.set_prefetch_spread(not expected_spread(*this_cpu()))
+        assert cpu.features()["prefetch_spread"] is not expected_spread(*this_cpu())
+    finally:
+        cpu.set_prefetch_spread()
+    assert cpu.features()["prefetch_spread"] is expected_spread(*this_cpu())
 
 
 def test_set_prefetch_checks_its_distance(default_prefetch):

@@ -45,10 +45,11 @@ static PyObject *py_features(PyObject *self, PyObject *args) {
         }
         Py_DECREF(s);
     }
-    return Py_BuildValue("{s:s,s:i,s:N,s:i,s:i,s:i,s:i,s:O,s:O,s:O,s:L}", "best", qk_isa_name(qk_best_isa()), "best_id",
-                         qk_best_isa(), "isas", isas, "threads", qk_pool_threads(), "spin_us", qk_pool_spin_us(),
-                         "prefetch", qk_prefetch(), "prefetch_hint", qk_prefetch_hint(), "wide",
-                         qk_wide() ? Py_True : Py_False, "amx", qk_amx() ? Py_True : Py_False, "amx_usable",
+    return Py_BuildValue("{s:s,s:i,s:N,s:i,s:i,s:i,s:i,s:O,s:O,s:O,s:O,s:L}", "best", qk_isa_name(qk_best_isa()),
+                         "best_id", qk_best_isa(), "isas", isas, "threads", qk_pool_threads(), "spin_us",
+                         qk_pool_spin_us(), "prefetch", qk_prefetch(), "prefetch_hint", qk_prefetch_hint(), "wide",
+                         qk_wide() ? Py_True : Py_False, "prefetch_spread", qk_prefetch_spread() ? Py_True : Py_False,
+                         "amx", qk_amx() ? Py_True : Py_False, "amx_usable",
                          qk_amx_usable() ? Py_True : Py_False, "amx_calls", qk_amx_calls());
 }
 
@@ -118,13 +119,27 @@ static PyObject *py_set_amx(PyObject *self, PyObject *args) {
     return set_int(args, qk_set_amx, "amx must be -1 (on where usable), 0 or 1");
 }
 
-/* wide_default(vendor, family, model=0) -> bool: pool.c's table for that CPU. */
-static PyObject *py_wide_default(PyObject *self, PyObject *args) {
+static PyObject *py_set_prefetch_spread(PyObject *self, PyObject *args) {
     (void)self;
+    return set_int(args, qk_set_prefetch_spread, "prefetch spread must be -1 (the CPU's default), 0 or 1");
+}
+
+/* A 0 / 1 default of pool.c's table for a CPU (vendor, family, model=0) -> bool. */
+static PyObject *table_flag(PyObject *args, int (*dflt)(const char *, int, int)) {
     const char *vendor;
     int family, model = 0;
     if (!PyArg_ParseTuple(args, "si|i", &vendor, &family, &model)) return NULL;
-    return PyBool_FromLong(qk_wide_default(vendor, family, model));
+    return PyBool_FromLong(dflt(vendor, family, model));
+}
+
+static PyObject *py_wide_default(PyObject *self, PyObject *args) {
+    (void)self;
+    return table_flag(args, qk_wide_default);
+}
+
+static PyObject *py_prefetch_spread_default(PyObject *self, PyObject *args) {
+    (void)self;
+    return table_flag(args, qk_prefetch_spread_default);
 }
 
 static PyObject *py_set_active(PyObject *self, PyObject *args) {
@@ -478,6 +493,11 @@ static PyMethodDef methods[] = {
      "set_wide(on): one-token Q4_K_R8 / Q6_K_R8 / MXFP4_R8 passes on 512-bit vectors (1), 256-bit (0), the CPU's "
      "default (-1)."},
     {"wide_default", py_wide_default, METH_VARARGS, "wide_default(vendor, family, model=0): the table's set_wide default."},
+    {"set_prefetch_spread", py_set_prefetch_spread, METH_VARARGS,
+     "set_prefetch_spread(on): the one-token Q4_K_R8 / Q5_K_R8 (and 512-bit Q6_K_R8) passes prefetch a block's lines "
+     "beside their loads (1) or all at the block's start (0), the CPU's default (-1)."},
+    {"prefetch_spread_default", py_prefetch_spread_default, METH_VARARGS,
+     "prefetch_spread_default(vendor, family, model=0): the table's set_prefetch_spread default."},
     {"prefetch_default", py_prefetch_default, METH_VARARGS,
      "prefetch_default(vendor, family, model=0): the default (bytes, hint) of the CPUs of that CPUID vendor, family and model."},
     {"set_prefetch_hint", py_set_prefetch_hint, METH_VARARGS,

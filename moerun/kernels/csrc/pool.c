@@ -47,11 +47,12 @@ static struct {
     atomic_int prefetch;      /* qk_prefetch's bytes, or -1 until decided */
     atomic_int prefetch_hint; /* qk_prefetch_hint's QK_PF_*, or -1 until decided */
     atomic_int wide;          /* qk_wide's 0 / 1, or -1 until decided */
+    atomic_int spread;        /* qk_prefetch_spread's 0 / 1, or -1 until decided */
     atomic_int trace;         /* qk_pool_trace's switch; the rest of the trace under run_lock */
     int trace_n;
     int64_t trace_last;       /* when the last traced job returned, 0 before the first */
     qk_trace_row trace_rows[QK_TRACE_ROWS];
-} P = {.prefetch = -1, .prefetch_hint = -1, .wide = -1, .run_lock = PTHREAD_MUTEX_INITIALIZER,
+} P = {.prefetch = -1, .prefetch_hint = -1, .wide = -1, .spread = -1, .run_lock = PTHREAD_MUTEX_INITIALIZER,
        .lock = PTHREAD_MUTEX_INITIALIZER,
        .wake = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER, .spin_us = DEFAULT_SPIN_US};
 
@@ -292,12 +293,13 @@ static const struct {
     int model;          /* the displayed model the row is for, 0: any */
     int bytes, hint;
     int wide;           /* qk_wide's default: bench/journal/issue-36.md "One-token passes on 512-bit vectors" (Zen 5) */
+    int spread;         /* qk_prefetch_spread's: bench/journal/issue-36.md "A block's prefetches beside its loads" */
 } PF_DEFAULTS[] = {
-    {"GenuineIntel", 6, 207, 8192, QK_PF_T1, 1},
-    {"GenuineIntel", 0, 0, 2048, QK_PF_T1, 0},
-    {"AuthenticAMD", 26, 0, 4096, QK_PF_NTA, 1},
-    {"AuthenticAMD", 0, 0, 0, QK_PF_T1, 0},
-    {"", 0, 0, 0, QK_PF_T1, 0},
+    {"GenuineIntel", 6, 207, 8192, QK_PF_T1, 1, 1},
+    {"GenuineIntel", 0, 0, 2048, QK_PF_T1, 0, 0},
+    {"AuthenticAMD", 26, 0, 4096, QK_PF_NTA, 1, 0},
+    {"AuthenticAMD", 0, 0, 0, QK_PF_T1, 0, 0},
+    {"", 0, 0, 0, QK_PF_T1, 0, 0},
 };
 
 static int default_row(const char *vendor, int family, int model) {
@@ -316,6 +318,10 @@ int qk_prefetch_default(const char *vendor, int family, int model, int *hint) {
 
 int qk_wide_default(const char *vendor, int family, int model) {
     return PF_DEFAULTS[default_row(vendor, family, model)].wide;
+}
+
+int qk_prefetch_spread_default(const char *vendor, int family, int model) {
+    return PF_DEFAULTS[default_row(vendor, family, model)].spread;
 }
 
 /* This CPU's CPUID vendor string, displayed family (base, plus the extended one where base is 15) and displayed
@@ -338,24 +344,30 @@ static void cpu_id(char vendor[13], int *family, int *model) {
 #endif
 }
 
-int qk_set_wide(int on) {
+/* A 0 / 1 setting: on, or -1 for this CPU's row of the table (dflt). */
+static int set_flag(atomic_int *flag, int on, int (*dflt)(const char *, int, int)) {
     if (on < -1 || on > 1) return -1;
     if (on < 0) {
         char vendor[13];
         int family, model;
         cpu_id(vendor, &family, &model);
-        on = qk_wide_default(vendor, family, model);
+        on = dflt(vendor, family, model);
     }
-    atomic_store(&P.wide, on);
+    atomic_store(flag, on);
     return 0;
 }
 
-int qk_wide(void) {
-    const int w = atomic_load_explicit(&P.wide, memory_order_relaxed);
-    if (w >= 0) return w;
-    qk_set_wide(-1);
-    return atomic_load_explicit(&P.wide, memory_order_relaxed);
+static int get_flag(atomic_int *flag, int (*dflt)(const char *, int, int)) {
+    const int v = atomic_load_explicit(flag, memory_order_relaxed);
+    if (v >= 0) return v;
+    set_flag(flag, -1, dflt);
+    return atomic_load_explicit(flag, memory_order_relaxed);
 }
+
+int qk_set_wide(int on) { return set_flag(&P.wide, on, qk_wide_default); }
+int qk_wide(void) { return get_flag(&P.wide, qk_wide_default); }
+int qk_set_prefetch_spread(int on) { return set_flag(&P.spread, on, qk_prefetch_spread_default); }
+int qk_prefetch_spread(void) { return get_flag(&P.spread, qk_prefetch_spread_default); }
 
 static int default_prefetch(int *hint) {
     char vendor[13];
