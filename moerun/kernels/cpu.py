@@ -66,12 +66,12 @@ def available() -> bool:
 
 def features() -> dict:
     """{"available", "isa" (the kernel set calls use), "isas" (all this CPU runs), "threads", "spin_us", "prefetch",
-    "prefetch_hint" ("t0" .. "nta"), "wide", "prefetch_spread" (the set_* values), "amx" (batches through AMX tiles now), "amx_usable"
-    (the CPU and kernel allow them), "qtypes", "reason" (why not available, else None)}."""
+    "prefetch_hint" ("t0" .. "nta"), "wide", "prefetch_spread" (the set_* values), "amx" (batches through AMX tiles
+    now), "amx_usable" (the CPU and kernel allow them), "qtypes", "reason" (why not available, else None)}."""
     if _cpu is None:
         return {"available": False, "isa": None, "isas": [], "threads": 0, "spin_us": 0, "prefetch": 0,
-                "prefetch_hint": None, "wide": False, "prefetch_spread": False, "amx": False, "amx_usable": False, "qtypes": [],
-                "reason": _import_error}
+                "prefetch_hint": None, "wide": False, "prefetch_spread": False, "amx": False, "amx_usable": False,
+                "qtypes": [], "reason": _import_error}
     f = _cpu.features()
     return {"available": True, "isa": _DEFAULT_ISA, "isas": f["isas"], "threads": f["threads"],
             "spin_us": f["spin_us"], "prefetch": f["prefetch"], "prefetch_hint": PREFETCH_HINTS[f["prefetch_hint"]],

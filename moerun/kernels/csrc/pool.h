@@ -47,9 +47,9 @@ int qk_wide(void);
 int qk_wide_default(const char *vendor, int family, int model);
 /* Where the one-token passes over Q4_K_R8 and Q5_K_R8 rows (and the 512-bit ones over Q6_K_R8) put a block's
  * prefetches: 1: each beside the loads of its part of the block (the header's at the block's start), 0: all of the
- * block's at its start; the same lines either way, and the same results. -1: the CPU's default (the table's: on for Intel family 6 model 207, where one 1 GB matrix
- * streamed 1.04-1.06x as fast and a full-depth decode step took 0.97x the time; off elsewhere until measured there).
- * Returns 0, or -1 when on is not -1, 0 or 1. */
+ * block's at its start; the same lines either way, and the same results. -1: the CPU's default (the table's: on for
+ * Intel family 6 model 207, where one 1 GB matrix streamed 1.04-1.06x as fast and full-depth decode steps took
+ * 0.93-0.97x the time; off elsewhere until measured there). Returns 0, or -1 when on is not -1, 0 or 1. */
 int qk_set_prefetch_spread(int on);
 int qk_prefetch_spread(void);
 int qk_prefetch_spread_default(const char *vendor, int family, int model);
