@@ -161,30 +161,37 @@ def test_chat_ctrl_c_stops_the_reply_and_the_session_goes_on(hf_model):
     import time
 
     _, folder = hf_model("qwen3moe")
-    # -c 4096: the interrupted reply runs for ~0.5 s, a few hundred tokens on a fast minute; with a small
-    # context it could fill it and leave no room for the next turn (seen with -c 256)
-    cmd = [sys.executable, "-m", "moerun", "chat", "-m", str(folder), "-n", "100000", "--ignore-eos", "-c", "4096"]
+    # a context far longer than a reply gets before its interrupt, however slowly this process is scheduled beside the
+    # chat's threads (with -c 4096 a reply once filled its context before the signal came, and ended without it)
+    cmd = [sys.executable, "-m", "moerun", "chat", "-m", str(folder), "-n", "100000", "--ignore-eos", "-c", "65536"]
     p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        p.stdin.write(b"tell me a long story\n")
-        p.stdin.flush()
-        os.set_blocking(p.stdout.fileno(), False)
-        out, deadline = b"", time.monotonic() + 120
-        while len(out) < 20 and time.monotonic() < deadline:  # the reply is streaming
+    out = b""
+
+    def read_until(done) -> None:
+        nonlocal out
+        deadline = time.monotonic() + 120
+        while not done() and time.monotonic() < deadline:
             out += p.stdout.read() or b""
             time.sleep(0.05)
-        assert len(out) >= 20, "no streamed output"
-        p.send_signal(signal.SIGINT)
-        time.sleep(0.5)
-        p.stdin.write(b"hi\n")
-        p.stdin.close()
+
+    try:
+        os.set_blocking(p.stdout.fileno(), False)
+        for turn, line in enumerate((b"tell me a long story\n", b"hi\n")):
+            start = len(out)
+            p.stdin.write(line)
+            p.stdin.flush()
+            read_until(lambda start=start: len(out) - start >= 20)  # the reply is streaming
+            assert len(out) - start >= 20, f"turn {turn}: no streamed output"
+            p.send_signal(signal.SIGINT)
+            read_until(lambda turn=turn: out.count(b"[interrupted]") > turn)
+        p.stdin.close()  # EOF (Ctrl-D): the chat ends
         p.wait(timeout=120)
         stderr = p.stderr.read().decode()
         out += p.stdout.read() or b""
     finally:
         p.kill()
     assert p.returncode == 0, stderr
-    assert b"[interrupted]" in out
+    assert out.count(b"[interrupted]") == 2  # each reply stopped, and the session answered the next turn
     assert len(TIMING.findall(stderr)) == 2 and "Traceback" not in stderr
 
 
