@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -434,6 +435,26 @@ def reasoning_format_option(f):
                              "it (none).")(f)
 
 
+class _CtrlC:
+    """Ctrl-C during a reply, as a flag the reply's loop reads after each piece (llama.cpp's chat does the same). The
+    handler is moerun's own for the reply's time: a process started with SIGINT ignored (a shell's background job
+    without job control, nohup) gets no KeyboardInterrupt from Python, and its reply ran on to the end of the context.
+    Outside replies the disposition it started with stands (by default Ctrl-C at the prompt ends the chat)."""
+
+    def __init__(self):
+        self.hit = False
+
+    def _on(self, signum, frame) -> None:
+        self.hit = True
+
+    def __enter__(self):
+        self._old = signal.signal(signal.SIGINT, self._on)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self._old)
+
+
 class ReplyDisplay:
     """One reply on the terminal, llama-cli style: the answer on stdout; the reasoning, unless hidden, on
     stderr (dim on a terminal), ended by a line break before the answer goes on. `raw`: the text as the model
@@ -542,10 +563,12 @@ def chat(system, reasoning_format, show_reasoning, trace_routing, verbose, **kw)
             show = ReplyDisplay(show_reasoning, raw=reasoning_format == "none")
             parser = None if syntax is None else \
                 ReasoningParser(syntax, template.generation_prompt(conv.messages))
-            try:
+            with _CtrlC() as ctrl_c:
                 for piece in gen:
                     show(piece, [("content", piece)] if parser is None else parser.feed(piece))
-            except KeyboardInterrupt:
+                    if ctrl_c.hit:
+                        break
+            if ctrl_c.hit:
                 show.end_reasoning()
                 click.echo(" [interrupted]", nl=False)
             show("", [] if parser is None else parser.flush())

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import resource
+import shlex
 import shutil
 import subprocess
 import sys
@@ -154,16 +155,20 @@ def test_bad_input_is_one_line_error(args, phrase):
     assert r.returncode != 0 and "Traceback" not in r.stderr and phrase in r.stderr, r.stderr
 
 
-def test_chat_ctrl_c_stops_the_reply_and_the_session_goes_on(hf_model):
-    """SIGINT during a reply ends that reply only; the next turn is answered; EOF (Ctrl-D) exits cleanly."""
+@pytest.mark.parametrize("started", ["plain", "sigint-ignored"])
+def test_chat_ctrl_c_stops_the_reply_and_the_session_goes_on(hf_model, started):
+    """SIGINT during a reply ends that reply only; the next turn is answered; EOF (Ctrl-D) exits cleanly. Also where
+    the chat starts with SIGINT ignored, as a shell's background job without job control (or nohup) starts it."""
     import os
     import signal
     import time
 
     _, folder = hf_model("qwen3moe")
     # a context far longer than a reply gets before its interrupt, however slowly this process is scheduled beside the
-    # chat's threads (with -c 4096 a reply once filled its context before the signal came, and ended without it)
+    # chat's threads
     cmd = [sys.executable, "-m", "moerun", "chat", "-m", str(folder), "-n", "100000", "--ignore-eos", "-c", "65536"]
+    if started == "sigint-ignored":  # an ignored signal stays ignored across exec
+        cmd = ["sh", "-c", "trap '' INT; exec " + shlex.join(cmd)]
     p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out = b""
 
@@ -184,6 +189,7 @@ def test_chat_ctrl_c_stops_the_reply_and_the_session_goes_on(hf_model):
             assert len(out) - start >= 20, f"turn {turn}: no streamed output"
             p.send_signal(signal.SIGINT)
             read_until(lambda turn=turn: out.count(b"[interrupted]") > turn)
+            assert out.count(b"[interrupted]") > turn, f"turn {turn}: the reply went on after Ctrl-C"
         p.stdin.close()  # EOF (Ctrl-D): the chat ends
         p.wait(timeout=120)
         stderr = p.stderr.read().decode()
