@@ -6,9 +6,9 @@
 Fresh processes started seconds apart cannot separate a few percent on a shared machine whose memory reads 50 or
 85 GB/s by the minute; here one loaded model runs every setting in each round, in an order rotated each round, so
 the settings meet the same moments. A setting is NAME=KEY:VALUE,...: `pf` the prefetch distance in bytes
-(cpu.set_prefetch), `hint` t0 / t1 / t2 / nta (cpu.set_prefetch_hint), `wide` 0 / 1 (cpu.set_wide: one token on
-512-bit vectors), `spread` 0 / 1 (cpu.set_prefetch_spread: a block's prefetches beside its loads); a key left out
-keeps the CPU's default. Each setting's turn in a round: two warm-up steps, then `--steps` whole steps
+(cpu.set_prefetch), `hint` t0 / t1 / t2 / nta (cpu.set_prefetch_hint), `wide` 0 / 1 or row types joined by +, such
+as q6_k or q4_k+mxfp4 (cpu.set_wide: one token through those types on 512-bit vectors), `spread` 0 / 1
+(cpu.set_prefetch_spread: a block's prefetches beside its loads); a key left out keeps the CPU's default. Each setting's turn in a round: two warm-up steps, then `--steps` whole steps
 (`model.decode`, the fused path from token ids to logits), the cache wound back after each turn.
 The first setting is the baseline: per round, each other setting's median step time over the baseline's (below 1:
 faster). Rounds are classed by the probe before them (fast: above `--fast` GB/s) and the ratios given for each class.
@@ -42,12 +42,17 @@ def parse_setting(text: str) -> tuple[str, dict[str, str]]:
     return name.strip(), out
 
 
+def wide_value(text: str) -> bool | list[str]:
+    """`wide`'s value: 0 / 1 (none, all), or row types joined by + (q6_k, q4_k+mxfp4)."""
+    return bool(int(text)) if text in ("0", "1") else text.split("+")
+
+
 def apply(cpu, setting: dict[str, str]) -> None:
     """Each key's value, or the CPU's default where the setting leaves it out."""
     try:
         cpu.set_prefetch(int(setting["pf"]) if "pf" in setting else None)
         cpu.set_prefetch_hint(setting.get("hint"))
-        cpu.set_wide(bool(int(setting["wide"])) if "wide" in setting else None)
+        cpu.set_wide(wide_value(setting["wide"]) if "wide" in setting else None)
         cpu.set_prefetch_spread(bool(int(setting["spread"])) if "spread" in setting else None)
     except ValueError as e:
         raise SystemExit(f"setting {setting}: {e}") from None
@@ -101,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append((probe, got))
             print(f"round {r + 1}: probe {probe:.1f} GB/s; " + ", ".join(
                 f"{n} {got[n] * 1e3:.2f} ms" for n, _ in settings), flush=True)
-    apply(cpu, {"pf": str(was["prefetch"]), "hint": was["prefetch_hint"], "wide": str(int(was["wide"])),
+    apply(cpu, {"pf": str(was["prefetch"]), "hint": was["prefetch_hint"], "wide": "+".join(was["wide"]) or "0",
                 "spread": str(int(was["prefetch_spread"]))})
     base = settings[0][0]
     print(f"\n{args.model}: {s.family}, {s.n_layers} layers; {cpu_model()}, {args.threads} threads; "

@@ -267,8 +267,10 @@ def expected_default(vendor: str, family: int, model: int) -> tuple[int, str]:
     return (4096, "nta") if vendor == "AuthenticAMD" and family >= 26 else (0, "t1")
 
 
-def expected_wide(vendor: str, family: int, model: int) -> bool:
-    return (vendor == "AuthenticAMD" and family >= 26) or (vendor, family, model) == ("GenuineIntel", 6, 207)
+def expected_wide(vendor: str, family: int, model: int) -> list[str]:
+    if vendor == "AuthenticAMD" and family >= 26:
+        return ["Q4_K", "Q6_K", "MXFP4"]
+    return ["Q6_K", "MXFP4"] if (vendor, family, model) == ("GenuineIntel", 6, 207) else []
 
 
 def test_prefetch_defaults_per_vendor_and_family():
@@ -281,18 +283,22 @@ def test_prefetch_defaults_per_vendor_and_family():
 
 
 def test_wide_passes_default_per_vendor_and_family(default_wide):
-    """The table's 512-bit one-token passes: on where they were measured faster (AMD Zen 5, Intel family 6 model
-    207), off on other Intel models and older AMD until measured there; every row whatever CPU runs the test, and this
-    CPU's default."""
+    """The table's 512-bit one-token passes, by row type: all three where they were measured faster (AMD Zen 5), Q6_K
+    and MXFP4 on Intel family 6 model 207 (Q4_K streamed faster on 256-bit vectors there), none on other Intel models
+    and older AMD until measured there; every row whatever CPU runs the test, and this CPU's default. set_wide takes
+    True, False or names of those types, anything else is a ValueError."""
     for vendor, family, model in PREFETCH_DEFAULTS:
-        assert cpu._cpu.wide_default(vendor, family, model) is expected_wide(vendor, family, model), (vendor, family)
-    for bad in (1, "yes", 0.0):
+        mask = cpu._cpu.wide_default(vendor, family, model)
+        assert cpu.wide_types(mask) == expected_wide(vendor, family, model), (vendor, family)
+    for bad in (1, "yes", 0.0, ["Q5_K"], ["Q4_K", 6], {"q4_k": True}):
         with pytest.raises(ValueError, match="wide"):
             cpu.set_wide(bad)
-    cpu.set_wide(True)
-    assert cpu.features()["wide"] is True
+    for on, want in ((True, ["Q4_K", "Q6_K", "MXFP4"]), (False, []), ("q6_k", ["Q6_K"]),
+                     (["MXFP4", "Q4_K", "q4_k"], ["Q4_K", "MXFP4"])):
+        cpu.set_wide(on)
+        assert cpu.features()["wide"] == want, on
     cpu.set_wide()
-    assert cpu.features()["wide"] is expected_wide(*this_cpu())
+    assert cpu.features()["wide"] == expected_wide(*this_cpu())
 
 
 def expected_spread(vendor: str, family: int, model: int) -> bool:

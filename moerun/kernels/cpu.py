@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import os
 from array import array
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -66,16 +66,16 @@ def available() -> bool:
 
 def features() -> dict:
     """{"available", "isa" (the kernel set calls use), "isas" (all this CPU runs), "threads", "spin_us", "prefetch",
-    "prefetch_hint" ("t0" .. "nta"), "wide", "prefetch_spread" (the set_* values), "amx" (batches through AMX tiles
+    "prefetch_hint" ("t0" .. "nta"), "wide" (the types set_wide put on 512-bit vectors), "prefetch_spread" (the set_* values), "amx" (batches through AMX tiles
     now), "amx_usable" (the CPU and kernel allow them), "qtypes", "reason" (why not available, else None)}."""
     if _cpu is None:
         return {"available": False, "isa": None, "isas": [], "threads": 0, "spin_us": 0, "prefetch": 0,
-                "prefetch_hint": None, "wide": False, "prefetch_spread": False, "amx": False, "amx_usable": False,
+                "prefetch_hint": None, "wide": [], "prefetch_spread": False, "amx": False, "amx_usable": False,
                 "qtypes": [], "reason": _import_error}
     f = _cpu.features()
     return {"available": True, "isa": _DEFAULT_ISA, "isas": f["isas"], "threads": f["threads"],
             "spin_us": f["spin_us"], "prefetch": f["prefetch"], "prefetch_hint": PREFETCH_HINTS[f["prefetch_hint"]],
-            "wide": f["wide"], "prefetch_spread": f["prefetch_spread"], "amx": f["amx"], "amx_usable": f["amx_usable"],
+            "wide": wide_types(f["wide"]), "prefetch_spread": f["prefetch_spread"], "amx": f["amx"], "amx_usable": f["amx_usable"],
             "qtypes": sorted(q.name for q in _SUPPORTED), "reason": None}
 
 
@@ -123,13 +123,27 @@ def set_prefetch_hint(hint: str | None = None) -> None:
     _cpu.set_prefetch_hint(-1 if hint is None else PREFETCH_HINTS.index(hint.strip().lower()))
 
 
-def set_wide(on: bool | None = None) -> None:
-    """Whether the AVX-512 VNNI kernels take one token through Q4_K_R8 / Q6_K_R8 / MXFP4_R8 rows on 512-bit vectors or
-    256-bit ones (None: the CPU's default, on for AMD Zen 5 and Intel family 6 model 207, where it was measured). Results are the same bit for bit."""
+WIDE_TYPES = ("Q4_K", "Q6_K", "MXFP4")  # set_wide's types, in the order of pool.h's QK_WIDE_* bits
+
+
+def set_wide(on: bool | Iterable[str] | None = None) -> None:
+    """Which row types the AVX-512 VNNI kernels take one token through on 512-bit vectors rather than 256-bit ones:
+    True all of Q4_K_R8 / Q6_K_R8 / MXFP4_R8, False none, or the names of some (WIDE_TYPES); None: the CPU's default
+    (all on AMD Zen 5, Q6_K and MXFP4 on Intel family 6 model 207, where they were measured; none elsewhere). Results are the same
+    bit for bit."""
     _need()
-    if on is not None and not isinstance(on, bool):
-        raise ValueError(f"wide must be True, False or None, got {on!r}")
-    _cpu.set_wide(-1 if on is None else int(on))
+    if on is None or isinstance(on, bool):
+        _cpu.set_wide(-1 if on is None else 7 * on)
+        return
+    names = [on] if isinstance(on, str) else list(on) if isinstance(on, (list, tuple, set, frozenset)) else None
+    if names is None or any(not isinstance(n, str) or n.upper() not in WIDE_TYPES for n in names):
+        raise ValueError(f"wide must be True, False, None or names among {', '.join(WIDE_TYPES)}, got {on!r}")
+    _cpu.set_wide(sum(1 << WIDE_TYPES.index(n) for n in {n.upper() for n in names}))
+
+
+def wide_types(mask: int) -> list[str]:
+    """set_wide's mask (features()' and the table's) -> the names of its types."""
+    return [t for i, t in enumerate(WIDE_TYPES) if mask >> i & 1]
 
 
 def set_prefetch_spread(on: bool | None = None) -> None:

@@ -45,10 +45,10 @@ static PyObject *py_features(PyObject *self, PyObject *args) {
         }
         Py_DECREF(s);
     }
-    return Py_BuildValue("{s:s,s:i,s:N,s:i,s:i,s:i,s:i,s:O,s:O,s:O,s:O,s:L}", "best", qk_isa_name(qk_best_isa()),
+    return Py_BuildValue("{s:s,s:i,s:N,s:i,s:i,s:i,s:i,s:i,s:O,s:O,s:O,s:L}", "best", qk_isa_name(qk_best_isa()),
                          "best_id", qk_best_isa(), "isas", isas, "threads", qk_pool_threads(), "spin_us",
                          qk_pool_spin_us(), "prefetch", qk_prefetch(), "prefetch_hint", qk_prefetch_hint(), "wide",
-                         qk_wide() ? Py_True : Py_False, "prefetch_spread", qk_prefetch_spread() ? Py_True : Py_False,
+                         qk_wide(), "prefetch_spread", qk_prefetch_spread() ? Py_True : Py_False,
                          "amx", qk_amx() ? Py_True : Py_False, "amx_usable",
                          qk_amx_usable() ? Py_True : Py_False, "amx_calls", qk_amx_calls());
 }
@@ -111,7 +111,7 @@ static PyObject *py_prefetch_default(PyObject *self, PyObject *args) {
 
 static PyObject *py_set_wide(PyObject *self, PyObject *args) {
     (void)self;
-    return set_int(args, qk_set_wide, "wide must be -1 (the CPU's default), 0 or 1");
+    return set_int(args, qk_set_wide, "wide must be -1 (the CPU's default) or a mask of 0..7 (Q4_K 1, Q6_K 2, MXFP4 4)");
 }
 
 static PyObject *py_set_amx(PyObject *self, PyObject *args) {
@@ -134,7 +134,10 @@ static PyObject *table_flag(PyObject *args, int (*dflt)(const char *, int, int))
 
 static PyObject *py_wide_default(PyObject *self, PyObject *args) {
     (void)self;
-    return table_flag(args, qk_wide_default);
+    const char *vendor;
+    int family, model = 0;
+    if (!PyArg_ParseTuple(args, "si|i", &vendor, &family, &model)) return NULL;
+    return PyLong_FromLong(qk_wide_default(vendor, family, model));
 }
 
 static PyObject *py_prefetch_spread_default(PyObject *self, PyObject *args) {
@@ -490,9 +493,9 @@ static PyMethodDef methods[] = {
      "set_amx(on): batches of Q8_0 / MXFP4 / Q4_K / Q5_K rows through AMX tiles where the CPU has them (-1, the "
      "default; 1), or not (0); the same bits either way."},
     {"set_wide", py_set_wide, METH_VARARGS,
-     "set_wide(on): one-token Q4_K_R8 / Q6_K_R8 / MXFP4_R8 passes on 512-bit vectors (1), 256-bit (0), the CPU's "
-     "default (-1)."},
-    {"wide_default", py_wide_default, METH_VARARGS, "wide_default(vendor, family, model=0): the table's set_wide default."},
+     "set_wide(mask): which of the one-token Q4_K_R8 (1) / Q6_K_R8 (2) / MXFP4_R8 (4) passes run on 512-bit vectors, "
+     "the others on 256-bit ones; -1: the CPU's default."},
+    {"wide_default", py_wide_default, METH_VARARGS, "wide_default(vendor, family, model=0): the table's set_wide mask."},
     {"set_prefetch_spread", py_set_prefetch_spread, METH_VARARGS,
      "set_prefetch_spread(on): the one-token Q4_K_R8 / Q5_K_R8 (and 512-bit Q6_K_R8) passes prefetch a block's lines "
      "beside their loads (1) or all at the block's start (0), the CPU's default (-1)."},

@@ -46,7 +46,7 @@ static struct {
     int job_n;                /* threads of the current job: workers with tid >= job_n sit it out */
     atomic_int prefetch;      /* qk_prefetch's bytes, or -1 until decided */
     atomic_int prefetch_hint; /* qk_prefetch_hint's QK_PF_*, or -1 until decided */
-    atomic_int wide;          /* qk_wide's 0 / 1, or -1 until decided */
+    atomic_int wide;          /* qk_wide's QK_WIDE_* mask, or -1 until decided */
     atomic_int spread;        /* qk_prefetch_spread's 0 / 1, or -1 until decided */
     atomic_int trace;         /* qk_pool_trace's switch; the rest of the trace under run_lock */
     int trace_n;
@@ -278,9 +278,10 @@ int qk_pool_run_as(qk_task fn, void *ctx, const char *name) {
 /* The CPU's default prefetch distance and hint, by CPUID vendor, family and model (the first row whose vendor
  * matches, whose family the CPU's reaches and whose model is the CPU's or 0 for any; others: the last row);
  * bench/prefetch_sweep.py and bench/settings_ab.py measure the settings on a model. Intel: bench/RESULTS.md "issue 21
- * on an Intel machine" (T1 2 KB, a3b decode +6-36%, on a family 6 model 167 VM). Intel family 6 model 207: T1 8 KB
- * and the 512-bit one-token passes, bench/journal/issue-36.md "Intel's prefetch distance at full depth" (the five
- * full-depth files' decode in one process, every setting each round: 0.86-0.94x the step of T1 2 KB). AMD Zen 5
+ * on an Intel machine" (T1 2 KB, a3b decode +6-36%, on a family 6 model 167 VM). Intel family 6 model 207: T1 8 KB,
+ * bench/journal/issue-36.md "Intel's prefetch distance at full depth" (the five full-depth files' decode in one
+ * process, every setting each round: 0.86-0.94x the step of T1 2 KB), and 512-bit one-token passes over Q6_K_R8 and
+ * MXFP4_R8 rows only, "512-bit passes by type on Intel" (pool.h's qk_set_wide). AMD Zen 5
  * (family 26): NTA 4 KB, bench/journal/issue-36.md "prefetch on Zen 5" (NTA 2 KB against none, full-depth qwen3moe
  * and qwen35moe decode in one process, every setting each round: 1.089x and 1.086x, above 1 in 14 of 14 and 12 of 12
  * rounds) and "the read probe beside each step" (4 KB against 2 KB: one 1 GB matrix 80-83 against 75-79 GB/s with the
@@ -292,12 +293,12 @@ static const struct {
     int family;         /* the lowest family the row is for */
     int model;          /* the displayed model the row is for, 0: any */
     int bytes, hint;
-    int wide;           /* qk_wide's default: bench/journal/issue-36.md "One-token passes on 512-bit vectors" (Zen 5) */
+    int wide;           /* qk_wide's mask: bench/journal/issue-36.md "One-token passes on 512-bit vectors" (Zen 5) */
     int spread;         /* qk_prefetch_spread's: bench/journal/issue-36.md "A block's prefetches beside its loads" */
 } PF_DEFAULTS[] = {
-    {"GenuineIntel", 6, 207, 8192, QK_PF_T1, 1, 1},
+    {"GenuineIntel", 6, 207, 8192, QK_PF_T1, QK_WIDE_Q6K | QK_WIDE_MXFP4, 1},
     {"GenuineIntel", 0, 0, 2048, QK_PF_T1, 0, 0},
-    {"AuthenticAMD", 26, 0, 4096, QK_PF_NTA, 1, 0},
+    {"AuthenticAMD", 26, 0, 4096, QK_PF_NTA, QK_WIDE_ALL, 0},
     {"AuthenticAMD", 0, 0, 0, QK_PF_T1, 0, 0},
     {"", 0, 0, 0, QK_PF_T1, 0, 0},
 };
@@ -344,9 +345,9 @@ static void cpu_id(char vendor[13], int *family, int *model) {
 #endif
 }
 
-/* A 0 / 1 setting: on, or -1 for this CPU's row of the table (dflt). */
-static int set_flag(atomic_int *flag, int on, int (*dflt)(const char *, int, int)) {
-    if (on < -1 || on > 1) return -1;
+/* A setting of 0..max: on, or -1 for this CPU's row of the table (dflt). */
+static int set_flag(atomic_int *flag, int on, int max, int (*dflt)(const char *, int, int)) {
+    if (on < -1 || on > max) return -1;
     if (on < 0) {
         char vendor[13];
         int family, model;
@@ -360,13 +361,13 @@ static int set_flag(atomic_int *flag, int on, int (*dflt)(const char *, int, int
 static int get_flag(atomic_int *flag, int (*dflt)(const char *, int, int)) {
     const int v = atomic_load_explicit(flag, memory_order_relaxed);
     if (v >= 0) return v;
-    set_flag(flag, -1, dflt);
+    set_flag(flag, -1, 0, dflt);
     return atomic_load_explicit(flag, memory_order_relaxed);
 }
 
-int qk_set_wide(int on) { return set_flag(&P.wide, on, qk_wide_default); }
+int qk_set_wide(int mask) { return set_flag(&P.wide, mask, QK_WIDE_ALL, qk_wide_default); }
 int qk_wide(void) { return get_flag(&P.wide, qk_wide_default); }
-int qk_set_prefetch_spread(int on) { return set_flag(&P.spread, on, qk_prefetch_spread_default); }
+int qk_set_prefetch_spread(int on) { return set_flag(&P.spread, on, 1, qk_prefetch_spread_default); }
 int qk_prefetch_spread(void) { return get_flag(&P.spread, qk_prefetch_spread_default); }
 
 static int default_prefetch(int *hint) {

@@ -37,13 +37,16 @@ int qk_set_prefetch_hint(int hint);
 int qk_prefetch_hint(void);
 /* The table's default distance (and *hint) for a CPU of this CPUID vendor string, family and model. */
 int qk_prefetch_default(const char *vendor, int family, int model, int *hint);
-/* Whether the AVX-512 VNNI kernel set multiplies one token through Q4_K_R8, Q6_K_R8 and MXFP4_R8 rows on 512-bit
- * vectors (two 32-byte chunks a load, the activations spread by vpermd: a Zen 5 core from L2 1.42x, 1.19x and 1.14x
- * the 256-bit loops' rate, the same results bit for bit) rather than 256-bit ones. 1: yes, 0: no, -1: the CPU's
- * default (the table's: on for AMD Zen 5 and Intel family 6 model 207, where it was measured, off elsewhere until
- * measured there). Returns 0, or -1 when on is not -1, 0 or 1. */
-int qk_set_wide(int on);
-int qk_wide(void);
+/* Which row types the AVX-512 VNNI kernel set multiplies one token through on 512-bit vectors (two 32-byte chunks a
+ * load, the activations spread by vpermd) rather than 256-bit ones: a mask of QK_WIDE_* bits, the same results bit for
+ * bit either way. A Zen 5 core from L2 ran them 1.42x (Q4_K_R8), 1.19x (Q6_K_R8) and 1.14x (MXFP4_R8) the 256-bit
+ * loops' rate. An Intel family 6 model 207 core from L1 ran them at 0.70x, 0.87x and 0.80x, and one 1 GB matrix on two
+ * threads streamed at 0.95-0.97x (Q4_K), 1.02-1.03x (Q6_K) and 0.99-1.09x (MXFP4) the 256-bit rate. -1: the CPU's
+ * default (the table's: all three on AMD Zen 5, Q6_K_R8 and MXFP4_R8 on Intel family 6 model 207, none elsewhere until
+ * measured there). Returns 0, or -1 when mask is not -1 or within QK_WIDE_ALL. */
+enum { QK_WIDE_Q4K = 1, QK_WIDE_Q6K = 2, QK_WIDE_MXFP4 = 4, QK_WIDE_ALL = 7 };
+int qk_set_wide(int mask);
+int qk_wide(void); /* the mask */
 int qk_wide_default(const char *vendor, int family, int model);
 /* Where the one-token passes over Q4_K_R8 and Q5_K_R8 rows (and the 512-bit ones over Q6_K_R8) put a block's
  * prefetches: 1: each beside the loads of its part of the block (the header's at the block's start), 0: all of the
