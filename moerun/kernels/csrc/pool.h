@@ -40,7 +40,7 @@ int qk_prefetch_default(const char *vendor, int family, int model, int *hint);
 /* Which row types the AVX-512 VNNI kernel set multiplies one token through on 512-bit vectors (two 32-byte chunks a
  * load, the activations spread by vpermd) rather than 256-bit ones: a mask of QK_WIDE_* bits, the same results bit for
  * bit either way. A Zen 5 core from L2 ran them 1.42x (Q4_K_R8), 1.19x (Q6_K_R8) and 1.14x (MXFP4_R8) the 256-bit
- * loops' rate. An Intel family 6 model 207 core from L1 ran them at 0.70x, 0.87x and 0.80x, and one 1 GB matrix on two
+ * loops' rate. An Intel family 6 model 207 core from L1 ran them at 0.70x, 0.90x and 0.80x, and one 1 GB matrix on two
  * threads streamed at 0.95-0.97x (Q4_K), 1.02-1.03x (Q6_K) and 0.99-1.09x (MXFP4) the 256-bit rate. -1: the CPU's
  * default (the table's: all three on AMD Zen 5, Q6_K_R8 and MXFP4_R8 on Intel family 6 model 207, none elsewhere until
  * measured there). Returns 0, or -1 when mask is not -1 or within QK_WIDE_ALL. */
