@@ -149,12 +149,12 @@ def test_settings_ab_script_runs_on_a_tiny_model(tmp_path, capsys):
 
     before = now()
     ab.main([str(model), "-t", "1", "--steps", "2", "--rounds", "2", "--prompt", "4",
-             "--settings", "base=pf:0", "nta=pf:2048,hint:nta,wide:1"])
+             "--settings", "base=pf:0", "nta=pf:2048,hint:nta,wide:1", "some=wide:q6_k+mxfp4"])
     out = capsys.readouterr().out
     assert out.count("round ") == 2 and "baseline base" in out
     assert "| base | pf:0 |" in out and "1.000 (2)" in out.split("| base |")[1].splitlines()[0]
-    assert "| nta | pf:2048,hint:nta,wide:1 |" in out
+    assert "| nta | pf:2048,hint:nta,wide:1 |" in out and "| some | wide:q6_k+mxfp4 |" in out
     assert now() == before
-    for bad in ("base", "x=pf", "x=speed:3", "x=pf:100"):
+    for bad in ("base", "x=pf", "x=speed:3", "x=pf:100", "x=wide:q5_k", "x=wide:2"):
         with pytest.raises(SystemExit, match="setting"):
             ab.main([str(model), "--settings", bad])
