@@ -8,8 +8,9 @@ Fresh processes started seconds apart cannot separate a few percent on a shared 
 the settings meet the same moments. A setting is NAME=KEY:VALUE,...: `pf` the prefetch distance in bytes
 (cpu.set_prefetch), `hint` t0 / t1 / t2 / nta (cpu.set_prefetch_hint), `wide` 0 / 1 or row types joined by +, such
 as q6_k or q4_k+mxfp4 (cpu.set_wide: one token through those types on 512-bit vectors), `spread` 0 / 1
-(cpu.set_prefetch_spread: a block's prefetches beside its loads); a key left out keeps the CPU's default. Each setting's turn in a round: two warm-up steps, then `--steps` whole steps
-(`model.decode`, the fused path from token ids to logits), the cache wound back after each turn.
+(cpu.set_prefetch_spread: a block's prefetches beside its loads); a key left out keeps the CPU's default. Each
+setting's turn in a round: two warm-up steps, then `--steps` whole steps (`model.decode`, the fused path from token
+ids to logits), the cache wound back after each turn.
 The first setting is the baseline: per round, each other setting's median step time over the baseline's (below 1:
 faster). Rounds are classed by the probe before them (fast: above `--fast` GB/s) and the ratios given for each class.
 """

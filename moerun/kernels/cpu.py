@@ -66,8 +66,9 @@ def available() -> bool:
 
 def features() -> dict:
     """{"available", "isa" (the kernel set calls use), "isas" (all this CPU runs), "threads", "spin_us", "prefetch",
-    "prefetch_hint" ("t0" .. "nta"), "wide" (the types set_wide put on 512-bit vectors), "prefetch_spread" (the set_* values), "amx" (batches through AMX tiles
-    now), "amx_usable" (the CPU and kernel allow them), "qtypes", "reason" (why not available, else None)}."""
+    "prefetch_hint" ("t0" .. "nta"), "prefetch_spread" (the set_* values), "wide" (the types set_wide put on 512-bit
+    vectors), "amx" (batches through AMX tiles now), "amx_usable" (the CPU and kernel allow them), "qtypes", "reason"
+    (why not available, else None)}."""
     if _cpu is None:
         return {"available": False, "isa": None, "isas": [], "threads": 0, "spin_us": 0, "prefetch": 0,
                 "prefetch_hint": None, "wide": [], "prefetch_spread": False, "amx": False, "amx_usable": False,
@@ -75,8 +76,8 @@ def features() -> dict:
     f = _cpu.features()
     return {"available": True, "isa": _DEFAULT_ISA, "isas": f["isas"], "threads": f["threads"],
             "spin_us": f["spin_us"], "prefetch": f["prefetch"], "prefetch_hint": PREFETCH_HINTS[f["prefetch_hint"]],
-            "wide": wide_types(f["wide"]), "prefetch_spread": f["prefetch_spread"], "amx": f["amx"], "amx_usable": f["amx_usable"],
-            "qtypes": sorted(q.name for q in _SUPPORTED), "reason": None}
+            "wide": wide_types(f["wide"]), "prefetch_spread": f["prefetch_spread"], "amx": f["amx"],
+            "amx_usable": f["amx_usable"], "qtypes": sorted(q.name for q in _SUPPORTED), "reason": None}
 
 
 def supports(qtype) -> bool:
@@ -129,8 +130,8 @@ WIDE_TYPES = ("Q4_K", "Q6_K", "MXFP4")  # set_wide's types, in the order of pool
 def set_wide(on: bool | Iterable[str] | None = None) -> None:
     """Which row types the AVX-512 VNNI kernels take one token through on 512-bit vectors rather than 256-bit ones:
     True all of Q4_K_R8 / Q6_K_R8 / MXFP4_R8, False none, or the names of some (WIDE_TYPES); None: the CPU's default
-    (all on AMD Zen 5, Q6_K and MXFP4 on Intel family 6 model 207, where they were measured; none elsewhere). Results are the same
-    bit for bit."""
+    (all on AMD Zen 5, Q6_K and MXFP4 on Intel family 6 model 207, where they were measured; none elsewhere). Results
+    are the same bit for bit."""
     _need()
     if on is None or isinstance(on, bool):
         _cpu.set_wide(-1 if on is None else 7 * on)

@@ -111,7 +111,8 @@ static PyObject *py_prefetch_default(PyObject *self, PyObject *args) {
 
 static PyObject *py_set_wide(PyObject *self, PyObject *args) {
     (void)self;
-    return set_int(args, qk_set_wide, "wide must be -1 (the CPU's default) or a mask of 0..7 (Q4_K 1, Q6_K 2, MXFP4 4)");
+    return set_int(args, qk_set_wide,
+                   "wide must be -1 (the CPU's default) or a mask of 0..7 (Q4_K 1, Q6_K 2, MXFP4 4)");
 }
 
 static PyObject *py_set_amx(PyObject *self, PyObject *args) {
