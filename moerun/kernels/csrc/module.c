@@ -125,25 +125,23 @@ static PyObject *py_set_prefetch_spread(PyObject *self, PyObject *args) {
     return set_int(args, qk_set_prefetch_spread, "prefetch spread must be -1 (the CPU's default), 0 or 1");
 }
 
-/* A 0 / 1 default of pool.c's table for a CPU (vendor, family, model=0) -> bool. */
-static PyObject *table_flag(PyObject *args, int (*dflt)(const char *, int, int)) {
+/* A default of pool.c's table for a CPU (vendor, family, model=0) -> bool (as_bool) or int. */
+static PyObject *table_entry(PyObject *args, int (*dflt)(const char *, int, int), int as_bool) {
     const char *vendor;
     int family, model = 0;
     if (!PyArg_ParseTuple(args, "si|i", &vendor, &family, &model)) return NULL;
-    return PyBool_FromLong(dflt(vendor, family, model));
+    const int v = dflt(vendor, family, model);
+    return as_bool ? PyBool_FromLong(v) : PyLong_FromLong(v);
 }
 
 static PyObject *py_wide_default(PyObject *self, PyObject *args) {
     (void)self;
-    const char *vendor;
-    int family, model = 0;
-    if (!PyArg_ParseTuple(args, "si|i", &vendor, &family, &model)) return NULL;
-    return PyLong_FromLong(qk_wide_default(vendor, family, model));
+    return table_entry(args, qk_wide_default, 0);
 }
 
 static PyObject *py_prefetch_spread_default(PyObject *self, PyObject *args) {
     (void)self;
-    return table_flag(args, qk_prefetch_spread_default);
+    return table_entry(args, qk_prefetch_spread_default, 1);
 }
 
 static PyObject *py_set_active(PyObject *self, PyObject *args) {
