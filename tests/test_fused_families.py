@@ -152,3 +152,33 @@ def test_q4_k_m_hybrid_equals_the_layer_loop(models, tokens32):
     loop_logits, loop_greedy = steps(model, tokens32, False)
     assert fused_greedy == loop_greedy
     assert torch.equal(fused_logits, loop_logits), (fused_logits - loop_logits).abs().max().item()
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_threads_start_where_the_job_before_said_and_no_bit_moves(models, tokens32, name):
+    """A thread done with its share of a pool job prefetches where its share of the next one starts (pool.h's
+    qk_pool_run_then): the next layer's first product, the output projection after attention, the experts' down rows
+    after their gate and up, the shared expert's down, the head, and the next step's first layer after the head
+    (a step of as many rows as this one). Traced over one-token steps, the first item of every thread's share reads
+    where the job before said it would; and the logits are the same bit for bit with the prefetch off."""
+    model = models(name)
+    was = cpu.get_threads()
+    try:
+        cpu.set_threads(2)
+        cpu.set_idle_prefetch(0)
+        off = steps(model, tokens32, True)
+        cpu.set_idle_prefetch(1 << 20)
+        on = steps(model, tokens32, True)
+        kv = SeqKV(KVPool(model.spec, 64), 64)
+        model.forward(tokens32[:9], kv)
+        model.forward(tokens32[9:10], kv)
+        cpu._cpu.pool_trace(True)
+        for t in tokens32[10:16]:
+            model.forward(t.view(1), kv)
+        matched, missed = cpu._cpu.pool_span_checks()
+    finally:
+        cpu._cpu.pool_trace(False)
+        cpu.set_idle_prefetch()
+        cpu.set_threads(was)
+    assert torch.equal(on[0], off[0]) and on[1] == off[1]
+    assert missed == 0 and matched >= 6 * model.spec.n_layers, (matched, missed)

@@ -145,16 +145,16 @@ def test_settings_ab_script_runs_on_a_tiny_model(tmp_path, capsys):
     spec.loader.exec_module(ab)
     def now():
         f = cpu.features()
-        return f["prefetch"], f["prefetch_hint"], f["wide"]
+        return f["prefetch"], f["prefetch_hint"], f["wide"], f["idle_prefetch"]
 
     before = now()
     ab.main([str(model), "-t", "1", "--steps", "2", "--rounds", "2", "--prompt", "4",
-             "--settings", "base=pf:0", "nta=pf:2048,hint:nta,wide:1", "some=wide:q6_k+mxfp4"])
+             "--settings", "base=pf:0", "nta=pf:2048,hint:nta,wide:1", "some=wide:q6_k+mxfp4,idle:0"])
     out = capsys.readouterr().out
     assert out.count("round ") == 2 and "baseline base" in out
     assert "| base | pf:0 |" in out and "1.000 (2)" in out.split("| base |")[1].splitlines()[0]
-    assert "| nta | pf:2048,hint:nta,wide:1 |" in out and "| some | wide:q6_k+mxfp4 |" in out
+    assert "| nta | pf:2048,hint:nta,wide:1 |" in out and "| some | wide:q6_k+mxfp4,idle:0 |" in out
     assert now() == before
-    for bad in ("base", "x=pf", "x=speed:3", "x=pf:100", "x=wide:q5_k", "x=wide:2"):
+    for bad in ("base", "x=pf", "x=speed:3", "x=pf:100", "x=wide:q5_k", "x=wide:2", "x=idle:100", "x=idle:1m"):
         with pytest.raises(SystemExit, match="setting"):
             ab.main([str(model), "--settings", bad])

@@ -36,8 +36,8 @@ from moerun.quant.qtypes import QTensor, QType, block_size, row_bytes
 
 __all__ = ["attend_prompt", "available", "can_interleave", "can_interleave_stored", "deinterleave", "deq_dot",
            "dequant_rows", "features", "get_threads", "glu_down", "has_deq_dot", "interleave", "matmul",
-           "moe_ffn", "moe_ffn_experts", "read_interleaved", "set_amx", "set_prefetch", "set_prefetch_hint",
-           "set_prefetch_spread", "set_threads", "set_wide", "supports"]
+           "moe_ffn", "moe_ffn_experts", "read_interleaved", "set_amx", "set_idle_prefetch", "set_prefetch",
+           "set_prefetch_hint", "set_prefetch_spread", "set_threads", "set_wide", "supports"]
 
 MODE = native.mode()  # "" / "auto", "scalar", "off"
 _cpu, _import_error = native.load(MODE)
@@ -66,17 +66,19 @@ def available() -> bool:
 
 def features() -> dict:
     """{"available", "isa" (the kernel set calls use), "isas" (all this CPU runs), "threads", "spin_us", "prefetch",
-    "prefetch_hint" ("t0" .. "nta"), "prefetch_spread" (the set_* values), "wide" (the types set_wide put on 512-bit
-    vectors), "amx" (batches through AMX tiles now), "amx_usable" (the CPU and kernel allow them), "qtypes", "reason"
-    (why not available, else None)}."""
+    "prefetch_hint" ("t0" .. "nta"), "prefetch_spread", "idle_prefetch" (the set_* values), "wide" (the types set_wide
+    put on 512-bit vectors), "amx" (batches through AMX tiles now), "amx_usable" (the CPU and kernel allow them),
+    "qtypes", "reason" (why not available, else None)}."""
     if _cpu is None:
         return {"available": False, "isa": None, "isas": [], "threads": 0, "spin_us": 0, "prefetch": 0,
-                "prefetch_hint": None, "wide": [], "prefetch_spread": False, "amx": False, "amx_usable": False,
+                "prefetch_hint": None, "wide": [], "prefetch_spread": False, "idle_prefetch": 0, "amx": False,
+                "amx_usable": False,
                 "qtypes": [], "reason": _import_error}
     f = _cpu.features()
     return {"available": True, "isa": _DEFAULT_ISA, "isas": f["isas"], "threads": f["threads"],
             "spin_us": f["spin_us"], "prefetch": f["prefetch"], "prefetch_hint": PREFETCH_HINTS[f["prefetch_hint"]],
-            "wide": wide_types(f["wide"]), "prefetch_spread": f["prefetch_spread"], "amx": f["amx"],
+            "wide": wide_types(f["wide"]), "prefetch_spread": f["prefetch_spread"],
+            "idle_prefetch": f["idle_prefetch"], "amx": f["amx"],
             "amx_usable": f["amx_usable"], "qtypes": sorted(q.name for q in _SUPPORTED), "reason": None}
 
 
@@ -156,6 +158,17 @@ def set_prefetch_spread(on: bool | None = None) -> None:
     if on is not None and not isinstance(on, bool):
         raise ValueError(f"prefetch spread must be True, False or None, got {on!r}")
     _cpu.set_prefetch_spread(-1 if on is None else int(on))
+
+
+def set_idle_prefetch(nbytes: int | None = None) -> None:
+    """How much of its share of the next pool job (the next matrices of a decode step, known in advance) a thread done
+    with its share of the current one prefetches into L2 while it waits: a multiple of 4096 up to 16 MiB, 0 for none;
+    None: the CPU's default (pool.c's table). The same results either way."""
+    _need()
+    if nbytes is not None and (not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0
+                               or nbytes % 4096 or nbytes > 16 << 20):
+        raise ValueError(f"idle prefetch must be None or a multiple of 4096 in 0..16 MiB, got {nbytes!r}")
+    _cpu.set_idle_prefetch(-1 if nbytes is None else nbytes)
 
 
 def set_amx(on: bool | None = None) -> None:

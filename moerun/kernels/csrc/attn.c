@@ -507,9 +507,17 @@ static void finish_qkv(const qk_attn_desc *d, float *q, float *k, float *v, cons
 
 /* ------------------------------------------------------------------------------------ the call */
 
+int qk_attn_first(const qk_attn_desc *d, qk_wmat mats[QK_MM_MAX]) {
+    const int64_t qd = d->n_heads * d->head_dim, kd = d->n_kv_heads * d->head_dim;
+    mats[0] = (qk_wmat){(const uint8_t *)(uintptr_t)d->wq, (int)d->wq_type, (1 + (d->attn_gate != 0)) * qd};
+    mats[1] = (qk_wmat){(const uint8_t *)(uintptr_t)d->wk, (int)d->wk_type, kd};
+    mats[2] = (qk_wmat){(const uint8_t *)(uintptr_t)d->wv, (int)d->wv_type, kd};
+    return 3;
+}
+
 int qk_attn_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_t *const *slots,
                 const int64_t *pos, void *kc, void *vc, const float *rope_cos, const float *rope_sin, float eps,
-                float clip, int ktype, int vtype) {
+                float clip, int ktype, int vtype, const qk_then *then) {
     const int64_t H = d->hidden, nh = d->n_heads, nkv = d->n_kv_heads, D = d->head_dim;
     const int64_t qd = nh * D, kd = nkv * D, R = d->rope_dim ? d->rope_dim : D, gated = d->attn_gate != 0;
     const int kkind = qk_kv_kind(ktype), vkind = qk_kv_kind(vtype);
@@ -531,11 +539,11 @@ int qk_attn_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64
     float *att = v + B * kd, *o = att + B * qd, *scores = o + B * H;
 
     for (int64_t r = 0; r < B; r++) qk_rms_norm(x + r * H, fptr(d->attn_norm), H, eps, xn + r * H);
-    const qk_wmat wqkv[3] = {{(const uint8_t *)(uintptr_t)d->wq, (int)d->wq_type, (1 + gated) * qd},
-                             {(const uint8_t *)(uintptr_t)d->wk, (int)d->wk_type, kd},
-                             {(const uint8_t *)(uintptr_t)d->wv, (int)d->wv_type, kd}};
+    qk_wmat wqkv[QK_MM_MAX];
+    const qk_wmat wo = {(const uint8_t *)(uintptr_t)d->wo, (int)d->wo_type, H};
+    const qk_then to_wo = {1, &wo, qd};
     float *const qkv[3] = {q, k, v};
-    int rc = qk_matmuls(isa, 3, wqkv, H, xn, B, qkv);
+    int rc = qk_matmuls_then(isa, qk_attn_first(d, wqkv), wqkv, H, xn, B, qkv, &to_wo);
     if (!rc && gated) /* each head's [q, gate] rows -> q [B, nh * D], gate [B, nh * D]; in place, front to back */
         for (int64_t r = 0; r < B; r++)
             for (int64_t h = 0; h < nh; h++) {
@@ -559,11 +567,11 @@ int qk_attn_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64
                       .kc = kc, .vc = vc, .sinks = fptr(d->sinks),
                       .att = att, .scores = scores, .scale = scale, .slots = slots, .pos = pos};
         atomic_init(&c.next, 0);
-        qk_pool_run(attn_task, &c);
+        qk_span spans[QK_THEN_MAX];
+        qk_pool_run_then(attn_task, &c, "attn_task", spans, qk_then_spans(isa, &to_wo, B, spans));
         if (gated)
             qk_gate_mul(att, gate, B * qd);
-        const qk_wmat wo = {(const uint8_t *)(uintptr_t)d->wo, (int)d->wo_type, H};
-        rc = qk_matmuls(isa, 1, &wo, qd, att, B, &o);
+        rc = qk_matmuls_then(isa, 1, &wo, qd, att, B, &o, then);
     }
     const float *bo = fptr(d->bo);
     for (int64_t r = 0; !rc && r < B; r++)

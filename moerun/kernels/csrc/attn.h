@@ -85,15 +85,23 @@ int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int
                   float eps, float clip, float *xn_out, int64_t *ids_out, float *w_out, int moe, int ktype,
                   int vtype, const int64_t *sslots, int64_t nstates);
 
-/* The attention mixer alone (attn.c): x += attention(attn_norm(x)) as qk_attn_block's kind 0. */
+/* The attention mixer alone (attn.c): x += attention(attn_norm(x)) as qk_attn_block's kind 0. then: the job after
+ * its output projection (qk_matmuls_then), or NULL. */
 int qk_attn_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_t *const *slots,
                 const int64_t *pos, void *kc, void *vc, const float *rope_cos, const float *rope_sin, float eps,
-                float clip, int ktype, int vtype);
+                float clip, int ktype, int vtype, const qk_then *then);
 
 /* MLA's mixer alone (mla.c): x += latent attention(attn_norm(x)) as qk_attn_block's kind 2, the latent cache
- * kc of ggml type ktype (F32, F16, or Q8_0 when mla_rank and rope_dim are whole blocks). */
+ * kc of ggml type ktype (F32, F16, or Q8_0 when mla_rank and rope_dim are whole blocks); then as qk_attn_mix's. */
 int qk_mla_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_t *const *slots, const int64_t *pos,
-               void *kc, const float *rope_cos, const float *rope_sin, float eps, int ktype);
+               void *kc, const float *rope_cos, const float *rope_sin, float eps, int ktype, const qk_then *then);
+
+/* The matrices of a layer's first product, all against attn_norm(x) (K = hidden): mats[0..n), n returned. The
+ * mixers take them from here (qk_attn_first: q, k, v; qk_mla_first: q or q_a, and kv_a), and so does the job
+ * before, to prefetch them (qk_matmuls_then). */
+int qk_layer_first(const qk_attn_desc *d, qk_wmat mats[QK_MM_MAX]);
+int qk_attn_first(const qk_attn_desc *d, qk_wmat mats[QK_MM_MAX]);
+int qk_mla_first(const qk_attn_desc *d, qk_wmat mats[QK_MM_MAX]);
 
 /* out = w * (x / rms(x)) over n values, the mean of squares accumulated in double (out may be x). */
 void qk_rms_norm(const float *x, const float *w, int64_t n, float eps, float *out);

@@ -110,10 +110,10 @@ QK_VECTOR_CLONES static void silu_mul_rows(float *g, const float *u, int64_t n) 
     for (int64_t i = 0; i < n; i++) g[i] = qk_vsilu(g[i]) * u[i];
 }
 
-int qk_glu_down(int isa, float *g, const float *u, int64_t B, int64_t F, int64_t H, const qk_wmat *down,
-                const float *gl, float *out) {
+static int glu_down(int isa, float *g, const float *u, int64_t B, int64_t F, int64_t H, const qk_wmat *down,
+                    const float *gl, float *out, const qk_then *then) {
     silu_mul_rows(g, u, B * F);
-    const int rc = qk_matmuls(isa, 1, down, F, g, B, &out);
+    const int rc = qk_matmuls_then(isa, 1, down, F, g, B, &out, then);
     for (int64_t r = 0; !rc && gl && r < B; r++) {
         const float s = sigmoidf(gl[r]);
         for (int64_t i = 0; i < H; i++) out[r * H + i] = s * out[r * H + i];
@@ -121,13 +121,33 @@ int qk_glu_down(int isa, float *g, const float *u, int64_t B, int64_t F, int64_t
     return rc;
 }
 
+int qk_glu_down(int isa, float *g, const float *u, int64_t B, int64_t F, int64_t H, const qk_wmat *down,
+                const float *gl, float *out) {
+    return glu_down(isa, g, u, B, F, H, down, gl, out, NULL);
+}
+
 int qk_layer_whole(const qk_attn_desc *d) {
     return d->router ? d->gate && d->up && d->down : d->sh_gate && d->sh_up && d->sh_down;
 }
 
-/* xn_out = ffn_norm(x); routing (ids_out, w_out); with moe (a whole layer) x += routed + shared, or the dense FFN. */
+/* The FFN's first product against ffn_norm(x): the router, and with moe (a whole layer) a shared expert's (or dense
+ * FFN's) gate and up and the shared expert's gate input; mats[0..n), n returned (0: none). */
+static int ffn_first(const qk_attn_desc *d, int moe, qk_wmat mats[QK_MM_MAX]) {
+    const int sh = moe && qk_layer_whole(d) && d->sh_gate;
+    int n = 0;
+    if (d->router) mats[n++] = (qk_wmat){bptr(d->router), (int)d->router_type, d->n_experts};
+    if (sh) {
+        mats[n++] = (qk_wmat){bptr(d->sh_gate), (int)d->sh_gate_type, d->sh_ff};
+        mats[n++] = (qk_wmat){bptr(d->sh_up), (int)d->sh_up_type, d->sh_ff};
+        if (d->sh_gate_inp) mats[n++] = (qk_wmat){bptr(d->sh_gate_inp), GGML_F32, 1};
+    }
+    return n;
+}
+
+/* xn_out = ffn_norm(x); routing (ids_out, w_out); with moe (a whole layer) x += routed + shared, or the dense FFN.
+ * next: the job after the layer's last (qk_matmuls_then), or NULL. */
 static int ffn(int isa, const qk_attn_desc *d, float *x, int64_t B, float eps, float *xn_out, int64_t *ids_out,
-               float *w_out, int moe) {
+               float *w_out, int moe, const qk_then *next) {
     const int64_t H = d->hidden, E = d->router ? d->n_experts : 0, k = E ? d->n_used : 0;
     if (E && (k < 1 || k > E || d->n_groups < 1 || E % d->n_groups || d->topk_groups < 1 ||
               d->topk_groups > d->n_groups || d->topk_groups * (E / d->n_groups) < k))
@@ -146,14 +166,14 @@ static int ffn(int isa, const qk_attn_desc *d, float *x, int64_t B, float eps, f
     for (int64_t r = 0; r < B; r++) qk_rms_norm(x + r * H, fptr(d->ffn_norm), H, eps, xn_out + r * H);
     qk_wmat mats[QK_MM_MAX];
     float *outs[QK_MM_MAX];
-    int n = 0;
-    if (E) mats[n] = (qk_wmat){bptr(d->router), (int)d->router_type, E}, outs[n++] = logits;
-    if (sh) {
-        mats[n] = (qk_wmat){bptr(d->sh_gate), (int)d->sh_gate_type, F}, outs[n++] = g;
-        mats[n] = (qk_wmat){bptr(d->sh_up), (int)d->sh_up_type, F}, outs[n++] = u;
-    }
-    if (gated) mats[n] = (qk_wmat){bptr(d->sh_gate_inp), GGML_F32, 1}, outs[n++] = gl;
-    int rc = n ? qk_matmuls(isa, n, mats, H, xn_out, B, outs) : QK_OK;
+    const int n = ffn_first(d, moe, mats);
+    int o = 0;
+    if (E) outs[o++] = logits;
+    if (sh) outs[o++] = g, outs[o++] = u;
+    if (gated) outs[o++] = gl;
+    const qk_wmat wd = {bptr(d->sh_down), (int)d->sh_down_type, H};
+    const qk_then to_down = {1, &wd, F}, *after = sh ? &to_down : next; /* the job after the routed experts' */
+    int rc = n ? qk_matmuls_then(isa, n, mats, H, xn_out, B, outs, E ? NULL : after) : QK_OK;
     const float *br = fptr(d->router_b);
     for (int64_t r = 0; !rc && E && r < B; r++) {
         if (br)
@@ -168,12 +188,9 @@ static int ffn(int isa, const qk_attn_desc *d, float *x, int64_t B, float eps, f
         const float *ap = fptr(d->act_params);
         const qk_expert_fn fn = {(int)d->act, ap ? ap[0] : 0.0f, ap ? ap[1] : 0.0f, fptr(d->gate_b), fptr(d->up_b),
                                  fptr(d->down_b)};
-        rc = qk_moe_ffn(isa, xn_out, B, H, ids32, w_out, (int)k, eg, eu, ed, E, d->n_ff, moe_out, 0, &fn);
+        rc = qk_moe_ffn(isa, xn_out, B, H, ids32, w_out, (int)k, eg, eu, ed, E, d->n_ff, moe_out, 0, &fn, after);
     }
-    if (!rc && sh) {
-        const qk_wmat wd = {bptr(d->sh_down), (int)d->sh_down_type, H};
-        rc = qk_glu_down(isa, g, u, B, F, H, &wd, gated ? gl : NULL, sho);
-    }
+    if (!rc && sh) rc = glu_down(isa, g, u, B, F, H, &wd, gated ? gl : NULL, sho, next);
     if (!rc && moe) /* x + (routed + shared), as the torch path sums */
         for (int64_t i = 0; i < B * H; i++) x[i] += E && sh ? moe_out[i] + sho[i] : E ? moe_out[i] : sho[i];
     free(mem);
@@ -182,10 +199,30 @@ static int ffn(int isa, const qk_attn_desc *d, float *x, int64_t B, float eps, f
 
 /* ------------------------------------------------------------------------------ gated DeltaNet */
 
+/* DeltaNet's first product: qkv, z, and b and a (one matrix, or beta and alpha apart). */
+static int delta_first(const qk_attn_desc *d, qk_wmat mats[QK_MM_MAX]) {
+    const int64_t nv = d->ssm_nv, C = 2 * d->ssm_nk * d->ssm_dk + nv * d->ssm_dv;
+    mats[0] = (qk_wmat){bptr(d->ssm_qkv), (int)d->ssm_qkv_type, C};
+    mats[1] = (qk_wmat){bptr(d->ssm_z), (int)d->ssm_z_type, nv * d->ssm_dv};
+    if (d->ssm_ba) {
+        mats[2] = (qk_wmat){bptr(d->ssm_ba), (int)d->ssm_ba_type, 2 * nv};
+        return 3;
+    }
+    mats[2] = (qk_wmat){bptr(d->ssm_beta), (int)d->ssm_beta_type, nv};
+    mats[3] = (qk_wmat){bptr(d->ssm_alpha), (int)d->ssm_alpha_type, nv};
+    return 4;
+}
+
+int qk_layer_first(const qk_attn_desc *d, qk_wmat mats[QK_MM_MAX]) {
+    return d->kind == QK_MIX_DELTA ? delta_first(d, mats) : d->kind == QK_MIX_MLA ? qk_mla_first(d, mats)
+                                                                                : qk_attn_first(d, mats);
+}
+
 /* x += DeltaNet(attn_norm(x)) Wout; conv, ssm: the layer's states, row r's at slot sslots[r]. Rows of one
- * sequence (the same slot) step one after the other: each wave holds rows of distinct slots. */
+ * sequence (the same slot) step one after the other: each wave holds rows of distinct slots. then: the job after
+ * Wout's. */
 static int delta_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_t *pos, float *conv, float *ssm,
-                     const int64_t *sslots, float eps) {
+                     const int64_t *sslots, float eps, const qk_then *then) {
     const int64_t H = d->hidden, nk = d->ssm_nk, nv = d->ssm_nv, dk = d->ssm_dk, dv = d->ssm_dv;
     const int64_t C = 2 * nk * dk + nv * dv, Z = nv * dv;
     if (nk < 1 || nv % nk || d->ssm_k < 1 || !sslots || !conv || !ssm) return QK_ESHAPE;
@@ -198,14 +235,11 @@ static int delta_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const 
     uint8_t *fresh = (uint8_t *)(o + B * H);
 
     for (int64_t r = 0; r < B; r++) qk_rms_norm(x + r * H, fptr(d->attn_norm), H, eps, xn + r * H);
-    qk_wmat mats[4] = {{bptr(d->ssm_qkv), (int)d->ssm_qkv_type, C}, {bptr(d->ssm_z), (int)d->ssm_z_type, Z}};
+    qk_wmat mats[QK_MM_MAX];
     float *outs[4] = {qkv, z, ba ? bab : beta, alpha};
-    if (ba) mats[2] = (qk_wmat){bptr(d->ssm_ba), (int)d->ssm_ba_type, 2 * nv};
-    else {
-        mats[2] = (qk_wmat){bptr(d->ssm_beta), (int)d->ssm_beta_type, nv};
-        mats[3] = (qk_wmat){bptr(d->ssm_alpha), (int)d->ssm_alpha_type, nv};
-    }
-    int rc = qk_matmuls(isa, ba ? 3 : 4, mats, H, xn, B, outs);
+    const qk_wmat wo = {bptr(d->ssm_out), (int)d->ssm_out_type, H};
+    const qk_then to_wo = {1, &wo, Z};
+    int rc = qk_matmuls_then(isa, delta_first(d, mats), mats, H, xn, B, outs, &to_wo);
     if (!rc && ba) { /* [b (r), a (r)] per key head -> beta, alpha [B, nv] */
         const int64_t rr = nv / nk;
         for (int64_t r = 0; r < B; r++)
@@ -230,10 +264,7 @@ static int delta_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const 
                                  .y = y + start * C, .out = out + start * Z};
         rc = qk_delta_step(&a);
     }
-    if (!rc) {
-        const qk_wmat wo = {bptr(d->ssm_out), (int)d->ssm_out_type, H};
-        rc = qk_matmuls(isa, 1, &wo, Z, out, B, &o);
-    }
+    if (!rc) rc = qk_matmuls_then(isa, 1, &wo, Z, out, B, &o, then);
     for (int64_t i = 0; !rc && i < B * H; i++) x[i] += o[i];
     free(mem);
     return rc;
@@ -247,24 +278,35 @@ static int states_within(int64_t B, const int64_t *sslots, int64_t nstates) {
     return 1;
 }
 
-int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_t *const *slots,
-                  const int64_t *pos, void *kc, void *vc, const float *rope_cos, const float *rope_sin,
-                  float eps, float clip, float *xn_out, int64_t *ids_out, float *w_out, int moe, int ktype,
-                  int vtype, const int64_t *sslots, int64_t nstates) {
+/* qk_attn_block, next: the job after the layer's last (qk_matmuls_then), or NULL. */
+static int attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_t *const *slots,
+                      const int64_t *pos, void *kc, void *vc, const float *rope_cos, const float *rope_sin, float eps,
+                      float clip, float *xn_out, int64_t *ids_out, float *w_out, int moe, int ktype, int vtype,
+                      const int64_t *sslots, int64_t nstates, const qk_then *next) {
     if (!qk_kernels(isa)) return QK_EISA;
     if (B < 1 || d->hidden < 1) return QK_ESHAPE;
     for (int64_t r = 0; r < B; r++)
         if (pos[r] < 0) return QK_ESHAPE;
+    qk_wmat mats[QK_MM_MAX];
+    const qk_then ffn0 = {ffn_first(d, moe, mats), mats, d->hidden}; /* the job after the mixer's last */
     int rc;
     if (d->kind == QK_MIX_DELTA) {
         if (!states_within(B, sslots, nstates)) return QK_ESLOT;
-        rc = delta_mix(isa, d, x, B, pos, kc, vc, sslots, eps);
+        rc = delta_mix(isa, d, x, B, pos, kc, vc, sslots, eps, &ffn0);
     } else if (d->kind == QK_MIX_MLA) {
-        rc = qk_mla_mix(isa, d, x, B, slots, pos, kc, rope_cos, rope_sin, eps, ktype);
+        rc = qk_mla_mix(isa, d, x, B, slots, pos, kc, rope_cos, rope_sin, eps, ktype, &ffn0);
     } else {
-        rc = qk_attn_mix(isa, d, x, B, slots, pos, kc, vc, rope_cos, rope_sin, eps, clip, ktype, vtype);
+        rc = qk_attn_mix(isa, d, x, B, slots, pos, kc, vc, rope_cos, rope_sin, eps, clip, ktype, vtype, &ffn0);
     }
-    return rc ? rc : ffn(isa, d, x, B, eps, xn_out, ids_out, w_out, moe);
+    return rc ? rc : ffn(isa, d, x, B, eps, xn_out, ids_out, w_out, moe, next);
+}
+
+int qk_attn_block(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_t *const *slots,
+                  const int64_t *pos, void *kc, void *vc, const float *rope_cos, const float *rope_sin,
+                  float eps, float clip, float *xn_out, int64_t *ids_out, float *w_out, int moe, int ktype,
+                  int vtype, const int64_t *sslots, int64_t nstates) {
+    return attn_block(isa, d, x, B, slots, pos, kc, vc, rope_cos, rope_sin, eps, clip, xn_out, ids_out, w_out, moe,
+                      ktype, vtype, sslots, nstates, NULL);
 }
 
 /* Whether every slot tables[r] names for positions 0..pos[r] lies in [0, nslots). */
@@ -275,6 +317,12 @@ static int slots_within(int64_t B, const int64_t *const *tables, const int64_t *
             if (tables[r][p] < 0 || tables[r][p] >= nslots) return 0;
     }
     return 1;
+}
+
+static int head_then(int isa, const float *x, int64_t B, int64_t H, const float *out_norm, float eps,
+                     const qk_wmat *head, float *xn, float *logits, const qk_then *then) {
+    for (int64_t r = 0; r < B; r++) qk_rms_norm(x + r * H, out_norm, H, eps, xn + r * H);
+    return qk_matmuls_then(isa, 1, head, H, xn, B, &logits, then);
 }
 
 int qk_decode_layers(int isa, int64_t n, const qk_attn_desc *const *descs, float *x, int64_t B,
@@ -299,17 +347,22 @@ int qk_decode_layers(int isa, int64_t n, const qk_attn_desc *const *descs, float
         const int rc = qk_dequant_rows(embd->ggml, embd->w, embd->N, n ? descs[0]->hidden : 0, tokens, B, x);
         if (rc) return rc;
     }
+    qk_wmat mats[QK_MM_MAX];
     for (int64_t l = 0; l < n; l++) {
         const qk_attn_desc *d = descs[l];
-        const int rc = qk_attn_block(isa, d, x, B, d->window ? wslots : slots, pos, kcs[l], vcs[l], rope_cos,
-                                     rope_sin, eps, clip, xn_out, ids_out, w_out, 1, ktype, vtype, sslots, nstates);
+        qk_then next = {0, mats, d->hidden}; /* the next layer's first job, or the head */
+        if (l + 1 < n) next.n = qk_layer_first(descs[l + 1], mats);
+        else if (head) next = (qk_then){1, head, d->hidden};
+        const int rc = attn_block(isa, d, x, B, d->window ? wslots : slots, pos, kcs[l], vcs[l], rope_cos, rope_sin,
+                                  eps, clip, xn_out, ids_out, w_out, 1, ktype, vtype, sslots, nstates, &next);
         if (rc) return rc;
     }
-    return head ? qk_head(isa, x, B, descs[n - 1]->hidden, out_norm, eps, head, xn_out, logits) : QK_OK;
+    if (!head) return QK_OK;
+    const qk_then step = {n ? qk_layer_first(descs[0], mats) : 0, mats, n ? descs[0]->hidden : 0}; /* the next step's */
+    return head_then(isa, x, B, descs[n - 1]->hidden, out_norm, eps, head, xn_out, logits, &step);
 }
 
 int qk_head(int isa, const float *x, int64_t B, int64_t H, const float *out_norm, float eps, const qk_wmat *head,
             float *xn, float *logits) {
-    for (int64_t r = 0; r < B; r++) qk_rms_norm(x + r * H, out_norm, H, eps, xn + r * H);
-    return qk_matmuls(isa, 1, head, H, xn, B, &logits);
+    return head_then(isa, x, B, H, out_norm, eps, head, xn, logits, NULL);
 }

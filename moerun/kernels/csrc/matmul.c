@@ -112,6 +112,7 @@ static void mm_task(void *p, int tid, int nth) {
         const mm_mat *m = &c->m[j];
         const int64_t r0 = (it - m->item0) * c->rows_per, r1 = min64(r0 + c->rows_per, m->N);
         const uint8_t *start = m->w + r0 / m->rows * m->row_bytes;
+        if (wq_first(&c->q, cur, it)) qk_pool_first_read(cur, start);
         if (c->T == 1 && start != next) prefetch_head(start, (r1 - r0) / m->rows * m->row_bytes);
         next = m->w + r1 / m->rows * m->row_bytes;
         if (m->amx && tid < c->nsc)
@@ -122,22 +123,23 @@ static void mm_task(void *p, int tid, int nth) {
     }
 }
 
-int qk_matmuls(int isa, int n, const qk_wmat *w, int64_t K, const float *x, int64_t T, float *const *out) {
-    const kernel_set *ks = qk_kernels(isa);
-    if (!ks) return QK_EISA;
+/* The job's matrices, their work items (rows_per rows each, whole groups of interleaved rows) and the activation
+ * formats they read (need): everything but the activations themselves. Returns QK_OK or a QK_E* code. */
+static int mm_layout(const kernel_set *ks, int isa, int n, const qk_wmat *w, int64_t K, int64_t T, int nth, mm_ctx *c,
+                     int need[ACT_COUNT], int64_t *items) {
     if (n < 1 || n > QK_MM_MAX || T < 1 || K < 1) return QK_ESHAPE;
-    mm_ctx c = {.n = n, .T = T};
-    int need[ACT_COUNT] = {0}, group = 1; /* group: work items hold whole groups of interleaved rows */
+    *c = (mm_ctx){.n = n, .T = T};
+    int group = 1; /* work items hold whole groups of interleaved rows */
     int64_t rows = 0;
     for (int j = 0; j < n; j++) {
-        mm_mat *m = &c.m[j];
-        *m = (mm_mat){.w = w[j].w, .N = w[j].N, .out = out[j], .act = -1};
+        mm_mat *m = &c->m[j];
+        *m = (mm_mat){.w = w[j].w, .N = w[j].N, .act = -1};
         if (m->N < 1) return QK_ESHAPE;
         rows += m->N;
         const dot_fn fd = qk_fdot(isa, w[j].ggml);
         if (fd) {
-            *m = (mm_mat){fd, NULL, w[j].w, w[j].N, K, K * (w[j].ggml == GGML_F32 ? 4 : 2), 1, 4, -1,
-                          (const uint8_t *)x, K * (int64_t)sizeof(float), out[j], 0, 0, 0};
+            *m = (mm_mat){fd, NULL, w[j].w, w[j].N, K, K * (w[j].ggml == GGML_F32 ? 4 : 2), 1, 4, -1, NULL, 0, NULL,
+                          0, 0, 0};
             continue;
         }
         const int qt = qk_qtype_index(w[j].ggml);
@@ -156,9 +158,52 @@ int qk_matmuls(int isa, int n, const qk_wmat *w, int64_t K, const float *x, int6
         need[ti->act] = 1;
         m->qt = qt;
         m->amx = isa == ISA_VNNI && T >= QK_AMX_MIN_TOKENS && m->N % 16 == 0 && qk_amx_type(qt) && qk_amx();
-        if (m->amx && qk_amx_scratch(qt, m->nb) > c.sc_bytes) c.sc_bytes = qk_amx_scratch(qt, m->nb);
-        c.nsc |= m->amx;
+        if (m->amx && qk_amx_scratch(qt, m->nb) > c->sc_bytes) c->sc_bytes = qk_amx_scratch(qt, m->nb);
+        c->nsc |= m->amx;
     }
+    c->rows_per = (rows_per_item(rows, nth) + group - 1) / group * group;
+    *items = 0;
+    for (int j = 0; j < n; j++) {
+        c->m[j].item0 = *items;
+        *items += (c->m[j].N + c->rows_per - 1) / c->rows_per;
+    }
+    return QK_OK;
+}
+
+int qk_then_spans(int isa, const qk_then *then, int64_t T, qk_span *spans) {
+    const kernel_set *ks = qk_kernels(isa);
+    if (!ks || !then || then->n < 1 || !qk_idle_prefetch()) return 0;
+    const int nth = qk_pool_threads();
+    mm_ctx c;
+    int need[ACT_COUNT] = {0};
+    int64_t items;
+    if (mm_layout(ks, isa, then->n, then->w, then->K, T, nth, &c, need, &items)) return 0;
+    workq q; /* the job's split: thread t starts on the first item of its range */
+    wq_init(&q, items, nth);
+    const int n = q.n < QK_THEN_MAX ? q.n : QK_THEN_MAX;
+    for (int t = 0; t < n; t++) {
+        const int64_t it = q.r[t].start, end = q.r[t].end;
+        int j = 0;
+        while (j + 1 < c.n && it >= c.m[j + 1].item0) j++;
+        const mm_mat *m = &c.m[j];
+        const int64_t last = j + 1 < c.n && end > c.m[j + 1].item0 ? c.m[j + 1].item0 : end; /* within matrix j */
+        const int64_t r0 = (it - m->item0) * c.rows_per, r1 = min64((last - m->item0) * c.rows_per, m->N);
+        const int64_t rb = m->row_bytes;
+        spans[t] = it < end && r0 < r1 ? (qk_span){m->w + r0 / m->rows * rb, (r1 - r0) / m->rows * rb} : (qk_span){0};
+    }
+    return n;
+}
+
+int qk_matmuls_then(int isa, int n, const qk_wmat *w, int64_t K, const float *x, int64_t T, float *const *out,
+                    const qk_then *then) {
+    const kernel_set *ks = qk_kernels(isa);
+    if (!ks) return QK_EISA;
+    const int nth = qk_pool_threads();
+    mm_ctx c;
+    int need[ACT_COUNT] = {0};
+    int64_t items;
+    const int rc = mm_layout(ks, isa, n, w, K, T, nth, &c, need, &items);
+    if (rc) return rc;
     /* x quantized once per activation format the matrices use (and 16 rows to spare for the tiles, which read 16) */
     int64_t xrow[ACT_COUNT] = {0}, bytes = 0, rows_x = c.nsc ? T + 16 : T;
     for (int a = 0; a < ACT_COUNT; a++)
@@ -173,7 +218,6 @@ int qk_matmuls(int isa, int n, const qk_wmat *w, int64_t K, const float *x, int6
         off += rows_x * xrow[a];
         qk_quantize_rows(ks->quant[a], x, T, K, xq[a], xrow[a]);
     }
-    const int nth = qk_pool_threads();
     uint8_t *tiles = NULL; /* the tiles' scratch, per thread */
     if (c.nsc) {
         if (!(tiles = aligned_alloc(64, (size_t)(nth * c.sc_bytes)))) {
@@ -183,22 +227,28 @@ int qk_matmuls(int isa, int n, const qk_wmat *w, int64_t K, const float *x, int6
         c.sc = tiles;
         c.nsc = nth;
     }
-    c.rows_per = (rows_per_item(rows, nth) + group - 1) / group * group;
-    int64_t items = 0;
     for (int j = 0; j < n; j++) {
         mm_mat *m = &c.m[j];
+        m->out = out[j];
         if (m->act >= 0) {
             m->xq = xq[m->act];
             m->xq_row = xrow[m->act];
+        } else {
+            m->xq = (const uint8_t *)x; /* float rows */
+            m->xq_row = K * (int64_t)sizeof(float);
         }
-        m->item0 = items;
-        items += (m->N + c.rows_per - 1) / c.rows_per;
     }
     wq_init(&c.q, items, nth);
-    qk_pool_run(mm_task, &c);
+    qk_span spans[QK_THEN_MAX];
+    const int nspans = qk_then_spans(isa, then, T, spans);
+    qk_pool_run_then(mm_task, &c, "mm_task", spans, nspans);
     free(mem);
     free(tiles);
     return QK_OK;
+}
+
+int qk_matmuls(int isa, int n, const qk_wmat *w, int64_t K, const float *x, int64_t T, float *const *out) {
+    return qk_matmuls_then(isa, n, w, K, x, T, out, NULL);
 }
 
 int qk_matmul(int isa, int ggml, const uint8_t *w, int64_t N, int64_t K, const float *x, int64_t T, float *out) {

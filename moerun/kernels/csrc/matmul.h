@@ -4,6 +4,8 @@
 
 #include <stdint.h>
 
+#include "pool.h"
+
 enum { QK_OK = 0, QK_ENOMEM = -1, QK_EISA = -2, QK_ETYPE = -3, QK_ESHAPE = -4, QK_EIDS = -5, QK_EMISSING = -6, QK_ESLOT = -7,
        QK_ETOKEN = -8 };
 
@@ -20,6 +22,20 @@ typedef struct {
     int64_t N;
 } qk_wmat;
 int qk_matmuls(int isa, int n, const qk_wmat *w, int64_t K, const float *x, int64_t T, float *const *out);
+/* The qk_matmuls job that comes next (n matrices against one input of K values, as many rows as this call's), or
+ * n = 0 for one not known: a thread done with its share of this call prefetches where its share of that job starts
+ * (pool.h's qk_pool_run_then). */
+typedef struct {
+    int n;
+    const qk_wmat *w;
+    int64_t K;
+} qk_then;
+int qk_matmuls_then(int isa, int n, const qk_wmat *w, int64_t K, const float *x, int64_t T, float *const *out,
+                    const qk_then *then);
+/* Where each thread's share of the qk_matmuls job `then` (T rows) starts: spans[t] for t < the count returned (the
+ * pool's threads, at most QK_THEN_MAX; 0 when then is NULL, empty or not a shape qk_matmuls takes, or while
+ * qk_idle_prefetch() is 0). For other jobs to pass to qk_pool_run_then. */
+int qk_then_spans(int isa, const qk_then *then, int64_t T, qk_span *spans);
 
 /* Where each expert's copy of one matrix lies: with stride > 0, expert e's rows start at base + e * stride
  * (a stacked [E, rows, cols] tensor); with stride == 0, base points to E little-endian uint64 addresses,
@@ -45,10 +61,11 @@ typedef struct {
  * matrix kind of its own ggml type.
  * A pair whose id is negative is skipped (it adds nothing). pairs != 0: no sum; out is [T * k, H] and row
  * t * k + j holds wts[t, j] * down_e(...) for that pair (0 for a skipped pair), so pairs computed by several
- * calls, summed in the order of j afterwards, give exactly the sum one call gives. */
+ * calls, summed in the order of j afterwards, give exactly the sum one call gives. then: the job after the down
+ * projection's, or NULL (qk_matmuls_then). */
 int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts, int k,
                qk_expert_mats gate, qk_expert_mats up, qk_expert_mats down, int64_t E, int64_t I, float *out,
-               int pairs, const qk_expert_fn *fn);
+               int pairs, const qk_expert_fn *fn, const qk_then *then);
 
 /* W[N, K] of GGUF type Q4_K into the interleaved layout `to` (GGML_Q4_K_R8; N a multiple of 8), and back
  * (qk_unpack, `from` the interleaved type). src and dst must not overlap; same byte count both ways (r8.c). */

@@ -6,6 +6,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
+#include "matmul.h"
 #include "pool.h"
 #include "qk.h"
 
@@ -27,7 +28,7 @@ static inline int64_t rows_per_item(int64_t rows, int nth) {
 typedef struct {
     struct {
         _Alignas(64) atomic_long next; /* one cache line per range */
-        int64_t end;
+        int64_t start, end;
     } r[WQ_RANGES];
     int n;
 } workq;
@@ -36,6 +37,7 @@ static inline void wq_init(workq *q, int64_t items, int nth) {
     q->n = nth < WQ_RANGES ? nth : WQ_RANGES;
     for (int i = 0; i < q->n; i++) {
         atomic_init(&q->r[i].next, items * i / q->n);
+        q->r[i].start = items * i / q->n;
         q->r[i].end = items * (i + 1) / q->n;
     }
 }
@@ -49,6 +51,9 @@ static inline int64_t wq_next(workq *q, int *cur) {
     }
     return -1;
 }
+
+/* Whether item `it`, taken from range `cur` (wq_next's), is that range's first (pool.h's qk_pool_first_read). */
+static inline int wq_first(const workq *q, int cur, int64_t it) { return it == q->r[cur].start; }
 
 /* The first qk_prefetch() bytes of a run of weight rows about to be read from its start, with the kernels' hint. The
  * one-token kernels prefetch that far ahead of each block they read, so a run's head is the one part nothing asks

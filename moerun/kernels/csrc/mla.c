@@ -118,8 +118,15 @@ static qk_wmat wmat(int64_t w, int64_t type, int64_t rows) {
     return (qk_wmat){(const uint8_t *)(uintptr_t)w, (int)type, rows};
 }
 
+int qk_mla_first(const qk_attn_desc *d, qk_wmat mats[QK_MM_MAX]) {
+    const int64_t L = d->mla_rank + d->rope_dim;
+    mats[0] = d->q_rank ? wmat(d->wq_a, d->wq_a_type, d->q_rank) : wmat(d->wq, d->wq_type, d->n_heads * d->head_dim);
+    mats[1] = wmat(d->wkv_a, d->wkv_a_type, L);
+    return 2;
+}
+
 int qk_mla_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_t *const *slots, const int64_t *pos,
-               void *kc, const float *rope_cos, const float *rope_sin, float eps, int ktype) {
+               void *kc, const float *rope_cos, const float *rope_sin, float eps, int ktype, const qk_then *then) {
     const int64_t H = d->hidden, nh = d->n_heads, rank = d->mla_rank, R = d->rope_dim, hd = d->head_dim;
     const int64_t nope = hd - R, dv = d->mla_v, qr = d->q_rank, L = rank + R, qd = nh * hd;
     const int kind = qk_kv_kind(ktype);
@@ -150,17 +157,18 @@ int qk_mla_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_
 
     for (int64_t r = 0; r < B; r++) qk_rms_norm(x + r * H, fptr(d->attn_norm), H, eps, xn + r * H);
     int rc;
+    qk_wmat first[QK_MM_MAX];
+    const qk_wmat wq = wmat(d->wq, d->wq_type, qd), wo = wmat(d->wo, d->wo_type, H);
+    const qk_then to_wq = {1, &wq, qr}, to_wo = {1, &wo, nh * dv};
+    qk_mla_first(d, first);
     if (qr) { /* q through its low-rank pair, the latent beside it from the same input */
-        const qk_wmat first[2] = {wmat(d->wq_a, d->wq_a_type, qr), wmat(d->wkv_a, d->wkv_a_type, L)};
         float *const outs[2] = {qa, kv};
-        rc = qk_matmuls(isa, 2, first, H, xn, B, outs);
+        rc = qk_matmuls_then(isa, 2, first, H, xn, B, outs, &to_wq);
         for (int64_t r = 0; !rc && r < B; r++) qk_rms_norm(qa + r * qr, fptr(d->q_a_norm), qr, eps, qa + r * qr);
-        const qk_wmat wq = wmat(d->wq, d->wq_type, qd);
-        if (!rc) rc = qk_matmuls(isa, 1, &wq, qr, qa, B, &q);
+        if (!rc) rc = qk_matmuls_then(isa, 1, &wq, qr, qa, B, &q, &to_wo);
     } else {
-        const qk_wmat first[2] = {wmat(d->wq, d->wq_type, qd), wmat(d->wkv_a, d->wkv_a_type, L)};
         float *const outs[2] = {q, kv};
-        rc = qk_matmuls(isa, 2, first, H, xn, B, outs);
+        rc = qk_matmuls_then(isa, 2, first, H, xn, B, outs, &to_wo);
     }
     for (int64_t r = 0; !rc && r < B; r++) {
         const float *cs = rope_cos + pos[r] * (R / 2), *sn = rope_sin + pos[r] * (R / 2);
@@ -179,9 +187,9 @@ int qk_mla_mix(int isa, const qk_attn_desc *d, float *x, int64_t B, const int64_
                      .slots = slots, .pos = pos};
         mla_use_group(&c, B);
         atomic_init(&c.next, 0);
-        qk_pool_run(mla_task, &c);
-        const qk_wmat wo = wmat(d->wo, d->wo_type, H);
-        rc = qk_matmuls(isa, 1, &wo, nh * dv, o, B, &out);
+        qk_span spans[QK_THEN_MAX];
+        qk_pool_run_then(mla_task, &c, "mla_task", spans, qk_then_spans(isa, &to_wo, B, spans));
+        rc = qk_matmuls_then(isa, 1, &wo, nh * dv, o, B, &out, then);
     }
     for (int64_t r = 0; !rc && r < B; r++)
         for (int64_t i = 0; i < H; i++) x[r * H + i] += out[r * H + i];

@@ -45,10 +45,11 @@ static PyObject *py_features(PyObject *self, PyObject *args) {
         }
         Py_DECREF(s);
     }
-    return Py_BuildValue("{s:s,s:i,s:N,s:i,s:i,s:i,s:i,s:i,s:O,s:O,s:O,s:L}", "best", qk_isa_name(qk_best_isa()),
+    return Py_BuildValue("{s:s,s:i,s:N,s:i,s:i,s:i,s:i,s:i,s:O,s:i,s:O,s:O,s:L}", "best", qk_isa_name(qk_best_isa()),
                          "best_id", qk_best_isa(), "isas", isas, "threads", qk_pool_threads(), "spin_us",
                          qk_pool_spin_us(), "prefetch", qk_prefetch(), "prefetch_hint", qk_prefetch_hint(), "wide",
-                         qk_wide(), "prefetch_spread", qk_prefetch_spread() ? Py_True : Py_False,
+                         qk_wide(), "prefetch_spread", qk_prefetch_spread() ? Py_True : Py_False, "idle_prefetch",
+                         qk_idle_prefetch(),
                          "amx", qk_amx() ? Py_True : Py_False, "amx_usable",
                          qk_amx_usable() ? Py_True : Py_False, "amx_calls", qk_amx_calls());
 }
@@ -142,6 +143,17 @@ static PyObject *py_wide_default(PyObject *self, PyObject *args) {
 static PyObject *py_prefetch_spread_default(PyObject *self, PyObject *args) {
     (void)self;
     return table_entry(args, qk_prefetch_spread_default, 1);
+}
+
+static PyObject *py_set_idle_prefetch(PyObject *self, PyObject *args) {
+    (void)self;
+    return set_int(args, qk_set_idle_prefetch,
+                   "idle prefetch must be -1 (the CPU's default) or a multiple of 4096 bytes in 0..16 MiB");
+}
+
+static PyObject *py_idle_prefetch_default(PyObject *self, PyObject *args) {
+    (void)self;
+    return table_entry(args, qk_idle_prefetch_default, 0);
 }
 
 static PyObject *py_set_active(PyObject *self, PyObject *args) {
@@ -278,7 +290,7 @@ static PyObject *py_moe_ffn(PyObject *self, PyObject *args) {
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = qk_moe_ffn(isa, (const float *)(uintptr_t)x, T, H, (const int32_t *)(uintptr_t)ids,
                                           (const float *)(uintptr_t)wts, k, g, u, d, E, I, (float *)(uintptr_t)out,
-                                          pairs, &fn);
+                                          pairs, &fn, NULL);
     Py_END_ALLOW_THREADS return qk_raise(rc);
 }
 
@@ -500,6 +512,11 @@ static PyMethodDef methods[] = {
      "beside their loads (1) or all at the block's start (0), the CPU's default (-1)."},
     {"prefetch_spread_default", py_prefetch_spread_default, METH_VARARGS,
      "prefetch_spread_default(vendor, family, model=0): the table's set_prefetch_spread default."},
+    {"set_idle_prefetch", py_set_idle_prefetch, METH_VARARGS,
+     "set_idle_prefetch(bytes): how much of its share of the next job a thread done with its share of this one "
+     "prefetches into L2 while it waits (0: none; -1: the CPU's default)."},
+    {"idle_prefetch_default", py_idle_prefetch_default, METH_VARARGS,
+     "idle_prefetch_default(vendor, family, model=0): the table's set_idle_prefetch default."},
     {"prefetch_default", py_prefetch_default, METH_VARARGS,
      "prefetch_default(vendor, family, model=0): the default (bytes, hint) of the CPUs of that CPUID vendor, family and model."},
     {"set_prefetch_hint", py_set_prefetch_hint, METH_VARARGS,

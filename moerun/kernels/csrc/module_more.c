@@ -254,7 +254,56 @@ static PyObject *py_pool_trace_rows(PyObject *self, PyObject *noargs) {
     return out;
 }
 
+static PyObject *py_pool_span_checks(PyObject *self, PyObject *noargs) {
+    (void)self, (void)noargs;
+    long long matched, missed;
+    qk_pool_span_checks(&matched, &missed);
+    return Py_BuildValue("(LL)", matched, missed);
+}
+
+/* then_spans(isa, mats, K, T): mats [(address, ggml, N)] -> [(address, bytes)] a thread (matmul.h's qk_then_spans). */
+static PyObject *py_then_spans(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa;
+    PyObject *seq;
+    long long K, T;
+    if (!PyArg_ParseTuple(args, "iOLL", &isa, &seq, &K, &T)) return NULL;
+    PyObject *fast = PySequence_Fast(seq, "mats must be a sequence of (address, ggml, N)");
+    if (!fast) return NULL;
+    qk_wmat w[QK_MM_MAX];
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    for (Py_ssize_t i = 0; i < n && i < QK_MM_MAX; i++) {
+        unsigned long long a;
+        long long N;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "KiL", &a, &w[i].ggml, &N)) {
+            Py_DECREF(fast);
+            return NULL;
+        }
+        w[i].w = (const uint8_t *)(uintptr_t)a, w[i].N = N;
+    }
+    Py_DECREF(fast);
+    const qk_then then = {n <= QK_MM_MAX ? (int)n : 0, w, K};
+    qk_span spans[QK_THEN_MAX];
+    const int m = qk_then_spans(isa, &then, T, spans);
+    PyObject *out = PyList_New(m);
+    for (int t = 0; out && t < m; t++) {
+        PyObject *s = Py_BuildValue("(KL)", (unsigned long long)(uintptr_t)spans[t].p, (long long)spans[t].bytes);
+        if (!s) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, t, s);
+    }
+    return out;
+}
+
 PyMethodDef QK_STEP_METHODS[] = {
+    {"pool_span_checks", py_pool_span_checks, METH_NOARGS,
+     "pool_span_checks() -> (matched, missed): while pool_trace is on, the threads whose first read of a job was (or "
+     "was not) where the job before said it would be (pool.h's qk_pool_first_read)."},
+    {"then_spans", py_then_spans, METH_VARARGS,
+     "then_spans(isa, mats, K, T) -> [(address, bytes)]: where each thread's share of a matmuls job of mats [(address, "
+     "ggml, N)] against T rows of K values starts (matmul.h's qk_then_spans)."},
     {"pool_trace", py_pool_trace, METH_VARARGS,
      "pool_trace(on): keep (True, the counters reset) or stop keeping the pool's per-job-kind times (pool.h)."},
     {"pool_trace_rows", py_pool_trace_rows, METH_NOARGS,

@@ -246,10 +246,27 @@ static void moe_down_expert_task(void *p, int tid, int nth) {
     const int64_t span = ((c->H + c->parts - 1) / c->parts + c->rows_d - 1) / c->rows_d * c->rows_d; /* parts cover H */
     for (int64_t it; (it = wq_next(&c->qb, &cur)) >= 0;) {
         const int64_t a = it / c->parts, r0 = it % c->parts * span, r1 = min64(r0 + span, c->H);
+        if (wq_first(&c->qb, cur, it)) qk_pool_first_read(cur, c->down[a] + r0 / c->rows_d * c->rowb_d);
         if (r0 >= r1) continue;
         if (c->T == 1) prefetch_head(c->down[a] + r0 / c->rows_d * c->rowb_d, (r1 - r0) / c->rows_d * c->rowb_d);
         down_rows(c, a, r0, r1, c->scratch + r0, c->H);
     }
+}
+
+/* Where each thread's share of moe_down_expert_task starts (qk_then_spans): its range's first item, to the end of that
+ * expert's rows in the range. */
+static int down_spans(const moe_ctx *c, qk_span *spans) {
+    if (!qk_idle_prefetch()) return 0;
+    const int n = c->qb.n < QK_THEN_MAX ? c->qb.n : QK_THEN_MAX;
+    const int64_t span = ((c->H + c->parts - 1) / c->parts + c->rows_d - 1) / c->rows_d * c->rows_d;
+    for (int t = 0; t < n; t++) {
+        const int64_t it = c->qb.r[t].start, a = it / c->parts, end = min64(c->qb.r[t].end, (a + 1) * c->parts);
+        const int64_t r0 = it % c->parts * span, r1 = min64((end - a * c->parts) * span, c->H);
+        const int64_t rb = c->rowb_d;
+        spans[t] = it < end && r0 < r1 ? (qk_span){c->down[a] + r0 / c->rows_d * rb, (r1 - r0) / c->rows_d * rb}
+                                       : (qk_span){0};
+    }
+    return n;
 }
 
 static const uint8_t *expert_ptr(qk_expert_mats m, int64_t e) {
@@ -298,7 +315,7 @@ static int amx_moe_setup(moe_ctx *c, int isa, int qg, int qu, int qd, int step, 
 
 int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids, const float *wts, int k,
                qk_expert_mats gate, qk_expert_mats up, qk_expert_mats down, int64_t E, int64_t I, float *out,
-               int pairs, const qk_expert_fn *fn) {
+               int pairs, const qk_expert_fn *fn, const qk_then *then) {
     const kernel_set *ks = qk_kernels(isa);
     const int qg = qk_qtype_index(gate.type), qu = qk_qtype_index(up.type), qd = qk_qtype_index(down.type);
     if (!ks) return QK_EISA;
@@ -418,9 +435,11 @@ int qk_moe_ffn(int isa, const float *x, int64_t T, int64_t H, const int32_t *ids
     if (rc != QK_OK) return moe_free(mem, h, scratch, rc);
     wq_init(&c.qa, nact * c.items_per_expert, nth);
     wq_init(&c.qb, c.items_b, nth);
-    qk_pool_run(moe_gate_up_task, &c);
+    qk_span spans[QK_THEN_MAX];
+    const int nspans = by_expert ? down_spans(&c, spans) : 0;
+    qk_pool_run_then(moe_gate_up_task, &c, "moe_gate_up_task", spans, nspans);
     if (by_expert) {
-        qk_pool_run(moe_down_expert_task, &c);
+        qk_pool_run_then(moe_down_expert_task, &c, "moe_down_expert_task", spans, qk_then_spans(isa, then, T, spans));
         combine_rows(&c, 0, H, scratch, H);
     } else {
         qk_pool_run(moe_down_task, &c);

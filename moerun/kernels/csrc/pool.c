@@ -48,11 +48,17 @@ static struct {
     atomic_int prefetch_hint; /* qk_prefetch_hint's QK_PF_*, or -1 until decided */
     atomic_int wide;          /* qk_wide's QK_WIDE_* mask, or -1 until decided */
     atomic_int spread;        /* qk_prefetch_spread's 0 / 1, or -1 until decided */
+    atomic_int idle;          /* qk_idle_prefetch's bytes, or -1 until decided */
+    qk_span then[QK_THEN_MAX]; /* the current job's qk_pool_run_then spans, nthen of them */
+    int nthen;
+    qk_span expect[QK_THEN_MAX]; /* the spans the job before gave the current one (qk_pool_first_read) */
+    int nexpect;
+    atomic_llong span_matched, span_missed;
     atomic_int trace;         /* qk_pool_trace's switch; the rest of the trace under run_lock */
     int trace_n;
     int64_t trace_last;       /* when the last traced job returned, 0 before the first */
     qk_trace_row trace_rows[QK_TRACE_ROWS];
-} P = {.prefetch = -1, .prefetch_hint = -1, .wide = -1, .spread = -1, .run_lock = PTHREAD_MUTEX_INITIALIZER,
+} P = {.prefetch = -1, .prefetch_hint = -1, .wide = -1, .spread = -1, .idle = -1, .run_lock = PTHREAD_MUTEX_INITIALIZER,
        .lock = PTHREAD_MUTEX_INITIALIZER,
        .wake = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER, .spin_us = DEFAULT_SPIN_US};
 
@@ -77,6 +83,22 @@ static unsigned spin_gen(unsigned old, int spin_us) {
     }
 }
 
+/* The first qk_idle_prefetch() bytes of span s into L2, 4 KB between looks at what ends the wait: for a worker a job
+ * after generation `seen`, for the caller (worker = 0) the workers all done. */
+#define IDLE_CHUNK 4096
+static void idle_fetch(qk_span s, int worker, unsigned seen) {
+    int64_t n = s.p ? s.bytes : 0;
+    const int64_t cap = qk_idle_prefetch();
+    if (n > cap) n = cap;
+    for (int64_t o = 0; o < n; o += IDLE_CHUNK) {
+        if (worker ? atomic_load_explicit(&P.gen, memory_order_acquire) != seen
+                   : atomic_load_explicit(&P.pending, memory_order_acquire) == 0)
+            return;
+        const int64_t e = o + IDLE_CHUNK < n ? o + IDLE_CHUNK : n;
+        for (int64_t i = o; i < e; i += 64) __builtin_prefetch(s.p + i, 0, 2); /* T1 */
+    }
+}
+
 static void *worker_main(void *arg) {
     const int tid = (int)(intptr_t)arg;
     unsigned seen = P.start_gen; /* not P.gen: the first job may already have bumped it */
@@ -95,11 +117,13 @@ static void *worker_main(void *arg) {
         seen = g;
         if (tid >= P.job_n) continue;
         P.fn(P.ctx, tid, P.job_n);
+        const qk_span next = tid < P.nthen ? P.then[tid] : (qk_span){0}; /* read before the caller may move on */
         if (atomic_fetch_sub_explicit(&P.pending, 1, memory_order_acq_rel) == 1) {
             pthread_mutex_lock(&P.lock);
             pthread_cond_signal(&P.done);
             pthread_mutex_unlock(&P.lock);
         }
+        idle_fetch(next, 1, seen);
     }
 }
 
@@ -196,8 +220,20 @@ int qk_pool_set_active(int n) {
 
 int qk_pool_active(void) { return atomic_load(&P.active); }
 
+void qk_pool_first_read(int t, const void *p) {
+    if (!atomic_load_explicit(&P.trace, memory_order_relaxed) || t >= P.nexpect || !P.expect[t].p) return;
+    atomic_fetch_add(P.expect[t].p == p ? &P.span_matched : &P.span_missed, 1);
+}
+
+void qk_pool_span_checks(long long *matched, long long *missed) {
+    *matched = atomic_load(&P.span_matched);
+    *missed = atomic_load(&P.span_missed);
+}
+
 void qk_pool_trace(int on) {
     pthread_mutex_lock(&P.run_lock);
+    atomic_store(&P.span_matched, 0);
+    atomic_store(&P.span_missed, 0);
     memset(P.trace_rows, 0, sizeof P.trace_rows);
     P.trace_n = 0;
     P.trace_last = 0;
@@ -231,13 +267,19 @@ static void trace_add(const char *name, int64_t t_in, int64_t t_own, int64_t t_o
     P.trace_last = t_out;
 }
 
-int qk_pool_run_as(qk_task fn, void *ctx, const char *name) {
+int qk_pool_run_as(qk_task fn, void *ctx, const char *name) { return qk_pool_run_then(fn, ctx, name, NULL, 0); }
+
+int qk_pool_run_then(qk_task fn, void *ctx, const char *name, const qk_span *then, int nthen) {
     const int traced = atomic_load_explicit(&P.trace, memory_order_relaxed);
     const int64_t t_in = traced ? now_ns() : 0;
     pthread_mutex_lock(&P.run_lock);
     const int rc = start_workers();
     const int active = atomic_load(&P.active);
     const int n = active > 0 && active < P.nthreads ? active : P.nthreads;
+    memcpy(P.expect, P.then, (size_t)P.nthen * sizeof *P.then); /* what the job before said of this one */
+    P.nexpect = P.nthen;
+    P.nthen = then && nthen > 0 ? (nthen < QK_THEN_MAX ? nthen : QK_THEN_MAX) : 0;
+    if (P.nthen) memcpy(P.then, then, (size_t)P.nthen * sizeof *then);
     if (n == 1) {
         fn(ctx, 0, 1);
         if (traced && atomic_load_explicit(&P.trace, memory_order_relaxed)) {
@@ -258,6 +300,7 @@ int qk_pool_run_as(qk_task fn, void *ctx, const char *name) {
 
     fn(ctx, 0, n);
     const int64_t t_own = traced ? now_ns() : 0;
+    if (P.nthen) idle_fetch(P.then[0], 0, 0);
 
     const int64_t end = now_ns() + (int64_t)atomic_load(&P.spin_us) * 1000;
     for (unsigned i = 1; atomic_load_explicit(&P.pending, memory_order_acquire) != 0; i++) {
@@ -295,12 +338,13 @@ static const struct {
     int bytes, hint;
     int wide;           /* qk_wide's mask: bench/journal/issue-36.md "One-token passes on 512-bit vectors" (Zen 5) */
     int spread;         /* qk_prefetch_spread's: bench/journal/issue-36.md "A block's prefetches beside its loads" */
+    int idle;           /* qk_idle_prefetch's bytes */
 } PF_DEFAULTS[] = {
-    {"GenuineIntel", 6, 207, 8192, QK_PF_T1, QK_WIDE_Q6K | QK_WIDE_MXFP4, 1},
-    {"GenuineIntel", 0, 0, 2048, QK_PF_T1, 0, 0},
-    {"AuthenticAMD", 26, 0, 4096, QK_PF_NTA, QK_WIDE_ALL, 0},
-    {"AuthenticAMD", 0, 0, 0, QK_PF_T1, 0, 0},
-    {"", 0, 0, 0, QK_PF_T1, 0, 0},
+    {"GenuineIntel", 6, 207, 8192, QK_PF_T1, QK_WIDE_Q6K | QK_WIDE_MXFP4, 1, 1 << 20},
+    {"GenuineIntel", 0, 0, 2048, QK_PF_T1, 0, 0, 0},
+    {"AuthenticAMD", 26, 0, 4096, QK_PF_NTA, QK_WIDE_ALL, 0, 0},
+    {"AuthenticAMD", 0, 0, 0, QK_PF_T1, 0, 0, 0},
+    {"", 0, 0, 0, QK_PF_T1, 0, 0, 0},
 };
 
 static int default_row(const char *vendor, int family, int model) {
@@ -323,6 +367,10 @@ int qk_wide_default(const char *vendor, int family, int model) {
 
 int qk_prefetch_spread_default(const char *vendor, int family, int model) {
     return PF_DEFAULTS[default_row(vendor, family, model)].spread;
+}
+
+int qk_idle_prefetch_default(const char *vendor, int family, int model) {
+    return PF_DEFAULTS[default_row(vendor, family, model)].idle;
 }
 
 /* This CPU's CPUID vendor string, displayed family (base, plus the extended one where base is 15) and displayed
@@ -369,6 +417,11 @@ int qk_set_wide(int mask) { return set_flag(&P.wide, mask, QK_WIDE_ALL, qk_wide_
 int qk_wide(void) { return get_flag(&P.wide, qk_wide_default); }
 int qk_set_prefetch_spread(int on) { return set_flag(&P.spread, on, 1, qk_prefetch_spread_default); }
 int qk_prefetch_spread(void) { return get_flag(&P.spread, qk_prefetch_spread_default); }
+int qk_set_idle_prefetch(int bytes) {
+    if (bytes > 0 && bytes % IDLE_CHUNK) return -1;
+    return set_flag(&P.idle, bytes, 16 << 20, qk_idle_prefetch_default);
+}
+int qk_idle_prefetch(void) { return get_flag(&P.idle, qk_idle_prefetch_default); }
 
 static int default_prefetch(int *hint) {
     char vendor[13];

@@ -8,6 +8,8 @@
 #ifndef MOERUN_POOL_H
 #define MOERUN_POOL_H
 
+#include <stdint.h>
+
 typedef void (*qk_task)(void *ctx, int tid, int nthreads);
 
 /* n >= 1 threads in all (caller included); spin_us >= 0 is the idle spin before sleeping.
@@ -60,6 +62,27 @@ int qk_prefetch_spread_default(const char *vendor, int family, int model);
  * keys qk_pool_trace's rows (qk_pool_run passes the function's own). */
 int qk_pool_run_as(qk_task fn, void *ctx, const char *name);
 #define qk_pool_run(fn, ctx) qk_pool_run_as((fn), (ctx), #fn)
+
+/* Where thread tid's reads start in the job after this one: then[tid], for the first nthen threads (at most
+ * QK_THEN_MAX). A thread done with its share of this job prefetches the first qk_idle_prefetch() bytes of its span into
+ * L2 while it waits: a worker until the next job comes, the caller until the workers are done. A job's tail and the
+ * caller's work between jobs then keep memory busy. Results do not depend on it. */
+#define QK_THEN_MAX 16
+typedef struct {
+    const uint8_t *p;
+    int64_t bytes;
+} qk_span;
+int qk_pool_run_then(qk_task fn, void *ctx, const char *name, const qk_span *then, int nthen);
+/* The first item of thread t's share of this job (its range's first, whichever thread takes it) reads from p: while
+ * qk_pool_trace is on, checked against the span the job before gave thread t (qk_pool_span_checks: matched, or
+ * missed where a span was given and p is not its start). */
+void qk_pool_first_read(int t, const void *p);
+void qk_pool_span_checks(long long *matched, long long *missed);
+/* How many bytes of its next span an idle thread prefetches (a multiple of 4096 in 0..16 MiB; 0: none); -1 sets the
+ * CPU's default (the table's). Returns 0, or -1 when bytes is out of range. */
+int qk_set_idle_prefetch(int bytes);
+int qk_idle_prefetch(void);
+int qk_idle_prefetch_default(const char *vendor, int family, int model);
 
 /* Where the caller's time goes, per job kind (the task's name), while qk_pool_trace(1) is on: jobs, its time from
  * entering a job to the end of its own share, its wait for the workers after that, and its time since the previous
