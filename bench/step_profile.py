@@ -156,7 +156,9 @@ def main() -> None:
 
 
 def pool_round(model, kv, tok: int, steps: int) -> tuple[list[tuple], list[float]]:
-    """One more round of whole steps with the kernel pool's per-job-kind times kept (pool.h's qk_pool_trace)."""
+    """One more round of whole steps with the kernel pool's per-job-kind times kept (pool.h's qk_pool_trace), and
+    as a last row ("spans", matched, missed) the threads' first reads against the spans the job before announced
+    (pool.h's qk_pool_first_read)."""
     from moerun.kernels import _cpu
 
     times = []
@@ -167,7 +169,7 @@ def pool_round(model, kv, tok: int, steps: int) -> tuple[list[tuple], list[float
             logits = model.decode(torch.tensor([tok]), [kv])
             times.append(time.perf_counter() - t0)
             tok = int(logits[-1].argmax())
-        rows = _cpu.pool_trace_rows()
+        rows = [*_cpu.pool_trace_rows(), ("spans", *_cpu.pool_span_checks())]
     finally:
         _cpu.pool_trace(False)
     return rows, times
@@ -176,8 +178,10 @@ def pool_round(model, kv, tok: int, steps: int) -> tuple[list[tuple], list[float
 def print_pool(rows: list[tuple], times: list[float]) -> None:
     """Where the caller's time goes by pool job kind, ms a step: its share of each job (the worker's start
     included), its wait for the workers after that, its own work between jobs, and the time outside the kernels
-    (gaps over 30 us: Python and the argmax between two steps)."""
+    (gaps over 30 us: Python and the argmax between two steps). Then how many of the threads' shares started where
+    the job before had said, for the idle threads' prefetch (cpu.set_idle_prefetch)."""
     n = len(times)
+    *rows, (_, matched, missed) = rows
     print(f"\nthe kernel pool, one round of {n} whole steps (median {statistics.median(times) * 1e3:.2f} ms; "
           "ms a step, the caller's side):")
     print("| job (task) | jobs a step | own share | wait for the workers | work before it | outside the kernels |")
@@ -188,6 +192,8 @@ def print_pool(rows: list[tuple], times: list[float]) -> None:
         tot = [a + b for a, b in zip(tot, ms)]
         print(f"| {name} | {jobs / n:.1f} | " + " | ".join(f"{v:.3f}" for v in ms) + " |")
     print("| all | | " + " | ".join(f"{v:.3f}" for v in tot) + " |")
+    print(f"\nshares that started where the job before said (idle prefetch {cpu.features()['idle_prefetch']} bytes): "
+          f"{matched / n:.1f} a step, {missed / n:.1f} elsewhere")
 
 
 if __name__ == "__main__":

@@ -338,7 +338,7 @@ static const struct {
     int bytes, hint;
     int wide;           /* qk_wide's mask: bench/journal/issue-36.md "One-token passes on 512-bit vectors" (Zen 5) */
     int spread;         /* qk_prefetch_spread's: bench/journal/issue-36.md "A block's prefetches beside its loads" */
-    int idle;           /* qk_idle_prefetch's bytes */
+    int idle;           /* qk_idle_prefetch's bytes: "A thread's next share prefetched while it waits" */
 } PF_DEFAULTS[] = {
     {"GenuineIntel", 6, 207, 8192, QK_PF_T1, QK_WIDE_Q6K | QK_WIDE_MXFP4, 1, 1 << 20},
     {"GenuineIntel", 0, 0, 2048, QK_PF_T1, 0, 0, 0},
