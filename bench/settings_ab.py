@@ -9,8 +9,8 @@ the settings meet the same moments. A setting is NAME=KEY:VALUE,...: `pf` the pr
 (cpu.set_prefetch), `hint` t0 / t1 / t2 / nta (cpu.set_prefetch_hint), `wide` 0 / 1 or row types joined by +, such
 as q6_k or q4_k+mxfp4 (cpu.set_wide: one token through those types on 512-bit vectors), `spread` 0 / 1
 (cpu.set_prefetch_spread: a block's prefetches beside its loads), `idle` bytes (cpu.set_idle_prefetch: how much of
-its next share a thread done with its share of a pool job prefetches while it waits); a key left out keeps the CPU's
-default. Each
+its next share a thread done with its share of a pool job prefetches while it waits), `near` bytes
+(cpu.set_prefetch_near: a second prefetch into L1, that far ahead); a key left out keeps the CPU's default. Each
 setting's turn in a round: two warm-up steps, then `--steps` whole steps (`model.decode`, the fused path from token
 ids to logits), the cache wound back after each turn.
 The first setting is the baseline: per round, each other setting's median step time over the baseline's (below 1:
@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests load this file by its path
 from toolkit import add, cpu_model, md_table, parser
 
-KEYS = ("pf", "hint", "wide", "spread", "idle")
+KEYS = ("pf", "hint", "wide", "spread", "idle", "near")
 DEFAULT_SETTINGS = ("default=", "none=pf:0,wide:0", "nta4k=pf:4096,hint:nta", "wide=wide:1")
 
 
@@ -58,6 +58,7 @@ def apply(cpu, setting: dict[str, str]) -> None:
         cpu.set_wide(wide_value(setting["wide"]) if "wide" in setting else None)
         cpu.set_prefetch_spread(bool(int(setting["spread"])) if "spread" in setting else None)
         cpu.set_idle_prefetch(int(setting["idle"]) if "idle" in setting else None)
+        cpu.set_prefetch_near(int(setting["near"]) if "near" in setting else None)
     except ValueError as e:
         raise SystemExit(f"setting {setting}: {e}") from None
 
@@ -111,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"round {r + 1}: probe {probe:.1f} GB/s; " + ", ".join(
                 f"{n} {got[n] * 1e3:.2f} ms" for n, _ in settings), flush=True)
     apply(cpu, {"pf": str(was["prefetch"]), "hint": was["prefetch_hint"], "wide": "+".join(was["wide"]) or "0",
-                "spread": str(int(was["prefetch_spread"])), "idle": str(was["idle_prefetch"])})
+                "spread": str(int(was["prefetch_spread"])), "idle": str(was["idle_prefetch"]),
+                "near": str(was["prefetch_near"])})
     base = settings[0][0]
     print(f"\n{args.model}: {s.family}, {s.n_layers} layers; {cpu_model()}, {args.threads} threads; "
           f"{args.rounds} rounds of {args.steps} steps, baseline {base}")

@@ -1,5 +1,5 @@
-"""The interleaved kernels' prefetch hint beside its distance (issue 36): no output bit depends on either, bad values
-are refused, the environment sets both, and bench/prefetch_sweep.py's path runs (on any vendor: it only reads the
+"""The interleaved kernels' prefetch hint beside its distance and the second, near prefetch into L1 (issue 36): no output
+bit depends on any of them, bad values are refused, the table's near defaults, the environment sets both, and bench/prefetch_sweep.py's path runs (on any vendor: it only reads the
 settings back).
 
 No timing assertions: the machine is shared and the sweep's numbers are noise at this size.
@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_interleave import ISAS, QTYPES, q4k
+from test_interleave import ISAS, QTYPES, q4k, this_cpu
 
 cpu = pytest.importorskip("moerun.kernels.cpu")
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="moerun.kernels._cpu not built or disabled")
 
 HINTS = ("t0", "t1", "t2", "nta")
 DISTANCES = (64, 1024, 65536)  # a line, a typical distance, past the matrix's end (prefetches never fault)
+NEARS = (0, 128, 4096)  # none, two lines, the Xeon's default
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,6 +31,7 @@ def default_prefetch():
     yield
     cpu.set_prefetch()
     cpu.set_prefetch_hint()
+    cpu.set_prefetch_near()
 
 
 @QTYPES
@@ -46,7 +48,9 @@ def test_every_hint_and_distance_leaves_matmul_bits(qt, T, default_prefetch):
             for nbytes in DISTANCES:
                 cpu.set_prefetch(nbytes)
                 assert (cpu.features()["prefetch"], cpu.features()["prefetch_hint"]) == (nbytes, hint)
-                assert torch.equal(cpu.matmul(x, il, isa=isa), base), (isa, hint, nbytes)
+                for near in NEARS:
+                    cpu.set_prefetch_near(near)
+                    assert torch.equal(cpu.matmul(x, il, isa=isa), base), (isa, hint, nbytes, near)
                 assert torch.equal(cpu.matmul(x, w, isa=isa), gguf_base), (isa, hint, nbytes)
 
 
@@ -67,12 +71,14 @@ def test_every_hint_and_distance_leaves_moe_bits(qt, T, default_prefetch):
             cpu.set_prefetch_hint(hint)
             for nbytes in DISTANCES:
                 cpu.set_prefetch(nbytes)
-                assert torch.equal(cpu.moe_ffn(x, ids, wts, gate, up, down, isa=isa), base), (isa, hint, nbytes)
+                for near in NEARS:
+                    cpu.set_prefetch_near(near)
+                    assert torch.equal(cpu.moe_ffn(x, ids, wts, gate, up, down, isa=isa), base), (isa, hint, nbytes, near)
 
 
 def this_cpus_default() -> tuple[int, str]:
     """(distance, hint) the measurements chose for the CPU running the test (tests/test_interleave.py's table)."""
-    from test_interleave import expected_default, this_cpu
+    from test_interleave import expected_default
 
     return expected_default(*this_cpu())
 
@@ -95,18 +101,44 @@ def test_bad_values_raise_and_none_is_the_default(default_prefetch):
     assert cpu.features()["prefetch_hint"] == this_cpus_default()[1]
 
 
+def test_the_near_prefetchs_table_and_checks(default_prefetch):
+    """4096 bytes on Intel family 6 model 207, where it was measured (bench/journal/issue-36.md, "A second prefetch
+    into L1"); none elsewhere until measured there, every row whatever CPU runs the test."""
+    rows = {("GenuineIntel", 6, 207): 4096, ("GenuineIntel", 6, 143): 0, ("GenuineIntel", 6, 0): 0,
+            ("AuthenticAMD", 26, 2): 0, ("AuthenticAMD", 25, 17): 0, ("HygonGenuine", 24, 0): 0}
+    for (vendor, family, model), want in rows.items():
+        assert cpu._cpu.prefetch_near_default(vendor, family, model) == want, vendor
+    for bad in (-64, 100, 65600, 1.5, True, "4k"):
+        with pytest.raises(ValueError, match="near prefetch"):
+            cpu.set_prefetch_near(bad)
+    from moerun.kernels import _cpu
+
+    for bad in (-2, 65, 65536 + 64):  # the C layer checks too
+        with pytest.raises(ValueError, match="near prefetch"):
+            _cpu.set_prefetch_near(bad)
+    cpu.set_prefetch_near(1024)
+    assert cpu.features()["prefetch_near"] == 1024
+    cpu.set_prefetch_near()
+    assert cpu.features()["prefetch_near"] in set(rows.values())
+
+
 def _settings_in_a_fresh_process(tmp_path, **env) -> tuple[str, str]:
-    code = "from moerun.kernels import cpu; f = cpu.features(); print(f['prefetch'], f['prefetch_hint'])"
+    code = ("from moerun.kernels import cpu; f = cpu.features(); "
+            "print(f['prefetch'], f['prefetch_hint'], f['prefetch_near'])")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=True,
                        env={**os.environ, **env})
     return r.stdout.strip(), r.stderr
 
 
-def test_environment_sets_distance_and_hint(tmp_path):
-    out, _ = _settings_in_a_fresh_process(tmp_path, MOERUN_PREFETCH="512", MOERUN_PREFETCH_HINT="NTA")
-    assert out == "512 nta"
-    out, err = _settings_in_a_fresh_process(tmp_path, MOERUN_PREFETCH="0", MOERUN_PREFETCH_HINT="t9")
-    assert out == f"0 {this_cpus_default()[1]}" and "MOERUN_PREFETCH_HINT='t9'" in err  # a warning, the default
+def test_environment_sets_distance_hint_and_near(tmp_path):
+    out, _ = _settings_in_a_fresh_process(tmp_path, MOERUN_PREFETCH="512", MOERUN_PREFETCH_HINT="NTA",
+                                          MOERUN_PREFETCH_NEAR="1024")
+    assert out == "512 nta 1024"
+    near = cpu._cpu.prefetch_near_default(*this_cpu())
+    out, err = _settings_in_a_fresh_process(tmp_path, MOERUN_PREFETCH="0", MOERUN_PREFETCH_HINT="t9",
+                                            MOERUN_PREFETCH_NEAR="100")
+    assert out == f"0 {this_cpus_default()[1]} {near}"  # warnings, the defaults
+    assert "MOERUN_PREFETCH_HINT='t9'" in err and "MOERUN_PREFETCH_NEAR='100'" in err
 
 
 def test_sweep_script_runs_on_a_tiny_model(tmp_path, monkeypatch, capsys):
@@ -145,16 +177,16 @@ def test_settings_ab_script_runs_on_a_tiny_model(tmp_path, capsys):
     spec.loader.exec_module(ab)
     def now():
         f = cpu.features()
-        return f["prefetch"], f["prefetch_hint"], f["wide"], f["idle_prefetch"]
+        return f["prefetch"], f["prefetch_hint"], f["wide"], f["idle_prefetch"], f["prefetch_near"]
 
     before = now()
     ab.main([str(model), "-t", "1", "--steps", "2", "--rounds", "2", "--prompt", "4",
-             "--settings", "base=pf:0", "nta=pf:2048,hint:nta,wide:1", "some=wide:q6_k+mxfp4,idle:0"])
+             "--settings", "base=pf:0", "nta=pf:2048,hint:nta,wide:1", "some=wide:q6_k+mxfp4,idle:0,near:1024"])
     out = capsys.readouterr().out
     assert out.count("round ") == 2 and "baseline base" in out
     assert "| base | pf:0 |" in out and "1.000 (2)" in out.split("| base |")[1].splitlines()[0]
-    assert "| nta | pf:2048,hint:nta,wide:1 |" in out and "| some | wide:q6_k+mxfp4,idle:0 |" in out
+    assert "| nta | pf:2048,hint:nta,wide:1 |" in out and "| some | wide:q6_k+mxfp4,idle:0,near:1024 |" in out
     assert now() == before
-    for bad in ("base", "x=pf", "x=speed:3", "x=pf:100", "x=wide:q5_k", "x=wide:2", "x=idle:100", "x=idle:1m"):
+    for bad in ("base", "x=pf", "x=speed:3", "x=pf:100", "x=wide:q5_k", "x=wide:2", "x=idle:100", "x=idle:1m", "x=near:100"):
         with pytest.raises(SystemExit, match="setting"):
             ab.main([str(model), "--settings", bad])

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import os
 from array import array
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -31,13 +31,23 @@ from moerun.hostmem import Arena, host_empty
 from moerun.kernels import native
 from moerun.kernels.env import PREFETCH_HINTS, env_amx, env_prefetch, env_prefetch_hint, physical_cores
 from moerun.kernels.native import QK_R8
+from moerun.kernels.tuning import (
+    set_amx,
+    set_idle_prefetch,
+    set_prefetch,
+    set_prefetch_hint,
+    set_prefetch_near,
+    set_prefetch_spread,
+    set_wide,
+    wide_types,
+)
 from moerun.quant import qtypes
 from moerun.quant.qtypes import QTensor, QType, block_size, row_bytes
 
 __all__ = ["attend_prompt", "available", "can_interleave", "can_interleave_stored", "deinterleave", "deq_dot",
            "dequant_rows", "features", "get_threads", "glu_down", "has_deq_dot", "interleave", "matmul",
            "moe_ffn", "moe_ffn_experts", "read_interleaved", "set_amx", "set_idle_prefetch", "set_prefetch",
-           "set_prefetch_hint", "set_prefetch_spread", "set_threads", "set_wide", "supports"]
+           "set_prefetch_hint", "set_prefetch_near", "set_prefetch_spread", "set_threads", "set_wide", "supports"]
 
 MODE = native.mode()  # "" / "auto", "scalar", "off"
 _cpu, _import_error = native.load(MODE)
@@ -49,6 +59,7 @@ if _cpu is not None:
     _cpu.set_threads(physical_cores())
     _cpu.set_prefetch(env_prefetch())
     _cpu.set_prefetch_hint(env_prefetch_hint())
+    _cpu.set_prefetch_near(env_prefetch("MOERUN_PREFETCH_NEAR"))
     _cpu.set_amx(env_amx())
     _SUPPORTED = frozenset(QType(t) for t in _cpu.qtypes())
     _ISAS = tuple(_cpu.features()["isas"])
@@ -66,19 +77,19 @@ def available() -> bool:
 
 def features() -> dict:
     """{"available", "isa" (the kernel set calls use), "isas" (all this CPU runs), "threads", "spin_us", "prefetch",
-    "prefetch_hint" ("t0" .. "nta"), "prefetch_spread", "idle_prefetch" (the set_* values), "wide" (the types set_wide
+    "prefetch_hint" ("t0" .. "nta"), "prefetch_spread", "idle_prefetch", "prefetch_near" (the set_* values), "wide" (the types set_wide
     put on 512-bit vectors), "amx" (batches through AMX tiles now), "amx_usable" (the CPU and kernel allow them),
     "qtypes", "reason" (why not available, else None)}."""
     if _cpu is None:
         return {"available": False, "isa": None, "isas": [], "threads": 0, "spin_us": 0, "prefetch": 0,
-                "prefetch_hint": None, "wide": [], "prefetch_spread": False, "idle_prefetch": 0, "amx": False,
-                "amx_usable": False,
+                "prefetch_hint": None, "wide": [], "prefetch_spread": False, "idle_prefetch": 0, "prefetch_near": 0,
+                "amx": False, "amx_usable": False,
                 "qtypes": [], "reason": _import_error}
     f = _cpu.features()
     return {"available": True, "isa": _DEFAULT_ISA, "isas": f["isas"], "threads": f["threads"],
             "spin_us": f["spin_us"], "prefetch": f["prefetch"], "prefetch_hint": PREFETCH_HINTS[f["prefetch_hint"]],
             "wide": wide_types(f["wide"]), "prefetch_spread": f["prefetch_spread"],
-            "idle_prefetch": f["idle_prefetch"], "amx": f["amx"],
+            "idle_prefetch": f["idle_prefetch"], "prefetch_near": f["prefetch_near"], "amx": f["amx"],
             "amx_usable": f["amx_usable"], "qtypes": sorted(q.name for q in _SUPPORTED), "reason": None}
 
 
@@ -99,87 +110,6 @@ def set_threads(n: int, spin_us: int | None = None) -> None:
     if spin_us is not None and (not isinstance(spin_us, int) or spin_us < 0):
         raise ValueError(f"spin_us must be a non-negative int, got {spin_us!r}")
     _cpu.set_threads(n, -1 if spin_us is None else spin_us)
-
-
-def set_prefetch(nbytes: int | None = None) -> None:
-    """How far ahead (bytes, a multiple of 64 up to 65536; 0: not at all) the interleaved-layout kernels prefetch
-    weight rows (into L2 by default: set_prefetch_hint) when they multiply one token (or up to 8 with AVX-512
-    VNNI). None: the CPU's default (8192 on Intel family 6 model 207, 2048 on other Intel CPUs, 4096 on AMD Zen 5, 0
-    elsewhere; the environment's MOERUN_PREFETCH overrides it at import); while it is not 0 the GGUF-layout kernels' own one-token prefetch goes to L2 as well. Results do not
-    depend on it, only speed."""
-    _need()
-    if nbytes is not None and (not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0 or nbytes % 64
-                               or nbytes > 65536):
-        raise ValueError(f"prefetch must be a multiple of 64 bytes in 0..65536, got {nbytes!r}")
-    _cpu.set_prefetch(-1 if nbytes is None else nbytes)
-
-
-def set_prefetch_hint(hint: str | None = None) -> None:
-    """Where the interleaved-layout kernels' prefetches (set_prefetch) put the lines: "t0" (every cache level, L1
-    too), "t1" (L2), "t2" (L3) or "nta" (non-temporal: near the core, first to go), _mm_prefetch's hints as Intel
-    describes them (what a CPU does with each is its own); case does not matter. None: the CPU's default ("t1";
-    the environment's MOERUN_PREFETCH_HINT overrides it at import). It matters only while the distance is not 0.
-    Results do not depend on it, only speed."""
-    _need()
-    if hint is not None and (not isinstance(hint, str) or hint.strip().lower() not in PREFETCH_HINTS):
-        raise ValueError(f"prefetch hint must be one of {', '.join(PREFETCH_HINTS)}, got {hint!r}")
-    _cpu.set_prefetch_hint(-1 if hint is None else PREFETCH_HINTS.index(hint.strip().lower()))
-
-
-WIDE_TYPES = ("Q4_K", "Q6_K", "MXFP4")  # set_wide's types, in the order of pool.h's QK_WIDE_* bits
-
-
-def set_wide(on: bool | Iterable[str] | None = None) -> None:
-    """Which row types the AVX-512 VNNI kernels take one token through on 512-bit vectors rather than 256-bit ones:
-    True all of Q4_K_R8 / Q6_K_R8 / MXFP4_R8, False none, or the names of some (WIDE_TYPES); None: the CPU's default
-    (all on AMD Zen 5, Q6_K and MXFP4 on Intel family 6 model 207, where they were measured; none elsewhere). Results
-    are the same bit for bit."""
-    _need()
-    if on is None or isinstance(on, bool):
-        _cpu.set_wide(-1 if on is None else 7 * on)
-        return
-    names = [on] if isinstance(on, str) else list(on) if isinstance(on, (list, tuple, set, frozenset)) else None
-    if names is None or any(not isinstance(n, str) or n.upper() not in WIDE_TYPES for n in names):
-        raise ValueError(f"wide must be True, False, None or names among {', '.join(WIDE_TYPES)}, got {on!r}")
-    _cpu.set_wide(sum(1 << WIDE_TYPES.index(n) for n in {n.upper() for n in names}))
-
-
-def wide_types(mask: int) -> list[str]:
-    """set_wide's mask (features()' and the table's) -> the names of its types."""
-    return [t for i, t in enumerate(WIDE_TYPES) if mask >> i & 1]
-
-
-def set_prefetch_spread(on: bool | None = None) -> None:
-    """Where the one-token passes over Q4_K_R8 / Q5_K_R8 rows (and the 512-bit ones over Q6_K_R8, set_wide) prefetch a
-    block's lines: each beside the loads of its part of the block (True) or all at the block's start (False); None: the
-    CPU's default, on for Intel family 6 model 207, where it was measured. The same lines either way, and the same
-    results bit for bit."""
-    _need()
-    if on is not None and not isinstance(on, bool):
-        raise ValueError(f"prefetch spread must be True, False or None, got {on!r}")
-    _cpu.set_prefetch_spread(-1 if on is None else int(on))
-
-
-def set_idle_prefetch(nbytes: int | None = None) -> None:
-    """How much of its share of the next pool job (the next matrices of a decode step, known in advance) a thread done
-    with its share of the current one prefetches into L2 while it waits: a multiple of 4096 up to 16 MiB, 0 for none;
-    None: the CPU's default (pool.c's table). The same results either way."""
-    _need()
-    if nbytes is not None and (not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0
-                               or nbytes % 4096 or nbytes > 16 << 20):
-        raise ValueError(f"idle prefetch must be None or a multiple of 4096 in 0..16 MiB, got {nbytes!r}")
-    _cpu.set_idle_prefetch(-1 if nbytes is None else nbytes)
-
-
-def set_amx(on: bool | None = None) -> None:
-    """Whether batches of Q8_0 / MXFP4 / Q4_K / Q5_K rows (a prompt's matrices, the experts 16 or more of its tokens
-    chose) go through AMX tiles on CPUs that have AMX-INT8 (Intel Xeon since Sapphire Rapids): the VNNI kernels'
-    integer sums and float steps, the same bits, faster (kernels/csrc/amx.c). None or True: where the CPU has them (the default;
-    MOERUN_AMX=0 turns it off), False: the VNNI kernels for every batch."""
-    _need()
-    if on is not None and not isinstance(on, bool):
-        raise ValueError(f"amx must be True, False or None, got {on!r}")
-    _cpu.set_amx(-1 if on is None else int(on))
 
 
 def read_bw(buf: torch.Tensor, streams: int = 1, prefetch: int = 0) -> int:

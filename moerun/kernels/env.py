@@ -1,5 +1,5 @@
 """The CPU kernels' settings from the environment and the machine, read once when moerun.kernels.cpu is imported:
-MOERUN_PREFETCH, MOERUN_PREFETCH_HINT, MOERUN_AMX, and the pool's default thread count."""
+MOERUN_PREFETCH, MOERUN_PREFETCH_NEAR, MOERUN_PREFETCH_HINT, MOERUN_AMX, and the pool's default thread count."""
 
 from __future__ import annotations
 
@@ -24,13 +24,14 @@ def physical_cores() -> int:
         return max(1, logical)
 
 
-def env_prefetch() -> int:
-    """MOERUN_PREFETCH: the kernels' prefetch distance in bytes (unset or "auto": the CPU's default, set_prefetch)."""
-    v = os.environ.get("MOERUN_PREFETCH", "auto").strip().lower()
+def env_prefetch(name: str = "MOERUN_PREFETCH") -> int:
+    """MOERUN_PREFETCH: the kernels' prefetch distance in bytes (set_prefetch), or MOERUN_PREFETCH_NEAR: their second
+    prefetch's, into L1 (set_prefetch_near); unset or "auto": the CPU's default."""
+    v = os.environ.get(name, "auto").strip().lower()
     if v in ("", "auto"):
         return -1
     if not v.isdigit() or int(v) % 64 or int(v) > 65536:
-        warnings.warn(f"MOERUN_PREFETCH={v!r} is not auto or a multiple of 64 bytes in 0..65536: using the CPU's "
+        warnings.warn(f"{name}={v!r} is not auto or a multiple of 64 bytes in 0..65536: using the CPU's "
                       "default", stacklevel=2)
         return -1
     return int(v)

@@ -45,11 +45,11 @@ static PyObject *py_features(PyObject *self, PyObject *args) {
         }
         Py_DECREF(s);
     }
-    return Py_BuildValue("{s:s,s:i,s:N,s:i,s:i,s:i,s:i,s:i,s:O,s:i,s:O,s:O,s:L}", "best", qk_isa_name(qk_best_isa()),
+    return Py_BuildValue("{s:s,s:i,s:N,s:i,s:i,s:i,s:i,s:i,s:O,s:i,s:i,s:O,s:O,s:L}", "best", qk_isa_name(qk_best_isa()),
                          "best_id", qk_best_isa(), "isas", isas, "threads", qk_pool_threads(), "spin_us",
                          qk_pool_spin_us(), "prefetch", qk_prefetch(), "prefetch_hint", qk_prefetch_hint(), "wide",
                          qk_wide(), "prefetch_spread", qk_prefetch_spread() ? Py_True : Py_False, "idle_prefetch",
-                         qk_idle_prefetch(),
+                         qk_idle_prefetch(), "prefetch_near", qk_prefetch_near(),
                          "amx", qk_amx() ? Py_True : Py_False, "amx_usable",
                          qk_amx_usable() ? Py_True : Py_False, "amx_calls", qk_amx_calls());
 }
@@ -154,6 +154,17 @@ static PyObject *py_set_idle_prefetch(PyObject *self, PyObject *args) {
 static PyObject *py_idle_prefetch_default(PyObject *self, PyObject *args) {
     (void)self;
     return table_entry(args, qk_idle_prefetch_default, 0);
+}
+
+static PyObject *py_set_prefetch_near(PyObject *self, PyObject *args) {
+    (void)self;
+    return set_int(args, qk_set_prefetch_near,
+                   "near prefetch must be -1 (the CPU's default) or a multiple of 64 bytes in 0..65536");
+}
+
+static PyObject *py_prefetch_near_default(PyObject *self, PyObject *args) {
+    (void)self;
+    return table_entry(args, qk_prefetch_near_default, 0);
 }
 
 static PyObject *py_set_active(PyObject *self, PyObject *args) {
@@ -517,6 +528,11 @@ static PyMethodDef methods[] = {
      "prefetches into L2 while it waits (0: none; -1: the CPU's default)."},
     {"idle_prefetch_default", py_idle_prefetch_default, METH_VARARGS,
      "idle_prefetch_default(vendor, family, model=0): the table's set_idle_prefetch default."},
+    {"set_prefetch_near", py_set_prefetch_near, METH_VARARGS,
+     "set_prefetch_near(bytes): the one-token interleaved passes also prefetch the lines this far ahead into L1 while "
+     "their prefetch (set_prefetch) is on (0: not; -1: the CPU's default)."},
+    {"prefetch_near_default", py_prefetch_near_default, METH_VARARGS,
+     "prefetch_near_default(vendor, family, model=0): the table's set_prefetch_near default."},
     {"prefetch_default", py_prefetch_default, METH_VARARGS,
      "prefetch_default(vendor, family, model=0): the default (bytes, hint) of the CPUs of that CPUID vendor, family and model."},
     {"set_prefetch_hint", py_set_prefetch_hint, METH_VARARGS,

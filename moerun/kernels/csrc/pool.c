@@ -49,6 +49,7 @@ static struct {
     atomic_int wide;          /* qk_wide's QK_WIDE_* mask, or -1 until decided */
     atomic_int spread;        /* qk_prefetch_spread's 0 / 1, or -1 until decided */
     atomic_int idle;          /* qk_idle_prefetch's bytes, or -1 until decided */
+    atomic_int near;          /* qk_prefetch_near's bytes, or -1 until decided */
     qk_span then[QK_THEN_MAX]; /* the current job's qk_pool_run_then spans, nthen of them */
     int nthen;
     qk_span expect[QK_THEN_MAX]; /* the spans the job before gave the current one (qk_pool_first_read) */
@@ -58,7 +59,7 @@ static struct {
     int trace_n;
     int64_t trace_last;       /* when the last traced job returned, 0 before the first */
     qk_trace_row trace_rows[QK_TRACE_ROWS];
-} P = {.prefetch = -1, .prefetch_hint = -1, .wide = -1, .spread = -1, .idle = -1, .run_lock = PTHREAD_MUTEX_INITIALIZER,
+} P = {.prefetch = -1, .prefetch_hint = -1, .wide = -1, .spread = -1, .idle = -1, .near = -1, .run_lock = PTHREAD_MUTEX_INITIALIZER,
        .lock = PTHREAD_MUTEX_INITIALIZER,
        .wake = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER, .spin_us = DEFAULT_SPIN_US};
 
@@ -324,7 +325,8 @@ int qk_pool_run_then(qk_task fn, void *ctx, const char *name, const qk_span *the
  * on an Intel machine" (T1 2 KB, a3b decode +6-36%, on a family 6 model 167 VM). Intel family 6 model 207: T1 8 KB,
  * bench/journal/issue-36.md "Intel's prefetch distance at full depth" (the five full-depth files' decode in one
  * process, every setting each round: 0.86-0.94x the step of T1 2 KB), and 512-bit one-token passes over Q6_K_R8 and
- * MXFP4_R8 rows only, "512-bit passes by type on Intel" (pool.h's qk_set_wide). AMD Zen 5
+ * MXFP4_R8 rows only, "512-bit passes by type on Intel" (pool.h's qk_set_wide), and a second prefetch into L1 4 KB
+ * ahead, "A second prefetch into L1" (pool.h's qk_set_prefetch_near). AMD Zen 5
  * (family 26): NTA 4 KB, bench/journal/issue-36.md "prefetch on Zen 5" (NTA 2 KB against none, full-depth qwen3moe
  * and qwen35moe decode in one process, every setting each round: 1.089x and 1.086x, above 1 in 14 of 14 and 12 of 12
  * rounds) and "the read probe beside each step" (4 KB against 2 KB: one 1 GB matrix 80-83 against 75-79 GB/s with the
@@ -339,12 +341,13 @@ static const struct {
     int wide;           /* qk_wide's mask: bench/journal/issue-36.md "One-token passes on 512-bit vectors" (Zen 5) */
     int spread;         /* qk_prefetch_spread's: bench/journal/issue-36.md "A block's prefetches beside its loads" */
     int idle;           /* qk_idle_prefetch's bytes: "A thread's next share prefetched while it waits" */
+    int near;           /* qk_prefetch_near's bytes: "A second prefetch into L1" */
 } PF_DEFAULTS[] = {
-    {"GenuineIntel", 6, 207, 8192, QK_PF_T1, QK_WIDE_Q6K | QK_WIDE_MXFP4, 1, 1 << 20},
-    {"GenuineIntel", 0, 0, 2048, QK_PF_T1, 0, 0, 0},
-    {"AuthenticAMD", 26, 0, 4096, QK_PF_NTA, QK_WIDE_ALL, 0, 0},
-    {"AuthenticAMD", 0, 0, 0, QK_PF_T1, 0, 0, 0},
-    {"", 0, 0, 0, QK_PF_T1, 0, 0, 0},
+    {"GenuineIntel", 6, 207, 8192, QK_PF_T1, QK_WIDE_Q6K | QK_WIDE_MXFP4, 1, 1 << 20, 4096},
+    {"GenuineIntel", 0, 0, 2048, QK_PF_T1, 0, 0, 0, 0},
+    {"AuthenticAMD", 26, 0, 4096, QK_PF_NTA, QK_WIDE_ALL, 0, 0, 0},
+    {"AuthenticAMD", 0, 0, 0, QK_PF_T1, 0, 0, 0, 0},
+    {"", 0, 0, 0, QK_PF_T1, 0, 0, 0, 0},
 };
 
 static int default_row(const char *vendor, int family, int model) {
@@ -371,6 +374,10 @@ int qk_prefetch_spread_default(const char *vendor, int family, int model) {
 
 int qk_idle_prefetch_default(const char *vendor, int family, int model) {
     return PF_DEFAULTS[default_row(vendor, family, model)].idle;
+}
+
+int qk_prefetch_near_default(const char *vendor, int family, int model) {
+    return PF_DEFAULTS[default_row(vendor, family, model)].near;
 }
 
 /* This CPU's CPUID vendor string, displayed family (base, plus the extended one where base is 15) and displayed
@@ -422,6 +429,11 @@ int qk_set_idle_prefetch(int bytes) {
     return set_flag(&P.idle, bytes, 16 << 20, qk_idle_prefetch_default);
 }
 int qk_idle_prefetch(void) { return get_flag(&P.idle, qk_idle_prefetch_default); }
+int qk_set_prefetch_near(int bytes) {
+    if (bytes > 0 && bytes % 64) return -1;
+    return set_flag(&P.near, bytes, 65536, qk_prefetch_near_default);
+}
+int qk_prefetch_near(void) { return get_flag(&P.near, qk_prefetch_near_default); }
 
 static int default_prefetch(int *hint) {
     char vendor[13];

@@ -58,6 +58,15 @@ int qk_wide_default(const char *vendor, int family, int model);
 int qk_set_prefetch_spread(int on);
 int qk_prefetch_spread(void);
 int qk_prefetch_spread_default(const char *vendor, int family, int model);
+/* A second prefetch of the same lines into L1 (T0), `bytes` ahead of the block being read, on the interleaved kernels'
+ * one-token passes while qk_prefetch() > 0: the first prefetch brings a line to L2 early, this one to L1 just before its
+ * loads. 0: none. -1: the CPU's default (the table's: 4096 on Intel family 6 model 207, where one 1 GiB Q4_K matrix
+ * streamed 1.06-1.07x as fast and qwen3moe decode steps took 0.94-0.98x the time, bench/journal/issue-36.md "A second
+ * prefetch into L1"; 0 elsewhere until measured there). Results do not depend on it. Returns 0, or -1 when bytes is
+ * not -1 or a multiple of 64 in 0..65536. */
+int qk_set_prefetch_near(int bytes);
+int qk_prefetch_near(void);
+int qk_prefetch_near_default(const char *vendor, int family, int model);
 /* Returns 0, or -1 when worker threads could not be created (the job then ran on the caller). name: the task's, which
  * keys qk_pool_trace's rows (qk_pool_run passes the function's own). */
 int qk_pool_run_as(qk_task fn, void *ctx, const char *name);

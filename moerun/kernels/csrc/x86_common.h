@@ -66,11 +66,16 @@ QK_AVX2_INLINE __m256 exp8(__m256 x) {
 #define QK_PREFETCH_AHEAD 2048
 
 /* The interleaved kernels' prefetch, with hint (QK_PF_*, pool.h), of the lines that start within the `bytes` from `pf`
- * bytes past b (pf: qk_prefetch() on one-token passes, else 0): over a run of contiguous blocks, each line once.
+ * bytes past b (pf: qk_prefetch() on one-token passes, else 0): over a run of contiguous blocks, each line once. With
+ * near > 0 (qk_prefetch_near(), one-token passes) the lines `near` bytes past b go to L1 as well.
  * _mm_prefetch takes its hint as a compile-time constant: where the kernel is instantiated per hint (R8_KERNEL) the
  * switch folds away; elsewhere it is one predictable branch per block, outside the loop over lines. */
-QK_AVX2_INLINE void r8_prefetch(const uint8_t *b, int bytes, int64_t pf, const int hint) {
+QK_AVX2_INLINE void r8_prefetch(const uint8_t *b, int bytes, int64_t pf, int64_t near, const int hint) {
     if (!pf) return;
+    if (near) {
+        const uintptr_t s = (uintptr_t)b + (uintptr_t)near, e = s + (uintptr_t)bytes;
+        for (uintptr_t p = (s + 63) & ~(uintptr_t)63; p < e; p += 64) _mm_prefetch((const char *)p, _MM_HINT_T0);
+    }
     const uintptr_t s = (uintptr_t)b + (uintptr_t)pf, e = s + (uintptr_t)bytes;
     uintptr_t p = (s + 63) & ~(uintptr_t)63;
     switch (hint) {
