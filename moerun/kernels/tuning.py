@@ -13,7 +13,7 @@ from moerun.kernels.env import PREFETCH_HINTS
 __all__ = ["WIDE_TYPES", "set_amx", "set_idle_prefetch", "set_prefetch", "set_prefetch_hint", "set_prefetch_near",
            "set_prefetch_spread", "set_wide", "wide_types"]
 
-_cpu, _import_error = native.load(native.mode())
+_cpu, _import_error = native.load(native.mode())  # the module cpu.py loads too (Python imports it once)
 
 
 def _need() -> None:
