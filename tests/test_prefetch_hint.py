@@ -190,3 +190,27 @@ def test_settings_ab_script_runs_on_a_tiny_model(tmp_path, capsys):
     for bad in ("base", "x=pf", "x=speed:3", "x=pf:100", "x=wide:q5_k", "x=wide:2", "x=idle:100", "x=idle:1m", "x=near:100"):
         with pytest.raises(SystemExit, match="setting"):
             ab.main([str(model), "--settings", bad])
+
+
+def test_bigmat_script_runs_on_a_small_matrix(capsys):
+    """bench/bigmat.py: one interleaved matrix a type, every setting each round, the first setting's ratio 1, the
+    CPU's defaults back afterwards; an unknown type is a one-line error."""
+    spec = importlib.util.spec_from_file_location("bigmat", ROOT / "bench" / "bigmat.py")
+    bm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bm)
+    before = cpu.features()
+    bm.main(["--types", "mxfp4", "--gib", "0.001", "-t", "1", "--rounds", "2", "--calls", "1",
+             "--settings", "base=pf:0", "t1=pf:8192,hint:t1,near:4096"])
+    out = capsys.readouterr().out
+    assert out.count("round ") == 2 and "2 rounds of 1 calls" in out
+    rows = [line for line in out.splitlines() if line.startswith("| MXFP4 |")]
+    assert len(rows) == 2 and all(r.endswith("| 1.000 |") for r in rows if "| base |" in r)
+    assert cpu.features() == before
+    from moerun.quant.qtypes import QType
+
+    w = bm.big_matrix(QType.Q6_K, 0.03)  # the 4096 seed rows twice
+    assert w.shape == (8192, 4096) and w.interleave == 8
+    y = cpu.matmul(torch.randn(1, 4096), w)
+    assert torch.equal(y[:, :4096], y[:, 4096:]) and y.abs().sum() > 0
+    with pytest.raises(SystemExit, match="unknown type"):
+        bm.main(["--types", "q9_z"])
