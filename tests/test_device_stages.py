@@ -290,3 +290,20 @@ def test_experts_paged_from_the_file_when_their_home_is_the_map(gguf):
         assert greedy(rt) == ref, mode
         c = rt.engine.expert_cache.stats.get()
         assert (c.bytes_paged_in > 0) == (mode == "fetch") and (c.misses_home > 0) == (mode == "home")
+
+
+def test_a_cuda_placement_takes_the_files_layout_and_refuses_the_interleaved_one(gguf, monkeypatch):
+    """Model.place onto a CUDA device (its copies made by device.to_device, replaced here by the identity, as this
+    machine has no GPU): weights in the file's layout go, the CPU kernels' interleaved layout is a clear error."""
+    from moerun.loading import load_model
+    from moerun.quant.qtypes import QTensor
+
+    monkeypatch.setattr(device, "to_device", lambda t, dev: t)
+    cuda = device.Device("cuda", 0)
+    model = load_model(gguf("qwen3moe"), interleave=False).model
+    model.place(cuda, model.ops)
+    assert model.dev == cuda and isinstance(model.layers[0].wq, QTensor) and model.layers[0].wq.interleave == 1
+    model = load_model(gguf("qwen3moe")).model
+    assert any(isinstance(w, QTensor) and w.interleave != 1 for w in (model.layers[0].wq, model.head))
+    with pytest.raises(ValueError, match="interleaved layout cannot go to a GPU"):
+        model.place(cuda, model.ops)

@@ -178,7 +178,7 @@ class MoEModel:
             if isinstance(t, tuple):
                 return tuple(mv(x) for x in t)
             if isinstance(t, QTensor):
-                if t.interleave and dev.is_cuda:
+                if t.interleave != 1 and dev.is_cuda:
                     raise ValueError("weights in the CPU kernels' interleaved layout cannot go to a GPU (load them "
                                      "without repack)")
                 out = QTensor(device.to_device(t.data, dev), t.qtype, t.shape, t.interleave)
