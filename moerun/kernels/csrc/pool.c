@@ -332,7 +332,9 @@ int qk_pool_run_then(qk_task fn, void *ctx, const char *name, const qk_span *the
  * rounds) and "the read probe beside each step" (4 KB against 2 KB: one 1 GB matrix 80-83 against 75-79 GB/s with the
  * memory in its fast state, level in its slow one; the five full-depth files' decode, with matmul.c's run heads,
  * +1.7-4.2 %). Zen 4 (family 25) and older: none, RESULTS.md "issue 36": no hint gained at any distance (64-8192 B;
- * 0.96-0.99x at 64-256 B, T1 2 KB 0.57-0.60x on an a3b-L12 decode). */
+ * 0.96-0.99x at 64-256 B, T1 2 KB 0.57-0.60x on an a3b-L12 decode), and at full depth neither the second prefetch into
+ * L1, the idle prefetch nor Zen 5's NTA 4 KB ("Zen 4's defaults at full depth again": step times 0.94-1.07x the
+ * default's on four files, 1.00-1.16x on one big matrix a type). */
 static const struct {
     const char *vendor; /* CPUID leaf 0's 12 characters */
     int family;         /* the lowest family the row is for */
