@@ -37,7 +37,12 @@ def big_matrix(qtype, gib: float, k: int = 4096):
     from moerun.quant.quantize import quantize
 
     g = torch.Generator().manual_seed(0)
-    seed = QTensor(quantize(torch.randn(SEED_ROWS, k, generator=g), qtype), qtype, (SEED_ROWS, k))
+    try:
+        seed = QTensor(quantize(torch.randn(SEED_ROWS, k, generator=g), qtype), qtype, (SEED_ROWS, k))
+    except ValueError as e:
+        raise SystemExit(f"--types: {e}") from None
+    if not cpu.can_interleave(seed):
+        raise SystemExit(f"--types: {qtype.name} has no interleaved layout on this CPU")
     seed = cpu.interleave(seed)
     rb = row_bytes(qtype, k)
     rows = max(SEED_ROWS, int(gib * 2**30) // rb // SEED_ROWS * SEED_ROWS)

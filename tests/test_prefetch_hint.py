@@ -214,3 +214,7 @@ def test_bigmat_script_runs_on_a_small_matrix(capsys):
     assert torch.equal(y[:, :4096], y[:, 4096:]) and y.abs().sum() > 0
     with pytest.raises(SystemExit, match="unknown type"):
         bm.main(["--types", "q9_z"])
+    with pytest.raises(SystemExit, match="Q4_0 has no interleaved layout"):
+        bm.main(["--types", "q4_0", "--gib", "0.001"])
+    with pytest.raises(SystemExit, match="cannot quantize"):
+        bm.main(["--types", "q5_k", "--gib", "0.001"])
