@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests load this file by its path
-from settings_ab import apply, parse_setting
-from toolkit import cpu_model, md_table, parser
+from settings_ab import apply, as_setting, parse_setting
+from toolkit import add, cpu_model, md_table, parser
 
 SEED_ROWS = 4096
 
@@ -53,10 +53,9 @@ def big_matrix(qtype, gib: float, k: int = 4096):
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = parser(__doc__, "all")
+    ap = add(parser(__doc__, "all"), "threads")
     ap.add_argument("--types", default="q4_k,q6_k,q8_0,mxfp4")
     ap.add_argument("--gib", type=float, default=1.0)
-    ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--settings", nargs="+", default=["default="])
@@ -103,9 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                              f"{statistics.median(100 * nbytes / s / 1e9 / p for s, p in got):.1f}",
                              f"{statistics.median(s / b for (s, _), (b, _) in zip(got, base)):.3f}"])
             del w
-    apply(cpu, {"pf": str(was["prefetch"]), "hint": was["prefetch_hint"], "wide": "+".join(was["wide"]) or "0",
-                "spread": str(int(was["prefetch_spread"])), "idle": str(was["idle_prefetch"]),
-                "near": str(was["prefetch_near"])})
+    apply(cpu, as_setting(was))
     print(f"\n{cpu_model()}, {args.threads} threads; {args.gib} GiB a matrix, {args.rounds} rounds of {args.calls} calls")
     print(md_table(["type", "setting", "values", "GB/s", "% of probe", "time / " + settings[0][0]], body))
 

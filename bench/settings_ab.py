@@ -63,6 +63,13 @@ def apply(cpu, setting: dict[str, str]) -> None:
         raise SystemExit(f"setting {setting}: {e}") from None
 
 
+def as_setting(features: dict) -> dict[str, str]:
+    """cpu.features()'s kernel settings as a setting for apply: to put them back after a run."""
+    return {"pf": str(features["prefetch"]), "hint": features["prefetch_hint"],
+            "wide": "+".join(features["wide"]) or "0", "spread": str(int(features["prefetch_spread"])),
+            "idle": str(features["idle_prefetch"]), "near": str(features["prefetch_near"])}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = add(parser(__doc__, "all"), "model", "threads")
     ap.add_argument("--steps", type=int, default=16)
@@ -111,9 +118,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append((probe, got))
             print(f"round {r + 1}: probe {probe:.1f} GB/s; " + ", ".join(
                 f"{n} {got[n] * 1e3:.2f} ms" for n, _ in settings), flush=True)
-    apply(cpu, {"pf": str(was["prefetch"]), "hint": was["prefetch_hint"], "wide": "+".join(was["wide"]) or "0",
-                "spread": str(int(was["prefetch_spread"])), "idle": str(was["idle_prefetch"]),
-                "near": str(was["prefetch_near"])})
+    apply(cpu, as_setting(was))
     base = settings[0][0]
     print(f"\n{args.model}: {s.family}, {s.n_layers} layers; {cpu_model()}, {args.threads} threads; "
           f"{args.rounds} rounds of {args.steps} steps, baseline {base}")
